@@ -1,0 +1,48 @@
+# zeroqueue: `make serve` runs the service on the bundled model; `make test` installs everything and runs the tests.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+MODEL ?= services/inference/bundled/zq-python-tiny
+ZEROQUEUE_HOME ?= $(HOME)/.zeroqueue
+export ZEROQUEUE_HOME
+
+.PHONY: install install-dev kernels protos check-protos serve test test-fast lint bench-decode clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed kernels
+install-dev: $(VENV)/.installed-dev kernels
+
+# Compiles the CPU kernels once (about a minute); the engine falls back to plain torch when they are missing.
+kernels: $(VENV)/.installed
+	$(PY) -m services.inference.kernels build
+
+# The one command that generates the protobuf and gRPC code.
+protos: $(VENV)/.installed-dev
+	$(PY) -m grpc_tools.protoc -I protos --python_out=protos --grpc_python_out=protos --pyi_out=protos \
+	  $$(cd protos && find zeroqueue -name '*.proto' | sort)
+
+check-protos: $(VENV)/.installed-dev
+	$(PY) -m tests.tools.check_protos
+
+serve: install
+	$(VENV)/bin/zeroqueue serve --model $(MODEL)
+
+test: install-dev
+	$(PY) -m pytest -q
+
+test-fast: install-dev
+	$(PY) -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) build *.egg-info services/inference/kernels/_build
