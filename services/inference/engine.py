@@ -1,0 +1,183 @@
+"""The step loop: schedule, run, update, emit. It runs on its own thread; other threads talk to it
+through `add_request` and `cancel`, which take effect at the start of the very next step."""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import structlog
+
+from .detokenizer import Detokenizer
+from .executor import Executor, StepResult
+from .request import Request, RequestStatus
+from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepUpdate
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    token_ids: tuple[int, ...]      # new tokens since the previous output (stop tokens are not streamed)
+    text: str                       # new text; held back while it may be the start of a stop string
+    time_ns: int                    # engine clock when the step that produced it ended
+    num_output_tokens: int          # generated so far, stop tokens included
+    finish_reason: str | None = None  # set on a request's last output
+
+
+class OutputSink(Protocol):
+    def put(self, output: RequestOutput) -> None: ...
+
+
+@dataclass(frozen=True)
+class StepReport:
+    scheduled: SchedulerOutput
+    result: StepResult
+    updates: tuple[StepUpdate, ...]
+    started_ns: int
+    ended_ns: int
+
+
+class StepObserver(Protocol):
+    """Sees every step before its outputs are emitted (the meter must record usage before a final message)."""
+    def on_step(self, report: StepReport) -> None: ...
+
+
+@dataclass
+class _Stream:
+    sink: OutputSink
+    detokenizer: Detokenizer
+
+
+class Engine:
+    def __init__(self, executor: Executor, tokenizer, eos_token_ids: Sequence[int] = (),
+                 max_num_batched_tokens: int = 256, clock: Callable[[], int] = time.monotonic_ns,
+                 observers: Sequence[StepObserver] = ()) -> None:
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.scheduler = Scheduler(SchedulerConfig(executor.num_slots, executor.max_seq_len,
+                                                   max(max_num_batched_tokens, executor.num_slots + 1)))
+        self.clock = clock
+        self.observers = list(observers)
+        self.expiry_guard_ns = 0        # the service sets this to about one step
+        self._streams: dict[str, _Stream] = {}
+        self._inbox: list[tuple[Request, OutputSink] | str] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._running = False
+
+    # ---- called from any thread ----
+    def add_request(self, request: Request, sink: OutputSink) -> None:
+        """Queues `request` for the next step; the model's end-of-sequence ids always stop it."""
+        stop_ids = request.sampling.stop_token_ids | self.eos_token_ids
+        if stop_ids != request.sampling.stop_token_ids:
+            request.sampling = replace(request.sampling, stop_token_ids=stop_ids)
+        with self._wake:
+            self._inbox.append((request, sink))
+            self._wake.notify()
+
+    def cancel(self, request_id: str) -> None:
+        with self._wake:
+            self._inbox.append(request_id)
+            self._wake.notify()
+
+    def start(self) -> None:
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name="zeroqueue-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        with self._wake:
+            self._running = False
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    # ---- engine thread ----
+    def step(self) -> StepReport | None:
+        self._drain_inbox()
+        scheduled = self.scheduler.schedule(self.clock(), self.expiry_guard_ns)
+        for request in scheduled.expired:
+            self._close(request, self.clock())
+        if scheduled.is_empty:
+            return None
+        started_ns = self.clock()
+        result = self.executor.run(scheduled)
+        updates = tuple(self.scheduler.update_from_output(scheduled, result.sampled))
+        texts = self._detokenize(updates)
+        report = StepReport(scheduled, result, updates, started_ns, self.clock())
+        for observer in self.observers:
+            observer.on_step(report)
+        for update in updates:
+            self._emit(update, texts.get(update.request.request_id, ""), report.ended_ns)
+        return report
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or bool(self._inbox)
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while self._running and not self._inbox and self.scheduler.num_unfinished == 0:
+                    self._wake.wait()
+                if not self._running and self.scheduler.num_unfinished == 0:
+                    return
+            try:
+                self.step()
+            except Exception:  # a failed step must not kill the loop; its requests end with "error"
+                log.exception("engine_step_failed")
+                self._fail_all()
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for item in inbox:
+            if isinstance(item, str):
+                for request in self.scheduler.finish_requests([item], RequestStatus.FINISHED_CANCELLED):
+                    self._close(request, self.clock())
+                continue
+            request, sink = item
+            self._streams[request.request_id] = _Stream(sink, Detokenizer(self.tokenizer, request.sampling.stop))
+            self.scheduler.add_request(request)
+
+    def _detokenize(self, updates: tuple[StepUpdate, ...]) -> dict[str, str]:
+        """New text per request; a request whose text now holds a stop string ends here, before any emit."""
+        texts = {}
+        for update in updates:
+            request, token = update.request, update.new_token_id
+            if token is None or token in request.sampling.stop_token_ids:
+                continue
+            detokenizer = self._streams[request.request_id].detokenizer
+            texts[request.request_id] = detokenizer.push(token)
+            if detokenizer.stopped:
+                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+        return texts
+
+    def _emit(self, update: StepUpdate, text: str, time_ns: int) -> None:
+        request, token = update.request, update.new_token_id
+        streamed = token is not None and token not in request.sampling.stop_token_ids
+        stream = self._streams[request.request_id]
+        if request.is_finished:
+            text += stream.detokenizer.flush()
+            del self._streams[request.request_id]
+        output = RequestOutput(request.request_id, (token,) if streamed else (), text, time_ns,
+                               request.num_output_tokens, request.status.finish_reason)
+        if output.token_ids or output.text or output.finish_reason:
+            stream.sink.put(output)
+
+    def _close(self, request: Request, time_ns: int) -> None:
+        stream = self._streams.pop(request.request_id, None)
+        if stream is not None:
+            stream.sink.put(RequestOutput(request.request_id, (), stream.detokenizer.flush(), time_ns,
+                                          request.num_output_tokens, request.status.finish_reason))
+
+    def _fail_all(self) -> None:
+        ids = [r.request_id for r in (*self.scheduler.running, *self.scheduler.waiting)]
+        for request in self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR):
+            self._close(request, self.clock())

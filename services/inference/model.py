@@ -1,0 +1,149 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2) in plain PyTorch.
+
+Tokens of a step are flattened: T tokens from several sequences, each with its own position and KV slot.
+The attention backend (attention.py) owns the static KV cache and knows which tokens belong together.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import AttentionBackend, AttentionMetadata
+from .config import ModelArgs
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and scale in the model dtype, as the reference implementation does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """[head_dim/2] inverse frequencies, with `linear` or `llama3` scaling applied."""
+    dim = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = args.rope_scaling
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "llama3":
+        old_len = scaling.original_max_position_embeddings
+        low_wavelen = old_len / scaling.low_freq_factor
+        high_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are interpolated by `factor`, short ones kept, the band between blended smoothly.
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+        blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, blended, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for positions [0, max_seq_len), computed once in fp32."""
+
+    def __init__(self, args: ModelArgs, max_seq_len: int) -> None:
+        super().__init__()
+        self.args = args
+        self.max_seq_len = max_seq_len
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+
+    def build(self, device: torch.device, dtype: torch.dtype) -> None:
+        inv_freq = rope_inv_freq(self.args)
+        positions = torch.arange(self.max_seq_len, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]          # [max_seq_len, head_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                    # [max_seq_len, head_dim]
+        self.cos = emb.cos().to(device=device, dtype=dtype)
+        self.sin = emb.sin().to(device=device, dtype=dtype)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [T] -> cos, sin [T, 1, head_dim], broadcast over heads
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [T, heads, head_dim]; rotates the two halves of head_dim (the Hugging Face convention)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+        super().__init__()
+        self.args = args
+        self.layer_idx = layer_idx
+        self.scale = args.head_dim ** -0.5
+        # q, k and v share one matmul: [hidden] -> [q_size + 2 * kv_size]
+        self.qkv_proj = nn.Linear(args.hidden_size, args.q_size + 2 * args.kv_size, bias=args.attention_bias)
+        self.o_proj = nn.Linear(args.q_size, args.hidden_size, bias=args.o_proj_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                backend: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
+        a = self.args
+        qkv = self.qkv_proj(x)                                      # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        q = apply_rotary(q.view(-1, a.num_attention_heads, a.head_dim), cos, sin)   # [T, H, D]
+        k = apply_rotary(k.view(-1, a.num_key_value_heads, a.head_dim), cos, sin)   # [T, KVH, D]
+        v = v.view(-1, a.num_key_value_heads, a.head_dim)                         # [T, KVH, D]
+        out = backend.forward(self.layer_idx, q, k, v, self.scale, meta)            # [T, H, D]
+        return self.o_proj(out.reshape(-1, a.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.intermediate_size = args.intermediate_size
+        # gate and up share one matmul: [hidden] -> [2 * intermediate]
+        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args, layer_idx)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                backend: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, backend, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs, max_seq_len: int) -> None:
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(args, max_seq_len)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
+                backend: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T] -> fp32 logits [N, vocab] for the N rows picked by logits_indices."""
+        h = self.embed_tokens(input_ids)                            # [T, hidden]
+        cos, sin = self.rotary(positions)
+        for layer in self.layers:
+            h = layer(h, cos, sin, backend, meta)
+        h = self.norm(h[logits_indices])                            # [N, hidden]: only rows we sample from
+        return self.lm_head(h).float()

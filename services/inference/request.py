@@ -1,0 +1,94 @@
+"""A generation request as the engine sees it. No torch here: the scheduler imports this."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: everything from FINISHED_STOPPED on counts as finished."""
+    WAITING = 0
+    RUNNING = 1
+    FINISHED_STOPPED = 2
+    FINISHED_LENGTH = 3
+    FINISHED_CANCELLED = 4
+    FINISHED_EXPIRED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_CANCELLED: "cancelled",
+    RequestStatus.FINISHED_EXPIRED: "deadline_exceeded",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0        # 0 means greedy
+    top_p: float = 1.0              # nucleus mass in (0, 1]
+    top_k: int = 0                  # 0 means no top-k filter
+    seed: int = 0                   # makes sampling reproducible whatever else shares the batch
+    stop_token_ids: frozenset[int] = frozenset()
+    stop: tuple[str, ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    arrival_ns: int                 # engine clock (monotonic)
+    deadline_ns: int | None = None  # engine clock; None means no deadline
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0    # tokens whose k/v are in the cache
+    slot: int | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def num_remaining_prompt_tokens(self) -> int:
+        return self.num_prompt_tokens - self.num_computed_tokens
+
+    @property
+    def num_remaining_output_tokens(self) -> int:
+        return self.sampling.max_tokens - self.num_output_tokens
+
+    def token_at(self, position: int) -> int:
+        if position < self.num_prompt_tokens:
+            return self.prompt_token_ids[position]
+        return self.output_token_ids[position - self.num_prompt_tokens]

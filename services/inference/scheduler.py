@@ -1,0 +1,162 @@
+"""Iteration-level scheduling: requests join and leave between steps. No torch here.
+
+Each step runs one decode token for every running request past its prompt, then spends what is left of the
+step's token budget on prompt chunks, oldest request first, so a long prompt never stalls running decodes.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_slots: int                  # KV slots, the most sequences that can be in flight
+    max_seq_len: int                # tokens one slot holds
+    max_num_batched_tokens: int = 256   # tokens per step: decodes plus prefill chunks
+
+    def __post_init__(self) -> None:
+        if self.num_slots <= 0 or self.max_seq_len <= 0:
+            raise ValueError("num_slots and max_seq_len must be positive")
+        if self.max_num_batched_tokens < self.num_slots + 1:
+            raise ValueError("max_num_batched_tokens must exceed num_slots so prefill always progresses")
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    request: Request
+    slot: int
+    start_pos: int                  # position of the first token run this step
+    token_ids: tuple[int, ...]      # tokens run this step
+    sample: bool                    # the last token's logits are sampled into a new token
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    decodes: tuple[ScheduledSeq, ...]       # one token each
+    prefills: tuple[ScheduledSeq, ...]      # prompt chunks
+    expired: tuple[Request, ...]            # ended before this step; their slots are already free
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(s.num_tokens for s in self.prefills)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.decodes) + len(self.prefills)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+@dataclass(frozen=True)
+class StepUpdate:
+    request: Request
+    new_token_id: int | None        # None while the prompt is still being filled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.free_slots: list[int] = list(range(config.num_slots - 1, -1, -1))
+        self.requests: dict[str, Request] = {}
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self.free_slots)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id!r} is already scheduled")
+        if request.num_prompt_tokens + request.sampling.max_tokens > self.config.max_seq_len:
+            raise ValueError(f"request {request.request_id!r} needs more than {self.config.max_seq_len} tokens")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Ends requests (cancelled, stopped by a stop string) and frees their slots at once."""
+        ended = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None and not request.is_finished:
+                self._finish(request, status)
+                ended.append(request)
+        return ended
+
+    def schedule(self, now_ns: int, expiry_guard_ns: int = 0) -> SchedulerOutput:
+        """Picks the next step's work; requests whose deadline falls within `expiry_guard_ns` end first."""
+        expired = [r for r in (*self.running, *self.waiting)
+                   if r.deadline_ns is not None and r.deadline_ns - expiry_guard_ns <= now_ns]
+        for request in expired:
+            self._finish(request, RequestStatus.FINISHED_EXPIRED)
+        decodes = [ScheduledSeq(r, r.slot, r.num_computed_tokens, (r.token_at(r.num_computed_tokens),), True)
+                   for r in self.running if not r.is_prefilling]
+        budget = self.config.max_num_batched_tokens - len(decodes)
+        prefills = []
+        for request in self.running:
+            if request.is_prefilling and budget > 0:
+                prefills.append(self._chunk(request, budget))
+                budget -= prefills[-1].num_tokens
+        while self.waiting and self.free_slots and budget > 0:
+            request = self.waiting.popleft()
+            request.slot = self.free_slots.pop()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            prefills.append(self._chunk(request, budget))
+            budget -= prefills[-1].num_tokens
+        return SchedulerOutput(tuple(decodes), tuple(prefills), tuple(expired))
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[StepUpdate]:
+        """Advances every scheduled request by what the step computed and ends those that are done."""
+        updates = []
+        for seq in (*output.decodes, *output.prefills):
+            request = seq.request
+            if request.is_finished:          # cancelled while the step ran
+                continue
+            request.num_computed_tokens += seq.num_tokens
+            token = sampled.get(request.request_id) if seq.sample else None
+            if token is not None:
+                request.output_token_ids.append(token)
+                status = self._stop_status(request, token)
+                if status is not None:
+                    self._finish(request, status)
+            updates.append(StepUpdate(request, token))
+        return updates
+
+    def _chunk(self, request: Request, budget: int) -> ScheduledSeq:
+        start = request.num_computed_tokens
+        n = min(budget, request.num_remaining_prompt_tokens)
+        tokens = request.prompt_token_ids[start:start + n]
+        return ScheduledSeq(request, request.slot, start, tokens, sample=start + n == request.num_prompt_tokens)
+
+    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        if token in request.sampling.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_remaining_output_tokens <= 0 or request.num_tokens >= self.config.max_seq_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        if request.slot is not None:
+            self.free_slots.append(request.slot)
+            request.slot = None
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        del self.requests[request.request_id]

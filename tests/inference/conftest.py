@@ -1,0 +1,65 @@
+from __future__ import annotations
+
+import queue
+import time
+from collections import defaultdict
+
+import pytest
+
+from services.inference.engine import Engine, RequestOutput
+from services.inference.executor import Executor, ExecutorConfig
+from services.inference.loader import load_checkpoint
+from services.inference.request import Request, SamplingParams
+from tests.checkpoints import save_hf_checkpoint
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory):
+    return save_hf_checkpoint(tmp_path_factory.mktemp("llama"), "llama", initializer_range=0.1)
+
+
+@pytest.fixture(scope="session")
+def qwen_dir(tmp_path_factory):
+    return save_hf_checkpoint(tmp_path_factory.mktemp("qwen2"), "qwen2", initializer_range=0.1)
+
+
+def make_engine(path, dtype="float32", max_num_batched_tokens=256, **config) -> Engine:
+    checkpoint = load_checkpoint(path, dtype=dtype)
+    config.setdefault("max_seq_len", 256)
+    executor = Executor(checkpoint, ExecutorConfig(**config))
+    return Engine(executor, checkpoint.tokenizer, checkpoint.eos_token_ids,
+                  max_num_batched_tokens=max_num_batched_tokens)
+
+
+def request(request_id: str, prompt: list[int], deadline_ns: int | None = None, **sampling) -> Request:
+    sampling.setdefault("temperature", 0.0)
+    return Request(request_id, tuple(prompt), SamplingParams(**sampling), time.monotonic_ns(), deadline_ns)
+
+
+class Collector:
+    """An output sink that keeps every output per request."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[str, list[RequestOutput]] = defaultdict(list)
+        self.queue: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+
+    def put(self, output: RequestOutput) -> None:
+        self.outputs[output.request_id].append(output)
+
+    def tokens(self, request_id: str) -> list[int]:
+        return [t for o in self.outputs[request_id] for t in o.token_ids]
+
+    def text(self, request_id: str) -> str:
+        return "".join(o.text for o in self.outputs[request_id])
+
+    def finish_reason(self, request_id: str) -> str | None:
+        return self.outputs[request_id][-1].finish_reason if self.outputs[request_id] else None
+
+
+def run_to_completion(engine: Engine, max_steps: int = 10_000) -> int:
+    steps = 0
+    while engine.has_work and steps < max_steps:
+        engine.step()
+        steps += 1
+    assert not engine.has_work, "engine did not finish"
+    return steps

@@ -1,0 +1,95 @@
+"""Sampling rules and the stop-string detokenizer, each on its own."""
+from __future__ import annotations
+
+import collections
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.inference.detokenizer import Detokenizer
+from services.inference.request import SamplingParams
+from services.inference.sampler import sample, uniform
+from tests.checkpoints import build_tokenizer
+
+
+def test_greedy_is_argmax():
+    logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 1.0, 0.0]])
+    assert sample(logits, [SamplingParams(temperature=0.0)] * 2, [0, 0]) == [1, 0]
+
+
+def test_top_k_only_picks_from_the_k_best():
+    logits = torch.tensor([[5.0, 4.9, 4.8, 0.0, -1.0]])
+    picks = {sample(logits, [SamplingParams(temperature=5.0, top_k=2, seed=s)], [0])[0] for s in range(200)}
+    assert picks == {0, 1}
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log()[None, :]
+    picks = collections.Counter(sample(logits, [SamplingParams(temperature=1.0, top_p=0.8, seed=s)], [0])[0]
+                                for s in range(2000))
+    assert set(picks) == {0, 1}
+    assert abs(picks[0] / 2000 - 0.5 / 0.8) < 0.05
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    counts = collections.Counter(sample(probs.log()[None, :], [SamplingParams(temperature=1.0, seed=7)], [i])[0]
+                                 for i in range(3000))
+    for token, p in enumerate(probs.tolist()):
+        assert abs(counts[token] / 3000 - p) < 0.04
+
+
+def test_draws_depend_only_on_seed_and_index():
+    assert uniform(3, 9) == uniform(3, 9)
+    assert len({uniform(3, i) for i in range(100)}) == 100
+    assert uniform(3, 9) != uniform(4, 9)
+    logits = torch.randn(4, 50)
+    params = [SamplingParams(temperature=0.8, seed=11)] * 4
+    batch = sample(logits, params, [5, 5, 5, 5])
+    assert batch == [sample(logits[i:i + 1], params[:1], [5])[0] for i in range(4)]
+
+
+TOKENIZER = build_tokenizer()
+
+
+def stream(text: str, stop: tuple[str, ...]) -> tuple[list[str], bool]:
+    detok = Detokenizer(TOKENIZER, stop)
+    pieces = []
+    for token in TOKENIZER.encode(text).ids:
+        pieces.append(detok.push(token))
+        if detok.stopped:
+            break
+    pieces.append(detok.flush())
+    return pieces, detok.stopped
+
+
+def test_stop_string_cuts_the_text_before_it():
+    pieces, stopped = stream("def add(a, b):\n    return a + b\n", ("return",))
+    assert stopped and "".join(pieces) == "def add(a, b):\n    "
+
+
+def test_held_back_prefix_is_released_when_it_is_not_a_stop():
+    pieces, stopped = stream("for i in range(10):", ("range(99",))
+    assert not stopped and "".join(pieces) == "for i in range(10):"
+
+
+def test_multibyte_characters_are_emitted_whole():
+    pieces, _ = stream("Überraschung! 東京 🙂", ())
+    assert "".join(pieces) == "Überraschung! 東京 🙂"
+    assert all("\ufffd" not in p for p in pieces)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.text(alphabet="ab c\n", min_size=0, max_size=40), st.lists(st.text(alphabet="abc", min_size=1,
+                                                                                max_size=4), max_size=3))
+def test_stream_is_always_a_prefix_of_the_answer(text, stops):
+    pieces, stopped = stream(text, tuple(stops))
+    cut = min((text.find(s) for s in stops if s in text), default=len(text))
+    assert "".join(pieces) == text[:cut]
+    assert stopped == (cut < len(text) or any(s in text for s in stops))
+    seen = ""
+    for piece in pieces:
+        seen += piece
+        assert text[:cut].startswith(seen)
