@@ -1,0 +1,250 @@
+"""Usage and idle records: the immutable facts the ledger stores.
+
+All quantities are integers: µs since the epoch for times, SM·µs (GPU) or
+core·µs (CPU) for device time.  Every record validates itself on
+construction and raises :class:`billing.errors.InvalidRecord` naming the field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from enum import StrEnum
+from types import MappingProxyType
+
+from billing.errors import InvalidRecord
+from billing.period import US_PER_MINUTE
+
+MAX_INT64 = 2**63 - 1
+MAX_ID_CHARS = 128
+MAX_LABELS = 16
+MAX_LABEL_KEY_CHARS = 63
+MAX_LABEL_VALUE_CHARS = 128
+CONVENTIONAL_LABELS = ("cost_center", "team")
+
+_LABEL_KEY = re.compile(r"[a-z][a-z0-9_.\-]*")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_TENANT = re.compile(r"[a-z0-9][a-z0-9._\-]{0,62}")
+
+
+class DeviceKind(StrEnum):
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class Unit(StrEnum):
+    """The device-time unit: SM·µs on a GPU, core·µs on a CPU."""
+
+    SM_US = "sm_us"
+    CORE_US = "core_us"
+
+
+UNIT_OF_KIND = {DeviceKind.CUDA: Unit.SM_US, DeviceKind.CPU: Unit.CORE_US}
+
+
+class Outcome(StrEnum):
+    OK = "ok"
+    CANCELLED = "cancelled"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    ERROR = "error"
+
+
+def check_text(name: str, value: object, max_chars: int = MAX_ID_CHARS) -> None:
+    if not isinstance(value, str):
+        raise InvalidRecord(f"{name} must be a string, got {type(value).__name__}", field=name)
+    if not 1 <= len(value) <= max_chars:
+        raise InvalidRecord(f"{name} must be 1..{max_chars} characters, got {len(value)}", field=name)
+    if _CONTROL.search(value):
+        raise InvalidRecord(f"{name} must not contain control characters", field=name)
+
+
+def check_tenant_name(name: str, value: object) -> None:
+    if not isinstance(value, str) or not _TENANT.fullmatch(value):
+        raise InvalidRecord(
+            f"{name} must match [a-z0-9][a-z0-9._-]{{0,62}}, got {value!r}", field=name
+        )
+
+
+def check_int(name: str, value: object, *, minimum: int = 0) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidRecord(f"{name} must be an integer, got {type(value).__name__}", field=name)
+    if not minimum <= value <= MAX_INT64:
+        raise InvalidRecord(f"{name} must be in [{minimum}, 2^63-1], got {value}", field=name)
+
+
+def check_enum(name: str, value: object, enum: type[StrEnum]) -> None:
+    if value not in {member.value for member in enum}:
+        allowed = ", ".join(member.value for member in enum)
+        raise InvalidRecord(f"{name} must be one of {allowed}, got {value!r}", field=name)
+
+
+def freeze_labels(labels: object) -> Mapping[str, str]:
+    if not isinstance(labels, Mapping):
+        raise InvalidRecord("labels must be a mapping of str to str", field="labels")
+    if len(labels) > MAX_LABELS:
+        raise InvalidRecord(f"labels: at most {MAX_LABELS} labels, got {len(labels)}", field="labels")
+    for key, value in labels.items():
+        if not isinstance(key, str) or not _LABEL_KEY.fullmatch(key) or len(key) > MAX_LABEL_KEY_CHARS:
+            raise InvalidRecord(
+                f"labels: key {key!r} must match [a-z][a-z0-9_.-]* and be at most "
+                f"{MAX_LABEL_KEY_CHARS} characters",
+                field=f"labels.{key}",
+            )
+        check_text(f"labels.{key}", value, MAX_LABEL_VALUE_CHARS)
+    return MappingProxyType(dict(sorted(labels.items())))
+
+
+def canonical_digest(kind: str, record: object) -> str:
+    """sha256 over a canonical JSON encoding of every field of ``record``."""
+    payload = {f.name: getattr(record, f.name) for f in fields(record)}  # type: ignore[arg-type]
+    if "labels" in payload:
+        payload["labels"] = dict(payload["labels"])
+    encoded = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(f"{kind}\n{encoded}".encode()).hexdigest()
+
+
+def _check_device(kind: object, device_id: object, unit: object, num_units: object) -> None:
+    check_enum("device_kind", kind, DeviceKind)
+    check_text("device_id", device_id)
+    check_enum("unit", unit, Unit)
+    if UNIT_OF_KIND[DeviceKind(kind)] != unit:
+        raise InvalidRecord(
+            f"unit must be {UNIT_OF_KIND[DeviceKind(kind)].value} on a {kind} device, got {unit!r}",
+            field="unit",
+        )
+    expected_prefix = ("cpu:",) if kind == DeviceKind.CPU else ("GPU-", "MIG-")
+    if not device_id.startswith(expected_prefix):  # type: ignore[union-attr]
+        raise InvalidRecord(
+            f"device_id of a {kind} device must start with {' or '.join(expected_prefix)}, "
+            f"got {device_id!r}",
+            field="device_id",
+        )
+    check_int("num_units", num_units, minimum=1)
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRecord:
+    """One admitted request's device time, tokens, timing and outcome."""
+
+    request_id: str
+    tenant: str
+    labels: Mapping[str, str] = field(hash=False)
+    model: str
+    device_kind: str
+    device_id: str
+    unit: str
+    num_units: int
+    unit_us: int
+    prompt_tokens: int
+    completion_tokens: int
+    received_at_us: int
+    dispatched_at_us: int
+    first_token_at_us: int | None
+    finished_at_us: int
+    deadline_at_us: int
+    deadline_met: bool
+    outcome: str
+
+    def __post_init__(self) -> None:
+        check_text("request_id", self.request_id)
+        check_tenant_name("tenant", self.tenant)
+        object.__setattr__(self, "labels", freeze_labels(self.labels))
+        check_text("model", self.model)
+        _check_device(self.device_kind, self.device_id, self.unit, self.num_units)
+        for name in ("unit_us", "prompt_tokens", "completion_tokens"):
+            check_int(name, getattr(self, name))
+        self._check_times()
+        check_enum("outcome", self.outcome, Outcome)
+        if not isinstance(self.deadline_met, bool):
+            raise InvalidRecord("deadline_met must be a bool", field="deadline_met")
+        self._check_deadline()
+
+    def _check_times(self) -> None:
+        for name in ("received_at_us", "dispatched_at_us", "finished_at_us", "deadline_at_us"):
+            check_int(name, getattr(self, name), minimum=1)
+        if self.first_token_at_us is not None:
+            check_int("first_token_at_us", self.first_token_at_us, minimum=1)
+        order = [("received_at_us", self.received_at_us), ("dispatched_at_us", self.dispatched_at_us)]
+        if self.first_token_at_us is not None:
+            order.append(("first_token_at_us", self.first_token_at_us))
+        order.append(("finished_at_us", self.finished_at_us))
+        for (before, before_us), (after, after_us) in zip(order, order[1:]):
+            if after_us < before_us:
+                raise InvalidRecord(
+                    f"{after} ({after_us}) must not be earlier than {before} ({before_us})", field=after
+                )
+
+    def _check_deadline(self) -> None:
+        on_time = self.finished_at_us <= self.deadline_at_us
+        if self.deadline_met and not on_time:
+            raise InvalidRecord(
+                "deadline_met is true but finished_at_us is after deadline_at_us", field="deadline_met"
+            )
+        if self.outcome == Outcome.DEADLINE_EXCEEDED and self.deadline_met:
+            raise InvalidRecord(
+                "deadline_met must be false when outcome is deadline_exceeded", field="deadline_met"
+            )
+        if self.outcome == Outcome.OK and self.deadline_met != on_time:
+            raise InvalidRecord(
+                "deadline_met must equal finished_at_us <= deadline_at_us when outcome is ok",
+                field="deadline_met",
+            )
+
+    @property
+    def cost_center(self) -> str | None:
+        return self.labels.get("cost_center")
+
+    @property
+    def team(self) -> str | None:
+        return self.labels.get("team")
+
+    def payload_digest(self) -> str:
+        return canonical_digest("zq.usage.v1", self)
+
+    def to_payload(self) -> dict[str, object]:
+        payload = {f.name: getattr(self, f.name) for f in fields(self)}
+        payload["labels"] = dict(self.labels)
+        return payload
+
+
+@dataclass(frozen=True, slots=True)
+class IdleRecord:
+    """Device time with no request running during one UTC minute."""
+
+    record_id: str
+    device_id: str
+    unit: str
+    num_units: int
+    minute_start_us: int
+    idle_unit_us: int
+    wall_unit_us: int
+
+    def __post_init__(self) -> None:
+        check_text("record_id", self.record_id, 2 * MAX_ID_CHARS)
+        check_enum("unit", self.unit, Unit)
+        kind = DeviceKind.CUDA if self.unit == Unit.SM_US else DeviceKind.CPU
+        _check_device(kind, self.device_id, self.unit, self.num_units)
+        check_int("minute_start_us", self.minute_start_us, minimum=0)
+        if self.minute_start_us % US_PER_MINUTE:
+            raise InvalidRecord("minute_start_us must be aligned to a UTC minute", field="minute_start_us")
+        check_int("idle_unit_us", self.idle_unit_us)
+        check_int("wall_unit_us", self.wall_unit_us, minimum=1)
+        if self.idle_unit_us > self.wall_unit_us:
+            raise InvalidRecord("idle_unit_us must not exceed wall_unit_us", field="idle_unit_us")
+        if self.wall_unit_us > US_PER_MINUTE * self.num_units:
+            raise InvalidRecord(
+                "wall_unit_us must not exceed one minute × num_units", field="wall_unit_us"
+            )
+
+    @property
+    def busy_unit_us(self) -> int:
+        return self.wall_unit_us - self.idle_unit_us
+
+    def payload_digest(self) -> str:
+        return canonical_digest("zq.idle.v1", self)
+
+    def to_payload(self) -> dict[str, object]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
