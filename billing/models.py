@@ -1,0 +1,270 @@
+"""Typed SQLAlchemy 2 models of the ledger.
+
+The migrations under ``migrations/`` create exactly these tables plus the
+triggers that make usage, idle records, prices, conflicts and credit notes
+append-only and finalized invoices immutable (see ``migrations/versions``).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from billing.records import DeviceKind, Outcome, Unit
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# SQLite only auto-increments an INTEGER PRIMARY KEY (the rowid alias).
+BigIntPK = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class Role(StrEnum):
+    TENANT = "tenant"
+    ADMIN = "admin"
+
+
+class InvoiceStatus(StrEnum):
+    DRAFT = "draft"
+    FINALIZED = "finalized"
+    VOID = "void"
+
+
+class LineKind(StrEnum):
+    USAGE = "usage"
+    SLA_CREDIT = "sla_credit"
+
+
+class RecordKind(StrEnum):
+    USAGE = "usage"
+    IDLE = "idle"
+
+
+def one_of(column: str, enum: type[StrEnum]) -> str:
+    return f"{column} IN ({', '.join(repr(member.value) for member in enum)})"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {int: BigInteger, dict[str, Any]: JSON}
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(63), unique=True)
+    created_at_us: Mapped[int]
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+    __table_args__ = (
+        CheckConstraint(one_of("role", Role), name="role"),
+        CheckConstraint("role = 'admin' OR tenant_id IS NOT NULL", name="tenant_key_has_tenant"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int | None] = mapped_column(Integer, ForeignKey("tenants.id"), index=True)
+    role: Mapped[str] = mapped_column(String(16))
+    key_sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    key_prefix: Mapped[str] = mapped_column(String(16))
+    created_at_us: Mapped[int]
+    revoked_at_us: Mapped[int | None]
+
+
+class UsageRow(Base):
+    """One admitted request; append-only, at most one row per request_id."""
+
+    __tablename__ = "usage_records"
+    __table_args__ = (
+        CheckConstraint(one_of("device_kind", DeviceKind), name="device_kind"),
+        CheckConstraint(one_of("unit", Unit), name="unit"),
+        CheckConstraint(one_of("outcome", Outcome), name="outcome"),
+        CheckConstraint("num_units > 0", name="num_units_positive"),
+        CheckConstraint(
+            "unit_us >= 0 AND prompt_tokens >= 0 AND completion_tokens >= 0", name="non_negative"
+        ),
+        CheckConstraint("finished_at_us >= received_at_us", name="finished_after_received"),
+        Index(None, "tenant_id", "finished_at_us", "id"),
+        Index(None, "finished_at_us", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(BigIntPK, primary_key=True)
+    request_id: Mapped[str] = mapped_column(String(128), unique=True)
+    tenant_id: Mapped[int] = mapped_column(Integer, ForeignKey("tenants.id"))
+    labels: Mapped[dict[str, Any]]
+    cost_center: Mapped[str | None] = mapped_column(String(128), index=True)
+    team: Mapped[str | None] = mapped_column(String(128), index=True)
+    model: Mapped[str] = mapped_column(String(128))
+    device_kind: Mapped[str] = mapped_column(String(8))
+    device_id: Mapped[str] = mapped_column(String(128))
+    unit: Mapped[str] = mapped_column(String(8))
+    num_units: Mapped[int]
+    unit_us: Mapped[int]
+    prompt_tokens: Mapped[int]
+    completion_tokens: Mapped[int]
+    received_at_us: Mapped[int]
+    dispatched_at_us: Mapped[int]
+    first_token_at_us: Mapped[int | None]
+    finished_at_us: Mapped[int]
+    deadline_at_us: Mapped[int]
+    deadline_met: Mapped[bool] = mapped_column(Boolean)
+    outcome: Mapped[str] = mapped_column(String(32))
+    payload_digest: Mapped[str] = mapped_column(String(64))
+    ingested_at_us: Mapped[int]
+
+
+class IdleRow(Base):
+    """Idle device time for one device and UTC minute; append-only."""
+
+    __tablename__ = "idle_records"
+    __table_args__ = (
+        CheckConstraint(one_of("unit", Unit), name="unit"),
+        CheckConstraint("num_units > 0", name="num_units_positive"),
+        CheckConstraint("idle_unit_us >= 0 AND idle_unit_us <= wall_unit_us", name="idle_within_wall"),
+        Index(None, "minute_start_us", "device_id"),
+    )
+
+    id: Mapped[int] = mapped_column(BigIntPK, primary_key=True)
+    record_id: Mapped[str] = mapped_column(String(256), unique=True)
+    device_id: Mapped[str] = mapped_column(String(128))
+    unit: Mapped[str] = mapped_column(String(8))
+    num_units: Mapped[int]
+    minute_start_us: Mapped[int]
+    idle_unit_us: Mapped[int]
+    wall_unit_us: Mapped[int]
+    payload_digest: Mapped[str] = mapped_column(String(64))
+    ingested_at_us: Mapped[int]
+
+
+class UsageConflict(Base):
+    """A record that reused a stored id with a different payload; never applied."""
+
+    __tablename__ = "usage_conflicts"
+    __table_args__ = (
+        CheckConstraint(one_of("record_kind", RecordKind), name="record_kind"),
+        UniqueConstraint("record_kind", "record_id", "rejected_digest"),
+    )
+
+    id: Mapped[int] = mapped_column(BigIntPK, primary_key=True)
+    record_kind: Mapped[str] = mapped_column(String(8))
+    record_id: Mapped[str] = mapped_column(String(256))
+    stored_digest: Mapped[str] = mapped_column(String(64))
+    rejected_digest: Mapped[str] = mapped_column(String(64))
+    rejected_payload: Mapped[dict[str, Any]]
+    detected_at_us: Mapped[int]
+
+
+class Price(Base):
+    """A price version: micro-units of currency per unit·second, in force from effective_from_us."""
+
+    __tablename__ = "prices"
+    __table_args__ = (
+        CheckConstraint(one_of("unit", Unit), name="unit"),
+        CheckConstraint("price_micros >= 0", name="price_non_negative"),
+        CheckConstraint("length(currency) = 3", name="currency_code"),
+        UniqueConstraint("model", "unit", "effective_from_us"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    model: Mapped[str] = mapped_column(String(128))
+    unit: Mapped[str] = mapped_column(String(8))
+    price_micros: Mapped[int]
+    currency: Mapped[str] = mapped_column(String(3))
+    effective_from_us: Mapped[int]
+    created_at_us: Mapped[int]
+
+
+class Invoice(Base):
+    __tablename__ = "invoices"
+    __table_args__ = (
+        CheckConstraint(one_of("status", InvoiceStatus), name="status"),
+        CheckConstraint("length(currency) = 3", name="currency_code"),
+        # At most one draft or finalized invoice per tenant and month.
+        Index(
+            "ix_invoices_open_tenant_period",
+            "tenant_id",
+            "period",
+            unique=True,
+            sqlite_where="status <> 'void'",
+            postgresql_where="status <> 'void'",
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(Integer, ForeignKey("tenants.id"))
+    period: Mapped[str] = mapped_column(String(7))
+    status: Mapped[str] = mapped_column(String(16))
+    currency: Mapped[str] = mapped_column(String(3))
+    total_micros: Mapped[int]
+    period_start_us: Mapped[int]
+    period_end_us: Mapped[int]
+    created_at_us: Mapped[int]
+    refreshed_at_us: Mapped[int]
+    finalized_at_us: Mapped[int | None]
+    voided_at_us: Mapped[int | None]
+
+
+class InvoiceLine(Base):
+    __tablename__ = "invoice_lines"
+    __table_args__ = (
+        CheckConstraint(one_of("kind", LineKind), name="kind"),
+        CheckConstraint(
+            "(kind = 'usage' AND amount_micros >= 0) OR (kind = 'sla_credit' AND amount_micros <= 0)",
+            name="amount_sign",
+        ),
+        UniqueConstraint("invoice_id", "position"),
+    )
+
+    id: Mapped[int] = mapped_column(BigIntPK, primary_key=True)
+    invoice_id: Mapped[int] = mapped_column(Integer, ForeignKey("invoices.id"))
+    position: Mapped[int] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String(16))
+    model: Mapped[str] = mapped_column(String(128))
+    unit: Mapped[str] = mapped_column(String(8))
+    price_id: Mapped[int] = mapped_column(Integer, ForeignKey("prices.id"))
+    price_micros: Mapped[int]
+    usage_from_us: Mapped[int]
+    usage_to_us: Mapped[int]
+    num_requests: Mapped[int]
+    unit_us: Mapped[int]
+    prompt_tokens: Mapped[int]
+    completion_tokens: Mapped[int]
+    amount_micros: Mapped[int]
+
+
+class CreditNote(Base):
+    """The only correction of a finalized invoice; append-only."""
+
+    __tablename__ = "credit_notes"
+    __table_args__ = (
+        CheckConstraint("amount_micros > 0", name="amount_positive"),
+        CheckConstraint("length(currency) = 3", name="currency_code"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    invoice_id: Mapped[int] = mapped_column(Integer, ForeignKey("invoices.id"), index=True)
+    amount_micros: Mapped[int]
+    currency: Mapped[str] = mapped_column(String(3))
+    reason: Mapped[str] = mapped_column(String(500))
+    created_at_us: Mapped[int]
