@@ -1,0 +1,132 @@
+"""Usage aggregated per group, model, unit and price version: the input of invoices and chargeback.
+
+The period is split at every price change, each piece is aggregated in SQL
+(SUMs over integer columns), and pieces that share a price version are
+merged, so usage is summed first and priced (rounded) once per aggregate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import BigInteger, ColumnElement, case, cast, func, select
+from sqlalchemy.orm import Session
+
+from billing.models import Tenant, UsageRow
+from billing.pricing import PriceSchedule, PriceVersion, cost_micros
+from billing.period import US_PER_DAY
+
+
+@dataclass(slots=True)
+class UsageAggregate:
+    """Usage of one group under one price version; ``missed_*`` are the requests that missed their deadline."""
+
+    key: tuple[object, ...]
+    model: str
+    unit: str
+    price: PriceVersion
+    from_us: int
+    to_us: int
+    num_requests: int = 0
+    unit_us: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    num_missed: int = 0
+    missed_unit_us: int = 0
+    missed_prompt_tokens: int = 0
+    missed_completion_tokens: int = 0
+
+    @property
+    def charge_micros(self) -> int:
+        return cost_micros(self.unit_us, self.price.price_micros)
+
+    @property
+    def sla_credit_micros(self) -> int:
+        """The (positive) credit for requests that missed their deadline: they are not charged."""
+        return cost_micros(self.missed_unit_us, self.price.price_micros)
+
+    @property
+    def net_micros(self) -> int:
+        return self.charge_micros - self.sla_credit_micros
+
+
+def _sum(column: ColumnElement[int]) -> ColumnElement[int]:
+    # PostgreSQL's SUM(bigint) is numeric; cast back so Python sees int, never Decimal.
+    return cast(func.coalesce(func.sum(column), 0), BigInteger)
+
+
+def _missed(column: ColumnElement[int]) -> ColumnElement[int]:
+    return _sum(case((UsageRow.deadline_met, 0), else_=column))
+
+
+def group_column(name: str, period_start_us: int) -> ColumnElement[object]:
+    """The SQL expression behind a chargeback grouping."""
+    columns: dict[str, ColumnElement[object]] = {
+        "cost_center": UsageRow.cost_center,
+        "team": UsageRow.team,
+        "model": UsageRow.model,
+        "tenant": Tenant.name,
+        "day": (UsageRow.finished_at_us - period_start_us) // US_PER_DAY,
+    }
+    return columns[name].label(f"g_{name}")
+
+
+def aggregate_usage(
+    session: Session,
+    start_us: int,
+    end_us: int,
+    *,
+    group_by: Sequence[str] = (),
+    tenant_id: int | None = None,
+    schedule: PriceSchedule | None = None,
+) -> list[UsageAggregate]:
+    """Aggregate usage finished in [start_us, end_us) per group, model, unit and price version."""
+    schedule = schedule or PriceSchedule.load(session, end_us)
+    groups = [group_column(name, start_us) for name in group_by]
+    merged: dict[tuple[object, ...], UsageAggregate] = {}
+    bounds = schedule.boundaries(start_us, end_us)
+    for piece_start, piece_end in zip(bounds, bounds[1:]):
+        query = (
+            select(
+                *groups,
+                UsageRow.model,
+                UsageRow.unit,
+                func.count().label("num_requests"),
+                _sum(UsageRow.unit_us),
+                _sum(UsageRow.prompt_tokens),
+                _sum(UsageRow.completion_tokens),
+                _missed(1),
+                _missed(UsageRow.unit_us),
+                _missed(UsageRow.prompt_tokens),
+                _missed(UsageRow.completion_tokens),
+            )
+            .where(UsageRow.finished_at_us >= piece_start, UsageRow.finished_at_us < piece_end)
+            .group_by(*groups, UsageRow.model, UsageRow.unit)
+        )
+        if "tenant" in group_by:
+            query = query.join(Tenant, Tenant.id == UsageRow.tenant_id)
+        if tenant_id is not None:
+            query = query.where(UsageRow.tenant_id == tenant_id)
+        for row in session.execute(query):
+            key, (model, unit, *sums) = tuple(row[: len(groups)]), row[len(groups) :]
+            price = schedule.version_at(model, unit, piece_start)
+            aggregate = merged.get((key, model, unit, price.id))
+            if aggregate is None:
+                aggregate = merged[(key, model, unit, price.id)] = UsageAggregate(
+                    key, model, unit, price, piece_start, piece_end
+                )
+            _accumulate(aggregate, piece_end, sums)
+    return list(merged.values())
+
+
+def _accumulate(aggregate: UsageAggregate, piece_end: int, sums: Sequence[int]) -> None:
+    aggregate.to_us = piece_end
+    aggregate.num_requests += sums[0]
+    aggregate.unit_us += sums[1]
+    aggregate.prompt_tokens += sums[2]
+    aggregate.completion_tokens += sums[3]
+    aggregate.num_missed += sums[4]
+    aggregate.missed_unit_us += sums[5]
+    aggregate.missed_prompt_tokens += sums[6]
+    aggregate.missed_completion_tokens += sums[7]

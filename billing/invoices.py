@@ -1,0 +1,288 @@
+"""Invoices per tenant and calendar month (UTC), with SLA credits and credit notes.
+
+Lifecycle: draft → finalized → void.  A draft is (re)computed from the
+ledger by :func:`create_or_refresh_draft`; doing it twice refreshes the same
+draft (the database allows one non-void invoice per tenant and month).  A
+finalized invoice is immutable, refused here and by database triggers; the
+only correction is a credit note (or voiding it and issuing a new one).
+
+Lines: per model, unit and price version, usage is summed first and priced
+once (see :mod:`billing.pricing` for the rounding rule).  Requests that missed
+their deadline (``deadline_met`` false) are not charged: their cost appears
+as a separate negative ``sla_credit`` line priced the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import delete, insert, select
+from sqlalchemy.orm import Session
+
+from billing.aggregate import UsageAggregate, aggregate_usage
+from billing.errors import (
+    CreditExceedsInvoice,
+    CurrencyMismatch,
+    InvalidArgument,
+    InvoiceFinalized,
+    InvoiceNotFound,
+    InvoiceState,
+)
+from billing.ledger import dialect_insert, tenant_ids
+from billing.models import CreditNote, Invoice, InvoiceLine, InvoiceStatus, LineKind, Tenant
+from billing.period import Period, day_label, parse_period
+from billing.period import now_us as clock_us
+from billing.records import MAX_INT64
+
+DEFAULT_CURRENCY = "USD"  # only for an invoice without lines
+
+
+@dataclass(frozen=True, slots=True)
+class InvoiceLineView:
+    position: int
+    kind: LineKind
+    model: str
+    unit: str
+    price_id: int
+    price_micros: int
+    usage_from_us: int
+    usage_to_us: int
+    num_requests: int
+    unit_us: int
+    prompt_tokens: int
+    completion_tokens: int
+    amount_micros: int
+
+    @property
+    def description(self) -> str:
+        what = "SLA credit: missed deadlines" if self.kind is LineKind.SLA_CREDIT else "usage"
+        unit = "SM" if self.unit == "sm_us" else "core"
+        return f"{self.model} {what} ({unit}·µs at {self.price_micros} micros per {unit}·s)"
+
+
+@dataclass(frozen=True, slots=True)
+class CreditNoteView:
+    id: int
+    invoice_id: int
+    amount_micros: int
+    currency: str
+    reason: str
+    created_at_us: int
+
+
+@dataclass(frozen=True, slots=True)
+class InvoiceView:
+    id: int
+    tenant: str
+    period: str
+    status: InvoiceStatus
+    currency: str
+    total_micros: int
+    period_start_us: int
+    period_end_us: int
+    created_at_us: int
+    refreshed_at_us: int
+    finalized_at_us: int | None
+    voided_at_us: int | None
+    lines: tuple[InvoiceLineView, ...]
+    credit_notes: tuple[CreditNoteView, ...]
+
+    @property
+    def credited_micros(self) -> int:
+        return sum(note.amount_micros for note in self.credit_notes)
+
+    @property
+    def balance_micros(self) -> int:
+        """What the tenant owes: the total less every credit note."""
+        return self.total_micros - self.credited_micros
+
+
+def _line_rows(aggregates: list[UsageAggregate]) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    for agg in sorted(aggregates, key=lambda a: (a.model, a.unit, a.from_us)):
+        common = dict(model=agg.model, unit=agg.unit, price_id=agg.price.id,
+                      price_micros=agg.price.price_micros, usage_from_us=agg.from_us, usage_to_us=agg.to_us)
+        rows.append(dict(common, kind=LineKind.USAGE.value, num_requests=agg.num_requests,
+                         unit_us=agg.unit_us, prompt_tokens=agg.prompt_tokens,
+                         completion_tokens=agg.completion_tokens, amount_micros=agg.charge_micros))
+        if agg.num_missed:
+            rows.append(dict(common, kind=LineKind.SLA_CREDIT.value, num_requests=agg.num_missed,
+                             unit_us=agg.missed_unit_us, prompt_tokens=agg.missed_prompt_tokens,
+                             completion_tokens=agg.missed_completion_tokens,
+                             amount_micros=-agg.sla_credit_micros))
+    for position, row in enumerate(rows):
+        row["position"] = position
+    return rows
+
+
+def _currency(aggregates: list[UsageAggregate], period: Period) -> str:
+    currencies = sorted({agg.price.currency for agg in aggregates})
+    if len(currencies) > 1:
+        raise CurrencyMismatch(
+            f"period: usage in {period.name} is priced in several currencies ({', '.join(currencies)})",
+            field="period",
+        )
+    return currencies[0] if currencies else DEFAULT_CURRENCY
+
+
+def _refresh(session: Session, invoice: Invoice, now_us: int) -> None:
+    period = parse_period(invoice.period)
+    aggregates = aggregate_usage(session, period.start_us, period.end_us, tenant_id=invoice.tenant_id)
+    rows = _line_rows(aggregates)
+    currency = _currency(aggregates, period)
+    session.execute(delete(InvoiceLine).where(InvoiceLine.invoice_id == invoice.id))
+    if rows:
+        session.execute(insert(InvoiceLine), [dict(row, invoice_id=invoice.id) for row in rows])
+    invoice.currency = currency
+    invoice.total_micros = sum(int(row["amount_micros"]) for row in rows)  # type: ignore[call-overload]
+    invoice.refreshed_at_us = now_us
+    session.flush()
+
+
+def create_or_refresh_draft(
+    session: Session, tenant: str, period: str, *, now_us: int | None = None
+) -> InvoiceView:
+    """The tenant's draft for ``period`` ('YYYY-MM'), created or recomputed from the ledger."""
+    bounds = parse_period(period)
+    tenant_id = tenant_ids(session, {tenant})[tenant]
+    now_us = clock_us() if now_us is None else now_us
+    open_invoice = (Invoice.tenant_id == tenant_id, Invoice.period == period, Invoice.status != "void")
+    session.execute(
+        dialect_insert(session, Invoice.__table__)
+        .values(tenant_id=tenant_id, period=period, status=InvoiceStatus.DRAFT.value,
+                currency=DEFAULT_CURRENCY, total_micros=0, period_start_us=bounds.start_us,
+                period_end_us=bounds.end_us, created_at_us=now_us, refreshed_at_us=now_us)
+        .on_conflict_do_nothing(index_elements=["tenant_id", "period"], index_where=Invoice.status != "void")
+    )
+    invoice = session.scalars(
+        select(Invoice).where(*open_invoice).with_for_update().execution_options(populate_existing=True)
+    ).one()
+    if invoice.status != InvoiceStatus.DRAFT:
+        raise InvoiceFinalized(invoice.id, invoice.status)
+    _refresh(session, invoice, now_us)
+    return get_invoice(session, invoice.id)
+
+
+def _lock(session: Session, invoice_id: int) -> Invoice:
+    invoice = session.scalars(
+        select(Invoice).where(Invoice.id == invoice_id).with_for_update()
+        .execution_options(populate_existing=True)
+    ).first()
+    if invoice is None:
+        raise InvoiceNotFound(invoice_id)
+    return invoice
+
+
+def finalize_invoice(
+    session: Session, invoice_id: int, *, now_us: int | None = None, refresh: bool = True
+) -> InvoiceView:
+    """Finalize a draft once its month has ended; by default recompute it from the ledger first."""
+    invoice = _lock(session, invoice_id)
+    now_us = clock_us() if now_us is None else now_us
+    if invoice.status != InvoiceStatus.DRAFT:
+        raise InvoiceFinalized(invoice.id, invoice.status)
+    if now_us < invoice.period_end_us:
+        raise InvoiceState(
+            f"invoice_id: {invoice.period} has not ended; finalize on or after {day_label(invoice.period_end_us)}",
+            field="invoice_id",
+        )
+    if refresh:
+        _refresh(session, invoice, now_us)
+    invoice.status = InvoiceStatus.FINALIZED.value
+    invoice.finalized_at_us = now_us
+    session.flush()
+    return get_invoice(session, invoice.id)
+
+
+def void_invoice(session: Session, invoice_id: int, *, now_us: int | None = None) -> InvoiceView:
+    """Void a draft or finalized invoice; a new draft may then be created for the same month."""
+    invoice = _lock(session, invoice_id)
+    if invoice.status == InvoiceStatus.VOID:
+        raise InvoiceFinalized(invoice.id, invoice.status)
+    invoice.status = InvoiceStatus.VOID.value
+    invoice.voided_at_us = clock_us() if now_us is None else now_us
+    session.flush()
+    return get_invoice(session, invoice.id)
+
+
+def issue_credit_note(
+    session: Session, invoice_id: int, amount_micros: int, reason: str, *, now_us: int | None = None
+) -> CreditNoteView:
+    """Credit part of a finalized invoice; all credit notes together may not exceed its total."""
+    if not isinstance(amount_micros, int) or isinstance(amount_micros, bool) or not 0 < amount_micros <= MAX_INT64:
+        raise InvalidArgument(f"amount_micros must be a positive integer, got {amount_micros!r}",
+                              field="amount_micros")
+    if not isinstance(reason, str) or not 1 <= len(reason) <= 500:
+        raise InvalidArgument("reason must be 1..500 characters", field="reason")
+    invoice = _lock(session, invoice_id)
+    if invoice.status != InvoiceStatus.FINALIZED:
+        raise InvoiceState(
+            f"invoice_id: credit notes apply to finalized invoices; invoice {invoice_id} is {invoice.status}",
+            field="invoice_id",
+        )
+    view = get_invoice(session, invoice_id)
+    if amount_micros > view.balance_micros:
+        raise CreditExceedsInvoice(
+            f"amount_micros: {amount_micros} exceeds the invoice balance of {view.balance_micros}",
+            field="amount_micros",
+        )
+    note = CreditNote(invoice_id=invoice_id, amount_micros=amount_micros, currency=invoice.currency,
+                      reason=reason, created_at_us=clock_us() if now_us is None else now_us)
+    session.add(note)
+    session.flush()
+    return CreditNoteView(note.id, invoice_id, amount_micros, note.currency, reason, note.created_at_us)
+
+
+def get_invoice(session: Session, invoice_id: int) -> InvoiceView:
+    found = session.execute(
+        select(Invoice, Tenant.name).join(Tenant, Tenant.id == Invoice.tenant_id).where(Invoice.id == invoice_id)
+    ).first()
+    if found is None:
+        raise InvoiceNotFound(invoice_id)
+    return _view(session, *found)
+
+
+def list_invoices(
+    session: Session, *, tenant: str | None = None, period: str | None = None, status: str | None = None
+) -> list[InvoiceView]:
+    query = select(Invoice, Tenant.name).join(Tenant, Tenant.id == Invoice.tenant_id).order_by(Invoice.id)
+    if tenant is not None:
+        query = query.where(Invoice.tenant_id == tenant_ids(session, {tenant})[tenant])
+    if period is not None:
+        query = query.where(Invoice.period == parse_period(period).name)
+    if status is not None:
+        if status not in {s.value for s in InvoiceStatus}:
+            raise InvalidArgument(f"status must be draft, finalized or void, got {status!r}", field="status")
+        query = query.where(Invoice.status == status)
+    return [_view(session, invoice, name) for invoice, name in session.execute(query)]
+
+
+def _view(session: Session, invoice: Invoice, tenant: str) -> InvoiceView:
+    lines = session.scalars(
+        select(InvoiceLine).where(InvoiceLine.invoice_id == invoice.id).order_by(InvoiceLine.position)
+    )
+    notes = session.scalars(select(CreditNote).where(CreditNote.invoice_id == invoice.id).order_by(CreditNote.id))
+    return InvoiceView(
+        invoice.id, tenant, invoice.period, InvoiceStatus(invoice.status), invoice.currency,
+        invoice.total_micros, invoice.period_start_us, invoice.period_end_us, invoice.created_at_us,
+        invoice.refreshed_at_us, invoice.finalized_at_us, invoice.voided_at_us,
+        tuple(
+            InvoiceLineView(line.position, LineKind(line.kind), line.model, line.unit, line.price_id,
+                            line.price_micros, line.usage_from_us, line.usage_to_us, line.num_requests,
+                            line.unit_us, line.prompt_tokens, line.completion_tokens, line.amount_micros)
+            for line in lines
+        ),
+        tuple(CreditNoteView(n.id, n.invoice_id, n.amount_micros, n.currency, n.reason, n.created_at_us)
+              for n in notes),
+    )
+
+
+def find_open_invoice(session: Session, tenant: str, period: str) -> InvoiceView | None:
+    """The tenant's draft or finalized invoice for ``period``, if there is one."""
+    tenant_id = tenant_ids(session, {tenant})[tenant]
+    invoice = session.scalars(
+        select(Invoice).where(
+            Invoice.tenant_id == tenant_id, Invoice.period == parse_period(period).name, Invoice.status != "void"
+        )
+    ).first()
+    return None if invoice is None else _view(session, invoice, tenant)

@@ -1,0 +1,293 @@
+"""Idempotent ingest of usage and idle records, and paginated usage queries.
+
+Idempotency is decided inside the caller's transaction, by the insert itself:
+``INSERT … ON CONFLICT DO NOTHING RETURNING id`` and then, for the ids that were
+not inserted, a comparison of payload digests with the stored row.  A replay
+of an identical record is a *duplicate* (and counts as delivered); the same
+id with a different payload is a *conflict*: recorded in ``usage_conflicts``,
+logged loudly, never applied.  No id is ever claimed before its row is written.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import structlog
+from sqlalchemy import Table, select, tuple_
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from billing.errors import InvalidArgument, InvalidPageToken, UnknownTenant
+from billing.models import IdleRow, RecordKind, Tenant, UsageConflict, UsageRow
+from billing.period import now_us as clock_us
+from billing.records import CONVENTIONAL_LABELS, IdleRecord, UsageRecord
+
+log = structlog.get_logger(__name__)
+DEFAULT_PAGE_SIZE = 100
+MAX_PAGE_SIZE = 1_000
+
+
+class IngestStatus(StrEnum):
+    ACCEPTED = "accepted"
+    DUPLICATE = "duplicate"  # already stored with the same payload: delivered
+    CONFLICT = "conflict"  # already stored with a different payload: rejected, recorded
+
+
+@dataclass(frozen=True, slots=True)
+class IngestResult:
+    record_id: str
+    status: IngestStatus
+    stored_digest: str
+
+    @property
+    def delivered(self) -> bool:
+        """True when the sender may forget the record (accepted or duplicate)."""
+        return self.status is not IngestStatus.CONFLICT
+
+
+def dialect_insert(session: Session, table: Table):  # type: ignore[no-untyped-def]
+    """The dialect's INSERT, which knows ON CONFLICT."""
+    name = session.get_bind().dialect.name
+    if name == "postgresql":
+        return postgresql.insert(table)
+    if name == "sqlite":
+        return sqlite.insert(table)
+    raise NotImplementedError(f"the ledger supports sqlite and postgresql, not {name}")
+
+
+def tenant_ids(session: Session, names: set[str]) -> dict[str, int]:
+    found = dict(session.execute(select(Tenant.name, Tenant.id).where(Tenant.name.in_(names))).tuples().all())
+    missing = sorted(names - found.keys())
+    if missing:
+        raise UnknownTenant(missing[0])
+    return found
+
+
+def _usage_row(record: UsageRecord, tenant_id: int, digest: str, now_us: int) -> dict[str, Any]:
+    row = record.to_payload()
+    del row["tenant"]
+    row.update(
+        tenant_id=tenant_id,
+        cost_center=record.cost_center,
+        team=record.team,
+        payload_digest=digest,
+        ingested_at_us=now_us,
+    )
+    return row
+
+
+def ingest_usage(
+    session: Session, records: Sequence[UsageRecord], *, now_us: int | None = None
+) -> list[IngestResult]:
+    """Store each usage record at most once; one result per record, in input order.
+
+    Raises :class:`UnknownTenant` (before writing anything) if a record names a
+    tenant that does not exist.  Never commits.
+    """
+    if not records:
+        return []
+    now_us = clock_us() if now_us is None else now_us
+    tenants = tenant_ids(session, {record.tenant for record in records})
+    digests = [record.payload_digest() for record in records]
+    rows = {
+        record.request_id: _usage_row(record, tenants[record.tenant], digest, now_us)
+        for record, digest in reversed(list(zip(records, digests)))  # first occurrence wins
+    }
+    return _ingest(session, UsageRow.__table__, "request_id", RecordKind.USAGE, records, digests, rows, now_us)
+
+
+def ingest_idle(
+    session: Session, records: Sequence[IdleRecord], *, now_us: int | None = None
+) -> list[IngestResult]:
+    """Store each idle record at most once, with the same duplicate/conflict rules as usage."""
+    if not records:
+        return []
+    now_us = clock_us() if now_us is None else now_us
+    digests = [record.payload_digest() for record in records]
+    rows = {
+        record.record_id: {**record.to_payload(), "payload_digest": digest, "ingested_at_us": now_us}
+        for record, digest in reversed(list(zip(records, digests)))
+    }
+    return _ingest(session, IdleRow.__table__, "record_id", RecordKind.IDLE, records, digests, rows, now_us)
+
+
+def _ingest(
+    session: Session,
+    table: Table,
+    key: str,
+    kind: RecordKind,
+    records: Sequence[UsageRecord] | Sequence[IdleRecord],
+    digests: list[str],
+    rows: dict[str, dict[str, Any]],
+    now_us: int,
+) -> list[IngestResult]:
+    # Sorted ids give concurrent overlapping batches one lock order: no deadlocks.
+    ordered = [rows[record_id] for record_id in sorted(rows)]
+    statement = dialect_insert(session, table).on_conflict_do_nothing(index_elements=[key])
+    inserted = set(session.scalars(statement.returning(table.c[key]), ordered))
+    stored: dict[str, str] = {}
+    if len(inserted) < len(rows):
+        existing = select(table.c[key], table.c.payload_digest).where(
+            table.c[key].in_(sorted(rows.keys() - inserted))
+        )
+        stored = dict(session.execute(existing).tuples().all())
+    results, accepted_now = [], set()
+    for record, digest in zip(records, digests):
+        record_id = getattr(record, key)
+        if record_id in inserted and record_id not in accepted_now:
+            accepted_now.add(record_id)
+            results.append(IngestResult(record_id, IngestStatus.ACCEPTED, digest))
+            continue
+        # A later copy of an id inserted by this very call compares with the inserted row.
+        stored_digest = rows[record_id]["payload_digest"] if record_id in inserted else stored[record_id]
+        if stored_digest == digest:
+            results.append(IngestResult(record_id, IngestStatus.DUPLICATE, stored_digest))
+        else:
+            _record_conflict(session, kind, record, stored_digest, digest, now_us)
+            results.append(IngestResult(record_id, IngestStatus.CONFLICT, stored_digest))
+    return results
+
+
+def _record_conflict(
+    session: Session,
+    kind: RecordKind,
+    record: UsageRecord | IdleRecord,
+    stored_digest: str,
+    rejected_digest: str,
+    now_us: int,
+) -> None:
+    record_id = record.request_id if isinstance(record, UsageRecord) else record.record_id
+    log.error(
+        "ledger.conflict",
+        record_kind=kind.value,
+        record_id=record_id,
+        stored_digest=stored_digest,
+        rejected_digest=rejected_digest,
+    )
+    statement = dialect_insert(session, UsageConflict.__table__).on_conflict_do_nothing(
+        index_elements=["record_kind", "record_id", "rejected_digest"]
+    )
+    session.execute(
+        statement,
+        {
+            "record_kind": kind.value,
+            "record_id": record_id,
+            "stored_digest": stored_digest,
+            "rejected_digest": rejected_digest,
+            "rejected_payload": record.to_payload(),
+            "detected_at_us": now_us,
+        },
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class UsagePage:
+    records: list[UsageRecord]
+    next_page_token: str | None
+
+
+def query_usage(
+    session: Session,
+    *,
+    start_us: int,
+    end_us: int,
+    tenant: str | None = None,
+    labels: Mapping[str, str] | None = None,
+    model: str | None = None,
+    page_size: int = DEFAULT_PAGE_SIZE,
+    page_token: str | None = None,
+) -> UsagePage:
+    """Usage finished in [start_us, end_us), oldest first, filtered and paginated by keyset.
+
+    ``page_token`` is opaque; it is only valid with the filters it was issued for.
+    """
+    _check_query(start_us, end_us, page_size)
+    labels = dict(labels or {})
+    fingerprint = _fingerprint(start_us, end_us, tenant, labels, model)
+    query = (
+        select(UsageRow, Tenant.name)
+        .join(Tenant, Tenant.id == UsageRow.tenant_id)
+        .where(UsageRow.finished_at_us >= start_us, UsageRow.finished_at_us < end_us)
+        .order_by(UsageRow.finished_at_us, UsageRow.id)
+        .limit(page_size + 1)
+    )
+    if tenant is not None:
+        query = query.where(UsageRow.tenant_id == tenant_ids(session, {tenant})[tenant])
+    if model is not None:
+        query = query.where(UsageRow.model == model)
+    for key, value in sorted(labels.items()):
+        column = getattr(UsageRow, key) if key in CONVENTIONAL_LABELS else UsageRow.labels[key].as_string()
+        query = query.where(column == value)
+    if page_token:
+        after = decode_page_token(page_token, fingerprint)
+        query = query.where(tuple_(UsageRow.finished_at_us, UsageRow.id) > tuple_(*after))
+    rows = session.execute(query).all()
+    next_token = None
+    if len(rows) > page_size:
+        rows = rows[:page_size]
+        last = rows[-1][0]
+        next_token = encode_page_token(fingerprint, last.finished_at_us, last.id)
+    return UsagePage([_to_record(row, name) for row, name in rows], next_token)
+
+
+def _check_query(start_us: int, end_us: int, page_size: int) -> None:
+    for name, value in (("start_us", start_us), ("end_us", end_us), ("page_size", page_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise InvalidArgument(f"{name} must be a non-negative integer, got {value!r}", field=name)
+    if end_us <= start_us:
+        raise InvalidArgument("end_us must be after start_us", field="end_us")
+    if not 1 <= page_size <= MAX_PAGE_SIZE:
+        raise InvalidArgument(f"page_size must be in [1, {MAX_PAGE_SIZE}], got {page_size}", field="page_size")
+
+
+def _fingerprint(*filters: object) -> str:
+    encoded = json.dumps(filters, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(encoded.encode()).hexdigest()[:16]
+
+
+def encode_page_token(fingerprint: str, finished_at_us: int, row_id: int) -> str:
+    raw = json.dumps({"v": 1, "q": fingerprint, "after": [finished_at_us, row_id]}, separators=(",", ":"))
+    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+
+def decode_page_token(token: str, fingerprint: str) -> tuple[int, int]:
+    try:
+        raw = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
+        finished_at_us, row_id = raw["after"]
+        version, issued_for = raw["v"], raw["q"]
+    except (ValueError, KeyError, TypeError) as error:
+        raise InvalidPageToken("is not a token this service issued") from error
+    if version != 1 or not all(type(v) is int for v in (finished_at_us, row_id)):
+        raise InvalidPageToken("is not a token this service issued")
+    if issued_for != fingerprint:
+        raise InvalidPageToken("was issued for different filters; repeat the query that produced it")
+    return finished_at_us, row_id
+
+
+def _to_record(row: UsageRow, tenant: str) -> UsageRecord:
+    return UsageRecord(
+        request_id=row.request_id,
+        tenant=tenant,
+        labels=row.labels,
+        model=row.model,
+        device_kind=row.device_kind,
+        device_id=row.device_id,
+        unit=row.unit,
+        num_units=row.num_units,
+        unit_us=row.unit_us,
+        prompt_tokens=row.prompt_tokens,
+        completion_tokens=row.completion_tokens,
+        received_at_us=row.received_at_us,
+        dispatched_at_us=row.dispatched_at_us,
+        first_token_at_us=row.first_token_at_us,
+        finished_at_us=row.finished_at_us,
+        deadline_at_us=row.deadline_at_us,
+        deadline_met=row.deadline_met,
+        outcome=row.outcome,
+    )
