@@ -178,7 +178,7 @@ def _utilisation(
             select(UsageRow.device_id, _sum(UsageRow.unit_us))
             .where(UsageRow.finished_at_us >= start_us, UsageRow.finished_at_us < end_us)
             .group_by(UsageRow.device_id)
-        ).tuples().all()
+        ).all()
     )
     device_rows = session.execute(
         select(IdleRow.device_id, IdleRow.unit, func.max(IdleRow.num_units),

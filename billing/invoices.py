@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sqlalchemy import delete, insert, select
+from sqlalchemy import delete, insert, select, text
 from sqlalchemy.orm import Session
 
 from billing.aggregate import UsageAggregate, aggregate_usage
@@ -35,6 +35,8 @@ from billing.period import now_us as clock_us
 from billing.records import MAX_INT64
 
 DEFAULT_CURRENCY = "USD"  # only for an invoice without lines
+# Literal SQL, as in the partial unique index, so PostgreSQL can infer that index as the arbiter.
+OPEN_INVOICE_PREDICATE = text("status <> 'void'")
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +154,7 @@ def create_or_refresh_draft(
         .values(tenant_id=tenant_id, period=period, status=InvoiceStatus.DRAFT.value,
                 currency=DEFAULT_CURRENCY, total_micros=0, period_start_us=bounds.start_us,
                 period_end_us=bounds.end_us, created_at_us=now_us, refreshed_at_us=now_us)
-        .on_conflict_do_nothing(index_elements=["tenant_id", "period"], index_where=Invoice.status != "void")
+        .on_conflict_do_nothing(index_elements=["tenant_id", "period"], index_where=OPEN_INVOICE_PREDICATE)
     )
     invoice = session.scalars(
         select(Invoice).where(*open_invoice).with_for_update().execution_options(populate_existing=True)

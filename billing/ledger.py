@@ -62,7 +62,7 @@ def dialect_insert(session: Session, table: Table):  # type: ignore[no-untyped-d
 
 
 def tenant_ids(session: Session, names: set[str]) -> dict[str, int]:
-    found = dict(session.execute(select(Tenant.name, Tenant.id).where(Tenant.name.in_(names))).tuples().all())
+    found = dict(session.execute(select(Tenant.name, Tenant.id).where(Tenant.name.in_(names))).all())
     missing = sorted(names - found.keys())
     if missing:
         raise UnknownTenant(missing[0])
@@ -136,7 +136,7 @@ def _ingest(
         existing = select(table.c[key], table.c.payload_digest).where(
             table.c[key].in_(sorted(rows.keys() - inserted))
         )
-        stored = dict(session.execute(existing).tuples().all())
+        stored = dict(session.execute(existing).all())
     results, accepted_now = [], set()
     for record, digest in zip(records, digests):
         record_id = getattr(record, key)

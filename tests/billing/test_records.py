@@ -1,0 +1,142 @@
+"""Record validation and payload digests."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from billing.errors import InvalidRecord
+from billing.records import IdleRecord, UsageRecord
+from tests.billing.factories import START_US, US_PER_HOUR, gpu_usage, idle, missed, usage
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"request_id": ""}, "request_id"),
+        ({"request_id": "x" * 129}, "request_id"),
+        ({"request_id": "bad\nid"}, "request_id"),
+        ({"tenant": "Acme Corp"}, "tenant"),
+        ({"labels": {"Team": "x"}}, "labels.Team"),
+        ({"labels": {"team": ""}}, "labels.team"),
+        ({"labels": {f"k{i}": "v" for i in range(17)}}, "labels"),
+        ({"device_kind": "tpu"}, "device_kind"),
+        ({"unit": "sm_us"}, "unit"),  # a CPU has no SMs
+        ({"device_id": "GPU-123"}, "device_id"),  # a CPU device id is cpu:<host>
+        ({"num_units": 0}, "num_units"),
+        ({"unit_us": -1}, "unit_us"),
+        ({"unit_us": 1.5}, "unit_us"),
+        ({"unit_us": True}, "unit_us"),
+        ({"unit_us": 2**63}, "unit_us"),
+        ({"prompt_tokens": -1}, "prompt_tokens"),
+        ({"outcome": "timeout"}, "outcome"),
+        ({"deadline_met": 1}, "deadline_met"),
+        ({"first_token_at_us": START_US}, "first_token_at_us"),  # before dispatch
+        ({"dispatched_at_us": START_US + 10**12}, "first_token_at_us"),
+        ({"deadline_at_us": START_US}, "deadline_met"),  # met, yet finished after the deadline
+        ({"outcome": "deadline_exceeded"}, "deadline_met"),
+    ],
+)
+def test_invalid_usage_names_the_field(overrides: dict, field: str) -> None:
+    overrides = dict(overrides)
+    with pytest.raises(InvalidRecord) as caught:
+        usage(overrides.pop("request_id", "r-1"), **overrides)
+    assert caught.value.field == field
+    assert field.split(".")[0] in str(caught.value)
+
+
+def test_gpu_record_uses_sm_us_and_a_gpu_uuid() -> None:
+    assert gpu_usage("r-1").unit == "sm_us"
+    with pytest.raises(InvalidRecord) as caught:
+        gpu_usage("r-1", unit="core_us")
+    assert caught.value.field == "unit"
+    with pytest.raises(InvalidRecord) as caught:
+        gpu_usage("r-1", device_id="cpu:host")
+    assert caught.value.field == "device_id"
+
+
+def test_ok_outcome_must_agree_with_the_clock() -> None:
+    with pytest.raises(InvalidRecord) as caught:
+        usage("r-1", deadline_met=False)  # finished before its deadline, outcome ok
+    assert caught.value.field == "deadline_met"
+    assert not missed("r-2").deadline_met
+
+
+def test_labels_are_frozen_and_sorted() -> None:
+    source = {"team": "b", "cost_center": "a"}
+    record = usage("r-1", labels=source)
+    source["team"] = "changed"
+    assert dict(record.labels) == {"cost_center": "a", "team": "b"}
+    with pytest.raises(TypeError):
+        record.labels["team"] = "x"  # type: ignore[index]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        record.unit_us = 5  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"minute_start_us": START_US + 1}, "minute_start_us"),
+        ({"idle_unit_us": 10, "wall_unit_us": 5}, "idle_unit_us"),
+        ({"wall_unit_us": 0}, "wall_unit_us"),
+        ({"wall_unit_us": 60_000_000 * 4 + 1}, "wall_unit_us"),
+        ({"unit": "sm_us"}, "device_id"),  # a GPU unit on a cpu: device
+    ],
+)
+def test_invalid_idle_names_the_field(overrides: dict, field: str) -> None:
+    fields = dataclasses.asdict(idle("cpu:host-a", 0, 100)) | overrides
+    with pytest.raises(InvalidRecord) as caught:
+        IdleRecord(**fields)
+    assert caught.value.field == field
+
+
+DIGEST_CHANGES = [
+    {"request_id": "r-other"}, {"tenant": "other"}, {"labels": {"team": "x"}}, {"model": "m2"},
+    {"device_id": "cpu:host-b"}, {"num_units": 8}, {"unit_us": 7}, {"prompt_tokens": 1},
+    {"completion_tokens": 2}, {"received_at_us": START_US + US_PER_HOUR - 6_000},
+    {"dispatched_at_us": START_US + US_PER_HOUR - 4_500}, {"first_token_at_us": None},
+    {"finished_at_us": START_US + US_PER_HOUR + 10}, {"deadline_at_us": START_US + 10**10},
+    {"outcome": "error"}, {"outcome": "error", "deadline_met": False},
+    {"device_kind": "cuda", "unit": "sm_us", "device_id": "GPU-1"},
+]
+
+
+@pytest.mark.parametrize("change", DIGEST_CHANGES, ids=lambda change: "+".join(change))
+def test_every_field_changes_the_digest(change: dict) -> None:
+    base = usage("r-1")
+    assert dataclasses.replace(base, **change).payload_digest() != base.payload_digest()
+
+
+def test_digest_ignores_label_order_and_enum_spelling() -> None:
+    first = usage("r-1", labels={"team": "t", "cost_center": "c"})
+    second = usage("r-1", labels={"cost_center": "c", "team": "t"})
+    assert first.payload_digest() == second.payload_digest()
+    assert len(first.payload_digest()) == 64
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    unit_us=st.integers(0, 2**63 - 1),
+    prompt=st.integers(0, 10**9),
+    completion=st.integers(0, 10**9),
+    labels=st.dictionaries(
+        st.from_regex(r"[a-z][a-z0-9_]{0,10}", fullmatch=True),
+        st.text(st.characters(min_codepoint=32, max_codepoint=0x2FFF, exclude_characters="\x7f"), min_size=1, max_size=20),
+        max_size=5,
+    ),
+    gaps=st.lists(st.integers(0, 10**9), min_size=3, max_size=3),
+)
+def test_valid_records_round_trip_through_their_payload(unit_us, prompt, completion, labels, gaps) -> None:
+    received = START_US
+    dispatched = received + gaps[0]
+    first = dispatched + gaps[1]
+    finished = first + gaps[2]
+    record = usage("r-h", unit_us=unit_us, prompt_tokens=prompt, completion_tokens=completion, labels=labels,
+                   received_at_us=received, dispatched_at_us=dispatched, first_token_at_us=first,
+                   finished_at_us=finished, deadline_at_us=finished)
+    again = UsageRecord(**record.to_payload())
+    assert again == record
+    assert again.payload_digest() == record.payload_digest()
