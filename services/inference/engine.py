@@ -37,8 +37,13 @@ class StepReport:
     scheduled: SchedulerOutput
     result: StepResult
     updates: tuple[StepUpdate, ...]
-    started_ns: int
+    began_ns: int                   # step() entered: taking new requests and scheduling count too
+    started_ns: int                 # handed to the executor
     ended_ns: int
+
+    @property
+    def interval_ns(self) -> int:
+        return self.ended_ns - self.began_ns
 
 
 class StepObserver(Protocol):
@@ -64,6 +69,7 @@ class Engine:
         self.clock = clock
         self.observers = list(observers)
         self.expiry_guard_ns = 0        # the service sets this to about one step
+        self.last_interval_ns = 0
         self._streams: dict[str, _Stream] = {}
         self._inbox: list[tuple[Request, OutputSink] | str] = []
         self._lock = threading.Lock()
@@ -100,8 +106,12 @@ class Engine:
 
     # ---- engine thread ----
     def step(self) -> StepReport | None:
+        began_ns = self.clock()
         self._drain_inbox()
-        scheduled = self.scheduler.schedule(self.clock(), self.expiry_guard_ns)
+        # a request whose deadline falls before the next step could end is over: end it now, so its caller
+        # hears DEADLINE_EXCEEDED from us before its own timer fires
+        guard_ns = max(self.expiry_guard_ns, self.last_interval_ns * 3 // 2)
+        scheduled = self.scheduler.schedule(began_ns, guard_ns)
         for request in scheduled.expired:
             self._close(request, self.clock())
         if scheduled.is_empty:
@@ -110,7 +120,8 @@ class Engine:
         result = self.executor.run(scheduled)
         updates = tuple(self.scheduler.update_from_output(scheduled, result.sampled))
         texts = self._detokenize(updates)
-        report = StepReport(scheduled, result, updates, started_ns, self.clock())
+        report = StepReport(scheduled, result, updates, began_ns, started_ns, self.clock())
+        self.last_interval_ns = report.interval_ns
         for observer in self.observers:
             observer.on_step(report)
         for update in updates:

@@ -59,6 +59,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0    # tokens whose k/v are in the cache
     slot: int | None = None
+    first_scheduled_ns: int | None = None   # start of the first step that ran it
 
     @property
     def num_prompt_tokens(self) -> int:

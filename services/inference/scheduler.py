@@ -115,6 +115,7 @@ class Scheduler:
             request = self.waiting.popleft()
             request.slot = self.free_slots.pop()
             request.status = RequestStatus.RUNNING
+            request.first_scheduled_ns = now_ns
             self.running.append(request)
             prefills.append(self._chunk(request, budget))
             budget -= prefills[-1].num_tokens

@@ -1,0 +1,139 @@
+"""Wires a serving replica: gRPC server (inference, health, reflection), warm-up and calibration,
+the engine thread, Prometheus metrics, and a graceful drain on shutdown."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from zeroqueue.inference.v1 import inference_pb2, inference_pb2_grpc
+from .admission import AdmissionConfig, AdmissionController, FifoAdmission
+from .calibration import calibrate
+from .clock import Clock
+from .costmodel import CostModel
+from .engine import Engine, StepReport
+from .executor import Executor, ExecutorConfig
+from .loader import load_checkpoint
+from .metrics import ServiceMetrics
+from .server import InferenceServicer
+from .service import InferenceService, ModelCard, WarmupState
+
+log = structlog.get_logger(__name__)
+INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+LIVENESS = "liveness"
+MAX_MESSAGE_BYTES = 64 << 20    # above the per-field limits, so oversize fields get a precise BadRequest
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model_dir: str
+    host: str = "127.0.0.1"
+    port: int = 50051
+    admission: str = "deadline"             # deadline | fifo
+    default_deadline_ms: int = 30_000
+    metrics_port: int | None = None
+    dtype: str = "auto"
+    executor: ExecutorConfig = ExecutorConfig()
+    max_num_batched_tokens: int = 256
+    margin_ms: float = 20.0
+    margin_fraction: float = 0.05
+
+
+class StepStats:
+    """Engine-thread observer: feeds every measured step to the cost model and the metrics."""
+
+    def __init__(self, cost: CostModel | None, metrics: ServiceMetrics, engine: Engine) -> None:
+        self.cost, self.metrics, self.engine = cost, metrics, engine
+
+    def on_step(self, report: StepReport) -> None:
+        interval_us = report.interval_ns // 1000
+        context = sum(s.start_pos + 1 for s in report.scheduled.decodes)
+        if self.cost is not None:
+            self.cost.observe(report.scheduled.num_tokens, context, interval_us)
+        self.metrics.step_time.observe(interval_us / 1e6)
+        self.metrics.batch_size.observe(report.scheduled.num_seqs)
+        self.metrics.free_slots.set(self.engine.scheduler.num_free_slots)
+
+
+class InferenceApp:
+    def __init__(self, config: ServeConfig, make_executor: Callable[..., Executor] = Executor) -> None:
+        self.config = config
+        self.make_executor = make_executor
+        self.clock = Clock()
+        self.metrics = ServiceMetrics()
+        self.checkpoint = load_checkpoint(config.model_dir, config.dtype)
+        self.servicer = InferenceServicer(self.checkpoint.name, self.checkpoint.tokenizer)
+        self.health = health_aio.HealthServicer()
+        self.server: grpc.aio.Server | None = None
+        self.engine: Engine | None = None
+        self.port = 0
+
+    @property
+    def service(self) -> InferenceService | None:
+        return self.servicer.service
+
+    async def start(self) -> int:
+        """Listens at once (health says NOT_SERVING), warms up and calibrates, then says SERVING."""
+        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        inference_pb2_grpc.add_InferenceServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection((INFERENCE_SERVICE, health_pb2.DESCRIPTOR.services_by_name[
+            "Health"].full_name, reflection.SERVICE_NAME), self.server)
+        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        for name in ("", INFERENCE_SERVICE):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+        await self.server.start()
+        if self.config.metrics_port is not None:
+            start_http_server(self.config.metrics_port, addr=self.config.host, registry=self.metrics.registry)
+        log.info("listening", address=f"{self.config.host}:{self.port}", state="warming_up")
+        service = await asyncio.to_thread(self._warm_up)
+        self.engine.start()
+        service.state = WarmupState.READY
+        self.servicer.service = service
+        for name in ("", INFERENCE_SERVICE):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving", address=f"{self.config.host}:{self.port}", admission=self.config.admission)
+        return self.port
+
+    def _warm_up(self) -> InferenceService:
+        executor = self.make_executor(self.checkpoint, self.config.executor)
+        engine = Engine(executor, self.checkpoint.tokenizer, self.checkpoint.eos_token_ids,
+                        max_num_batched_tokens=self.config.max_num_batched_tokens, clock=self.clock.now_ns)
+        cost = calibrate(engine)
+        admission_config = AdmissionConfig(executor.num_slots, engine.scheduler.config.max_num_batched_tokens,
+                                           self.config.margin_ms, self.config.margin_fraction)
+        if self.config.admission == "fifo":
+            admission, observed_cost = FifoAdmission(), None
+        else:
+            admission, observed_cost = AdmissionController(cost, admission_config), cost
+            engine.expiry_guard_ns = int(cost.step_us(executor.num_slots) * 1000)
+        engine.observers.append(StepStats(observed_cost, self.metrics, engine))
+        self.engine = engine
+        card = ModelCard(self.checkpoint.name, executor.max_seq_len, str(self.checkpoint.dtype).removeprefix("torch."),
+                         self.checkpoint.args.vocab_size, executor.num_slots, executor.info)
+        return InferenceService(engine, card, admission, self.metrics, self.clock, self.config.default_deadline_ms)
+
+    async def stop(self, grace_s: float = 30.0) -> None:
+        """Stops admitting (NOT_SERVING), lets admitted calls finish inside their deadlines, then exits."""
+        for name in ("", INFERENCE_SERVICE):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        service = self.service
+        if service is not None:
+            service.start_draining()
+            try:
+                await asyncio.wait_for(service.drained.wait(), grace_s)
+            except TimeoutError:
+                log.warning("drain_timeout", in_flight=len(service.in_flight))
+        if self.server is not None:
+            await self.server.stop(grace=1.0)
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.stop)
+        log.info("stopped")

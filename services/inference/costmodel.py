@@ -1,0 +1,74 @@
+"""Predicts how long an engine step takes, calibrated on this machine and corrected online. No torch here.
+
+A step costs T(rows) + context_tokens * us_per_context_token, where rows is the number of token rows the
+linear layers see (one per decoding request plus every prompt token of the step's chunks) and
+context_tokens the cache positions that decode attention reads. T is piecewise linear through the
+calibration points. Every measured step then updates a running ratio measured/predicted and its mean
+absolute deviation; predictions are inflated by `num_deviations` of it, so a noisy machine is planned
+for rather than hoped away.
+"""
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CostModel:
+    rows: list[int]                     # calibration points, ascending
+    row_us: list[float]                 # step time at each point, context excluded
+    us_per_context_token: float
+    alpha: float = 0.05                 # weight of the newest step in the running ratio
+    num_deviations: float = 3.0
+    ratio: float = 1.0
+    deviation: float = 0.05
+    num_observed: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.rows or len(self.rows) != len(self.row_us) or self.rows != sorted(set(self.rows)):
+            raise ValueError("rows must be ascending and match row_us")
+
+    def raw_step_us(self, num_rows: int, context_tokens: int = 0) -> float:
+        """Calibrated step time, before the online correction."""
+        i = bisect.bisect_left(self.rows, num_rows)
+        if i < len(self.rows) and self.rows[i] == num_rows:
+            base = self.row_us[i]
+        elif len(self.rows) == 1:
+            base = self.row_us[0] * max(num_rows, 1) / max(self.rows[0], 1)
+        else:
+            lo = min(max(i - 1, 0), len(self.rows) - 2)     # extrapolate with the nearest segment
+            slope = (self.row_us[lo + 1] - self.row_us[lo]) / (self.rows[lo + 1] - self.rows[lo])
+            base = self.row_us[lo] + slope * (num_rows - self.rows[lo])
+        return max(base, self.row_us[0] * 0.5) + context_tokens * self.us_per_context_token
+
+    def step_us(self, num_rows: int, context_tokens: int = 0) -> float:
+        """A cautious prediction: calibrated time × (running ratio + num_deviations × deviation)."""
+        return self.raw_step_us(num_rows, context_tokens) * (self.ratio + self.num_deviations * self.deviation)
+
+    def marginal_row_us(self, num_rows: int) -> float:
+        """Extra time of one more row in a step that already has `num_rows`."""
+        return max(self.step_us(num_rows + 1) - self.step_us(num_rows), 0.0)
+
+    def observe(self, num_rows: int, context_tokens: int, measured_us: int) -> None:
+        raw = self.raw_step_us(num_rows, context_tokens)
+        if raw <= 0:
+            return
+        ratio = measured_us / raw
+        with self._lock:
+            self.num_observed += 1
+            self.ratio += self.alpha * (ratio - self.ratio)
+            self.deviation += self.alpha * (abs(ratio - self.ratio) - self.deviation)
+
+    def to_dict(self) -> dict:
+        return {"rows": self.rows, "row_us": [round(u, 1) for u in self.row_us],
+                "us_per_context_token": self.us_per_context_token, "ratio": round(self.ratio, 4),
+                "deviation": round(self.deviation, 4), "num_observed": self.num_observed}
+
+
+def fit_context_cost(short_ctx: int, short_us: float, long_ctx: int, long_us: float) -> float:
+    """µs per cached position read by decode attention, from two runs that differ only in context."""
+    if long_ctx <= short_ctx:
+        return 0.0
+    return max((long_us - short_us) / (long_ctx - short_ctx), 0.0)

@@ -1,0 +1,42 @@
+"""Prometheus metrics of the inference service, on a registry owned by the service instance."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+STEP_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1)
+RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4)
+
+
+class ServiceMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("zeroqueue_requests", "Generate calls by outcome", ["outcome"], registry=r)
+        self.rejections = Counter("zeroqueue_rejections", "Calls refused at admission, by reason", ["reason"],
+                                  registry=r)
+        self.retry_attempts = Counter("zeroqueue_retry_attempts", "Calls that carried x-retry-attempt >= 1, by "
+                                      "attempt number (1, 2, 3+) and admission result", ["attempt", "result"],
+                                      registry=r)
+        self.deadline_misses = Counter("zeroqueue_deadline_misses", "Admitted calls that missed their deadline",
+                                       registry=r)
+        self.queue_time = Histogram("zeroqueue_queue_time_seconds", "Received to first engine step",
+                                    buckets=LATENCY_BUCKETS_S, registry=r)
+        self.ttft = Histogram("zeroqueue_ttft_seconds", "Received to first token", buckets=LATENCY_BUCKETS_S,
+                              registry=r)
+        self.inter_token = Histogram("zeroqueue_inter_token_seconds", "Between consecutive token messages",
+                                     buckets=LATENCY_BUCKETS_S, registry=r)
+        self.e2e = Histogram("zeroqueue_e2e_seconds", "Received to finished, admitted calls that completed",
+                             buckets=LATENCY_BUCKETS_S, registry=r)
+        self.admission_time = Histogram("zeroqueue_admission_seconds", "Arrival to admission decision",
+                                        buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05),
+                                        registry=r)
+        self.step_time = Histogram("zeroqueue_step_seconds", "Engine step interval", buckets=STEP_BUCKETS_S,
+                                   registry=r)
+        self.batch_size = Histogram("zeroqueue_batch_size", "Sequences per engine step",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self.finish_error = Histogram("zeroqueue_finish_prediction_ratio",
+                                      "Actual / predicted time to finish, admitted calls", buckets=RATIO_BUCKETS,
+                                      registry=r)
+        self.in_flight = Gauge("zeroqueue_in_flight", "Admitted calls not yet finished", registry=r)
+        self.free_slots = Gauge("zeroqueue_kv_slots_free", "Free KV cache slots", registry=r)

@@ -1,0 +1,206 @@
+"""The inference service in domain terms: admission, the engine, streams and their outcomes.
+
+server.py turns protobuf into a validated GenerateSpec and calls `submit`, then relays `stream`.
+Everything here runs on the event loop thread, except the engine, which runs on its own thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+
+import structlog
+
+from services import errors
+from .admission import Admit, AdmissionController, Commitment, FifoAdmission, Infeasible, Reject
+from .clock import Clock
+from .engine import Engine, RequestOutput
+from .executor import DeviceInfo
+from .metrics import ServiceMetrics
+from .request import Request, SamplingParams
+
+log = structlog.get_logger(__name__)
+
+
+class WarmupState(enum.Enum):
+    WARMING_UP = "warming_up"
+    READY = "ready"
+    DRAINING = "draining"
+
+
+class BudgetSource(enum.Enum):
+    CLIENT_DEADLINE = "client_deadline"
+    SERVER_DEFAULT = "server_default"
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    name: str
+    context_length: int
+    dtype: str
+    vocab_size: int
+    max_batch: int
+    device: DeviceInfo
+
+
+@dataclass(frozen=True)
+class GenerateSpec:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    labels: Mapping[str, str]
+    retry_attempt: int = 0
+
+
+@dataclass
+class Ticket:
+    spec: GenerateSpec
+    request: Request
+    outputs: asyncio.Queue
+    received_ns: int
+    dispatched_ns: int
+    deadline_ns: int
+    budget_ms: int
+    budget_source: BudgetSource
+    predicted_finish_ns: int
+    first_token_ns: int | None = None
+    finished_ns: int | None = None
+    finish_reason: str | None = None
+    num_output_tokens: int = 0
+
+    @property
+    def deadline_met(self) -> bool:
+        return self.finished_ns is not None and self.finished_ns <= self.deadline_ns
+
+
+@dataclass
+class _LoopSink:
+    """Hands engine outputs from the engine thread to the request's queue on the event loop."""
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def put(self, output: RequestOutput) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, output)
+
+
+def _attempt_label(attempt: int) -> str:
+    return str(attempt) if attempt < 3 else "3+"
+
+
+class InferenceService:
+    def __init__(self, engine: Engine, card: ModelCard, admission: AdmissionController | FifoAdmission,
+                 metrics: ServiceMetrics, clock: Clock, default_budget_ms: int = 30_000) -> None:
+        self.engine = engine
+        self.card = card
+        self.admission = admission
+        self.metrics = metrics
+        self.clock = clock
+        self.default_budget_ms = default_budget_ms
+        self.state = WarmupState.WARMING_UP
+        self.in_flight: dict[str, Ticket] = {}
+        self.drained = asyncio.Event()
+
+    @property
+    def deadline_mode(self) -> bool:
+        return isinstance(self.admission, AdmissionController)
+
+    def budget(self, time_remaining_s: float | None) -> tuple[int, BudgetSource]:
+        """The call's budget in ns: its gRPC deadline, or the server default when it has none."""
+        if time_remaining_s is None:
+            return self.default_budget_ms * 1_000_000, BudgetSource.SERVER_DEFAULT
+        return int(time_remaining_s * 1e9), BudgetSource.CLIENT_DEADLINE
+
+    def submit(self, spec: GenerateSpec, received_ns: int, budget_ns: int, source: BudgetSource) -> Ticket:
+        """Admits the call into the next engine step, or raises the domain error that says why not."""
+        if self.state is not WarmupState.READY:
+            raise errors.NotServing(f"replica is {self.state.value}; try another replica",
+                                    {"state": self.state.value})
+        if spec.request_id in self.in_flight:
+            raise errors.RequestIdInUse(f"request_id {spec.request_id!r} is already in flight",
+                                        {"request_id": spec.request_id})
+        if budget_ns <= 0:
+            self.metrics.rejections.labels("deadline_expired").inc()
+            raise errors.DeadlineExpired("the call's deadline had already passed when it arrived")
+        deadline_ns = received_ns + budget_ns
+        commitment = Commitment(spec.request_id, len(spec.prompt_token_ids), spec.sampling.max_tokens, deadline_ns)
+        now_ns = self.clock.now_ns()
+        decision = self.admission.decide(commitment, now_ns)
+        decided_ns = self.clock.now_ns()
+        self.metrics.admission_time.observe((decided_ns - received_ns) / 1e9)
+        attempt = _attempt_label(spec.retry_attempt)
+        if isinstance(decision, Infeasible):
+            self._count_decision(attempt, "infeasible")
+            raise errors.DeadlineInfeasible(budget_ns // 1_000_000, decision.min_budget_ms)
+        if isinstance(decision, Reject):
+            self._count_decision(attempt, "overloaded")
+            raise errors.Overloaded(decision.retry_after_ms, (decision.predicted_finish_ns - now_ns) // 1_000_000,
+                                    budget_ns // 1_000_000)
+        assert isinstance(decision, Admit)
+        self._count_decision(attempt, "admitted")
+        request = Request(spec.request_id, spec.prompt_token_ids, spec.sampling, arrival_ns=received_ns,
+                          deadline_ns=deadline_ns if self.deadline_mode else None)
+        sink = _LoopSink(asyncio.get_running_loop())
+        ticket = Ticket(spec, request, sink.queue, received_ns, decided_ns, deadline_ns, budget_ns // 1_000_000,
+                        source, decision.predicted_finish_ns or deadline_ns)
+        self.in_flight[spec.request_id] = ticket
+        self.metrics.in_flight.set(len(self.in_flight))
+        self.engine.add_request(request, sink)
+        return ticket
+
+    def _count_decision(self, attempt: str, result: str) -> None:
+        self.metrics.retry_attempts.labels(attempt, result).inc()
+        if result != "admitted":
+            self.metrics.rejections.labels(result).inc()
+
+    async def stream(self, ticket: Ticket) -> AsyncIterator[RequestOutput]:
+        """Relays the engine's outputs; the last one carries the finish reason."""
+        last_ns = ticket.received_ns
+        while ticket.finish_reason is None:
+            output: RequestOutput = await ticket.outputs.get()
+            if output.token_ids:
+                if ticket.first_token_ns is None:
+                    ticket.first_token_ns = output.time_ns
+                    self.metrics.ttft.observe((output.time_ns - ticket.received_ns) / 1e9)
+                    self.metrics.queue_time.observe(
+                        ((ticket.request.first_scheduled_ns or output.time_ns) - ticket.received_ns) / 1e9)
+                else:
+                    self.metrics.inter_token.observe((output.time_ns - last_ns) / 1e9)
+                last_ns = output.time_ns
+            ticket.num_output_tokens = output.num_output_tokens
+            self.admission.on_progress(ticket.spec.request_id, output.num_output_tokens)
+            if output.finish_reason is not None:
+                ticket.finish_reason, ticket.finished_ns = output.finish_reason, output.time_ns
+            yield output
+
+    def close(self, ticket: Ticket) -> None:
+        """Ends the call's bookkeeping; a call that ends before its stream did is cancelled in the engine."""
+        if ticket.finish_reason is None:
+            self.engine.cancel(ticket.spec.request_id)
+            outcome = "cancelled"
+        else:
+            outcome = {"stop": "ok", "length": "ok"}.get(ticket.finish_reason, ticket.finish_reason)
+        if outcome == "ok":
+            self.metrics.e2e.observe((ticket.finished_ns - ticket.received_ns) / 1e9)
+            predicted = ticket.predicted_finish_ns - ticket.received_ns
+            if self.deadline_mode and predicted > 0:
+                self.metrics.finish_error.observe((ticket.finished_ns - ticket.received_ns) / predicted)
+        if outcome == "deadline_exceeded" or (outcome == "ok" and not ticket.deadline_met):
+            self.metrics.deadline_misses.inc()
+        self.metrics.requests.labels(outcome).inc()
+        self.admission.release(ticket.spec.request_id)
+        self.in_flight.pop(ticket.spec.request_id, None)
+        self.metrics.in_flight.set(len(self.in_flight))
+        log.info("request_done", request_id=ticket.spec.request_id, outcome=outcome,
+                 prompt_tokens=len(ticket.spec.prompt_token_ids), completion_tokens=ticket.num_output_tokens,
+                 budget_ms=ticket.budget_ms, predicted_finish_ms=(ticket.predicted_finish_ns - ticket.received_ns)
+                 // 1_000_000, actual_finish_ms=((ticket.finished_ns or self.clock.now_ns()) - ticket.received_ns)
+                 // 1_000_000, ttft_ms=None if ticket.first_token_ns is None else
+                 (ticket.first_token_ns - ticket.received_ns) // 1_000_000, deadline_met=ticket.deadline_met)
+        if self.state is WarmupState.DRAINING and not self.in_flight:
+            self.drained.set()
+
+    def start_draining(self) -> None:
+        self.state = WarmupState.DRAINING
+        if not self.in_flight:
+            self.drained.set()

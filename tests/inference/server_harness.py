@@ -1,0 +1,88 @@
+"""An in-process replica on a real loopback port, its event loop on a background thread."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import Future
+
+import grpc
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from services.inference.app import InferenceApp, ServeConfig
+from services.inference.executor import Executor
+from zeroqueue.inference.v1 import inference_pb2 as pb
+from zeroqueue.inference.v1 import inference_pb2_grpc
+
+
+class ServerThread:
+    def __init__(self, config: ServeConfig, step_floor_s: float = 0.0) -> None:
+        self.config = config
+        self.step_floor_s = step_floor_s
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.app: InferenceApp | None = None
+        self.port = 0
+
+    def start(self, wait_ready: bool = True) -> "ServerThread":
+        self.thread.start()
+        self.app = self.run(self._make_app())
+        self.started: Future = asyncio.run_coroutine_threadsafe(self.app.start(), self.loop)
+        if wait_ready:
+            self.port = self.started.result(timeout=300)
+        else:
+            while not self.app.port:
+                time.sleep(0.01)
+            self.port = self.app.port
+        return self
+
+    async def _make_app(self) -> InferenceApp:
+        floor = self.step_floor_s
+        slow = type("FloorExecutor", (SlowExecutor,), {"floor_s": floor})
+        return InferenceApp(self.config, make_executor=slow if floor else Executor)
+
+    def run(self, coro, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.app is not None:
+            self.run(self.app.stop(grace_s), timeout=grace_s + 30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stub(self, **options) -> inference_pb2_grpc.InferenceStub:
+        channel = grpc.insecure_channel(self.address, options=list(options.items()))
+        return inference_pb2_grpc.InferenceStub(channel)
+
+
+class SlowExecutor(Executor):
+    """A fake slow device: every step takes at least `floor_s`, so a test's timing is dominated by it."""
+    floor_s = 0.0
+
+    def run(self, step):
+        t0 = time.monotonic()
+        result = super().run(step)
+        time.sleep(max(self.floor_s - (time.monotonic() - t0), 0))
+        return result
+
+
+def status_details(error: grpc.RpcError) -> dict:
+    """The google.rpc details of a failed call, by type name."""
+    status: status_pb2.Status = rpc_status.from_call(error)
+    found = {}
+    for detail in status.details if status else ():
+        for cls in (error_details_pb2.BadRequest, error_details_pb2.ErrorInfo, error_details_pb2.RetryInfo):
+            if detail.Is(cls.DESCRIPTOR):
+                message = cls()
+                detail.Unpack(message)
+                found[cls.DESCRIPTOR.name] = message
+    return found
+
+
+def collect(stream) -> list[pb.GenerateResponse]:
+    return list(stream)

@@ -1,0 +1,176 @@
+"""Admission under load, on a replica whose steps take a known minimum time (a fake slow device)."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.inference.app import ServeConfig
+from services.inference.executor import ExecutorConfig
+from tests.inference.server_harness import ServerThread, status_details
+from zeroqueue.inference.v1 import inference_pb2 as pb
+from zeroqueue.inference.v1 import inference_pb2_grpc
+
+STEP_S = 0.02
+
+
+def start_slow_server(llama_dir, **config):
+    cfg = ServeConfig(str(llama_dir), port=0, executor=ExecutorConfig(max_batch=2, max_seq_len=256), **config)
+    return ServerThread(cfg, step_floor_s=STEP_S).start()
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir):
+    s = start_slow_server(llama_dir)
+    yield s
+    s.stop()
+
+
+def metric(server, name, **labels):
+    value = server.app.metrics.registry.get_sample_value(name, labels)
+    return value or 0.0
+
+
+class Background:
+    """A streaming call consumed on a thread, remembering when each message arrived."""
+
+    def __init__(self, stub, timeout=20, **fields) -> None:
+        self.messages, self.times, self.error = [], [], None
+        self.admitted = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(stub, timeout, fields), daemon=True)
+        self.thread.start()
+
+    def _run(self, stub, timeout, fields):
+        try:
+            for message in stub.Generate(pb.GenerateRequest(**fields), timeout=timeout):
+                self.messages.append(message)
+                self.times.append(time.monotonic())
+                self.admitted.set()
+        except grpc.RpcError as error:
+            self.error = error
+            self.admitted.set()
+
+    def join(self):
+        self.thread.join(60)
+        return self
+
+
+def wait_until(predicate, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert predicate()
+
+
+def fill(server, n=2, max_tokens=40):
+    calls = [Background(server.stub(), prompt="def f(x):", max_tokens=max_tokens, temperature=0.0) for _ in range(n)]
+    for c in calls:
+        assert c.admitted.wait(20) and c.error is None
+    return calls
+
+
+def test_full_batch_rejects_at_once_with_a_retry_delay_and_the_retry_succeeds(server):
+    running = fill(server)
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        list(server.stub().Generate(pb.GenerateRequest(prompt="x = 1", max_tokens=20, request_id="retry-me"),
+                                    timeout=5))
+    rejected_at = time.monotonic()
+    error = info.value
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    details = status_details(error)
+    assert details["ErrorInfo"].reason == "OVERLOADED"
+    retry_ms = details["RetryInfo"].retry_delay.ToMilliseconds()
+    trailing = dict(error.trailing_metadata())
+    assert int(trailing["retry-after-ms"]) == retry_ms == int(trailing["grpc-retry-pushback-ms"])
+    assert abs(int(trailing["x-server-time"]) / 1e6 - time.time()) < 5
+    # refused without waiting for capacity: both running calls were still streaming
+    assert all(not c.thread.is_alive() or len(c.messages) < 42 for c in running)
+    assert all(c.times[-1] > rejected_at for c in [c.join() for c in running] if c.times)
+    # the hint is when the first running call is predicted to finish: about 40 steps away
+    assert 10 * STEP_S * 1000 <= retry_ms <= 40 * STEP_S * 1000 * 4
+    time.sleep(max(retry_ms / 1000 - (time.monotonic() - t0), 0))
+    messages = list(server.stub().Generate(pb.GenerateRequest(prompt="x = 1", max_tokens=20, request_id="retry-me"),
+                                           timeout=5))
+    assert messages[-1].final.timings.deadline_met
+
+
+def test_grpc_retry_policy_waits_the_pushback_delay(server):
+    running = fill(server)
+    config = {"methodConfig": [{"name": [{"service": "zeroqueue.inference.v1.Inference"}], "retryPolicy": {
+        "maxAttempts": 4, "initialBackoff": "0.01s", "maxBackoff": "0.01s", "backoffMultiplier": 1,
+        "retryableStatusCodes": ["RESOURCE_EXHAUSTED"]}}]}
+    channel = grpc.insecure_channel(server.address, options=[("grpc.service_config", json.dumps(config)),
+                                                             ("grpc.enable_retries", 1)])
+    before_retry = metric(server, "zeroqueue_retry_attempts_total", attempt="1", result="admitted") + metric(
+        server, "zeroqueue_retry_attempts_total", attempt="1", result="overloaded")
+    before_first = metric(server, "zeroqueue_retry_attempts_total", attempt="0", result="overloaded")
+    t0 = time.monotonic()
+    messages = list(inference_pb2_grpc.InferenceStub(channel).Generate(
+        pb.GenerateRequest(prompt="y = 2", max_tokens=10, request_id="policy-retry"), timeout=10))
+    elapsed = time.monotonic() - t0
+    assert messages[-1].WhichOneof("kind") == "final"
+    assert metric(server, "zeroqueue_retry_attempts_total", attempt="0", result="overloaded") == before_first + 1
+    after_retry = metric(server, "zeroqueue_retry_attempts_total", attempt="1", result="admitted") + metric(
+        server, "zeroqueue_retry_attempts_total", attempt="1", result="overloaded")
+    assert after_retry == before_retry + 1, "the server saw grpc-previous-rpc-attempts: 1"
+    assert elapsed >= 10 * STEP_S, "the client waited the pushback, not the 10 ms backoff"
+    for c in running:
+        c.join()
+
+
+def test_mispredicted_request_ends_with_deadline_exceeded_and_frees_its_slot(llama_dir):
+    s = start_slow_server(llama_dir)
+    try:
+        engine = s.app.engine
+        misses = metric(s, "zeroqueue_deadline_misses_total")
+        call = Background(s.stub(), timeout=3, prompt="def g():", max_tokens=60, temperature=0.0)
+        assert call.admitted.wait(10) and call.error is None
+        engine.executor.floor_s = 0.25          # the device becomes ten times slower than calibrated
+        call.join()
+        assert call.error is not None and call.error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert status_details(call.error)["ErrorInfo"].reason == "DEADLINE_MISSED"
+        engine.executor.floor_s = STEP_S
+        assert engine.scheduler.num_free_slots == engine.executor.num_slots
+        wait_until(lambda: not s.app.service.in_flight)
+        assert metric(s, "zeroqueue_deadline_misses_total") == misses + 1
+        assert metric(s, "zeroqueue_requests_total", outcome="deadline_exceeded") == 1
+    finally:
+        s.stop()
+
+
+def test_health_goes_serving_after_warm_up_and_not_serving_on_drain(llama_dir):
+    cfg = ServeConfig(str(llama_dir), port=0, executor=ExecutorConfig(max_batch=2, max_seq_len=256))
+    s = ServerThread(cfg, step_floor_s=0.03).start(wait_ready=False)
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(s.address))
+
+    def status(name="zeroqueue.inference.v1.Inference"):
+        return health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status
+
+    assert status() == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert status("liveness") == health_pb2.HealthCheckResponse.SERVING
+    with pytest.raises(grpc.RpcError) as info:
+        list(s.stub().Generate(pb.GenerateRequest(prompt="x", max_tokens=2), timeout=5))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    (model,) = s.stub().ListModels(pb.ListModelsRequest(), timeout=5).models
+    assert model.state == pb.WARMUP_STATE_WARMING_UP
+    s.port = s.started.result(timeout=120)
+    assert status() == status("") == health_pb2.HealthCheckResponse.SERVING
+    long = Background(s.stub(), prompt="def h():", max_tokens=30)
+    assert long.admitted.wait(10)
+    stopper = threading.Thread(target=s.stop, daemon=True)
+    stopper.start()
+    deadline = time.monotonic() + 5
+    while status() != health_pb2.HealthCheckResponse.NOT_SERVING and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert status() == health_pb2.HealthCheckResponse.NOT_SERVING
+    with pytest.raises(grpc.RpcError) as info:
+        list(s.stub().Generate(pb.GenerateRequest(prompt="x", max_tokens=2), timeout=5))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    long.join()
+    stopper.join(30)
+    assert long.error is None and long.messages[-1].WhichOneof("kind") == "final"
