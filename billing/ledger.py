@@ -20,9 +20,9 @@ from typing import Any
 
 import structlog
 from sqlalchemy import Table, select, tuple_
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from billing.bulk import dialect_insert, insert_new, stored_digests
 from billing.errors import InvalidArgument, InvalidPageToken, UnknownTenant
 from billing.models import IdleRow, RecordKind, Tenant, UsageConflict, UsageRow
 from billing.period import now_us as clock_us
@@ -49,16 +49,6 @@ class IngestResult:
     def delivered(self) -> bool:
         """True when the sender may forget the record (accepted or duplicate)."""
         return self.status is not IngestStatus.CONFLICT
-
-
-def dialect_insert(session: Session, table: Table):  # type: ignore[no-untyped-def]
-    """The dialect's INSERT, which knows ON CONFLICT."""
-    name = session.get_bind().dialect.name
-    if name == "postgresql":
-        return postgresql.insert(table)
-    if name == "sqlite":
-        return sqlite.insert(table)
-    raise NotImplementedError(f"the ledger supports sqlite and postgresql, not {name}")
 
 
 def tenant_ids(session: Session, names: set[str]) -> dict[str, int]:
@@ -129,14 +119,8 @@ def _ingest(
 ) -> list[IngestResult]:
     # Sorted ids give concurrent overlapping batches one lock order: no deadlocks.
     ordered = [rows[record_id] for record_id in sorted(rows)]
-    statement = dialect_insert(session, table).on_conflict_do_nothing(index_elements=[key])
-    inserted = set(session.scalars(statement.returning(table.c[key]), ordered))
-    stored: dict[str, str] = {}
-    if len(inserted) < len(rows):
-        existing = select(table.c[key], table.c.payload_digest).where(
-            table.c[key].in_(sorted(rows.keys() - inserted))
-        )
-        stored = dict(session.execute(existing).all())
+    inserted = insert_new(session, table, key, ordered)
+    stored = stored_digests(session, table, key, sorted(rows.keys() - inserted)) if len(inserted) < len(rows) else {}
     results, accepted_now = [], set()
     for record, digest in zip(records, digests):
         record_id = getattr(record, key)

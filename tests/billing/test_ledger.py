@@ -213,9 +213,11 @@ def test_page_tokens_are_checked(acme: Ledger) -> None:
     label=st.text(st.characters(min_codepoint=32, max_codepoint=0x10FFFF, exclude_categories=("Cs",),
                                 exclude_characters="\x7f"), min_size=1, max_size=40),
     request_id=st.text(st.characters(min_codepoint=33, max_codepoint=0x2FFF), min_size=1, max_size=128),
+    streamed=st.booleans(),
 )
-def test_stored_records_read_back_identical(acme: Ledger, unit_us, tokens, label, request_id) -> None:
-    record = usage(request_id, unit_us=unit_us, prompt_tokens=tokens, labels={"team": label, "note": label})
+def test_stored_records_read_back_identical(acme: Ledger, unit_us, tokens, label, request_id, streamed) -> None:
+    record = usage(request_id, unit_us=unit_us, prompt_tokens=tokens, labels={"team": label, "note": label},
+                   first_token_at_us=START_US + 3_600_000_000 - 3_000 if streamed else None)
     with unit_of_work(acme.sessions) as session:
         ingest_usage(session, [record])
         page = query_usage(session, start_us=record.finished_at_us, end_us=record.finished_at_us + 1,
