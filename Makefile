@@ -29,7 +29,8 @@ kernels: $(VENV)/.installed
 
 # The one command that generates the protobuf and gRPC code.
 protos: $(VENV)/.installed-dev
-	$(PY) -m grpc_tools.protoc -I protos --python_out=protos --grpc_python_out=protos --pyi_out=protos \
+	$(PY) -m grpc_tools.protoc -I protos -I $$($(PY) -c "import grpc_tools, os; print(os.path.dirname(grpc_tools.__file__))")/_proto \
+	  --python_out=protos --grpc_python_out=protos --pyi_out=protos \
 	  $$(cd protos && find zeroqueue -name '*.proto' | sort)
 
 check-protos: $(VENV)/.installed-dev

@@ -22,7 +22,8 @@ class Commitment:
     max_tokens: int
     deadline_ns: int
     num_generated: int = 0
-    reserved_until_ns: int | None = None    # set while this is a reservation for a hinted retry
+    reserved_from_ns: int | None = None     # set while this is a reservation for a hinted retry:
+    reserved_until_ns: int | None = None    # the retry is expected from `from` and held until `until`
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -124,31 +125,43 @@ class AdmissionController:
 
     @property
     def num_admitted(self) -> int:
-        return sum(1 for c in self.commitments.values() if c.reserved_until_ns is None)
+        return sum(1 for c in self.commitments.values() if c.reserved_from_ns is None)
 
     def decide(self, new: Commitment, now_ns: int) -> Decision:
         self._expire_reservations(now_ns)
         held = self.commitments.get(new.request_id)
-        if held is not None and held.reserved_until_ns is not None:
+        if held is not None and held.reserved_from_ns is not None:
             del self.commitments[new.request_id]            # a retry consumes its own reservation
         idle = self.predictor.finish_times([new], now_ns)[new.request_id]
         budget_ns = new.deadline_ns - now_ns
         if idle > new.deadline_ns - self.predictor.margin_for(new, now_ns):
             needed_ns = idle - now_ns + self.config.margin_ns(budget_ns)
             return Infeasible(min_budget_ms=math.ceil(needed_ns / NS_PER_MS))
-        current = list(self.commitments.values())
-        before = self.predictor.finish_times(current, now_ns)
-        ok, finish_ns = self.predictor.fits(current, new, now_ns, before)
+        ok, finish_ns, current, before = self._check(new, now_ns)
         if ok:
             self.commitments[new.request_id] = new
             return Admit(finish_ns)
         retry_ns = self._retry_at(current, new, now_ns, before)
         if retry_ns is not None:
-            new.reserved_until_ns = retry_ns + self.reservation_grace_ns
+            new.reserved_from_ns, new.reserved_until_ns = retry_ns, retry_ns + self.reservation_grace_ns
             self.commitments[new.request_id] = new
         else:
             retry_ns = max(before.values(), default=now_ns)
         return Reject(retry_after_ms=max(math.ceil((retry_ns - now_ns) / NS_PER_MS), 1), predicted_finish_ns=finish_ns)
+
+    def _check(self, new: Commitment, now_ns: int) -> tuple[bool, int, list[Commitment], dict[str, int]]:
+        """Fits `new` with the admitted requests and with the reserved retries due before it would finish."""
+        admitted = [c for c in self.commitments.values() if c.reserved_from_ns is None]
+        before = self.predictor.finish_times(admitted, now_ns)
+        ok, finish_ns = self.predictor.fits(admitted, new, now_ns, before)
+        due = [c for c in self.commitments.values()
+               if c.reserved_from_ns is not None and c.reserved_from_ns < finish_ns]
+        if not due:
+            return ok, finish_ns, admitted, before
+        current = admitted + due
+        before = self.predictor.finish_times(current, now_ns)
+        ok, finish_ns = self.predictor.fits(current, new, now_ns, before)
+        return ok, finish_ns, current, before
 
     def _retry_at(self, current: list[Commitment], new: Commitment, now_ns: int,
                   before: dict[str, int]) -> int | None:
@@ -174,7 +187,7 @@ class AdmissionController:
 
     def release(self, request_id: str) -> None:
         c = self.commitments.get(request_id)
-        if c is not None and c.reserved_until_ns is None:
+        if c is not None and c.reserved_from_ns is None:
             del self.commitments[request_id]
 
     def _expire_reservations(self, now_ns: int) -> None:

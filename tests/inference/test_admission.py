@@ -1,0 +1,149 @@
+"""Admission decisions and the cost model on their own, with a known step-time curve (no torch)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.inference.admission import (Admit, AdmissionConfig, AdmissionController, Commitment, FifoAdmission,
+                                          Infeasible, Predictor, Reject)
+from services.inference.costmodel import CostModel, fit_context_cost
+
+MS = 1_000_000
+
+
+def flat_cost(step_ms=10.0):
+    """Every step takes step_ms whatever the batch; no context cost; no inflation."""
+    return CostModel(rows=[1, 256], row_us=[step_ms * 1000, step_ms * 1000], us_per_context_token=0.0,
+                     num_deviations=0.0, deviation=0.0)
+
+
+def controller(slots=4, step_ms=10.0, margin_ms=0.0):
+    return AdmissionController(flat_cost(step_ms), AdmissionConfig(slots, 256, margin_ms=margin_ms,
+                                                                   margin_fraction=0.0))
+
+
+def commit(rid, prompt=4, max_tokens=10, deadline_ms=1000, now_ms=0):
+    return Commitment(rid, prompt, max_tokens, (now_ms + deadline_ms) * MS)
+
+
+def test_admission_modules_do_not_import_torch():
+    code = "import sys, services.inference.admission; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_cost_model_interpolates_and_extrapolates():
+    cost = CostModel(rows=[1, 8, 32], row_us=[1000, 1700, 4100], us_per_context_token=2.0, num_deviations=0,
+                     deviation=0)
+    assert cost.raw_step_us(8) == 1700
+    assert cost.raw_step_us(20) == pytest.approx(1700 + 12 * 100)
+    assert cost.raw_step_us(64) == pytest.approx(4100 + 32 * 100)
+    assert cost.raw_step_us(8, context_tokens=50) == 1800
+    assert fit_context_cost(10, 1000.0, 110, 1500.0) == 5.0
+
+
+def test_cost_model_learns_a_slower_device_online():
+    cost = CostModel(rows=[1, 2], row_us=[1000, 1100], us_per_context_token=0.0)
+    before = cost.step_us(1)
+    for _ in range(200):
+        cost.observe(1, 0, 2000)
+    assert cost.ratio == pytest.approx(2.0, rel=0.01)
+    assert before == pytest.approx(1150)          # 1000 µs × (ratio 1 + 3 deviations of 0.05)
+    assert cost.step_us(1) == pytest.approx(2000, rel=0.01)
+
+
+def test_noisy_steps_widen_the_prediction():
+    steady, noisy = (CostModel(rows=[1, 2], row_us=[1000, 1000], us_per_context_token=0.0) for _ in range(2))
+    for i in range(300):
+        steady.observe(1, 0, 1000)
+        noisy.observe(1, 0, 600 if i % 2 else 1400)
+    assert noisy.step_us(1) > steady.step_us(1) * 1.3
+
+
+def test_finish_times_follow_the_shrinking_batch():
+    cost = CostModel(rows=[1, 2, 3], row_us=[10_000, 20_000, 30_000], us_per_context_token=0.0, num_deviations=0,
+                     deviation=0)
+    predictor = Predictor(cost, AdmissionConfig(4, 256))
+    commitments = [Commitment("a", 1, 2, 10**12, num_generated=1), Commitment("b", 1, 5, 10**12, num_generated=1)]
+    finish = predictor.finish_times(commitments, 0)
+    # a needs 1 step at batch 2 (20 ms); b then needs 3 more steps at batch 1 (30 ms)
+    assert finish == {"a": 20 * MS, "b": 50 * MS}
+
+
+def test_admit_when_the_deadline_is_met():
+    c = controller()
+    decision = c.decide(commit("a", max_tokens=10, deadline_ms=200), 0)
+    assert isinstance(decision, Admit) and decision.predicted_finish_ns == 100 * MS
+    assert c.num_admitted == 1
+
+
+def test_infeasible_even_when_idle_reports_the_minimum_budget():
+    c = controller(margin_ms=5)
+    decision = c.decide(commit("a", max_tokens=10, deadline_ms=50), 0)
+    assert decision == Infeasible(min_budget_ms=105)
+    assert isinstance(c.decide(commit("b", max_tokens=10, deadline_ms=105), 0), Admit)
+
+
+def test_full_slots_reject_with_the_time_the_first_slot_frees():
+    c = controller(slots=2)
+    assert isinstance(c.decide(commit("a", max_tokens=5), 0), Admit)
+    assert isinstance(c.decide(commit("b", max_tokens=20), 0), Admit)
+    decision = c.decide(commit("c", max_tokens=5, deadline_ms=1000), 0)
+    assert isinstance(decision, Reject) and decision.retry_after_ms == 50
+
+
+def test_newcomer_may_not_push_an_admitted_request_past_its_deadline():
+    slow = CostModel(rows=[1, 2], row_us=[10_000, 30_000], us_per_context_token=0.0, num_deviations=0, deviation=0)
+    c = AdmissionController(slow, AdmissionConfig(4, 256, margin_ms=0, margin_fraction=0))
+    # one prompt token costs the marginal row (20 ms), then 10 steps of 10 ms
+    assert c.decide(commit("tight", prompt=1, max_tokens=10, deadline_ms=150), 0) == Admit(120 * MS)
+    # the newcomer's own deadline is generous, but at batch 2 "tight" would take 340 ms
+    decision = c.decide(commit("late", prompt=1, max_tokens=10, deadline_ms=10_000), 0)
+    assert isinstance(decision, Reject)
+    assert decision.retry_after_ms == 120
+
+
+def test_a_rejected_call_reserves_capacity_for_its_retry():
+    c = controller(slots=2)
+    c.decide(commit("a", max_tokens=5), 0)
+    c.decide(commit("b", max_tokens=50), 0)
+    reject = c.decide(commit("retry", max_tokens=5, deadline_ms=1000), 0)
+    assert isinstance(reject, Reject)
+    c.release("a")                                       # a finished at 50 ms
+    stranger = c.decide(commit("stranger", max_tokens=5, deadline_ms=1000, now_ms=50), 50 * MS)
+    assert isinstance(stranger, Reject), "the freed slot is held for the hinted retry"
+    assert isinstance(c.decide(commit("retry", max_tokens=5, deadline_ms=1000), 50 * MS), Admit)
+
+
+def test_reservation_expires_when_the_retry_never_comes():
+    c = AdmissionController(flat_cost(), AdmissionConfig(1, 256, margin_ms=0, margin_fraction=0),
+                            reservation_grace_ms=20)
+    c.decide(commit("a", max_tokens=5), 0)
+    assert isinstance(c.decide(commit("ghost", max_tokens=5), 0), Reject)
+    c.release("a")
+    assert isinstance(c.decide(commit("late", max_tokens=5, now_ms=100), 100 * MS), Admit)
+
+
+def test_fifo_admits_everything():
+    f = FifoAdmission()
+    for i in range(100):
+        assert isinstance(f.decide(commit(str(i), deadline_ms=1), 0), Admit)
+    assert f.num_admitted == 100
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 30), st.integers(50, 2000)), min_size=1, max_size=12),
+       st.integers(1, 6))
+def test_admitted_set_is_always_predicted_to_meet_every_deadline(arrivals, slots):
+    c = controller(slots=slots)
+    for i, (max_tokens, deadline_ms) in enumerate(arrivals):
+        decision = c.decide(commit(f"r{i}", max_tokens=max_tokens, deadline_ms=deadline_ms), 0)
+        admitted = [x for x in c.commitments.values() if x.reserved_from_ns is None]
+        assert len(admitted) <= slots
+        finish = c.predictor.finish_times(admitted, 0)
+        assert all(finish[x.request_id] <= x.deadline_ns for x in admitted)
+        if isinstance(decision, Reject):
+            assert decision.retry_after_ms >= 1
