@@ -33,7 +33,21 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from sqlalchemy import JSON, BigInteger, Boolean, Engine, String, case, cast, create_engine, func, insert, literal, select, text
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Engine,
+    String,
+    case,
+    cast,
+    create_engine,
+    func,
+    insert,
+    literal,
+    select,
+    text,
+)
 from sqlalchemy.engine import make_url
 
 import migrations

@@ -7,6 +7,7 @@ merged, so usage is summed first and priced (rounded) once per aggregate.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -14,8 +15,8 @@ from sqlalchemy import BigInteger, ColumnElement, case, cast, func, select
 from sqlalchemy.orm import Session
 
 from billing.models import Tenant, UsageRow
-from billing.pricing import PriceSchedule, PriceVersion, cost_micros
 from billing.period import US_PER_DAY
+from billing.pricing import PriceSchedule, PriceVersion, cost_micros
 
 
 @dataclass(slots=True)
@@ -86,7 +87,7 @@ def aggregate_usage(
     groups = [group_column(name, start_us) for name in group_by]
     merged: dict[tuple[object, ...], UsageAggregate] = {}
     bounds = schedule.boundaries(start_us, end_us)
-    for piece_start, piece_end in zip(bounds, bounds[1:]):
+    for piece_start, piece_end in itertools.pairwise(bounds):
         query = (
             select(
                 *groups,

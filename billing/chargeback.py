@@ -144,14 +144,14 @@ def chargeback_report(
     aggregates = aggregate_usage(session, bounds.start_us, bounds.end_us, group_by=group_by, tenant_id=tenant_id)
     totals: dict[tuple[object, ...], list[int]] = {}
     for agg in aggregates:
-        key = (*[_text(name, value, bounds.start_us) for name, value in zip(group_by, agg.key)],
+        key = (*[_text(name, value, bounds.start_us) for name, value in zip(group_by, agg.key, strict=True)],
                agg.unit, agg.price.currency)
         sums = totals.setdefault(key, [0] * 6)
         for index, value in enumerate((agg.num_requests, agg.num_requests - agg.num_missed, agg.unit_us,
                                        agg.prompt_tokens, agg.completion_tokens, agg.net_micros)):
             sums[index] += value
     rows = tuple(
-        ChargebackRow(tuple(zip(group_by, key[: len(group_by)])), key[-2], key[-1], *sums)  # type: ignore[arg-type]
+        ChargebackRow(tuple(zip(group_by, key[: len(group_by)], strict=True)), key[-2], key[-1], *sums)  # type: ignore[arg-type]
         for key, sums in sorted(totals.items())
     )
     devices, timeline = ((), ()) if tenant is not None else _utilisation(session, bounds.start_us, bounds.end_us)

@@ -87,7 +87,7 @@ def ingest_usage(
     digests = [record.payload_digest() for record in records]
     rows = {
         record.request_id: _usage_row(record, tenants[record.tenant], digest, now_us)
-        for record, digest in reversed(list(zip(records, digests)))  # first occurrence wins
+        for record, digest in reversed(list(zip(records, digests, strict=True)))  # first occurrence wins
     }
     return _ingest(session, UsageRow.__table__, "request_id", RecordKind.USAGE, records, digests, rows, now_us)
 
@@ -102,7 +102,7 @@ def ingest_idle(
     digests = [record.payload_digest() for record in records]
     rows = {
         record.record_id: {**record.to_payload(), "payload_digest": digest, "ingested_at_us": now_us}
-        for record, digest in reversed(list(zip(records, digests)))
+        for record, digest in reversed(list(zip(records, digests, strict=True)))
     }
     return _ingest(session, IdleRow.__table__, "record_id", RecordKind.IDLE, records, digests, rows, now_us)
 
@@ -122,7 +122,7 @@ def _ingest(
     inserted = insert_new(session, table, key, ordered)
     stored = stored_digests(session, table, key, sorted(rows.keys() - inserted)) if len(inserted) < len(rows) else {}
     results, accepted_now = [], set()
-    for record, digest in zip(records, digests):
+    for record, digest in zip(records, digests, strict=True):
         record_id = getattr(record, key)
         if record_id in inserted and record_id not in accepted_now:
             accepted_now.add(record_id)

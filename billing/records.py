@@ -8,6 +8,7 @@ construction and raises :class:`billing.errors.InvalidRecord` naming the field.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 from collections.abc import Mapping
@@ -171,7 +172,7 @@ class UsageRecord:
         if self.first_token_at_us is not None:
             order.append(("first_token_at_us", self.first_token_at_us))
         order.append(("finished_at_us", self.finished_at_us))
-        for (before, before_us), (after, after_us) in zip(order, order[1:]):
+        for (before, before_us), (after, after_us) in itertools.pairwise(order):
             if after_us < before_us:
                 raise InvalidRecord(
                     f"{after} ({after_us}) must not be earlier than {before} ({before_us})", field=after

@@ -28,9 +28,10 @@ def run_online() -> None:
     if connection is not None:
         run(connection)
         return
-    url = config.attributes.get("ledger_url")
+    # From code: migrations.upgrade(url). By hand: alembic -c migrations/alembic.ini -x ledger=URL upgrade head
+    url = config.attributes.get("ledger_url") or context.get_x_argument(as_dictionary=True).get("ledger")
     if not url:
-        raise RuntimeError("no ledger URL: call migrations.upgrade(url) or pass --ledger URL")
+        raise RuntimeError("no ledger URL: use `zeroqueue migrate --ledger URL` or alembic's -x ledger=URL")
     engine = make_engine(url)
     try:
         with engine.connect() as connection:

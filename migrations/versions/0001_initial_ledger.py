@@ -29,8 +29,10 @@ APPEND_ONLY = ("usage_records", "idle_records", "usage_conflicts", "prices", "cr
 
 def upgrade() -> None:
     _create_identity_tables()
-    _create_record_tables()
-    _create_invoice_tables()
+    _create_usage_table()
+    _create_idle_and_conflict_tables()
+    _create_price_and_invoice_tables()
+    _create_invoice_line_and_credit_tables()
     if op.get_bind().dialect.name == "postgresql":
         _create_postgresql_triggers()
     else:
@@ -76,7 +78,7 @@ def _create_identity_tables() -> None:
     op.create_index(op.f("ix_api_keys_tenant_id"), "api_keys", ["tenant_id"])
 
 
-def _create_record_tables() -> None:
+def _create_usage_table() -> None:
     op.create_table(
         "usage_records",
         sa.Column("id", BigIntPK, nullable=False),
@@ -127,6 +129,9 @@ def _create_record_tables() -> None:
         "usage_records",
         ["tenant_id", "finished_at_us", "id"],
     )
+
+
+def _create_idle_and_conflict_tables() -> None:
     op.create_table(
         "idle_records",
         sa.Column("id", BigIntPK, nullable=False),
@@ -166,7 +171,7 @@ def _create_record_tables() -> None:
     )
 
 
-def _create_invoice_tables() -> None:
+def _create_price_and_invoice_tables() -> None:
     op.create_table(
         "prices",
         sa.Column("id", sa.Integer(), nullable=False),
@@ -208,6 +213,9 @@ def _create_invoice_tables() -> None:
         sqlite_where=sa.text("status <> 'void'"),
         postgresql_where=sa.text("status <> 'void'"),
     )
+
+
+def _create_invoice_line_and_credit_tables() -> None:
     op.create_table(
         "invoice_lines",
         sa.Column("id", BigIntPK, nullable=False),

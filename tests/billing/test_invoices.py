@@ -88,7 +88,8 @@ def ledger_implied_total(ledger: Ledger, tenant: str) -> int:
 
 def test_totals_equal_lines_and_the_ledger_rows(billed: Ledger) -> None:
     invoice = draft(billed)
-    summary = [(l.model, l.kind, l.price_micros, l.num_requests, l.unit_us, l.amount_micros) for l in invoice.lines]
+    summary = [(ln.model, ln.kind, ln.price_micros, ln.num_requests, ln.unit_us, ln.amount_micros)
+               for ln in invoice.lines]
     assert summary == [
         ("big", LineKind.USAGE, 10, 1, 132_000_000, 1_320),
         ("big", LineKind.USAGE, 12, 2, 66_000_002, 792),  # 792.000024 rounds down

@@ -124,7 +124,8 @@ def test_digest_ignores_label_order_and_enum_spelling() -> None:
     completion=st.integers(0, 10**9),
     labels=st.dictionaries(
         st.from_regex(r"[a-z][a-z0-9_]{0,10}", fullmatch=True),
-        st.text(st.characters(min_codepoint=32, max_codepoint=0x2FFF, exclude_characters="\x7f"), min_size=1, max_size=20),
+        st.text(st.characters(min_codepoint=32, max_codepoint=0x2FFF, exclude_characters="\x7f"),
+                min_size=1, max_size=20),
         max_size=5,
     ),
     gaps=st.lists(st.integers(0, 10**9), min_size=3, max_size=3),
