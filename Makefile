@@ -20,8 +20,13 @@ $(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml
 	$(PIP) install -q -e '.[dev]'
 	touch $@
 
+# grpc-js client for the cross-implementation test
+tests/node/node_modules/.installed: tests/node/package.json tests/node/package-lock.json
+	cd tests/node && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
 install: $(VENV)/.installed kernels
-install-dev: $(VENV)/.installed-dev kernels
+install-dev: $(VENV)/.installed-dev kernels tests/node/node_modules/.installed
 
 # Compiles the CPU kernels once (about a minute); the engine falls back to plain torch when they are missing.
 kernels: $(VENV)/.installed

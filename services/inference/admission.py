@@ -99,10 +99,9 @@ class Predictor:
     def fits(self, commitments: list[Commitment], new: Commitment, now_ns: int,
              before: dict[str, int]) -> tuple[bool, int]:
         """Whether `new` meets its deadline and pushes no commitment past a deadline it was predicted to meet."""
-        if len(commitments) + 1 > self.config.num_slots:
-            return False, 0
         after = self.finish_times([*commitments, new], now_ns)
-        ok = after[new.request_id] <= new.deadline_ns - self.margin_for(new, now_ns)
+        ok = len(commitments) < self.config.num_slots
+        ok = ok and after[new.request_id] <= new.deadline_ns - self.margin_for(new, now_ns)
         for c in commitments:
             limit = c.deadline_ns - self.margin_for(c, now_ns)
             if after[c.request_id] > limit and before.get(c.request_id, 0) <= limit:

@@ -1,0 +1,124 @@
+"""The `zeroqueue` command."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import re
+import signal
+import sys
+
+import structlog
+
+UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
+         "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+def parse_bytes(text: str) -> int:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GiB)")
+    return int(float(match.group(1)) * UNITS[match.group(2).lower()])
+
+
+def configure_logging(json_logs: bool) -> None:
+    renderer = structlog.processors.JSONRenderer() if json_logs else structlog.dev.ConsoleRenderer()
+    structlog.configure(processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper("iso"),
+                                    structlog.processors.format_exc_info, renderer],
+                        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
+
+
+def add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run an inference replica")
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--admission", choices=("deadline", "fifo"), default="deadline")
+    p.add_argument("--default-deadline-ms", type=int, default=30_000, help="budget of calls without a deadline")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
+    p.add_argument("--max-batch", type=int, default=32, help="KV slots: the most calls running at once")
+    p.add_argument("--max-seq-len", type=int, default=1024, help="tokens per KV slot (prompt + output)")
+    p.add_argument("--kv-memory", type=parse_bytes, default=parse_bytes("2GiB"), help="KV cache budget")
+    p.add_argument("--max-batched-tokens", type=int, default=256, help="tokens per engine step")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: all cores but one)")
+    p.add_argument("--safety-margin-ms", type=float, default=20.0)
+    p.add_argument("--safety-margin-pct", type=float, default=5.0)
+    p.add_argument("--json-logs", action=argparse.BooleanOptionalAction, default=True)
+    p.set_defaults(run=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from services.inference.app import InferenceApp, ServeConfig
+    from services.inference.executor import ExecutorConfig
+
+    config = ServeConfig(
+        model_dir=args.model, host=args.host, port=args.port, admission=args.admission,
+        default_deadline_ms=args.default_deadline_ms, metrics_port=args.metrics_port, dtype=args.dtype,
+        executor=ExecutorConfig(device=args.device, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
+                                kv_memory_bytes=args.kv_memory, num_threads=args.threads),
+        max_num_batched_tokens=args.max_batched_tokens, margin_ms=args.safety_margin_ms,
+        margin_fraction=args.safety_margin_pct / 100)
+    return asyncio.run(_serve(InferenceApp(config)))
+
+
+async def _serve(app) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    starting = asyncio.create_task(app.start())
+    while not app.port and not starting.done():
+        await asyncio.sleep(0.01)
+    print(f"zeroqueue: listening on {app.config.host}:{app.port} (warming up)", flush=True)
+    await asyncio.wait([starting, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if starting.done():
+        starting.result()
+        print(f"zeroqueue: SERVING on {app.config.host}:{app.port}", flush=True)
+        await stop.wait()
+    print("zeroqueue: draining", flush=True)
+    await app.stop()
+    return 0
+
+
+def add_health(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("health", help="check a replica's gRPC health; exit 0 SERVING, 1 NOT_SERVING, 2 unreachable")
+    p.add_argument("--address", default="127.0.0.1:50051")
+    p.add_argument("--service", default="zeroqueue.inference.v1.Inference")
+    p.add_argument("--timeout", type=float, default=3.0)
+    p.set_defaults(run=run_health)
+
+
+def run_health(args: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(args.address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+        except grpc.RpcError as error:
+            print(f"{args.address} {args.service or '(server)'}: {error.code().name}", file=sys.stderr)
+            return 2
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{args.address} {args.service or '(server)'}: {status}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zeroqueue", description=__doc__)
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+    add_serve(sub)
+    add_health(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(getattr(args, "json_logs", False))
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
