@@ -21,7 +21,10 @@ from billing.pricing import PriceSchedule, PriceVersion, cost_micros
 
 @dataclass(slots=True)
 class UsageAggregate:
-    """Usage of one group under one price version; ``missed_*`` are the requests that missed their deadline."""
+    """Usage of one group under one price version; ``missed_*`` are the requests that missed their deadline.
+
+    [from_us, to_us) is where that price version was in force within the aggregated range.
+    """
 
     key: tuple[object, ...]
     model: str
@@ -114,15 +117,16 @@ def aggregate_usage(
             price = schedule.version_at(model, unit, piece_start)
             aggregate = merged.get((key, model, unit, price.id))
             if aggregate is None:
+                until = schedule.valid_until(price)
                 aggregate = merged[(key, model, unit, price.id)] = UsageAggregate(
-                    key, model, unit, price, piece_start, piece_end
+                    key, model, unit, price, max(start_us, price.effective_from_us),
+                    end_us if until is None else min(end_us, until),
                 )
-            _accumulate(aggregate, piece_end, sums)
+            _accumulate(aggregate, sums)
     return list(merged.values())
 
 
-def _accumulate(aggregate: UsageAggregate, piece_end: int, sums: Sequence[int]) -> None:
-    aggregate.to_us = piece_end
+def _accumulate(aggregate: UsageAggregate, sums: Sequence[int]) -> None:
     aggregate.num_requests += sums[0]
     aggregate.unit_us += sums[1]
     aggregate.prompt_tokens += sums[2]

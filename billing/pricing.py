@@ -129,6 +129,12 @@ class PriceSchedule:
             raise MissingPrice(model, unit, at_us)
         return self._versions[(model, unit)][index]
 
+    def valid_until(self, version: PriceVersion) -> int | None:
+        """When the next version of the same model and unit takes over (None: still in force)."""
+        versions = self._versions[(version.model, version.unit)]
+        index = versions.index(version)
+        return versions[index + 1].effective_from_us if index + 1 < len(versions) else None
+
     def boundaries(self, start_us: int, end_us: int) -> list[int]:
         """``start_us``, every price change strictly inside the range, and ``end_us``, sorted."""
         inside = {

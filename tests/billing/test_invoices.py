@@ -101,6 +101,9 @@ def test_totals_equal_lines_and_the_ledger_rows(billed: Ledger) -> None:
     assert invoice.total_micros == ledger_implied_total(billed, "acme")
     assert draft(billed, "globex").total_micros == ledger_implied_total(billed, "globex") == 10_500
     assert [line.position for line in invoice.lines] == list(range(5))
+    period = parse_period(PERIOD)
+    assert [(ln.usage_from_us, ln.usage_to_us) for ln in invoice.lines] == [
+        (period.start_us, MID_MONTH_US), *[(MID_MONTH_US, period.end_us)] * 2, *[(period.start_us, period.end_us)] * 2]
     assert invoice.currency == "USD" and invoice.status is InvoiceStatus.DRAFT
 
 
