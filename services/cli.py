@@ -74,7 +74,9 @@ async def _serve(app) -> int:
     print(f"zeroqueue: listening on {app.config.host}:{app.port} (warming up)", flush=True)
     await asyncio.wait([starting, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     if starting.done():
-        starting.result()
+        if starting.exception() is not None:
+            await app.stop(grace_s=0)
+            raise starting.exception()
         print(f"zeroqueue: SERVING on {app.config.host}:{app.port}", flush=True)
         await stop.wait()
     print("zeroqueue: draining", flush=True)

@@ -48,6 +48,10 @@ class AdmissionConfig:
     def margin_ns(self, budget_ns: int) -> int:
         return int(self.margin_ms * NS_PER_MS + self.margin_fraction * budget_ns)
 
+    def min_budget_ns(self, work_ns: int) -> int:
+        """The smallest budget B with work + margin(B) <= B."""
+        return math.ceil((work_ns + self.margin_ms * NS_PER_MS) / (1 - self.margin_fraction))
+
 
 @dataclass(frozen=True)
 class Admit:
@@ -116,11 +120,18 @@ class Predictor:
 class AdmissionController:
     """Deadline mode: predict at arrival, admit or reject at once with a retry delay and a reservation."""
 
-    def __init__(self, cost: CostModel, config: AdmissionConfig, reservation_grace_ms: float = 50.0) -> None:
+    def __init__(self, cost: CostModel, config: AdmissionConfig, reservation_grace_ms: float = 50.0,
+                 max_reservations: int | None = None) -> None:
         self.predictor = Predictor(cost, config)
         self.config = config
         self.commitments: dict[str, Commitment] = {}
         self.reservation_grace_ns = int(reservation_grace_ms * NS_PER_MS)
+        # a rejection storm must not grow the work of every decision: at most this many reservations
+        self.max_reservations = config.num_slots if max_reservations is None else max_reservations
+
+    @property
+    def num_reserved(self) -> int:
+        return len(self.commitments) - self.num_admitted
 
     @property
     def num_admitted(self) -> int:
@@ -132,19 +143,17 @@ class AdmissionController:
         if held is not None and held.reserved_from_ns is not None:
             del self.commitments[new.request_id]            # a retry consumes its own reservation
         idle = self.predictor.finish_times([new], now_ns)[new.request_id]
-        budget_ns = new.deadline_ns - now_ns
         if idle > new.deadline_ns - self.predictor.margin_for(new, now_ns):
-            needed_ns = idle - now_ns + self.config.margin_ns(budget_ns)
-            return Infeasible(min_budget_ms=math.ceil(needed_ns / NS_PER_MS))
+            return Infeasible(min_budget_ms=math.ceil(self.config.min_budget_ns(idle - now_ns) / NS_PER_MS))
         ok, finish_ns, current, before = self._check(new, now_ns)
         if ok:
             self.commitments[new.request_id] = new
             return Admit(finish_ns)
         retry_ns = self._retry_at(current, new, now_ns, before)
-        if retry_ns is not None:
+        if retry_ns is not None and self.num_reserved < self.max_reservations:
             new.reserved_from_ns, new.reserved_until_ns = retry_ns, retry_ns + self.reservation_grace_ns
             self.commitments[new.request_id] = new
-        else:
+        elif retry_ns is None:
             retry_ns = max(before.values(), default=now_ns)
         return Reject(retry_after_ms=max(math.ceil((retry_ns - now_ns) / NS_PER_MS), 1), predicted_finish_ns=finish_ns)
 

@@ -22,10 +22,13 @@ class _Discard:
 def _decode_step_us(engine: Engine, batch: int, prompt_len: int, num_steps: int, rng: random.Random) -> float:
     """Median interval of decode-only steps with `batch` requests whose context is about `prompt_len`."""
     vocab = engine.executor.model.args.vocab_size
+    # the first requests decode while later prompts are still filled in chunks: outlast that
+    prefill_steps = -(-batch * prompt_len // engine.scheduler.config.max_num_batched_tokens)
     for i in range(batch):
         prompt = tuple(rng.randrange(vocab) for _ in range(prompt_len))
         request = Request(f"calibrate-{batch}-{prompt_len}-{i}", prompt,
-                          SamplingParams(max_tokens=num_steps + 1, temperature=0.0), engine.clock())
+                          SamplingParams(max_tokens=prefill_steps + num_steps + 1, temperature=0.0, ignore_eos=True),
+                          engine.clock())
         engine.add_request(request, _Discard())
     times = []
     while engine.has_work:
@@ -41,7 +44,7 @@ def _prefill_step_us(engine: Engine, num_tokens: int, repeats: int, rng: random.
     for r in range(repeats):
         prompt = tuple(rng.randrange(vocab) for _ in range(num_tokens))
         engine.add_request(Request(f"calibrate-prefill-{num_tokens}-{r}", prompt,
-                                   SamplingParams(max_tokens=1, temperature=0.0), engine.clock()), _Discard())
+                                   SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), engine.clock()), _Discard())
         report = engine.step()
         times.append(report.interval_ns / 1000)
         while engine.has_work:
@@ -66,7 +69,7 @@ def calibrate(engine: Engine, num_steps: int = 6, repeats: int = 3, seed: int = 
             rows.append(n)
             row_us.append(_prefill_step_us(engine, n, repeats, rng))
     batch = min(8, slots)
-    long_ctx = min(engine.executor.max_seq_len - num_steps - 2, 512)
+    long_ctx = min(engine.executor.max_seq_len // 2, 512)
     short_us = row_us[rows.index(batch)] if batch in rows else _decode_step_us(engine, batch, 4, num_steps, rng)
     long_us = _decode_step_us(engine, batch, long_ctx, num_steps, rng)
     per_ctx = fit_context_cost(batch * 4, short_us, batch * long_ctx, long_us)

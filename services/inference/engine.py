@@ -79,8 +79,8 @@ class Engine:
 
     # ---- called from any thread ----
     def add_request(self, request: Request, sink: OutputSink) -> None:
-        """Queues `request` for the next step; the model's end-of-sequence ids always stop it."""
-        stop_ids = request.sampling.stop_token_ids | self.eos_token_ids
+        """Queues `request` for the next step; the model's end-of-sequence ids stop it unless ignore_eos."""
+        stop_ids = request.sampling.stop_token_ids | (frozenset() if request.sampling.ignore_eos else self.eos_token_ids)
         if stop_ids != request.sampling.stop_token_ids:
             request.sampling = replace(request.sampling, stop_token_ids=stop_ids)
         with self._wake:

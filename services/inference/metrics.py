@@ -5,6 +5,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 STEP_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1)
+# fine below 2 ms, where the admission goal lies, so percentiles can be read off the buckets
+ADMISSION_BUCKETS_S = tuple(i * 50e-6 for i in range(1, 41)) + (0.003, 0.005, 0.01, 0.025, 0.05, 0.1)
 RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4)
 
 
@@ -29,7 +31,7 @@ class ServiceMetrics:
         self.e2e = Histogram("zeroqueue_e2e_seconds", "Received to finished, admitted calls that completed",
                              buckets=LATENCY_BUCKETS_S, registry=r)
         self.admission_time = Histogram("zeroqueue_admission_seconds", "Arrival to admission decision",
-                                        buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05),
+                                        buckets=ADMISSION_BUCKETS_S,
                                         registry=r)
         self.step_time = Histogram("zeroqueue_step_seconds", "Engine step interval", buckets=STEP_BUCKETS_S,
                                    registry=r)

@@ -42,6 +42,7 @@ class SamplingParams:
     seed: int = 0                   # makes sampling reproducible whatever else shares the batch
     stop_token_ids: frozenset[int] = frozenset()
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False        # keep going past end-of-sequence (benchmarks, calibration)
 
     @property
     def greedy(self) -> bool:

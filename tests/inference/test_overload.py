@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.inference.app import ServeConfig
 from services.inference.executor import ExecutorConfig
-from tests.inference.server_harness import ServerThread, status_details
+from services.inference.inprocess import ServerThread, status_details
 from zeroqueue.inference.v1 import inference_pb2 as pb
 from zeroqueue.inference.v1 import inference_pb2_grpc
 

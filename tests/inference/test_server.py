@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from services.inference.app import ServeConfig
 from services.inference.executor import ExecutorConfig
 from tests.inference.conftest import Collector, make_engine, request, run_to_completion
-from tests.inference.server_harness import ServerThread, status_details
+from services.inference.inprocess import ServerThread, status_details
 from zeroqueue.inference.v1 import inference_pb2 as pb
 
 PROMPT = "def add(a, b):\n    return"

@@ -1,4 +1,7 @@
-"""An in-process replica on a real loopback port, its event loop on a background thread."""
+"""A replica in this process, on a real loopback port, its event loop on a background thread.
+
+For tests and benchmarks that drive a server and look inside it at the same time.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -83,6 +86,3 @@ def status_details(error: grpc.RpcError) -> dict:
                 found[cls.DESCRIPTOR.name] = message
     return found
 
-
-def collect(stream) -> list[pb.GenerateResponse]:
-    return list(stream)

@@ -1,0 +1,221 @@
+"""The CPU kernels (services/inference/kernels) against torch references, and their batch invariance."""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.inference import kernels
+
+DTYPES = (torch.float32, torch.bfloat16)
+FEW = settings(max_examples=12, deadline=None, derandomize=True)
+
+
+@pytest.fixture(scope="module")
+def ops() -> kernels.CpuOps:
+    loaded = kernels.load_cpu_ops()
+    if loaded is not None:
+        return loaded
+    reason = kernels.reason_unavailable()
+    # A CPU that has the ISA must get working kernels: a build failure there is a defect, not a skip.
+    capable = not kernels.missing_cpu_flags() and os.environ.get(kernels.DISABLE_ENV) != "1"
+    if os.environ.get("ZQ_REQUIRE_KERNELS") == "1" or capable:
+        pytest.fail(f"CPU kernels unavailable: {reason}")
+    pytest.skip(f"CPU kernels unavailable: {reason}")
+
+
+@contextlib.contextmanager
+def num_threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+# ---- linear ----
+
+@FEW
+@given(m=st.integers(1, 40), n=st.integers(1, 100), k=st.integers(1, 90), dtype=st.sampled_from(DTYPES),
+       with_bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_linear_matches_f_linear(ops, m, n, k, dtype, with_bias, seed):
+    x, w = randn(m, k, dtype=dtype, seed=seed), randn(n, k, dtype=dtype, seed=seed + 1)
+    bias = randn(n, dtype=dtype, seed=seed + 2) if with_bias else None
+    y = ops.linear(x, ops.pack_linear(w), bias, n)
+    # fp32 math on the same (already rounded) inputs: the kernel only adds fp32 accumulation error.
+    ref = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+    assert y.dtype == dtype and y.shape == (m, n)
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * math.sqrt(k))
+    else:  # one rounding to bf16 at the end (2^-8 relative), plus fp32 accumulation
+        torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=1e-4 * math.sqrt(k))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_bias_lands_on_its_own_column(ops, dtype):
+    w, bias = randn(35, 21, dtype=dtype, seed=2), randn(35, dtype=dtype, seed=3)  # 35: three panels, last partial
+    y = ops.linear(torch.zeros(3, 21, dtype=dtype), ops.pack_linear(w), bias, 35)
+    assert torch.equal(y, bias.expand(3, -1))
+
+
+def test_linear_keeps_leading_dims(ops):
+    x, w = randn(2, 5, 24, dtype=torch.float32, seed=4), randn(40, 24, dtype=torch.float32, seed=5)
+    y = ops.linear(x, ops.pack_linear(w), None, 40)
+    torch.testing.assert_close(y, F.linear(x, w))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(960, 576), (37, 33), (16, 1)])
+def test_linear_is_batch_invariant(ops, dtype, n, k):
+    """A row's output is bit-identical alone, in any batch, in any order, on any number of threads."""
+    x, w = randn(45, k, dtype=dtype, seed=6), randn(n, k, dtype=dtype, seed=7)
+    bias = randn(n, dtype=dtype, seed=8)
+    packed = ops.pack_linear(w)
+    full = ops.linear(x, packed, bias, n)
+    for m in range(0, 45, 7):
+        assert torch.equal(ops.linear(x[m:m + 1], packed, bias, n), full[m:m + 1])
+    for size in (2, 5, 8, 9, 33):
+        assert torch.equal(ops.linear(x[:size], packed, bias, n), full[:size])
+    order = torch.randperm(45, generator=torch.Generator().manual_seed(9))
+    assert torch.equal(ops.linear(x[order], packed, bias, n), full[order])
+    with num_threads(1):
+        assert torch.equal(ops.linear(x, packed, bias, n), full)
+
+
+def test_pack_linear_layout(ops):
+    w = randn(20, 7, dtype=torch.bfloat16, seed=10)
+    packed = ops.pack_linear(w)
+    assert packed.shape == (2, 4, 16, 2)  # [ceil(N/16)][ceil(K/2)][16][2]
+    n, k = torch.meshgrid(torch.arange(20), torch.arange(7), indexing="ij")
+    assert torch.equal(packed[n // 16, k // 2, n % 16, k % 2], w)
+    assert packed.float().abs().sum() == w.float().abs().sum()  # padding is zero
+    w32 = w.float()
+    packed32 = ops.pack_linear(w32)
+    assert packed32.shape == (2, 7, 16)  # [ceil(N/16)][K][16]
+    assert torch.equal(packed32[n // 16, k, n % 16], w32)
+
+
+def test_linear_rejects_mismatched_inputs(ops):
+    packed = ops.pack_linear(randn(32, 16, dtype=torch.float32, seed=11))
+    with pytest.raises(RuntimeError, match="was not packed for K=17"):
+        ops.linear(randn(2, 17, dtype=torch.float32, seed=12), packed, None, 32)
+    with pytest.raises(RuntimeError, match="n=40 does not match"):
+        ops.linear(randn(2, 16, dtype=torch.float32, seed=12), packed, None, 40)
+    with pytest.raises(RuntimeError, match="x is BFloat16 but packed is Float"):
+        ops.linear(randn(2, 16, dtype=torch.bfloat16, seed=12), packed, None, 32)
+
+
+# ---- decode attention ----
+
+def attention_case(batch, heads, kv_heads, head_dim, seq_len, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    slots_total = batch + 2
+    q = torch.randn(batch, heads, head_dim, generator=gen).to(dtype)
+    k_cache = torch.randn(slots_total, kv_heads, seq_len, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(slots_total, kv_heads, seq_len, head_dim, generator=gen).to(dtype)
+    slots = torch.randperm(slots_total, generator=gen)[:batch]
+    lengths = torch.randint(1, seq_len + 1, (batch,), generator=gen)
+    for b in range(batch):  # positions past a sequence's length must never be read
+        k_cache[slots[b], :, lengths[b]:] = float("nan")
+        v_cache[slots[b], :, lengths[b]:] = float("nan")
+    return q, k_cache, v_cache, slots, lengths
+
+
+def sdpa_reference(q, k_cache, v_cache, slots, lengths, scale):
+    """Masked SDPA over the whole cache rows of each sequence, in fp32."""
+    seq_len = k_cache.shape[2]
+    k = k_cache[slots].float().nan_to_num(0.0)  # [B, KVH, T, D]
+    v = v_cache[slots].float().nan_to_num(0.0)
+    mask = torch.arange(seq_len)[None, :] < lengths[:, None]  # [B, T]
+    out = F.scaled_dot_product_attention(q.float().unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
+                                         scale=scale, enable_gqa=True)
+    return out.squeeze(2)
+
+
+@FEW
+@given(batch=st.integers(1, 5), kv_heads=st.integers(1, 3), group=st.integers(1, 3),
+       head_dim=st.sampled_from([32, 64, 128]), seq_len=st.integers(1, 70), dtype=st.sampled_from(DTYPES),
+       seed=st.integers(0, 2**16))
+def test_decode_attention_matches_sdpa(ops, batch, kv_heads, group, head_dim, seq_len, dtype, seed):
+    q, k_cache, v_cache, slots, lengths = attention_case(batch, kv_heads * group, kv_heads, head_dim, seq_len,
+                                                         dtype, seed)
+    scale = head_dim ** -0.5
+    out = ops.decode_attention(q, k_cache, v_cache, slots, lengths, scale)
+    ref = sdpa_reference(q, k_cache, v_cache, slots, lengths, scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(out.float(), ref, rtol=2**-7, atol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_is_batch_invariant(ops, dtype):
+    q, k_cache, v_cache, slots, lengths = attention_case(7, 9, 3, 64, 90, dtype, seed=13)
+    full = ops.decode_attention(q, k_cache, v_cache, slots, lengths, 0.125)
+    for b in range(7):
+        alone = ops.decode_attention(q[b:b + 1], k_cache, v_cache, slots[b:b + 1], lengths[b:b + 1], 0.125)
+        assert torch.equal(alone, full[b:b + 1])
+    order = torch.tensor([6, 2, 0, 5, 1, 4, 3])
+    assert torch.equal(ops.decode_attention(q[order], k_cache, v_cache, slots[order], lengths[order], 0.125),
+                       full[order])
+    with num_threads(1):
+        assert torch.equal(ops.decode_attention(q, k_cache, v_cache, slots, lengths, 0.125), full)
+
+
+def test_decode_attention_reads_a_layer_view_of_a_larger_cache(ops):
+    """The executor passes cache[layer]: a view into [layers, S, KVH, T, D]."""
+    q, k_cache, v_cache, slots, lengths = attention_case(3, 4, 2, 32, 20, torch.float32, seed=14)
+    k_all, v_all = torch.stack([k_cache * 2, k_cache]), torch.stack([v_cache * 2, v_cache])
+    out = ops.decode_attention(q, k_all[1], v_all[1], slots, lengths, 0.2)
+    assert torch.equal(out, ops.decode_attention(q, k_cache, v_cache, slots, lengths, 0.2))
+
+
+def test_decode_attention_empty_sequence_gives_zeros(ops):
+    q, k_cache, v_cache, slots, _ = attention_case(2, 2, 1, 32, 8, torch.float32, seed=15)
+    out = ops.decode_attention(q, k_cache, v_cache, slots, torch.tensor([0, 3]), 1.0)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert out[1].isfinite().all()
+
+
+def test_decode_attention_rejects_bad_slots_and_lengths(ops):
+    q, k_cache, v_cache, slots, lengths = attention_case(2, 2, 1, 32, 8, torch.float32, seed=16)
+    with pytest.raises(RuntimeError, match=r"slots\[1\]=9 is outside"):
+        ops.decode_attention(q, k_cache, v_cache, torch.tensor([0, 9]), lengths, 1.0)
+    with pytest.raises(RuntimeError, match=r"lengths\[0\]=9 is outside"):
+        ops.decode_attention(q, k_cache, v_cache, slots, torch.tensor([9, 1]), 1.0)
+    with pytest.raises(RuntimeError, match="head_dim must be"):
+        ops.decode_attention(q[..., :16], k_cache[..., :16], v_cache[..., :16], slots, lengths, 1.0)
+
+
+# ---- registration and CPU detection ----
+
+def test_ops_have_fake_implementations_for_torch_compile(ops):
+    w = randn(20, 7, dtype=torch.bfloat16, seed=17)
+    x = randn(3, 7, dtype=torch.bfloat16, seed=18)
+    packed = ops.pack_linear(w)
+    q, k_cache, v_cache, slots, lengths = attention_case(2, 4, 2, 32, 8, torch.float32, seed=19)
+    checks = ("test_schema", "test_faketensor")
+    torch.library.opcheck(torch.ops.zeroqueue.pack_linear.default, (w,), test_utils=checks)
+    torch.library.opcheck(torch.ops.zeroqueue.linear.default, (x, packed, None, 20), test_utils=checks)
+    torch.library.opcheck(torch.ops.zeroqueue.decode_attention.default,
+                          (q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0), slots, lengths, 0.5),
+                          test_utils=checks)
+
+
+def test_missing_cpu_flags_reads_cpuinfo(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512bw avx512vl avx512dq fma avx2\n")
+    assert kernels.missing_cpu_flags(cpuinfo) == ("avx512_bf16",)
+    assert kernels.missing_cpu_flags(tmp_path / "absent") == kernels.REQUIRED_CPU_FLAGS
