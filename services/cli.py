@@ -4,11 +4,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import re
 import signal
 import sys
 
 import structlog
+
+from services.cli_billing import add_billing_commands, fails_cleanly
 
 UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
          "kb": 10**3, "mb": 10**6, "gb": 10**9}
@@ -45,8 +48,16 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: all cores but one)")
     p.add_argument("--safety-margin-ms", type=float, default=20.0)
     p.add_argument("--safety-margin-pct", type=float, default=5.0)
+    p.add_argument("--data-dir", default=None, help="outbox and default ledger ($ZEROQUEUE_HOME or ~/.zeroqueue)")
+    p.add_argument("--ledger", metavar="URL", default=None, help="embedded metering: the ledger database URL")
+    p.add_argument("--metering", metavar="ADDRESS", default=None,
+                   help="remote metering service; usage is shipped there and API keys checked there")
+    p.add_argument("--metering-key", default=os.environ.get("ZEROQUEUE_METERING_KEY"),
+                   help="admin key for --metering (default: $ZEROQUEUE_METERING_KEY)")
+    p.add_argument("--demo-tenant", metavar="NAME", default=None,
+                   help="embedded ledger with no tenant yet: create this one and print its key (make serve)")
     p.add_argument("--json-logs", action=argparse.BooleanOptionalAction, default=True)
-    p.set_defaults(run=run_serve)
+    p.set_defaults(run=fails_cleanly(run_serve))
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -59,11 +70,36 @@ def run_serve(args: argparse.Namespace) -> int:
         executor=ExecutorConfig(device=args.device, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
                                 kv_memory_bytes=args.kv_memory, num_threads=args.threads),
         max_num_batched_tokens=args.max_batched_tokens, margin_ms=args.safety_margin_ms,
-        margin_fraction=args.safety_margin_pct / 100)
-    return asyncio.run(_serve(InferenceApp(config)))
+        margin_fraction=args.safety_margin_pct / 100, data_dir=args.data_dir, ledger_url=args.ledger,
+        metering_address=args.metering, metering_key=args.metering_key)
+    if args.demo_tenant and not args.metering:
+        ensure_demo_tenant(args.ledger, args.demo_tenant, args.data_dir)
+    return asyncio.run(_serve(lambda: InferenceApp(config)))
 
 
-async def _serve(app) -> int:
+def ensure_demo_tenant(ledger: str | None, name: str, data_dir_arg: str | None) -> None:
+    """First run of an embedded ledger: create a tenant and show its key once (also kept, readable by you
+    alone, in the data directory, since a demo without its key is no demo)."""
+    from pathlib import Path
+
+    from billing import commands
+    from billing.db import data_dir, default_ledger_url, make_engine, session_factory, unit_of_work
+    from billing.tenants import list_tenants
+
+    url = ledger or default_ledger_url()
+    with unit_of_work(session_factory(make_engine(url))) as session:
+        if list_tenants(session):
+            return
+    key = commands.create_tenant(url, name)
+    key_file = Path(data_dir_arg) if data_dir_arg else data_dir()
+    key_file = key_file / f"{name}.key"
+    key_file.write_text(key + "\n")
+    key_file.chmod(0o600)
+    print(f"zeroqueue: created tenant {name!r}; its API key (shown once, kept in {key_file}):\n  {key}", flush=True)
+
+
+async def _serve(make_app) -> int:
+    app = make_app()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -113,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
     add_serve(sub)
     add_health(sub)
+    add_billing_commands(sub)
     return parser
 
 

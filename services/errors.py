@@ -101,6 +101,25 @@ class EngineFailure(ServiceError):
     reason = "ENGINE_FAILURE"
 
 
+class LedgerUnavailable(ServiceError):
+    """The ledger database refused or dropped the connection, or a transaction lost a lock race:
+    nothing was committed, and the same call may be retried."""
+    code = grpc.StatusCode.UNAVAILABLE
+    reason = "LEDGER_UNAVAILABLE"
+
+
+class UsageNotRecorded(ServiceError):
+    """The request ran but its usage record could not be made durable; it is not reported as done."""
+    code = grpc.StatusCode.INTERNAL
+    reason = "USAGE_NOT_RECORDED"
+
+
+class AuthUnavailable(ServiceError):
+    """The service that checks API keys could not be asked; the key is neither accepted nor refused."""
+    code = grpc.StatusCode.UNAVAILABLE
+    reason = "AUTH_UNAVAILABLE"
+
+
 _BILLING_CODES = {
     billing.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     billing.NotFound: grpc.StatusCode.NOT_FOUND,

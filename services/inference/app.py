@@ -3,8 +3,10 @@ the engine thread, Prometheus metrics, and a graceful drain on shutdown."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import structlog
@@ -13,6 +15,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from billing.db import data_dir
 from zeroqueue.inference.v1 import inference_pb2, inference_pb2_grpc
 from .admission import AdmissionConfig, AdmissionController, FifoAdmission
 from .calibration import calibrate
@@ -21,6 +24,8 @@ from .costmodel import CostModel
 from .engine import Engine, StepReport
 from .executor import Executor, ExecutorConfig
 from .loader import load_checkpoint
+from .meter import Device, Meter
+from .metering_link import MeteringLink
 from .metrics import ServiceMetrics
 from .server import InferenceServicer
 from .service import InferenceService, ModelCard, WarmupState
@@ -44,6 +49,10 @@ class ServeConfig:
     max_num_batched_tokens: int = 256
     margin_ms: float = 20.0
     margin_fraction: float = 0.05
+    data_dir: str | None = None             # the outbox (and the default ledger); $ZEROQUEUE_HOME or ~/.zeroqueue
+    ledger_url: str | None = None           # embedded metering: the ledger database
+    metering_address: str | None = None     # remote metering: ship usage and check keys there
+    metering_key: str | None = None         # admin key for RecordUsage on the remote metering service
 
 
 class StepStats:
@@ -53,6 +62,8 @@ class StepStats:
         self.cost, self.metrics, self.engine = cost, metrics, engine
 
     def on_step(self, report: StepReport) -> None:
+        if report.result is None:
+            return
         interval_us = report.interval_ns // 1000
         context = sum(s.start_pos + 1 for s in report.scheduled.decodes)
         if self.cost is not None:
@@ -61,15 +72,23 @@ class StepStats:
         self.metrics.batch_size.observe(report.scheduled.num_seqs)
         self.metrics.free_slots.set(self.engine.scheduler.num_free_slots)
 
+    def on_idle(self, now_ns: int) -> None:
+        self.metrics.free_slots.set(self.engine.scheduler.num_free_slots)
+
 
 class InferenceApp:
+    """Construct inside a running event loop."""
+
     def __init__(self, config: ServeConfig, make_executor: Callable[..., Executor] = Executor) -> None:
         self.config = config
         self.make_executor = make_executor
         self.clock = Clock()
         self.metrics = ServiceMetrics()
         self.checkpoint = load_checkpoint(config.model_dir, config.dtype)
-        self.servicer = InferenceServicer(self.checkpoint.name, self.checkpoint.tokenizer)
+        self.link = MeteringLink(Path(config.data_dir) if config.data_dir else data_dir(), config.ledger_url,
+                                 config.metering_address, config.metering_key)
+        self.servicer = InferenceServicer(self.checkpoint.name, self.checkpoint.tokenizer, self.link.authenticator)
+        self.meter: Meter | None = None
         self.health = health_aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.engine: Engine | None = None
@@ -84,13 +103,16 @@ class InferenceApp:
         self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
         inference_pb2_grpc.add_InferenceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection((INFERENCE_SERVICE, health_pb2.DESCRIPTOR.services_by_name[
+        hosted = self.link.attach(self.server)
+        reflection.enable_server_reflection((INFERENCE_SERVICE, *hosted, health_pb2.DESCRIPTOR.services_by_name[
             "Health"].full_name, reflection.SERVICE_NAME), self.server)
         self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         for name in ("", INFERENCE_SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+        for name in (LIVENESS, *hosted):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         await self.server.start()
+        self.link.start()
         if self.config.metrics_port is not None:
             start_http_server(self.config.metrics_port, addr=self.config.host, registry=self.metrics.registry)
         log.info("listening", address=f"{self.config.host}:{self.port}", state="warming_up")
@@ -116,10 +138,15 @@ class InferenceApp:
             admission, observed_cost = AdmissionController(cost, admission_config), cost
             engine.expiry_guard_ns = int(cost.step_us(executor.num_slots) * 1000)
         engine.observers.append(StepStats(observed_cost, self.metrics, engine))
+        info = executor.info
+        self.meter = Meter(Device(info.kind, info.device_id, info.unit, info.num_compute_units), uuid.uuid4().hex[:12],
+                           self.clock.epoch_us, self.link.outbox.append, started_ns=self.clock.now_ns())
+        engine.observers.append(self.meter)
         self.engine = engine
         card = ModelCard(self.checkpoint.name, executor.max_seq_len, str(self.checkpoint.dtype).removeprefix("torch."),
                          self.checkpoint.args.vocab_size, executor.num_slots, executor.info)
-        return InferenceService(engine, card, admission, self.metrics, self.clock, self.config.default_deadline_ms)
+        return InferenceService(engine, card, admission, self.metrics, self.clock, self.meter, self.link.outbox,
+                                self.config.default_deadline_ms)
 
     async def stop(self, grace_s: float = 30.0) -> None:
         """Stops admitting (NOT_SERVING), lets admitted calls finish inside their deadlines, then exits."""
@@ -136,4 +163,7 @@ class InferenceApp:
             await self.server.stop(grace=1.0)
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
+        if self.meter is not None:
+            self.meter.on_idle(self.clock.now_ns(), final=True)
+        await self.link.stop()
         log.info("stopped")

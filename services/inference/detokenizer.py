@@ -2,6 +2,8 @@
 
 Text that could still turn out to be the start of a stop string is held back, so the stream never
 carries a partial stop string; once a stop string appears, the text before it is released and no more.
+Which stop string ends the text does not depend on how the text was split into tokens: it is the one
+that is complete first when the text is read character by character.
 """
 from __future__ import annotations
 
@@ -22,10 +24,11 @@ class Detokenizer:
         """Adds one token; returns the text that may be released now. Sets `stopped` on a stop string."""
         self.text += self.stream.step(self.tokenizer, token_id) or ""
         pending = self.text[self.num_emitted:]
-        hits = [i for i in (pending.find(s) for s in self.stop) if i >= 0]
+        # the stop string that is complete first, character by character, wins (ties: the longer one)
+        hits = [(i + len(s), i) for s, i in ((s, pending.find(s)) for s in self.stop) if i >= 0]
         if hits:
             self.stopped = True
-            return self._release(min(hits))
+            return self._release(min(hits)[1])
         return self._release(len(pending) - self._held_back(pending))
 
     def flush(self) -> str:

@@ -35,11 +35,13 @@ class OutputSink(Protocol):
 @dataclass(frozen=True)
 class StepReport:
     scheduled: SchedulerOutput
-    result: StepResult
+    result: StepResult | None       # None when nothing ran but requests ended (cancelled, expired)
     updates: tuple[StepUpdate, ...]
+    ended: tuple[Request, ...]      # requests that finished, were cancelled or expired in this step
     began_ns: int                   # step() entered: taking new requests and scheduling count too
     started_ns: int                 # handed to the executor
     ended_ns: int
+    num_unfinished: int             # requests still in the engine after this step
 
     @property
     def interval_ns(self) -> int:
@@ -49,6 +51,8 @@ class StepReport:
 class StepObserver(Protocol):
     """Sees every step before its outputs are emitted (the meter must record usage before a final message)."""
     def on_step(self, report: StepReport) -> None: ...
+
+    def on_idle(self, now_ns: int) -> None: ...
 
 
 @dataclass
@@ -70,6 +74,7 @@ class Engine:
         self.observers = list(observers)
         self.expiry_guard_ns = 0        # the service sets this to about one step
         self.last_interval_ns = 0
+        self.idle_tick_s = 1.0          # how often observers hear of idle time while there is no work
         self._streams: dict[str, _Stream] = {}
         self._inbox: list[tuple[Request, OutputSink] | str] = []
         self._lock = threading.Lock()
@@ -107,55 +112,73 @@ class Engine:
     # ---- engine thread ----
     def step(self) -> StepReport | None:
         began_ns = self.clock()
-        self._drain_inbox()
+        cancelled = self._drain_inbox()
         # a request whose deadline falls before the next step could end is over: end it now, so its caller
         # hears DEADLINE_EXCEEDED from us before its own timer fires
-        guard_ns = max(self.expiry_guard_ns, self.last_interval_ns * 3 // 2)
-        scheduled = self.scheduler.schedule(began_ns, guard_ns)
-        for request in scheduled.expired:
-            self._close(request, self.clock())
-        if scheduled.is_empty:
-            return None
-        started_ns = self.clock()
-        result = self.executor.run(scheduled)
-        updates = tuple(self.scheduler.update_from_output(scheduled, result.sampled))
-        texts = self._detokenize(updates)
-        report = StepReport(scheduled, result, updates, began_ns, started_ns, self.clock())
-        self.last_interval_ns = report.interval_ns
-        for observer in self.observers:
-            observer.on_step(report)
+        scheduled = self.scheduler.schedule(began_ns, max(self.expiry_guard_ns, self.last_interval_ns * 3 // 2))
+        started_ns, result, updates, texts = self.clock(), None, (), {}
+        if not scheduled.is_empty:
+            result = self.executor.run(scheduled)
+            updates = tuple(self.scheduler.update_from_output(scheduled, result.sampled))
+            texts = self._detokenize(updates)
+        ended_ns = self.clock()
         for update in updates:
-            self._emit(update, texts.get(update.request.request_id, ""), report.ended_ns)
+            if update.new_token_id is not None and update.request.first_token_ns is None:
+                update.request.first_token_ns = ended_ns
+        closed = (*cancelled, *scheduled.expired)
+        ended = (*closed, *(u.request for u in updates if u.request.is_finished))
+        if result is None and not ended:
+            return None
+        report = StepReport(scheduled, result, updates, ended, began_ns, started_ns, ended_ns,
+                            self.scheduler.num_unfinished)
+        if result is not None:
+            self.last_interval_ns = report.interval_ns
+        self._notify(report)
+        for request in closed:
+            self._close(request, ended_ns)
+        for update in updates:
+            self._emit(update, texts.get(update.request.request_id, ""), ended_ns)
         return report
 
     @property
     def has_work(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._inbox)
 
+    def _notify(self, report: StepReport) -> None:
+        for observer in self.observers:
+            observer.on_step(report)
+
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while self._running and not self._inbox and self.scheduler.num_unfinished == 0:
-                    self._wake.wait()
-                if not self._running and self.scheduler.num_unfinished == 0:
+                if self._running and not self._inbox and self.scheduler.num_unfinished == 0:
+                    self._wake.wait(self.idle_tick_s)
+                idle = not self._inbox and self.scheduler.num_unfinished == 0
+                if idle and not self._running:
                     return
             try:
-                self.step()
+                if idle:
+                    for observer in self.observers:
+                        observer.on_idle(self.clock())
+                else:
+                    self.step()
             except Exception:  # a failed step must not kill the loop; its requests end with "error"
                 log.exception("engine_step_failed")
                 self._fail_all()
 
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self) -> list[Request]:
+        """Takes new requests in and ends cancelled ones; returns those it ended."""
         with self._lock:
             inbox, self._inbox = self._inbox, []
+        cancelled = []
         for item in inbox:
             if isinstance(item, str):
-                for request in self.scheduler.finish_requests([item], RequestStatus.FINISHED_CANCELLED):
-                    self._close(request, self.clock())
+                cancelled += self.scheduler.finish_requests([item], RequestStatus.FINISHED_CANCELLED)
                 continue
             request, sink = item
             self._streams[request.request_id] = _Stream(sink, Detokenizer(self.tokenizer, request.sampling.stop))
             self.scheduler.add_request(request)
+        return cancelled
 
     def _detokenize(self, updates: tuple[StepUpdate, ...]) -> dict[str, str]:
         """New text per request; a request whose text now holds a stop string ends here, before any emit."""
@@ -190,5 +213,12 @@ class Engine:
 
     def _fail_all(self) -> None:
         ids = [r.request_id for r in (*self.scheduler.running, *self.scheduler.waiting)]
-        for request in self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR):
-            self._close(request, self.clock())
+        failed = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        now_ns = self.clock()
+        empty = SchedulerOutput((), (), ())
+        try:
+            self._notify(StepReport(empty, None, (), tuple(failed), now_ns, now_ns, now_ns, 0))
+        except Exception:  # noqa: BLE001 - the streams must still be closed
+            log.exception("observer_failed_on_error")
+        for request in failed:
+            self._close(request, now_ns)

@@ -5,14 +5,19 @@ For tests and benchmarks that drive a server and look inside it at the same time
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import replace
+from pathlib import Path
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from billing import commands
+from services.client.auth import authorized_channel
 from services.inference.app import InferenceApp, ServeConfig
 from services.inference.executor import Executor
 from zeroqueue.inference.v1 import inference_pb2 as pb
@@ -20,9 +25,20 @@ from zeroqueue.inference.v1 import inference_pb2_grpc
 
 
 class ServerThread:
-    def __init__(self, config: ServeConfig, step_floor_s: float = 0.0) -> None:
-        self.config = config
+    """Without a data_dir it gets a fresh temporary one; without a ledger or metering service, a fresh SQLite
+    ledger there with one tenant, whose key `stub()` sends."""
+
+    def __init__(self, config: ServeConfig, step_floor_s: float = 0.0, tenant: str = "acme") -> None:
         self.step_floor_s = step_floor_s
+        self.key = ""
+        if config.data_dir is None:
+            config = replace(config, data_dir=tempfile.mkdtemp(prefix="zeroqueue-"))
+        if not config.ledger_url and not config.metering_address:
+            url = f"sqlite:///{Path(config.data_dir) / 'ledger.db'}"
+            commands.migrate(url)
+            self.key = commands.create_tenant(url, tenant)
+            config = replace(config, ledger_url=url)
+        self.config = config
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.app: InferenceApp | None = None
@@ -58,9 +74,11 @@ class ServerThread:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def stub(self, **options) -> inference_pb2_grpc.InferenceStub:
-        channel = grpc.insecure_channel(self.address, options=list(options.items()))
-        return inference_pb2_grpc.InferenceStub(channel)
+    def channel(self, key: str | None = None, **options) -> grpc.Channel:
+        return authorized_channel(self.address, self.key if key is None else key, list(options.items()))
+
+    def stub(self, key: str | None = None, **options) -> inference_pb2_grpc.InferenceStub:
+        return inference_pb2_grpc.InferenceStub(self.channel(key, **options))
 
 
 class SlowExecutor(Executor):

@@ -61,6 +61,7 @@ class Request:
     num_computed_tokens: int = 0    # tokens whose k/v are in the cache
     slot: int | None = None
     first_scheduled_ns: int | None = None   # start of the first step that ran it
+    first_token_ns: int | None = None       # end of the step that produced its first token
 
     @property
     def num_prompt_tokens(self) -> int:

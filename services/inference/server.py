@@ -13,7 +13,10 @@ from types import MappingProxyType
 import grpc
 from tokenizers import Tokenizer
 
+from billing.errors import InvalidRecord, PermissionDenied
+from billing.records import freeze_labels
 from services import errors
+from services.auth import Authenticator, bearer_key
 from services.errors import FieldViolation, rpc_errors
 from zeroqueue.inference.v1 import inference_pb2 as pb
 from zeroqueue.inference.v1 import inference_pb2_grpc
@@ -33,9 +36,6 @@ class RequestLimits:
     max_prompt_bytes: int = 1 << 20
     max_stop_strings: int = 8
     max_stop_chars: int = 64
-    max_labels: int = 32
-    max_label_key_chars: int = 63
-    max_label_value_chars: int = 256
 
 
 class _Violations:
@@ -80,15 +80,13 @@ def _sampling(msg: pb.GenerateRequest, v: _Violations, limits: RequestLimits) ->
                           top_k=max(msg.top_k, 0), seed=seed, stop=tuple(msg.stop))
 
 
-def _labels(msg: pb.GenerateRequest, v: _Violations, limits: RequestLimits) -> MappingProxyType:
-    if len(msg.labels) > limits.max_labels:
-        v.add("labels", f"at most {limits.max_labels} labels, got {len(msg.labels)}")
-    for key, value in msg.labels.items():
-        if not key or len(key) > limits.max_label_key_chars:
-            v.add(f"labels[{key[:32]}]", f"key must be 1 to {limits.max_label_key_chars} characters")
-        if len(value) > limits.max_label_value_chars:
-            v.add(f"labels[{key[:32]}]", f"value must be at most {limits.max_label_value_chars} characters")
-    return MappingProxyType(dict(msg.labels))
+def _labels(msg: pb.GenerateRequest, v: _Violations) -> MappingProxyType:
+    """The ledger's own label rules, checked at arrival so a usage record can never be refused later."""
+    try:
+        return freeze_labels(dict(msg.labels))
+    except InvalidRecord as exc:
+        v.add(exc.field or "labels", exc.message)
+        return MappingProxyType({})
 
 
 def _prompt(msg: pb.GenerateRequest, tokenizer: Tokenizer, vocab_size: int, context: int, v: _Violations,
@@ -130,7 +128,7 @@ def to_spec(msg: pb.GenerateRequest, card, tokenizer: Tokenizer, limits: Request
         v.add("max_tokens", f"prompt ({len(tokens)} tokens) + max_tokens ({msg.max_tokens}) exceeds the context "
                             f"length {card.context_length}", out_of_range=True)
     sampling = _sampling(msg, v, limits)
-    labels = _labels(msg, v, limits)
+    labels = _labels(msg, v)
     v.raise_if_any()
     return GenerateSpec(msg.request_id or uuid.uuid4().hex, tokens, sampling, labels,
                         _retry_attempt(metadata))
@@ -139,11 +137,21 @@ def to_spec(msg: pb.GenerateRequest, card, tokenizer: Tokenizer, limits: Request
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     """`service` stays None while the replica warms up; Generate then answers UNAVAILABLE."""
 
-    def __init__(self, name: str, tokenizer: Tokenizer, limits: RequestLimits | None = None) -> None:
+    def __init__(self, name: str, tokenizer: Tokenizer, authenticator: Authenticator,
+                 limits: RequestLimits | None = None) -> None:
         self.name = name
         self.tokenizer = tokenizer
+        self.authenticator = authenticator
         self.limits = limits or RequestLimits()
         self.service: InferenceService | None = None
+
+    async def _tenant(self, context: grpc.aio.ServicerContext) -> str:
+        """The tenant billed for the call: the API key's, never a request field."""
+        principal = await self.authenticator.authenticate(bearer_key(context.invocation_metadata()))
+        if principal.tenant is None:
+            raise PermissionDenied("Generate needs a tenant's API key: usage is billed to the key's tenant, "
+                                   "and an admin key has none", field="authorization")
+        return principal.tenant
 
     def _ready_service(self) -> InferenceService:
         if self.service is None:
@@ -154,10 +162,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         received_ns = time.monotonic_ns()
         ticket = None
         async with rpc_errors(context, "Generate", request.request_id):
+            tenant = await self._tenant(context)
             service = self._ready_service()
             spec = to_spec(request, service.card, self.tokenizer, self.limits, context.invocation_metadata())
             budget_ns, source = service.budget(context.time_remaining())
-            ticket = service.submit(spec, received_ns, budget_ns, source)
+            ticket = service.submit(spec, tenant, received_ns, budget_ns, source)
         try:
             await context.send_initial_metadata((("x-budget-ms", str(ticket.budget_ms)),
                                                  ("x-budget-source", source.value)))
@@ -202,12 +211,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                              total_us=finished_us - received_us, deadline_met=t.deadline_met)
         device = self.service.card.device
         usage = pb.Usage(prompt_tokens=len(t.spec.prompt_token_ids), completion_tokens=t.num_output_tokens,
-                         unit=device.unit, device_kind=device.kind, device_id=device.device_id,
-                         num_compute_units=device.num_compute_units)
+                         sm_us=t.usage.unit_us, unit=device.unit, device_kind=device.kind,
+                         device_id=device.device_id, num_compute_units=device.num_compute_units)
         return pb.Final(finish_reason=_FINISH[t.finish_reason], timings=timings, usage=usage)
 
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):
         async with rpc_errors(context, "ListModels"):
+            await self.authenticator.authenticate(bearer_key(context.invocation_metadata()))
             if self.service is None:
                 return pb.ListModelsResponse(models=[pb.ModelInfo(name=self.name,
                                                                   state=pb.WARMUP_STATE_WARMING_UP)])

@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from concurrent.futures import Future
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 import structlog
 
+from billing.records import UsageRecord
 from services import errors
+from services.metering.outbox import Outbox
 from .admission import Admit, AdmissionController, Commitment, FifoAdmission, Infeasible, Reject
 from .clock import Clock
 from .engine import Engine, RequestOutput
 from .executor import DeviceInfo
+from .meter import Meter, RecordContext
 from .metrics import ServiceMetrics
 from .request import Request, SamplingParams
 
@@ -56,6 +60,7 @@ class GenerateSpec:
 @dataclass
 class Ticket:
     spec: GenerateSpec
+    tenant: str
     request: Request
     outputs: asyncio.Queue
     received_ns: int
@@ -68,6 +73,8 @@ class Ticket:
     finished_ns: int | None = None
     finish_reason: str | None = None
     num_output_tokens: int = 0
+    usage_on_disk: Future | None = None         # the outbox resolves it once the usage record is durable
+    usage: UsageRecord | None = None
 
     @property
     def deadline_met(self) -> bool:
@@ -90,8 +97,11 @@ def _attempt_label(attempt: int) -> str:
 
 class InferenceService:
     def __init__(self, engine: Engine, card: ModelCard, admission: AdmissionController | FifoAdmission,
-                 metrics: ServiceMetrics, clock: Clock, default_budget_ms: int = 30_000) -> None:
+                 metrics: ServiceMetrics, clock: Clock, meter: Meter, outbox: Outbox,
+                 default_budget_ms: int = 30_000) -> None:
         self.engine = engine
+        self.meter = meter
+        self.outbox = outbox
         self.card = card
         self.admission = admission
         self.metrics = metrics
@@ -111,7 +121,8 @@ class InferenceService:
             return self.default_budget_ms * 1_000_000, BudgetSource.SERVER_DEFAULT
         return int(time_remaining_s * 1e9), BudgetSource.CLIENT_DEADLINE
 
-    def submit(self, spec: GenerateSpec, received_ns: int, budget_ns: int, source: BudgetSource) -> Ticket:
+    def submit(self, spec: GenerateSpec, tenant: str, received_ns: int, budget_ns: int,
+               source: BudgetSource) -> Ticket:
         """Admits the call into the next engine step, or raises the domain error that says why not."""
         if self.state is not WarmupState.READY:
             raise errors.NotServing(f"replica is {self.state.value}; try another replica",
@@ -141,10 +152,14 @@ class InferenceService:
         request = Request(spec.request_id, spec.prompt_token_ids, spec.sampling, arrival_ns=received_ns,
                           deadline_ns=deadline_ns if self.deadline_mode else None)
         sink = _LoopSink(asyncio.get_running_loop())
-        ticket = Ticket(spec, request, sink.queue, received_ns, decided_ns, deadline_ns, budget_ns // 1_000_000,
-                        source, decision.predicted_finish_ns or deadline_ns)
+        ticket = Ticket(spec, tenant, request, sink.queue, received_ns, decided_ns, deadline_ns,
+                        budget_ns // 1_000_000, source, decision.predicted_finish_ns or deadline_ns)
         self.in_flight[spec.request_id] = ticket
         self.metrics.in_flight.set(len(self.in_flight))
+        epoch = self.clock.epoch_us
+        self.meter.register(spec.request_id, RecordContext(tenant, spec.labels, self.card.name, epoch(received_ns),
+                                                           epoch(decided_ns), epoch(deadline_ns)))
+        ticket.usage_on_disk = self.outbox.expect(spec.request_id)
         self.engine.add_request(request, sink)
         return ticket
 
@@ -171,7 +186,16 @@ class InferenceService:
             self.admission.on_progress(ticket.spec.request_id, output.num_output_tokens)
             if output.finish_reason is not None:
                 ticket.finish_reason, ticket.finished_ns = output.finish_reason, output.time_ns
+                await self._usage_on_disk(ticket)
             yield output
+
+    async def _usage_on_disk(self, ticket: Ticket) -> None:
+        """Waits until the call's usage record is durable in the outbox: only then may its end be told."""
+        try:
+            ticket.usage = await asyncio.wrap_future(ticket.usage_on_disk)
+        except Exception as exc:  # noqa: BLE001 - whatever kept the record off the disk
+            raise errors.UsageNotRecorded(f"the usage of this request could not be recorded ({exc}); "
+                                          "its result is withheld") from exc
 
     def close(self, ticket: Ticket) -> None:
         """Ends the call's bookkeeping; a call that ends before its stream did is cancelled in the engine."""
@@ -189,6 +213,7 @@ class InferenceService:
             self.metrics.deadline_misses.inc()
         self.metrics.requests.labels(outcome).inc()
         self.admission.release(ticket.spec.request_id)
+        self.outbox.forget(ticket.spec.request_id)
         self.in_flight.pop(ticket.spec.request_id, None)
         self.metrics.in_flight.set(len(self.in_flight))
         log.info("request_done", request_id=ticket.spec.request_id, outcome=outcome,

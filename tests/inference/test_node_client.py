@@ -24,16 +24,17 @@ if os.environ.get("CI") and pytestmark.mark.args[0]:
     raise RuntimeError("CI must run the grpc-js client test: install node and run `npm ci --prefix tests/node`")
 
 
-def node(address: str, mode: str, timeout_ms: int = 20_000) -> dict:
-    out = subprocess.run(["node", str(NODE_DIR / "client.js"), address, str(PROTO_ROOT), str(GOOGLE_PROTOS), mode,
-                          str(timeout_ms)], capture_output=True, text=True, timeout=60, check=True)
+def node(server, mode: str, timeout_ms: int = 20_000) -> dict:
+    out = subprocess.run(["node", str(NODE_DIR / "client.js"), server.address, server.key, str(PROTO_ROOT),
+                          str(GOOGLE_PROTOS), mode, str(timeout_ms)], capture_output=True, text=True, timeout=60,
+                         check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_grpc_js_streams_a_reply(llama_dir):
     server = start_slow_server(llama_dir)
     try:
-        reply = node(server.address, "stream")
+        reply = node(server, "stream")
     finally:
         server.stop()
     assert reply["kinds"][0] == "admission" and reply["kinds"][-1] == "final"
@@ -50,7 +51,7 @@ def test_grpc_js_decodes_the_retry_info_of_a_rejection(llama_dir):
     server = start_slow_server(llama_dir)
     try:
         running = fill(server, max_tokens=200)          # busy for ~4 s: node takes a while to start
-        reply = node(server.address, "reject", timeout_ms=8000)
+        reply = node(server, "reject", timeout_ms=8000)
         for call in running:
             call.join()
     finally:

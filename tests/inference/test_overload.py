@@ -104,8 +104,7 @@ def test_grpc_retry_policy_waits_the_pushback_delay(server):
     config = {"methodConfig": [{"name": [{"service": "zeroqueue.inference.v1.Inference"}], "retryPolicy": {
         "maxAttempts": 4, "initialBackoff": "0.01s", "maxBackoff": "0.01s", "backoffMultiplier": 1,
         "retryableStatusCodes": ["RESOURCE_EXHAUSTED"]}}]}
-    channel = grpc.insecure_channel(server.address, options=[("grpc.service_config", json.dumps(config)),
-                                                             ("grpc.enable_retries", 1)])
+    channel = server.channel(**{"grpc.service_config": json.dumps(config), "grpc.enable_retries": 1})
     before_retry = metric(server, "zeroqueue_retry_attempts_total", attempt="1", result="admitted") + metric(
         server, "zeroqueue_retry_attempts_total", attempt="1", result="overloaded")
     before_first = metric(server, "zeroqueue_retry_attempts_total", attempt="0", result="overloaded")

@@ -1,9 +1,8 @@
 """The gRPC service on a real loopback channel, with the tiny test model."""
 from __future__ import annotations
 
-import json
+import asyncio
 import math
-import threading
 import time
 
 import grpc
@@ -11,7 +10,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from services import errors
 from services.inference.app import ServeConfig
+from services.inference.request import SamplingParams
+from services.inference.service import BudgetSource, GenerateSpec
 from services.inference.executor import ExecutorConfig
 from tests.inference.conftest import Collector, make_engine, request, run_to_completion
 from services.inference.inprocess import ServerThread, status_details
@@ -40,7 +42,7 @@ def rejected(stub, timeout=30, **fields) -> grpc.RpcError:
 
 
 def health(server, name="zeroqueue.inference.v1.Inference"):
-    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.address))
+    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.address))   # probes need no key
     return stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status
 
 
@@ -109,7 +111,8 @@ BAD_INPUTS = [
     (dict(prompt="", prompt_token_ids=[-1]), grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids[0]"),
     (dict(prompt="hi", prompt_token_ids=[1]), grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids"),
     (dict(request_id="has spaces!"), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
-    (dict(labels={"team": "t" * 300}), grpc.StatusCode.INVALID_ARGUMENT, "labels[team]"),
+    (dict(labels={"team": "t" * 300}), grpc.StatusCode.INVALID_ARGUMENT, "labels.team"),
+    (dict(labels={"Bad Key": "x"}), grpc.StatusCode.INVALID_ARGUMENT, "labels.Bad Key"),
 ]
 
 
@@ -145,14 +148,30 @@ def test_budget_infeasible_on_an_idle_server_is_refused_at_once_with_the_minimum
 
 
 def test_deadline_already_expired_on_arrival(server):
-    from services import errors
+    # a client cannot send an expired deadline over the wire (its own timer fires first), so ask the service
     service = server.app.service
+    spec = GenerateSpec("expired", (1, 2), SamplingParams(), {})
+    future = asyncio.run_coroutine_threadsafe(_submit(service, spec, budget_ns=-1), server.loop)
     with pytest.raises(errors.DeadlineExpired):
-        spec = __import__("services.inference.service", fromlist=["GenerateSpec"]).GenerateSpec(
-            "expired", (1, 2), __import__("services.inference.request", fromlist=["SamplingParams"]).SamplingParams(),
-            {})
-        service.submit(spec, time.monotonic_ns(), -1, None)
-    assert errors.status_for(errors.DeadlineExpired("x")).code == grpc.StatusCode.DEADLINE_EXCEEDED
+        future.result(10)
+    status = errors.status_for(errors.DeadlineExpired("x"))
+    assert status.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert status.details[0].reason == "DEADLINE_EXPIRED"
+    assert "expired" not in service.in_flight
+
+
+async def _submit(service, spec, budget_ns):
+    return service.submit(spec, "acme", time.monotonic_ns(), budget_ns, BudgetSource.CLIENT_DEADLINE)
+
+
+def test_every_call_needs_a_valid_tenant_key(server):
+    for key in ("", "zq_not-a-key"):
+        error = rejected(server.stub(key=key))
+        assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert status_details(error)["ErrorInfo"].reason
+    with pytest.raises(grpc.RpcError) as info:
+        server.stub(key="").ListModels(pb.ListModelsRequest(), timeout=5)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_reflection_lists_the_services(server):

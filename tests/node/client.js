@@ -1,12 +1,12 @@
 // A zeroqueue client built with grpc-js and proto-loader, as a Node.js backend team would write it.
-//   node client.js ADDRESS PROTO_ROOT GOOGLE_PROTOS stream|reject [TIMEOUT_MS]
+//   node client.js ADDRESS API_KEY PROTO_ROOT GOOGLE_PROTOS stream|reject [TIMEOUT_MS]
 // Prints one JSON line: the streamed reply, or the decoded google.rpc details of a rejection.
 const grpc = require("@grpc/grpc-js");
 const protoLoader = require("@grpc/proto-loader");
 const protobuf = require("protobufjs");
 const path = require("path");
 
-const [address, protoRoot, googleProtos, mode, timeoutMs] = process.argv.slice(2);
+const [address, apiKey, protoRoot, googleProtos, mode, timeoutMs] = process.argv.slice(2);
 const options = { keepCase: true, longs: String, enums: String, defaults: true, oneofs: true,
                   includeDirs: [protoRoot, googleProtos] };
 const definition = protoLoader.loadSync("zeroqueue/inference/v1/inference.proto", options);
@@ -26,8 +26,10 @@ function decodeDetails(metadata) {
 }
 
 const deadline = new Date(Date.now() + Number(timeoutMs || 20000));
+const metadata = new grpc.Metadata();
+metadata.add("authorization", `Bearer ${apiKey}`);
 const call = client.Generate({ prompt: "def add(a, b):", max_tokens: 8, temperature: 0, request_id: `node-${mode}` },
-                             { deadline });
+                             metadata, { deadline });
 const reply = { kinds: [], token_ids: [], text: "" };
 call.on("data", (message) => {
   reply.kinds.push(message.kind);

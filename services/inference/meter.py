@@ -1,0 +1,177 @@
+"""Per-request device time, split exactly from every engine step. No torch here.
+
+The engine's thread alternates between steps and waiting for work, and the meter accounts for every µs
+of it: a step is billed from the end of the one before it (or from when work arrived after an idle
+spell) to its own end, so the host work between back-to-back steps, during which the device is held
+for those requests, is billed too; time with no request at all is idle. Hence, exactly,
+    Σ billed unit·µs + Σ idle unit·µs = wall µs × units.
+A step's cost is split over its requests by the tokens each had in it (a decode is one token, a prompt
+chunk its length), in integer unit·µs with largest-remainder rounding, so the parts add up to the
+whole. Padding rows of a graph bucket carry no weight: their cost falls on the real requests.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from billing.records import IdleRecord, UsageRecord
+
+from .engine import StepReport
+from .request import Request, RequestStatus
+
+US_PER_MINUTE = 60_000_000
+_OUTCOMES = {RequestStatus.FINISHED_STOPPED: "ok", RequestStatus.FINISHED_LENGTH: "ok",
+             RequestStatus.FINISHED_CANCELLED: "cancelled", RequestStatus.FINISHED_EXPIRED: "deadline_exceeded",
+             RequestStatus.FINISHED_ERROR: "error"}
+
+
+def split_exact(total: int, weights: Sequence[int]) -> list[int]:
+    """Integer parts of `total` proportional to `weights` that sum to `total` exactly (largest remainder;
+    ties go to the earlier weight, so the split is deterministic)."""
+    if total < 0 or any(w < 0 for w in weights):
+        raise ValueError("total and weights must be non-negative")
+    weight_sum = sum(weights)
+    if weight_sum == 0:
+        raise ValueError("at least one weight must be positive")
+    parts = [total * w // weight_sum for w in weights]
+    remainders = [total * w % weight_sum for w in weights]
+    for i in sorted(range(len(weights)), key=lambda i: (-remainders[i], i))[:total - sum(parts)]:
+        parts[i] += 1
+    return parts
+
+
+@dataclass(frozen=True)
+class RecordContext:
+    """What the service knows of a request that the engine does not."""
+    tenant: str
+    labels: Mapping[str, str]
+    model: str
+    received_at_us: int
+    dispatched_at_us: int
+    deadline_at_us: int
+
+
+@dataclass(frozen=True)
+class Device:
+    kind: str
+    device_id: str
+    unit: str
+    num_units: int
+
+
+@dataclass
+class MinuteTotals:
+    wall_us: int = 0
+    idle_us: int = 0
+
+
+@dataclass
+class Meter:
+    """Engine-thread observer. `write` receives finished requests' records and closed minutes' idle
+    records, before the engine emits the requests' final outputs."""
+    device: Device
+    boot_id: str
+    epoch_us: Callable[[int], int]              # engine clock ns -> µs since the epoch
+    write: Callable[[list[UsageRecord], list[IdleRecord]], None]
+    started_ns: int
+    contexts: dict[str, RecordContext] = field(default_factory=dict)
+    usage_unit_us: dict[str, int] = field(default_factory=dict)
+    minutes: dict[int, MinuteTotals] = field(default_factory=dict)
+    billed_unit_us: int = 0
+    idle_unit_us: int = 0
+    _last_ns: int = 0
+    _busy: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self._last_ns = self.started_ns
+
+    def register(self, request_id: str, context: RecordContext) -> None:
+        """Called by the service when it admits a request, before the engine sees it."""
+        with self._lock:
+            self.contexts[request_id] = context
+
+    def on_step(self, report: StepReport) -> None:
+        with self._lock:
+            if report.scheduled.num_seqs:
+                self._bill_step(report)
+            records = [self._record(r, report.ended_ns) for r in report.ended if r.request_id in self.contexts]
+            idle = self._close_minutes(report.ended_ns)
+        if records or idle:
+            self.write(records, idle)
+
+    def on_idle(self, now_ns: int, final: bool = False) -> None:
+        """Accounts idle time up to now and closes finished minutes (all of them when `final`)."""
+        with self._lock:
+            if not self._busy and now_ns > self._last_ns:
+                self._account(self._last_ns, now_ns, idle=True)
+            idle = self._close_minutes(now_ns, final)
+        if idle:
+            self.write([], idle)
+
+    @property
+    def wall_unit_us(self) -> int:
+        """Wall time accounted so far × units: always billed + idle."""
+        return self.device.num_units * (self.epoch_us(self._last_ns) - self.epoch_us(self.started_ns))
+
+    def _bill_step(self, report: StepReport) -> None:
+        if self._busy:
+            start_ns = self._last_ns
+        else:
+            start_ns = max(report.began_ns, self._last_ns)
+            self._account(self._last_ns, start_ns, idle=True)
+        span_us = self._account(start_ns, report.ended_ns, idle=False)
+        seqs = [*report.scheduled.decodes, *report.scheduled.prefills]
+        total = self.device.num_units * span_us
+        for seq, part in zip(seqs, split_exact(total, [s.num_tokens for s in seqs])):
+            rid = seq.request.request_id
+            self.usage_unit_us[rid] = self.usage_unit_us.get(rid, 0) + part
+        self.billed_unit_us += total
+        self._busy = report.num_unfinished > 0
+
+    def _account(self, start_ns: int, end_ns: int, idle: bool) -> int:
+        """Adds [start, end) to the UTC minutes it covers; returns its length in µs. Lengths are taken on
+        the epoch µs of each end, so consecutive spans add up exactly to the whole."""
+        start_us, end_us = self.epoch_us(start_ns), self.epoch_us(end_ns)
+        at = start_us
+        while at < end_us:
+            minute = at - at % US_PER_MINUTE
+            cut = min(end_us, minute + US_PER_MINUTE)
+            totals = self.minutes.setdefault(minute, MinuteTotals())
+            totals.wall_us += cut - at
+            if idle:
+                totals.idle_us += cut - at
+            at = cut
+        if idle:
+            self.idle_unit_us += self.device.num_units * max(end_us - start_us, 0)
+        self._last_ns = max(self._last_ns, end_ns)
+        return max(end_us - start_us, 0)
+
+    def _close_minutes(self, now_ns: int, final: bool = False) -> list[IdleRecord]:
+        now_us = self.epoch_us(now_ns)
+        current = now_us - now_us % US_PER_MINUTE
+        closed = [m for m in self.minutes if final or m < current]
+        d, records = self.device, []
+        for minute in sorted(closed):
+            totals = self.minutes.pop(minute)
+            if totals.wall_us:
+                records.append(IdleRecord(f"{d.device_id}:{self.boot_id}:{minute // US_PER_MINUTE}", d.device_id,
+                                          d.unit, d.num_units, minute, totals.idle_us * d.num_units,
+                                          totals.wall_us * d.num_units))
+        return records
+
+    def _record(self, request: Request, ended_ns: int) -> UsageRecord:
+        ctx = self.contexts.pop(request.request_id)
+        finished_us = self.epoch_us(ended_ns)
+        first_token_us = None if request.first_token_ns is None else self.epoch_us(request.first_token_ns)
+        outcome = _OUTCOMES[request.status]
+        met = finished_us <= ctx.deadline_at_us and outcome not in ("deadline_exceeded", "error")
+        d = self.device
+        return UsageRecord(
+            request_id=request.request_id, tenant=ctx.tenant, labels=ctx.labels, model=ctx.model,
+            device_kind=d.kind, device_id=d.device_id, unit=d.unit, num_units=d.num_units,
+            unit_us=self.usage_unit_us.pop(request.request_id, 0), prompt_tokens=request.num_prompt_tokens,
+            completion_tokens=request.num_output_tokens, received_at_us=ctx.received_at_us,
+            dispatched_at_us=ctx.dispatched_at_us, first_token_at_us=first_token_us, finished_at_us=finished_us,
+            deadline_at_us=ctx.deadline_at_us, deadline_met=met, outcome=outcome)

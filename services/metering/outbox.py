@@ -1,0 +1,187 @@
+"""The durable local outbox between the engine and the ledger.
+
+A usage record is committed here (SQLite, WAL, synchronous=FULL) before the caller's final message goes
+out; a shipper then delivers batches to the ledger and marks rows delivered only once the ledger has
+acknowledged them (accepted, or a duplicate of what it already holds). A restarted process finds what a
+crash left behind and ships it. Conflicts and invalid records are set aside as dead letters, loudly,
+never dropped.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import sqlite3
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from billing.records import IdleRecord, UsageRecord
+
+log = structlog.get_logger(__name__)
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS outbox (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    kind TEXT NOT NULL CHECK (kind IN ('usage', 'idle')),
+    record_id TEXT NOT NULL UNIQUE,
+    payload TEXT NOT NULL,
+    created_at_us INTEGER NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    last_error TEXT,
+    delivered_at_us INTEGER,
+    dead_at_us INTEGER
+);
+CREATE INDEX IF NOT EXISTS outbox_pending ON outbox (id) WHERE delivered_at_us IS NULL AND dead_at_us IS NULL;
+"""
+
+
+@dataclass(frozen=True)
+class OutboxRow:
+    id: int
+    record: UsageRecord | IdleRecord
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, isolation_level=None, timeout=30)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    return conn
+
+
+def _now_us() -> int:
+    return time.time_ns() // 1000
+
+
+def _decode(kind: str, payload: str) -> UsageRecord | IdleRecord:
+    data = json.loads(payload)
+    return UsageRecord(**data) if kind == "usage" else IdleRecord(**data)
+
+
+class Outbox:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _connect(path) as conn:
+            conn.executescript(SCHEMA)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._futures: dict[str, Future] = {}
+        self._lock = threading.Lock()
+        self._reader = threading.local()
+        self.written = threading.Condition()
+        self._writer = threading.Thread(target=self._write_loop, name="zeroqueue-outbox", daemon=True)
+        self._writer.start()
+
+    # ---- writing: called from the engine thread; a writer thread group-commits ----
+    def expect(self, request_id: str) -> Future:
+        """A future that resolves with the request's record once it is on disk (or fails with the error
+        that kept it off the disk). Ask before the record can be appended; `forget` when no longer waiting."""
+        future: Future = Future()
+        with self._lock:
+            self._futures[request_id] = future
+        return future
+
+    def forget(self, request_id: str) -> None:
+        with self._lock:
+            self._futures.pop(request_id, None)
+
+    def append(self, records: list[UsageRecord], idle: list[IdleRecord]) -> None:
+        """Queues records for the next group commit; returns at once."""
+        self._queue.put((records, idle))
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Waits until everything appended so far is committed."""
+        done = threading.Event()
+        self._queue.put(done)
+        return done.wait(timeout_s)
+
+    def _write_loop(self) -> None:
+        conn = _connect(self.path)
+        while True:
+            items = [self._queue.get()]
+            while not self._queue.empty():
+                items.append(self._queue.get_nowait())
+            self._commit(conn, [item for item in items if isinstance(item, tuple)])
+            for item in items:
+                if isinstance(item, threading.Event):
+                    item.set()
+            if any(item is None for item in items):
+                conn.close()
+                return
+
+    def _commit(self, conn: sqlite3.Connection, batch: list) -> None:
+        if not batch:
+            return
+        rows, usage = [], []
+        for records, idle in batch:
+            rows += [("usage", r.request_id, json.dumps(r.to_payload()), _now_us()) for r in records]
+            rows += [("idle", r.record_id, json.dumps(r.to_payload()), _now_us()) for r in idle]
+            usage += records
+        error = None
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            conn.executemany("INSERT OR IGNORE INTO outbox (kind, record_id, payload, created_at_us) "
+                             "VALUES (?, ?, ?, ?)", rows)
+            conn.execute("COMMIT")
+        except sqlite3.Error as exc:                # the disk failed us: callers must not claim success
+            log.error("outbox_write_failed", error=str(exc), records=len(rows))
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            error = exc
+        for record in usage:
+            with self._lock:
+                future = self._futures.pop(record.request_id, None)
+            if future is None or future.done():
+                continue
+            if error is None:
+                future.set_result(record)
+            else:
+                future.set_exception(error)
+        with self.written:
+            self.written.notify_all()
+
+    # ---- reading and marking: called from the shipper ----
+    def _conn(self) -> sqlite3.Connection:
+        conn = getattr(self._reader, "conn", None)
+        if conn is None:
+            conn = self._reader.conn = _connect(self.path)
+        return conn
+
+    def pending(self, limit: int) -> list[OutboxRow]:
+        rows = self._conn().execute(
+            "SELECT id, kind, payload FROM outbox WHERE delivered_at_us IS NULL AND dead_at_us IS NULL "
+            "ORDER BY id LIMIT ?", (limit,)).fetchall()
+        return [OutboxRow(row_id, _decode(kind, payload)) for row_id, kind, payload in rows]
+
+    def mark_delivered(self, ids: list[int]) -> None:
+        self._update("UPDATE outbox SET delivered_at_us = ?, attempts = attempts + 1 WHERE id = ?",
+                     [(_now_us(), i) for i in ids])
+
+    def mark_dead(self, dead: list[tuple[int, str]]) -> None:
+        self._update("UPDATE outbox SET dead_at_us = ?, last_error = ?, attempts = attempts + 1 WHERE id = ?",
+                     [(_now_us(), reason, i) for i, reason in dead])
+
+    def mark_failed(self, ids: list[int], error: str) -> None:
+        self._update("UPDATE outbox SET attempts = attempts + 1, last_error = ? WHERE id = ?",
+                     [(error, i) for i in ids])
+
+    def _update(self, sql: str, params: list[tuple]) -> None:
+        if not params:
+            return
+        conn = self._conn()
+        conn.execute("BEGIN IMMEDIATE")
+        conn.executemany(sql, params)
+        conn.execute("COMMIT")
+
+    def counts(self) -> dict[str, int]:
+        pending, delivered, dead = self._conn().execute(
+            "SELECT COUNT(*) FILTER (WHERE delivered_at_us IS NULL AND dead_at_us IS NULL), "
+            "COUNT(delivered_at_us), COUNT(dead_at_us) FROM outbox").fetchone()
+        return {"pending": pending, "delivered": delivered, "dead": dead}
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._writer.join(30)
