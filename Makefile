@@ -41,8 +41,10 @@ protos: $(VENV)/.installed-dev
 check-protos: $(VENV)/.installed-dev
 	$(PY) -m tests.tools.check_protos
 
+# First run: creates the embedded SQLite ledger and a demo tenant, and prints the tenant's API key once.
 serve: install
-	$(VENV)/bin/zeroqueue serve --model $(MODEL)
+	$(VENV)/bin/zeroqueue migrate
+	$(VENV)/bin/zeroqueue serve --model $(MODEL) --demo-tenant demo --metrics-port 9464
 
 test: install-dev
 	$(PY) -m pytest -q

@@ -1,0 +1,138 @@
+"""The meter on its own: exact splits, conservation of wall time, records and idle minutes."""
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.inference.engine import StepReport
+from services.inference.meter import US_PER_MINUTE, Device, Meter, RecordContext, split_exact
+from services.inference.request import Request, RequestStatus, SamplingParams
+from services.inference.scheduler import ScheduledSeq, SchedulerOutput
+
+EPOCH_US = 29_833_334 * 60_000_000           # a UTC minute boundary in 2026
+DEVICE = Device("cpu", "cpu:test", "core_us", 2)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 10**12), st.lists(st.integers(0, 10**6), min_size=1, max_size=64).filter(any))
+def test_split_adds_up_exactly_and_is_proportional(total, weights):
+    parts = split_exact(total, weights)
+    assert sum(parts) == total
+    weight_sum = sum(weights)
+    for part, weight in zip(parts, weights):
+        assert abs(part - total * weight / weight_sum) < 1      # off by less than one unit
+        assert weight or part == 0
+
+
+def test_split_is_deterministic_on_ties():
+    assert split_exact(10, [1, 1, 1]) == [4, 3, 3]
+    assert split_exact(2, [1, 1, 1]) == [1, 1, 0]
+
+
+class Recorder:
+    def __init__(self):
+        self.usage, self.idle = [], []
+
+    def __call__(self, usage, idle):
+        self.usage += usage
+        self.idle += idle
+
+
+def make_meter(recorder, start_ns=0):
+    return Meter(DEVICE, "boot1", lambda ns: EPOCH_US + ns // 1000, recorder, started_ns=start_ns)
+
+
+def req(rid, prompt=4, max_tokens=8):
+    return Request(rid, tuple(range(prompt)), SamplingParams(max_tokens=max_tokens), 0, 10**15)
+
+
+def report(decodes, prefills, began_ns, ended_ns, ended=(), unfinished=1):
+    seqs = SchedulerOutput(tuple(ScheduledSeq(r, 0, 0, (1,), True) for r in decodes),
+                           tuple(ScheduledSeq(r, 0, 0, tuple(range(n)), True) for r, n in prefills), ())
+    return StepReport(seqs, object(), (), tuple(ended), began_ns, began_ns, ended_ns, unfinished)
+
+
+def register(meter, *requests):
+    for r in requests:
+        meter.register(r.request_id, RecordContext("acme", {"team": "ml"}, "m", EPOCH_US, EPOCH_US,
+                                                   EPOCH_US + 10**9))
+
+
+def test_a_step_is_split_by_tokens_and_the_record_carries_the_sum():
+    rec = Recorder()
+    meter = make_meter(rec)
+    a, b = req("a"), req("b")
+    register(meter, a, b)
+    meter.on_step(report([a], [(b, 3)], 0, 4_000_000))          # 4 ms × 2 cores = 8000 core·µs, 1:3
+    assert meter.usage_unit_us == {"a": 2000, "b": 6000}
+    a.status = RequestStatus.FINISHED_LENGTH
+    a.output_token_ids = [1, 2]
+    meter.on_step(report([a, b], [], 4_000_000, 6_000_000, ended=[a]))   # back to back: 4000 more, 1:1
+    (record,) = rec.usage
+    assert record.request_id == "a" and record.unit_us == 4000 and record.unit == "core_us"
+    assert record.outcome == "ok" and record.deadline_met and record.completion_tokens == 2
+    assert meter.usage_unit_us == {"b": 8000}
+
+
+def test_time_between_busy_steps_is_billed_and_time_with_no_request_is_idle():
+    rec = Recorder()
+    meter = make_meter(rec)
+    a = req("a")
+    register(meter, a)
+    meter.on_step(report([a], [], 1_000_000, 2_000_000))            # 1 ms idle first, then 1 ms busy
+    meter.on_step(report([a], [], 2_500_000, 3_000_000, unfinished=0))  # 0.5 ms of host work is billed
+    assert meter.billed_unit_us == 2 * 2000 and meter.idle_unit_us == 2 * 1000
+    meter.on_step(report([a], [], 10_000_000, 11_000_000, unfinished=0))  # nothing ran in between: idle
+    assert meter.idle_unit_us == 2 * 8000
+    assert meter.billed_unit_us + meter.idle_unit_us == meter.wall_unit_us
+
+
+def test_idle_minutes_close_with_wall_and_idle_time():
+    rec = Recorder()
+    meter = make_meter(rec)
+    meter.on_idle(90 * 1_000_000_000)                               # 90 s idle: minute 0 closes
+    (first,) = rec.idle
+    assert first.minute_start_us == EPOCH_US and first.idle_unit_us == first.wall_unit_us == 2 * US_PER_MINUTE
+    meter.on_idle(100 * 1_000_000_000, final=True)                  # shutdown closes the partial minute
+    assert rec.idle[1].wall_unit_us == 2 * 40_000_000
+    assert len({r.record_id for r in rec.idle}) == 2
+
+
+def test_cancelled_request_is_recorded_with_its_outcome():
+    rec = Recorder()
+    meter = make_meter(rec)
+    a = req("a")
+    register(meter, a)
+    meter.on_step(report([a], [], 0, 1_000_000))
+    a.status = RequestStatus.FINISHED_CANCELLED
+    meter.on_step(StepReport(SchedulerOutput((), (), ()), None, (), (a,), 1_500_000, 1_500_000, 1_500_000, 0))
+    (record,) = rec.usage
+    assert record.outcome == "cancelled" and record.unit_us == 2000 and record.deadline_met
+
+
+steps = st.lists(st.tuples(st.integers(0, 5_000_000), st.integers(1, 5_000_000),
+                           st.lists(st.integers(1, 64), min_size=1, max_size=8), st.booleans()),
+                 min_size=1, max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps, st.integers(0, 3 * 60 * 10**9))
+def test_billed_plus_idle_is_wall_time_and_every_step_splits_exactly(plan, start_ns):
+    rec = Recorder()
+    meter = make_meter(rec, start_ns)
+    now = start_ns
+    requests = {}
+    for i, (gap, duration, tokens, more) in enumerate(plan):
+        batch = [requests.setdefault(f"r{i}-{j}", req(f"r{i}-{j}")) for j in range(len(tokens))]
+        before = dict(meter.usage_unit_us)
+        billed_before = meter.billed_unit_us
+        meter.on_step(report([], list(zip(batch, tokens)), now + gap, now + gap + duration,
+                             unfinished=1 if more else 0))
+        step_total = meter.billed_unit_us - billed_before
+        assert sum(meter.usage_unit_us.get(r.request_id, 0) - before.get(r.request_id, 0) for r in batch) == step_total
+        now += gap + duration
+    meter.on_idle(now + 61 * 10**9, final=True)
+    assert meter.billed_unit_us + meter.idle_unit_us == meter.wall_unit_us
+    assert sum(r.wall_unit_us for r in rec.idle) == meter.wall_unit_us
+    assert sum(r.idle_unit_us for r in rec.idle) == meter.idle_unit_us
+    assert sum(meter.usage_unit_us.values()) == meter.billed_unit_us

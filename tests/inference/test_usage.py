@@ -1,0 +1,163 @@
+"""Usage end to end: from the engine's steps through the outbox to the ledger, exactly once."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from sqlalchemy import create_engine, text
+
+from billing import commands
+from services.client.auth import authorized_channel
+from services.inference.app import ServeConfig
+from services.inference.executor import ExecutorConfig
+from services.inference.inprocess import ServerThread
+from services.metering.inprocess import MeteringThread
+from tests.inference.test_overload import Background, fill, start_slow_server, wait_until
+from zeroqueue.inference.v1 import inference_pb2 as pb
+from zeroqueue.inference.v1 import inference_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def ledger_rows(url: str, sql: str):
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return conn.execute(text(sql)).fetchall()
+    finally:
+        engine.dispose()
+
+
+def finals(stub, n, **fields):
+    fields.setdefault("prompt", "def f(x):")
+    fields.setdefault("max_tokens", 6)
+    out = []
+    for i in range(n):
+        messages = list(stub.Generate(pb.GenerateRequest(**fields), timeout=20))
+        out.append((messages[0].admission.request_id, messages[-1].final))
+    return out
+
+
+def outbox_pending(data_dir: Path) -> int:
+    with sqlite3.connect(data_dir / "outbox.db") as conn:
+        return conn.execute("SELECT COUNT(*) FROM outbox WHERE delivered_at_us IS NULL AND dead_at_us IS NULL"
+                            ).fetchone()[0]
+
+
+def test_served_run_bills_every_call_once_and_conserves_wall_time(llama_dir, tmp_path):
+    server = start_slow_server(llama_dir)
+    stub = server.stub()
+    done = finals(stub, 3, labels={"cost_center": "cc-7", "team": "search"})
+    running = fill(server, max_tokens=60)
+    with pytest.raises(grpc.RpcError) as info:                      # refused at admission: never billed
+        list(stub.Generate(pb.GenerateRequest(prompt="x", max_tokens=5, request_id="refused-1"), timeout=10))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    for call in running:
+        call.join()
+    cancelled = stub.Generate(pb.GenerateRequest(prompt="y", max_tokens=100, request_id="cancel-1"), timeout=20)
+    next(cancelled)
+    next(cancelled)
+    cancelled.cancel()
+    wait_until(lambda: not server.app.service.in_flight)
+    time.sleep(0.2)
+    server.stop()
+    url = server.config.ledger_url
+    rows = {r.request_id: r for r in ledger_rows(url, "SELECT * FROM usage_records")}
+    for request_id, final in done:
+        assert rows[request_id].unit_us == final.usage.sm_us > 0
+        assert rows[request_id].cost_center == "cc-7" and rows[request_id].team == "search"
+        assert final.usage.unit == "core_us" and rows[request_id].unit == "core_us"
+    assert "refused-1" not in rows
+    assert rows["cancel-1"].outcome == "cancelled" and rows["cancel-1"].unit_us > 0
+    assert len(rows) == len(done) + len(running) + 1
+    (billed,) = ledger_rows(url, "SELECT SUM(unit_us) FROM usage_records")[0]
+    idle, wall = ledger_rows(url, "SELECT SUM(idle_unit_us), SUM(wall_unit_us) FROM idle_records")[0]
+    assert billed + idle == wall                                    # Σ billed + idle = wall time × cores
+
+
+def test_usage_survives_a_metering_outage(llama_dir, tmp_path):
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    commands.migrate(url)
+    tenant_key, admin_key = commands.create_tenant(url, "acme"), commands.create_admin_key(url)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    metering = MeteringThread(url, port=port).start()
+    config = ServeConfig(str(llama_dir), port=0, data_dir=str(tmp_path / "replica"), metering_address=metering.address,
+                         metering_key=admin_key, executor=ExecutorConfig(max_batch=4, max_seq_len=256))
+    server = ServerThread(config).start()
+    try:
+        stub = server.stub(key=tenant_key)
+        before = finals(stub, 3)
+        metering.stop()
+        during = finals(stub, 6)                                    # the key is cached; the usage waits
+        wait_until(lambda: outbox_pending(tmp_path / "replica") >= len(during), timeout=10)
+        metering = MeteringThread(url, port=port).start()
+        wait_until(lambda: outbox_pending(tmp_path / "replica") == 0, timeout=30)
+    finally:
+        server.stop()
+        metering.stop()
+    rows = ledger_rows(url, "SELECT request_id, unit_us FROM usage_records")
+    assert sorted(rows) == sorted((rid, f.usage.sm_us) for rid, f in before + during)
+
+
+def _serve(model: Path, data_dir: Path, port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "services.cli", "serve", "--model", str(model), "--port", str(port),
+           "--data-dir", str(data_dir), "--ledger", f"sqlite:///{data_dir / 'ledger.db'}", "--max-batch", "4",
+           "--max-seq-len", "256"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    for line in proc.stdout:
+        if "SERVING" in line:
+            threading.Thread(target=proc.stdout.read, daemon=True).start()
+            return proc
+    raise RuntimeError("server exited before SERVING")
+
+
+@pytest.mark.slow
+def test_sigkill_loses_no_usage_of_a_finished_call(llama_dir, tmp_path):
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    commands.migrate(url)
+    key = commands.create_tenant(url, "acme")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = _serve(llama_dir, tmp_path, port)
+    finished, stop = [], threading.Event()
+
+    def client():
+        stub = inference_pb2_grpc.InferenceStub(authorized_channel(f"127.0.0.1:{port}", key))
+        while not stop.is_set():
+            try:
+                messages = list(stub.Generate(pb.GenerateRequest(prompt="def g():", max_tokens=12), timeout=10))
+                finished.append((messages[0].admission.request_id, messages[-1].final.usage.sm_us))
+            except grpc.RpcError:
+                pass
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(4)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: len(finished) >= 20, timeout=60)
+    os.kill(proc.pid, signal.SIGKILL)                               # no drain, no flush, no goodbye
+    proc.wait(10)
+    stop.set()
+    for t in threads:
+        t.join(15)
+    proc = _serve(llama_dir, tmp_path, port)
+    try:
+        wait_until(lambda: outbox_pending(tmp_path) == 0, timeout=30)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    rows = ledger_rows(url, "SELECT request_id, COUNT(*), SUM(unit_us) FROM usage_records GROUP BY request_id")
+    stored = {rid: (count, unit_us) for rid, count, unit_us in rows}
+    for request_id, sm_us in finished:
+        assert stored[request_id] == (1, sm_us), request_id
