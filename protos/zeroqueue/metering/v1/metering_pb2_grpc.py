@@ -82,6 +82,8 @@ class MeteringServicer:
     def RecordUsage(self, request, context):
         """Idempotent per request_id (and idle record_id): a replay of an identical record is DUPLICATE,
         the same id with a different payload is CONFLICT (kept for review, never overwriting).
+        A record that fails validation, or names a tenant that does not exist, is INVALID on its own; the
+        rest of the batch is stored. At most 10,000 records and idle records per call. Admin keys only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -94,13 +96,16 @@ class MeteringServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CreateInvoice(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Creates the tenant's draft for the month, or recomputes it from the ledger: one invoice per tenant and month.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def FinalizeInvoice(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Admin keys only; the month must have ended. A finalized invoice refuses every write
+        (FAILED_PRECONDITION), CreateInvoice for its tenant and month included.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
