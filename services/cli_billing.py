@@ -1,0 +1,201 @@
+"""`zeroqueue` subcommands for the ledger: metering, migrate, tenants, keys, prices, invoice, chargeback.
+
+Every one takes `--ledger URL` (default: the SQLite file in $ZEROQUEUE_HOME or ~/.zeroqueue). A domain
+error (unknown tenant, finalized invoice, unmigrated ledger, ...) prints one line to stderr and exits 1.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ERROR_EXIT = 1
+KEY_NOTICE = "This API key is shown only once and cannot be recovered (only its hash is stored); store it now."
+
+
+def fails_cleanly(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Expected failures become one line on stderr and exit status 1; anything else is a bug and keeps its trace."""
+    @functools.wraps(run)
+    def wrapper(args: argparse.Namespace) -> int:
+        from sqlalchemy.exc import OperationalError
+
+        from billing.errors import BillingError
+        from services.metering.schema import LedgerNotMigrated
+        try:
+            return run(args)
+        except (BillingError, LedgerNotMigrated) as error:
+            message = str(error)
+        except OperationalError as error:
+            message = f"cannot use the ledger: {str(error.orig or error).strip().splitlines()[0]}"
+        except OSError as error:
+            message = f"{error.strerror or error}: {error.filename}" if error.filename else str(error)
+        print(f"zeroqueue: error: {message}", file=sys.stderr)
+        return ERROR_EXIT
+    return wrapper
+
+
+def ledger_url(args: argparse.Namespace) -> str:
+    from billing.db import default_ledger_url
+    return args.ledger or default_ledger_url()
+
+
+def require_migrated(url: str) -> None:
+    from billing.db import make_engine
+    from services.metering.schema import check_schema_at_head
+    engine = make_engine(url)
+    try:
+        check_schema_at_head(engine)
+    finally:
+        engine.dispose()
+
+
+def emit(text: str, output: str | None) -> None:
+    if output is None:
+        sys.stdout.write(text)
+        return
+    Path(output).write_text(text, encoding="utf-8")
+    print(f"wrote {output}", file=sys.stderr)
+
+
+def _parser(sub: argparse._SubParsersAction, name: str, help_text: str, run: Callable) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help_text)
+    p.add_argument("--ledger", metavar="URL", default=None,
+                   help="ledger database URL (default: SQLite in $ZEROQUEUE_HOME or ~/.zeroqueue)")
+    p.set_defaults(run=fails_cleanly(run))
+    return p
+
+
+# --- metering ------------------------------------------------------------------------------------------------
+
+def run_metering(args: argparse.Namespace) -> int:
+    from services.metering.app import MeteringApp
+    if (args.tls_cert is None) != (args.tls_key is None):
+        print("zeroqueue: error: --tls-cert and --tls-key go together", file=sys.stderr)
+        return ERROR_EXIT
+    app = MeteringApp(ledger_url(args), args.host, args.port, args.tls_cert, args.tls_key)
+    return asyncio.run(_serve_metering(app))
+
+
+async def _serve_metering(app) -> int:  # type: ignore[no-untyped-def]
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await app.start()
+    except BaseException:
+        await app.stop(grace_s=0)
+        raise
+    print(f"zeroqueue metering: SERVING on {app.host}:{app.port}", flush=True)
+    await stop.wait()
+    print("zeroqueue metering: stopping", flush=True)
+    await app.stop()
+    return 0
+
+
+# --- ledger administration ---------------------------------------------------------------------------------------
+
+def run_migrate(args: argparse.Namespace) -> int:
+    from billing import commands
+    from billing.db import make_engine
+    from services.metering.schema import check_schema_at_head
+    url = ledger_url(args)
+    commands.migrate(url)
+    engine = make_engine(url)
+    try:
+        print(f"ledger {engine.url.render_as_string(hide_password=True)}: at revision {check_schema_at_head(engine)}")
+    finally:
+        engine.dispose()
+    return 0
+
+
+def run_tenants_create(args: argparse.Namespace) -> int:
+    from billing import commands
+    url = ledger_url(args)
+    require_migrated(url)
+    print(commands.create_tenant(url, args.name))
+    print(f"Tenant {args.name!r} created. {KEY_NOTICE}", file=sys.stderr)
+    return 0
+
+
+def run_keys_create_admin(args: argparse.Namespace) -> int:
+    from billing import commands
+    url = ledger_url(args)
+    require_migrated(url)
+    print(commands.create_admin_key(url))
+    print(f"Admin key created: it can read and write every tenant's data. {KEY_NOTICE}", file=sys.stderr)
+    return 0
+
+
+def run_prices_add(args: argparse.Namespace) -> int:
+    from billing import commands
+    url = ledger_url(args)
+    require_migrated(url)
+    price = commands.add_price(url, args.model, args.unit, args.price_micros, args.currency, args.effective_from)
+    print(f"price {price.id}: {price.model} {price.unit} at {price.price_micros} micro-{price.currency} per "
+          f"{'SM' if price.unit == 'sm_us' else 'core'}·second from {args.effective_from}")
+    return 0
+
+
+# --- reports -------------------------------------------------------------------------------------------------
+
+def run_invoice(args: argparse.Namespace) -> int:
+    from billing import commands
+    url = ledger_url(args)
+    require_migrated(url)
+    emit(commands.invoice(url, args.tenant, args.period, args.finalize, args.format), args.output)
+    return 0
+
+
+def run_chargeback(args: argparse.Namespace) -> int:
+    from billing import commands
+    url = ledger_url(args)
+    require_migrated(url)
+    by = [name.strip() for name in args.by.split(",") if name.strip()]
+    emit(commands.chargeback(url, args.period, by, args.format, tenant=args.tenant), args.output)
+    return 0
+
+
+def add_billing_commands(sub: argparse._SubParsersAction) -> None:
+    p = _parser(sub, "metering", "run the Metering service (ledger, invoices, chargeback) on its own", run_metering)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50052)
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain; with --tls-key, serve TLS only")
+    p.add_argument("--tls-key", default=None, help="PEM private key")
+    p.add_argument("--json-logs", action=argparse.BooleanOptionalAction, default=True)
+
+    _parser(sub, "migrate", "create or upgrade the ledger schema (Alembic, to head)", run_migrate)
+
+    tenants = sub.add_parser("tenants", help="manage tenants").add_subparsers(required=True, metavar="ACTION")
+    _parser(tenants, "create", "create a tenant and print its first API key (once)", run_tenants_create) \
+        .add_argument("name", help="lowercase name: [a-z0-9][a-z0-9._-]{0,62}")
+
+    keys = sub.add_parser("keys", help="manage API keys").add_subparsers(required=True, metavar="ACTION")
+    _parser(keys, "create-admin", "create an admin key (all tenants) and print it (once)", run_keys_create_admin)
+
+    prices = sub.add_parser("prices", help="the price book").add_subparsers(required=True, metavar="ACTION")
+    p = _parser(prices, "add", "add a price version (never edits an old one)", run_prices_add)
+    p.add_argument("--model", required=True)
+    p.add_argument("--unit", required=True, choices=("sm_us", "core_us"))
+    p.add_argument("--price-micros", type=int, required=True, help="micro-units of the currency per unit·second")
+    p.add_argument("--currency", default="USD")
+    p.add_argument("--effective-from", required=True, help="ISO 8601 with a zone, e.g. 2026-11-01T00:00:00Z")
+
+    p = _parser(sub, "invoice", "a tenant's invoice for a month: refresh the draft, or --finalize it", run_invoice)
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--period", required=True, help="UTC calendar month, YYYY-MM")
+    p.add_argument("--finalize", action="store_true", help="finalize the draft (the month must have ended)")
+    p.add_argument("--format", choices=("json", "csv", "html"), default="json")
+    p.add_argument("--output", default=None, help="write to this file instead of stdout")
+
+    p = _parser(sub, "chargeback", "usage, cost and deadline attainment by group, and device utilisation",
+                run_chargeback)
+    p.add_argument("--period", required=True, help="UTC calendar month, YYYY-MM")
+    p.add_argument("--by", default="cost_center", help="comma-separated: cost_center, team, model, tenant, day")
+    p.add_argument("--tenant", default=None, help="only this tenant's usage (no device utilisation)")
+    p.add_argument("--format", choices=("csv", "json", "html"), default="csv")
+    p.add_argument("--output", default=None, help="write to this file instead of stdout")
