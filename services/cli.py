@@ -87,9 +87,13 @@ def ensure_demo_tenant(ledger: str | None, name: str, data_dir_arg: str | None) 
     from billing.tenants import list_tenants
 
     url = ledger or default_ledger_url()
-    with unit_of_work(session_factory(make_engine(url))) as session:
-        if list_tenants(session):
-            return
+    engine = make_engine(url)
+    try:
+        with unit_of_work(session_factory(engine)) as session:
+            if list_tenants(session):
+                return
+    finally:
+        engine.dispose()
     key = commands.create_tenant(url, name)
     key_file = Path(data_dir_arg) if data_dir_arg else data_dir()
     key_file = key_file / f"{name}.key"

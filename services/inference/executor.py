@@ -18,6 +18,7 @@ from .packed import pack_model
 from .attention import AttentionBackend, AttentionMetadata, KVCache, PrefillChunk
 from .loader import Checkpoint
 from .model import Transformer
+from .nvml import gpu_facts
 from .sampler import sample
 from .scheduler import ScheduledSeq, SchedulerOutput
 
@@ -66,9 +67,11 @@ def _cpu_threads(requested: int) -> int:
 
 def describe_device(device: torch.device) -> DeviceInfo:
     if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        uuid = str(getattr(props, "uuid", "")) or f"cuda:{device.index or 0}"
-        return DeviceInfo("cuda", props.name, uuid, props.multi_processor_count, "sm_us")
+        props = torch.cuda.get_device_properties(device)       # SMs of the device or MIG slice we were given
+        torch_uuid = str(props.uuid)
+        facts = gpu_facts(torch_uuid)
+        uuid = facts.uuid if facts else (torch_uuid if torch_uuid.startswith(("GPU-", "MIG-")) else f"GPU-{torch_uuid}")
+        return DeviceInfo("cuda", facts.name if facts else props.name, uuid, props.multi_processor_count, "sm_us")
     return DeviceInfo("cpu", "cpu", f"cpu:{os.uname().nodename}", torch.get_num_threads(), "core_us")
 
 
@@ -134,7 +137,7 @@ class Executor:
     def _forward_and_sample(self, step: SchedulerOutput) -> tuple[dict[str, int], int, bool]:
         sample_seqs = [s for s in (*step.decodes, *step.prefills) if s.sample]
         if self.graphs is not None and not step.prefills and self.graphs.fits(len(step.decodes)):
-            logits, padded = self.graphs.replay(step.decodes, self.kv_cache.scratch_slot)
+            logits, padded = self.graphs.replay(step.decodes)
             used_graph = True
         else:
             logits = self._eager(step)
@@ -173,29 +176,33 @@ class Executor:
 class GraphRunner:
     """One CUDA graph per batch-size bucket, captured over static buffers, for decode-only steps.
 
-    Padded rows write into the scratch slot at position 0 and attend to that one position only.
+    Padded rows write into the scratch slot at position 0 and attend to that one position only. With
+    capture=False the same padded static-buffer forward runs eagerly: how the CPU tests and the GPU
+    check's dry run exercise everything here but the capture itself.
     """
 
     def __init__(self, model: Transformer, backend: AttentionBackend, num_slots: int, max_seq_len: int,
-                 device: torch.device) -> None:
+                 device: torch.device, capture: bool = True) -> None:
         self.model, self.backend, self.device = model, backend, device
         self.max_seq_len = max_seq_len
+        self.scratch_slot = backend.cache.scratch_slot
         self.buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < num_slots] + [num_slots]
         n = self.buckets[-1]
-        scratch = backend.cache.scratch_slot
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slots = torch.full((n,), scratch, dtype=torch.int64, device=device)
+        self.slots = torch.full((n,), self.scratch_slot, dtype=torch.int64, device=device)
         self.lens = torch.ones(n, dtype=torch.int64, device=device)
         self.rows = torch.arange(n, dtype=torch.int64, device=device)
-        self.host = torch.empty((4, n), dtype=torch.int64, pin_memory=True)
+        self.host = torch.empty((4, n), dtype=torch.int64, pin_memory=device.type == "cuda")
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._capture()
+        if capture:
+            self._capture()
 
     def fits(self, batch_size: int) -> bool:
         return 0 < batch_size <= self.buckets[-1]
 
-    def _forward(self, bs: int) -> torch.Tensor:
+    def forward_static(self, bs: int) -> torch.Tensor:
+        """The bucket's forward over the static buffers, run eagerly: logits [bs, vocab]."""
         meta = AttentionMetadata(slot_ids=self.slots[:bs], positions=self.positions[:bs], num_decode=bs,
                                  decode_slots=self.slots[:bs], decode_lens=self.lens[:bs],
                                  max_decode_len=self.max_seq_len)
@@ -209,23 +216,23 @@ class GraphRunner:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self._forward(bs)
+                    self.forward_static(bs)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(bs)
+                logits = self.forward_static(bs)
             pool = graph.pool() if pool is None else pool
             self.graphs[bs] = (graph, logits)
         torch.cuda.synchronize()
 
-    def replay(self, decodes: tuple[ScheduledSeq, ...], scratch_slot: int) -> tuple[torch.Tensor, int]:
-        """Copies the step's inputs into the static buffers, pads to the bucket, replays: logits [n, vocab]."""
+    def prepare(self, decodes: tuple[ScheduledSeq, ...]) -> int:
+        """Copies the step's inputs into the static buffers, padded to its bucket; returns the bucket."""
         n = len(decodes)
         bs = next(b for b in self.buckets if b >= n)
         host = self.host[:, :bs]
         host[0].zero_()
         host[1].zero_()
-        host[2].fill_(scratch_slot)
+        host[2].fill_(self.scratch_slot)
         host[3].fill_(1)
         host[0, :n] = torch.tensor([s.token_ids[0] for s in decodes])
         host[1, :n] = torch.tensor([s.start_pos for s in decodes])
@@ -233,6 +240,13 @@ class GraphRunner:
         host[3, :n] = host[1, :n] + 1
         for buffer, row in zip((self.input_ids, self.positions, self.slots, self.lens), host):
             buffer[:bs].copy_(row, non_blocking=True)
+        return bs
+
+    def replay(self, decodes: tuple[ScheduledSeq, ...]) -> tuple[torch.Tensor, int]:
+        """logits [n, vocab] of a decode-only step, from the bucket's graph (or eagerly when not captured)."""
+        bs = self.prepare(decodes)
+        if bs not in self.graphs:
+            return self.forward_static(bs)[:len(decodes)], bs
         graph, logits = self.graphs[bs]
         graph.replay()
-        return logits[:n], bs
+        return logits[:len(decodes)], bs

@@ -21,6 +21,7 @@ from billing.records import IdleRecord, UsageRecord
 from zeroqueue.metering.v1 import metering_pb2 as pb
 from zeroqueue.metering.v1 import metering_pb2_grpc
 from .outbox import Outbox
+from .server import idle_to_pb, usage_to_pb
 
 log = structlog.get_logger(__name__)
 
@@ -76,15 +77,6 @@ class LedgerSink:
                 usage = [r for r in usage if r.tenant != exc.tenant]
 
 
-def to_proto(record: UsageRecord) -> pb.UsageRecord:
-    message = pb.UsageRecord(**{k: v for k, v in record.to_payload().items() if v is not None})
-    return message
-
-
-def idle_to_proto(record: IdleRecord) -> pb.IdleRecord:
-    return pb.IdleRecord(**record.to_payload())
-
-
 _DEAD_STATUSES = {pb.RECORD_STATUS_CONFLICT: "conflict", pb.RECORD_STATUS_INVALID: "invalid"}
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
               grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INTERNAL,
@@ -100,7 +92,7 @@ class GrpcSink:
         self.timeout_s = timeout_s
 
     async def deliver(self, usage: Sequence[UsageRecord], idle: Sequence[IdleRecord]) -> list[Ack]:
-        request = pb.RecordUsageRequest(records=[to_proto(r) for r in usage], idle=[idle_to_proto(r) for r in idle])
+        request = pb.RecordUsageRequest(records=[usage_to_pb(r) for r in usage], idle=[idle_to_pb(r) for r in idle])
         try:
             reply = await self.stub.RecordUsage(request, metadata=self.metadata, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
