@@ -1,0 +1,158 @@
+"""Fake replicas for SDK tests: a grpc.aio Inference servicer that answers from a script and remembers every
+call it saw (metadata, request, the deadline it carried). Real loopback ports, one event loop thread."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import grpc
+from google.protobuf import duration_pb2
+from google.rpc import error_details_pb2
+
+from services.errors import RpcStatus, to_grpc_status
+from zeroqueue.inference.v1 import inference_pb2 as pb
+from zeroqueue.inference.v1 import inference_pb2_grpc
+
+
+@dataclass(frozen=True)
+class Reject:
+    """RESOURCE_EXHAUSTED as the real replica sends it; `skew_s` shifts its x-server-time."""
+    hint_ms: int
+    skew_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Fail:
+    code: grpc.StatusCode
+    reason: str = ""
+    metadata: dict = field(default_factory=dict)
+    violations: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Serve:
+    """Admission, `num_chunks` token chunks, then a final message, or the status `then_fail` instead of it."""
+    num_chunks: int = 2
+    then_fail: grpc.StatusCode | None = None
+
+
+@dataclass(frozen=True)
+class SeenCall:
+    request: pb.GenerateRequest
+    metadata: dict
+    time_remaining_s: float | None
+    at_s: float                                   # monotonic, when the call arrived
+
+    @property
+    def retry_attempt(self) -> str | None:
+        return self.metadata.get("x-retry-attempt")
+
+
+def _status(answer: Reject | Fail) -> grpc.Status:
+    if isinstance(answer, Reject):
+        delay = duration_pb2.Duration()
+        delay.FromMilliseconds(answer.hint_ms)
+        server_time_us = int((time.time() + answer.skew_s) * 1e6)
+        return to_grpc_status(RpcStatus(
+            grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded",
+            [error_details_pb2.ErrorInfo(reason="OVERLOADED", domain="zeroqueue.dev"),
+             error_details_pb2.RetryInfo(retry_delay=delay)],
+            (("retry-after-ms", str(answer.hint_ms)), ("grpc-retry-pushback-ms", str(answer.hint_ms)),
+             ("x-server-time", str(server_time_us)))))
+    details = [error_details_pb2.ErrorInfo(reason=answer.reason or answer.code.name, domain="zeroqueue.dev",
+                                           metadata=answer.metadata)]
+    if answer.violations:
+        details.append(error_details_pb2.BadRequest(field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(field=f, description=d) for f, d in answer.violations]))
+    return to_grpc_status(RpcStatus(answer.code, f"scripted {answer.code.name}", details,
+                                    (("x-server-time", str(time.time_ns() // 1000)),)))
+
+
+class ScriptedInference(inference_pb2_grpc.InferenceServicer):
+    def __init__(self, script: list) -> None:
+        self.script = deque(script)
+        self.calls: list[SeenCall] = []
+        self.address = ""
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        self.calls.append(SeenCall(request, dict(context.invocation_metadata()), context.time_remaining(),
+                                   time.monotonic()))
+        answer = self.script.popleft() if self.script else Serve()
+        if not isinstance(answer, Serve):
+            await context.abort_with_status(_status(answer))
+        now_us = time.time_ns() // 1000
+        yield pb.GenerateResponse(admission=pb.Admission(request_id=request.request_id, received_at_us=now_us,
+                                                         dispatched_at_us=now_us, budget_ms=1000, prompt_tokens=3))
+        for i in range(answer.num_chunks):
+            yield pb.GenerateResponse(chunk=pb.TokenChunk(token_ids=[10 + i], text=f"t{i}", emitted_at_us=now_us))
+        if answer.then_fail is not None:
+            await context.abort_with_status(_status(Fail(answer.then_fail)))
+        yield pb.GenerateResponse(final=pb.Final(
+            finish_reason=pb.FINISH_REASON_LENGTH,
+            timings=pb.Timings(received_at_us=now_us, total_us=500, ttft_us=100, deadline_met=True),
+            usage=pb.Usage(prompt_tokens=3, completion_tokens=answer.num_chunks, sm_us=1234, unit="core_us",
+                           device_kind="cpu", num_compute_units=1)))
+
+
+class FakeReplicas:
+    """`with FakeReplicas([script_a, script_b]) as fakes:` fakes.addresses, fakes[i].calls."""
+
+    def __init__(self, scripts: list[list]) -> None:
+        self.servicers = [ScriptedInference(s) for s in scripts]
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.servers: list[grpc.aio.Server] = []
+
+    def __enter__(self) -> FakeReplicas:
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(30)
+        return self
+
+    async def _start(self) -> None:
+        for servicer in self.servicers:
+            server = grpc.aio.server()
+            inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            servicer.address = f"127.0.0.1:{port}"
+            self.servers.append(server)
+
+    def __exit__(self, *exc_info: object) -> None:
+        async def stop() -> None:
+            for server in self.servers:
+                await server.stop(grace=0)
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    def __getitem__(self, i: int) -> ScriptedInference:
+        return self.servicers[i]
+
+    @property
+    def addresses(self) -> list[str]:
+        return [s.address for s in self.servicers]
+
+    @property
+    def all_calls(self) -> list[SeenCall]:
+        return sorted((c for s in self.servicers for c in s.calls), key=lambda c: c.at_s)
+
+
+class VirtualTime:
+    """A monotonic clock that sleeping advances without waiting, so a test sees the exact delays asked for."""
+
+    def __init__(self) -> None:
+        self.offset_s = 0.0
+        self.sleeps: list[float] = []
+
+    def clock(self) -> float:
+        return time.monotonic() + self.offset_s
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.offset_s += seconds
+
+    async def async_sleep(self, seconds: float) -> None:
+        self.sleep(seconds)

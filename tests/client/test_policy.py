@@ -1,0 +1,120 @@
+"""The retry policy on its own: a fake clock, a fake wall clock and fixed randomness, no network."""
+from __future__ import annotations
+
+import grpc
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from services.client.policy import GiveUp, Retry, RetryConfig, RetryPolicy
+from services.client.status import Failure
+
+NOW_WALL_S = 1_800_000_000.0
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 100.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def policy(num_endpoints=1, rand=0.0, **config) -> tuple[RetryPolicy, FakeClock]:
+    clock = FakeClock()
+    return RetryPolicy(RetryConfig(**config), num_endpoints, clock, lambda: NOW_WALL_S, lambda: rand), clock
+
+
+def overloaded(hint_ms: int | None, skew_s: float = 0.0) -> Failure:
+    return Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", "OVERLOADED", retry_after_ms=hint_ms,
+                   server_time_us=int((NOW_WALL_S + skew_s) * 1e6))
+
+
+def attempt(p: RetryPolicy, state, endpoint: int, failure: Failure):
+    state.num_attempts += 1
+    return p.after_failure(state, endpoint, failure)
+
+
+@given(hint_ms=st.integers(1, 60_000), rand=st.floats(0, 1, exclude_max=True))
+def test_the_wait_is_the_hint_plus_a_bounded_jitter(hint_ms, rand):
+    p, _ = policy(rand=rand)
+    state = p.start(deadline_ms=10 ** 7, model="")
+    decision = attempt(p, state, 0, overloaded(hint_ms))
+    jitter_ms = min(20.0, 0.1 * hint_ms)
+    assert isinstance(decision, Retry) and decision.reason == "hint"
+    assert hint_ms / 1000 <= decision.delay_s <= (hint_ms + jitter_ms) / 1000
+
+
+def test_skew_backoff_doubles_up_to_its_cap_with_full_jitter():
+    p, _ = policy(rand=0.999999, backoff_base_ms=10, backoff_max_ms=50)
+    state = p.start(deadline_ms=10 ** 7, model="")
+    delays = [attempt(p, state, 0, overloaded(5_000, skew_s=30)).delay_s for _ in range(5)]
+    assert delays == pytest.approx([0.010, 0.020, 0.040, 0.050, 0.050], rel=1e-5)
+    p0, _ = policy(rand=0.0)
+    assert attempt(p0, p0.start(1000, ""), 0, overloaded(5_000, skew_s=30)).delay_s == 0.0
+
+
+def test_a_rejection_without_a_hint_backs_off():
+    p, _ = policy(rand=0.5)
+    decision = attempt(p, p.start(1_000, ""), 0, overloaded(None))
+    assert decision == Retry(0, 0.0125, "no_hint")
+
+
+def test_no_attempt_is_planned_past_the_deadline_or_with_a_sliver_of_budget_left():
+    p, clock = policy(min_attempt_budget_ms=5)
+    state = p.start(deadline_ms=500, model="")
+    assert attempt(p, state, 0, overloaded(494)) == Retry(0, 0.494, "hint")
+    assert attempt(p, state, 0, overloaded(496)) == GiveUp("deadline")
+    clock.now_s += 0.4
+    assert attempt(p, state, 0, overloaded(120)) == GiveUp("deadline")
+
+
+def test_never_retries_an_admitted_call_or_a_non_retryable_code():
+    p, _ = policy(num_endpoints=2)
+    state = p.start(1_000, "")
+    admitted = Failure(grpc.StatusCode.UNAVAILABLE, "gone", after_admission=True)
+    assert attempt(p, state, 0, admitted) == GiveUp("after_admission")
+    for code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                 grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.ALREADY_EXISTS,
+                 grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED):
+        assert attempt(p, state, 0, Failure(code, "no")) == GiveUp("not_retryable")
+
+
+def test_the_attempt_limit_counts_the_first_try():
+    p, _ = policy(max_attempts=2)
+    state = p.start(10_000, "")
+    assert isinstance(attempt(p, state, 0, overloaded(10)), Retry)
+    assert attempt(p, state, 0, overloaded(10)) == GiveUp("max_attempts")
+
+
+def test_new_calls_round_robin_over_free_endpoints_and_avoid_busy_ones():
+    p, clock = policy(num_endpoints=3)
+    assert [p.first_endpoint() for _ in range(4)] == [0, 1, 2, 0]
+    attempt(p, p.start(10_000, ""), 1, overloaded(300))                    # 1 is busy for 300 ms
+    assert [p.first_endpoint() for _ in range(4)] == [2, 0, 2, 0]
+    attempt(p, p.start(10_000, ""), 0, overloaded(100))
+    attempt(p, p.start(10_000, ""), 2, overloaded(200))
+    assert p.first_endpoint() == 0                                         # all busy: the one that frees first
+    clock.now_s += 0.301
+    assert sorted(p.first_endpoint() for _ in range(3)) == [0, 1, 2]
+
+
+def test_busy_state_is_shared_by_all_calls_of_a_client():
+    p, _ = policy(num_endpoints=2)
+    attempt(p, p.start(10_000, ""), 0, overloaded(400))
+    other_call = p.start(10_000, "")
+    assert attempt(p, other_call, 1, overloaded(50)) == Retry(1, 0.05, "hint")
+
+
+def test_an_endpoint_that_keeps_failing_is_skipped_longer_and_forgiven_once_it_serves():
+    p, clock = policy(num_endpoints=2, rand=0.0)
+    down = Failure(grpc.StatusCode.UNAVAILABLE, "refused")
+    state = p.start(60_000, "")
+    spans = []
+    for _ in range(3):
+        attempt(p, state, 0, down)
+        spans.append(p.board.free_at_s[0] - clock.now_s)
+    assert spans == pytest.approx([0.0125, 0.025, 0.05])                    # half the cap: equal jitter at rand 0
+    p.on_admitted(0)
+    attempt(p, state, 0, down)
+    assert p.board.free_at_s[0] - clock.now_s == pytest.approx(0.0125)
