@@ -92,7 +92,9 @@ class Executor:
         self.cpu_ops = self._cpu_ops() if self.device.type == "cpu" else None
         if self.cpu_ops is not None:
             pack_model(self.model, self.cpu_ops)
-        decode_kernel = self.cpu_ops.decode_attention if self.cpu_ops is not None else None
+        # the decode kernel is specialised for the common head sizes; others use the SDPA path
+        use_kernel = self.cpu_ops is not None and args.head_dim in kernels.DECODE_HEAD_DIMS
+        decode_kernel = self.cpu_ops.decode_attention if use_kernel else None
         self.backend = AttentionBackend(self.kv_cache, decode_kernel)
         self.info = describe_device(self.device)
         self.graphs: GraphRunner | None = None
