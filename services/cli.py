@@ -12,6 +12,7 @@ import sys
 import structlog
 
 from services.cli_billing import add_billing_commands, fails_cleanly
+from services.pulse.cli import add_pulse
 
 UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
          "kb": 10**3, "mb": 10**6, "gb": 10**9}
@@ -154,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve(sub)
     add_health(sub)
     add_billing_commands(sub)
+    add_pulse(sub)
     return parser
 
 

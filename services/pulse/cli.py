@@ -1,0 +1,254 @@
+"""`zeroqueue pulse`: open-loop load through the SDK, against replicas you name or ones it starts itself.
+
+    zeroqueue pulse --endpoint 127.0.0.1:50051 --api-key KEY --qps 20 --duration 30
+    zeroqueue pulse --compare --qps 20 --duration 30            # starts a deadline and a fifo replica in turn
+    zeroqueue pulse --capacity --duration 30                    # saturating QPS of the fixed shape
+    zeroqueue pulse --compare --load 2 --capacity-json out/capacity/capacity.json --duration 60
+
+A compare run replays one schedule (same seed) against each mode in turn, one replica at a time, so the
+two never share the machine's cores.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shlex
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+
+@dataclass
+class Target:
+    label: str
+    endpoints: list[str]
+    metrics_urls: list[str] = field(default_factory=list)
+    api_key: str | None = None
+    admission: str = "deadline"         # the mode of a replica the tool starts when no endpoints are given
+
+
+def add_pulse(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("pulse", help="open-loop load test through the SDK (deadline vs fifo with --compare)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t = p.add_argument_group("targets (without endpoints, the tool starts `zeroqueue serve` replicas itself)")
+    t.add_argument("--endpoint", action="append", default=[], help="replica address; repeat for several")
+    t.add_argument("--metrics-url", action="append", default=[], help="a replica's /metrics URL; repeatable")
+    t.add_argument("--api-key", default=os.environ.get("ZEROQUEUE_API_KEY"), help="tenant key ($ZEROQUEUE_API_KEY)")
+    t.add_argument("--compare", action="store_true", help="run the schedule against deadline mode, then fifo mode")
+    t.add_argument("--deadline-endpoint", action="append", default=[])
+    t.add_argument("--fifo-endpoint", action="append", default=[])
+    t.add_argument("--deadline-metrics-url", action="append", default=[])
+    t.add_argument("--fifo-metrics-url", action="append", default=[])
+    t.add_argument("--admission", choices=("deadline", "fifo"), default="deadline", help="mode of a started replica")
+    t.add_argument("--model", default=None, help="checkpoint for started replicas (default: the bundled model)")
+    t.add_argument("--serve-args", default="", help="extra `zeroqueue serve` arguments, e.g. '--max-batch 16'")
+    g = p.add_argument_group("load")
+    g.add_argument("--qps", type=float, default=None, help="base arrival rate")
+    g.add_argument("--load", type=float, default=None, help="base rate as a multiple of --capacity-json's capacity")
+    g.add_argument("--capacity-json", default=None, help="capacity.json written by --capacity")
+    g.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals")
+    g.add_argument("--arrival", choices=("poisson", "constant"), default="poisson")
+    g.add_argument("--pulse-factor", type=float, default=1.0, help="rate multiplier inside a burst")
+    g.add_argument("--pulse-seconds", type=float, default=0.0, help="burst length (0: no bursts)")
+    g.add_argument("--pulse-every", type=float, default=10.0, help="one burst per this many seconds")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-in-flight", type=int, default=10_000)
+    s = p.add_argument_group("requests")
+    s.add_argument("--shape", choices=("fixed", "mix"), default="fixed")
+    s.add_argument("--prompt-tokens", type=int, default=64, help="exact (fixed) or median (mix)")
+    s.add_argument("--max-tokens", type=int, default=32, help="exact (fixed) or median (mix)")
+    s.add_argument("--shape-sigma", type=float, default=0.6, help="mix: log-normal spread")
+    s.add_argument("--deadline-ms", type=float, default=2_000.0)
+    s.add_argument("--deadline-per-token-ms", type=float, default=0.0, help="added per requested output token")
+    c = p.add_argument_group("capacity")
+    c.add_argument("--capacity", action="store_true", help="measure the saturating QPS of the fixed shape")
+    c.add_argument("--concurrency", type=int, default=0, help="closed-loop callers (default: the replica's slots)")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", default=None, help="output directory (default pulse-results/<time>)")
+    o.add_argument("--no-plots", action="store_true")
+    o.add_argument("--no-progress", action="store_true")
+    p.set_defaults(run=run_pulse)
+
+
+def _targets(args: argparse.Namespace) -> list[Target]:
+    if args.compare:
+        return [Target("deadline", args.deadline_endpoint, args.deadline_metrics_url, args.api_key, "deadline"),
+                Target("fifo", args.fifo_endpoint, args.fifo_metrics_url, args.api_key, "fifo")]
+    label = "run" if args.endpoint else args.admission
+    return [Target(label, args.endpoint, args.metrics_url, args.api_key, args.admission)]
+
+
+@contextlib.contextmanager
+def _opened(target: Target, args: argparse.Namespace, out_dir: Path, console) -> Iterator[Target]:
+    """The target itself if it names endpoints; otherwise a replica started for it, stopped afterwards."""
+    if target.endpoints:
+        if not target.api_key:
+            raise SystemExit("zeroqueue pulse: error: --api-key (or $ZEROQUEUE_API_KEY) is needed with endpoints")
+        yield target
+        return
+    from .replicas import default_model, start_replica
+    model = Path(args.model) if args.model else default_model()
+    console.print(f"starting a {target.admission}-mode replica on {model} (warm-up and calibration first) ...")
+    replica = start_replica(model, target.admission, out_dir, shlex.split(args.serve_args))
+    console.print(f"  SERVING on {replica.address}, metrics {replica.metrics_url}, log {replica.log_path}")
+    try:
+        yield replace(target, endpoints=[replica.address], metrics_urls=[replica.metrics_url], api_key=replica.api_key)
+    finally:
+        replica.stop()
+
+
+def _load_qps(args: argparse.Namespace) -> float:
+    if args.load is not None:
+        if not args.capacity_json:
+            raise SystemExit("zeroqueue pulse: error: --load needs --capacity-json (written by --capacity)")
+        return args.load * json.loads(Path(args.capacity_json).read_text())["capacity_qps"]
+    if args.qps is None:
+        raise SystemExit("zeroqueue pulse: error: give --qps, or --load with --capacity-json")
+    return args.qps
+
+
+def _scrape_all(urls: list[str]) -> list:
+    from .scrape import scrape
+    out = []
+    for url in urls:
+        try:
+            out.append(scrape(url))
+        except OSError:
+            out.append(None)
+    return out
+
+
+def _server_view(before: list, after: list) -> dict | None:
+    from .scrape import delta, server_view
+    total: dict = {}
+    pairs = [(b, a) for b, a in zip(before, after, strict=True) if b is not None and a is not None]
+    for b, a in pairs:
+        for key, value in delta(a, b).items():
+            total[key] = total.get(key, 0.0) + value
+    return server_view({}, total) if pairs else None
+
+
+async def _model_info(target: Target):
+    from services.client import AsyncClient
+    async with AsyncClient(target.endpoints, target.api_key) as client:
+        (model, *_) = await client.list_models(timeout_s=30)
+        return model
+
+
+async def _drive(target: Target, requests, prefix: str, args: argparse.Namespace, console) -> list:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from services.client import AsyncClient
+    from .runner import run_plan
+    counts: Counter = Counter()
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[stats]}"))
+    with Progress(*columns, console=console, disable=args.no_progress) as progress:
+        task = progress.add_task(f"{target.label}: sent", total=len(requests), stats="")
+
+        def on_done(trace) -> None:
+            counts[trace.outcome] += 1
+            progress.update(task, stats=" ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+
+        async with AsyncClient(target.endpoints, target.api_key) as client:
+            return await run_plan(client, requests, prefix, lambda t: progress.advance(task), on_done,
+                                  args.max_in_flight)
+
+
+def _pulse_one(target: Target, args: argparse.Namespace, load, shape_args: dict, run_id: str, console):
+    from .report import RunReport
+    from .schedule import ShapeSpec, plan
+    from .stats import summarize
+    model = asyncio.run(_model_info(target))
+    shape = ShapeSpec(**shape_args, context_length=model.context_length)
+    requests = plan(load, shape, model.vocab_size, args.deadline_ms, args.deadline_per_token_ms)
+    before = _scrape_all(target.metrics_urls)
+    traces = asyncio.run(_drive(target, requests, f"pulse-{run_id}-{target.label}", args, console))
+    time.sleep(0.5)                                             # the last calls' metrics settle
+    server = _server_view(before, _scrape_all(target.metrics_urls))
+    notes = [] if server or not target.metrics_urls else ["/metrics was unreachable: no server-side figures"]
+    return RunReport(target.label, target.endpoints, summarize(traces, load.duration_s), traces, server, notes)
+
+
+def run_pulse(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .report import plot, print_table, write_json, write_traces
+    from .schedule import LoadSpec
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=120)                            # a table that stays readable in a log file
+    out_dir = Path(args.out or f"pulse-results/{time.strftime('%Y%m%d-%H%M%S')}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shape_args = dict(kind=args.shape, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
+                      sigma=args.shape_sigma)
+    run_id = uuid.uuid4().hex[:8]
+    if args.capacity:
+        return run_capacity(args, shape_args, out_dir, run_id, console)
+    load = LoadSpec(_load_qps(args), args.duration, args.arrival, args.pulse_factor, args.pulse_seconds,
+                    args.pulse_every, args.seed)
+    runs = []
+    for target in _targets(args):
+        with _opened(target, args, out_dir, console) as opened:
+            runs.append(_pulse_one(opened, args, load, shape_args, run_id, console))
+    title = (f"pulse: {load.arrival} {load.qps:.2f} qps for {load.duration_s:.0f} s"
+             + (f", bursts {load.pulse_factor}× for {load.pulse_s} s every {load.pulse_every_s} s"
+                if load.pulse_s else "") + f", shape {args.shape} {args.prompt_tokens}+{args.max_tokens}, "
+             f"deadline {args.deadline_ms:.0f} ms")
+    print_table(runs, title, console)
+    config = {"load": asdict(load), "shape": shape_args, "deadline_ms": args.deadline_ms,
+              "deadline_per_token_ms": args.deadline_per_token_ms, "run_id": run_id}
+    write_json(out_dir / "pulse.json", runs, config)
+    write_traces(out_dir, runs)
+    written = [] if args.no_plots else plot(out_dir, runs)
+    console.print(f"wrote {out_dir / 'pulse.json'}, traces" + "".join(f", {p.name}" for p in written)
+                  + f" in {out_dir}")
+    return 0
+
+
+def run_capacity(args: argparse.Namespace, shape_args: dict, out_dir: Path, run_id: str, console) -> int:
+    """Closed loop, one caller per KV slot, fixed shape: completions inside the deadline per second."""
+    from .report import RunReport, print_table
+    from .schedule import PlannedRequest, ShapeSpec
+    if args.shape != "fixed":
+        raise SystemExit("zeroqueue pulse: error: --capacity measures the fixed shape (--shape fixed)")
+    target = replace(_targets(argparse.Namespace(**{**vars(args), "compare": False}))[0], label="capacity")
+    with _opened(target, args, out_dir, console) as opened:
+        model = asyncio.run(_model_info(opened))
+        shape = ShapeSpec(**shape_args, context_length=model.context_length)
+        concurrency = args.concurrency or model.max_batch
+        rng = random.Random(args.seed)
+
+        def make(i: int) -> PlannedRequest:
+            prompt = tuple(rng.randrange(16, model.vocab_size) for _ in range(shape.prompt_tokens))
+            return PlannedRequest(i, 0.0, prompt, shape.max_tokens, args.deadline_ms)
+        console.print(f"capacity: {concurrency} closed-loop callers for {args.duration:.0f} s ...")
+        traces = asyncio.run(_closed(opened, make, concurrency, args.duration, f"cap-{run_id}"))
+    from .stats import summarize
+    summary = summarize(traces, args.duration)
+    in_time = sum(1 for t in traces if t.in_deadline and t.finished_s <= args.duration)
+    capacity_qps = in_time / args.duration
+    print_table([RunReport("capacity", opened.endpoints, summary, traces)], "capacity run (closed loop)", console)
+    loads = {f"{m}x": round(m * capacity_qps, 3) for m in (0.5, 1, 2, 4)}
+    console.print(f"capacity: {capacity_qps:.2f} req/s of {shape.prompt_tokens}+{shape.max_tokens} tokens inside "
+                  f"{args.deadline_ms:.0f} ms with {concurrency} callers; loads {loads}")
+    doc = {"capacity_qps": capacity_qps, "concurrency": concurrency, "shape": shape_args,
+           "deadline_ms": args.deadline_ms, "duration_s": args.duration, "loads_qps": loads,
+           "summary": summary.to_dict()}
+    (out_dir / "capacity.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    console.print(f"wrote {out_dir / 'capacity.json'}")
+    return 0
+
+
+async def _closed(target: Target, make, concurrency: int, duration_s: float, prefix: str) -> list:
+    from services.client import AsyncClient
+    from .runner import run_closed_loop
+    async with AsyncClient(target.endpoints, target.api_key) as client:
+        return await run_closed_loop(client, make, concurrency, duration_s, prefix)

@@ -1,0 +1,77 @@
+"""Replicas the pulse tool starts itself: `zeroqueue serve` processes on loopback, each with its own data
+directory, embedded SQLite ledger, tenant key and metrics port, logging to a file there."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import services.inference
+
+BUNDLED_MODEL = Path(services.inference.__file__).parent / "bundled" / "zq-python-tiny"
+
+
+@dataclass
+class Replica:
+    admission: str
+    address: str
+    metrics_url: str
+    api_key: str
+    log_path: Path
+    proc: subprocess.Popen
+
+    def stop(self, grace_s: float = 60.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_model() -> Path:
+    if not (BUNDLED_MODEL / "config.json").exists():
+        raise FileNotFoundError(f"the bundled model is not at {BUNDLED_MODEL} (train it with "
+                                "bench/train_default_model.py), so pass --model DIR")
+    return BUNDLED_MODEL
+
+
+def start_replica(model: Path, admission: str, workdir: Path, serve_args: list[str] = (),
+                  timeout_s: float = 900.0) -> Replica:
+    """Starts a replica and waits until it says SERVING (warm-up and calibration take a while on a CPU)."""
+    from billing import commands
+
+    data_dir = workdir / f"replica-{admission}"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    ledger = f"sqlite:///{data_dir / 'ledger.db'}"
+    commands.migrate(ledger)
+    key = commands.create_tenant(ledger, f"pulse-{os.getpid()}-{int(time.time())}")
+    port, metrics_port = free_port(), free_port()
+    log_path = data_dir / "replica.log"
+    cmd = [sys.executable, "-m", "services.cli", "serve", "--model", str(model), "--port", str(port),
+           "--admission", admission, "--metrics-port", str(metrics_port), "--data-dir", str(data_dir),
+           "--ledger", ledger, *serve_args]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    replica = Replica(admission, f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", key, log_path, proc)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if "zeroqueue: SERVING" in log_path.read_text(errors="replace"):
+            return replica
+        if proc.poll() is not None:
+            raise RuntimeError(f"replica ({admission}) exited with {proc.returncode}; see {log_path}")
+        time.sleep(0.2)
+    replica.stop(grace_s=5)
+    raise TimeoutError(f"replica ({admission}) not SERVING after {timeout_s:.0f} s; see {log_path}")

@@ -1,0 +1,146 @@
+"""A pulse run's outputs: the rich table (runs side by side), the JSON file, per-request traces, PNG plots."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from .stats import RequestTrace, Summary, time_series
+
+
+@dataclass
+class RunReport:
+    label: str                          # e.g. "deadline", "fifo"
+    endpoints: list[str]
+    summary: Summary
+    traces: list[RequestTrace]
+    server: dict | None = None          # scrape.server_view, when /metrics was reachable
+    notes: list[str] = field(default_factory=list)
+
+
+def _f(value, fmt: str = "{:.1f}") -> str:
+    return "—" if value is None else fmt.format(value)
+
+
+def _pct(value) -> str:
+    return _f(None if value is None else value * 100, "{:.2f} %")
+
+
+def _p(p, attr: str) -> str:
+    return _f(getattr(p, attr))
+
+
+def rows(run: RunReport) -> list[tuple[str, str]]:
+    s, server = run.summary, run.server or {}
+    queue, step = server.get("queue_time", {}), server.get("step_time", {})
+    out = [("requests sent / completed / in deadline", f"{s.num_sent} / {s.num_completed} / {s.num_in_deadline}")]
+    for name, p in (("latency", s.latency_ms), ("admitted latency", s.admitted_latency_ms), ("TTFT", s.ttft_ms)):
+        out.append((f"{name} P50 / P95 / P99 / max, ms",
+                    " / ".join(_p(p, a) for a in ("p50", "p95", "p99", "max"))))
+    out += [
+        ("P99 / P50 (admitted latency)", _f(s.p99_over_p50, "{:.2f}")),
+        ("rejection rate (first attempt)", _pct(s.rejection_rate)),
+        ("refused attempts / attempts", _pct(s.attempt_rejection_rate)),
+        ("avg retries per rejected request", _f(s.avg_retries_per_rejected, "{:.2f}")),
+        ("first-retry success", _pct(s.first_retry_success_rate)),
+        ("goodput, req/s in deadline", _f(s.goodput_rps, "{:.2f}")),
+        ("deadline misses among admitted", f"{s.num_admitted_misses} ({_pct(s.admitted_miss_rate)})"),
+        ("server queue time mean / P99 ≤, ms", f"{_f(queue.get('mean_ms'), '{:.2f}')} / "
+                                               f"{_f(queue.get('p99_at_most_ms'), '{:.1f}')}"),
+        ("server step time mean, ms", _f(step.get("mean_ms"), "{:.2f}")),
+        ("mean completion tokens", _f(s.mean_completion_tokens)),
+        ("scheduler lag max, ms", _f(s.max_dispatch_lag_ms)),
+        ("outcomes", ", ".join(f"{k} {v}" for k, v in sorted(s.outcomes.items()))),
+    ]
+    return out
+
+
+def print_table(runs: Sequence[RunReport], title: str, console: Console | None = None) -> None:
+    table = Table(title=title)
+    table.add_column("metric")
+    for run in runs:
+        table.add_column(run.label, justify="right")
+    per_run = [dict(rows(run)) for run in runs]
+    for name, _ in rows(runs[0]):
+        table.add_row(name, *(r[name] for r in per_run))
+    (console or Console()).print(table)
+    for run in runs:
+        for note in run.notes:
+            (console or Console()).print(f"[yellow]{run.label}: {note}[/yellow]")
+
+
+def write_json(path: Path, runs: Sequence[RunReport], config: dict) -> None:
+    doc = {"tool": "zeroqueue pulse", "config": config, "runs": {
+        run.label: {"endpoints": run.endpoints, "summary": run.summary.to_dict(), "server": run.server,
+                    "notes": run.notes,
+                    "time_series": time_series(run.traces, run.summary.duration_s)} for run in runs}}
+    path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+
+
+def write_traces(out_dir: Path, runs: Sequence[RunReport]) -> None:
+    for run in runs:
+        with open(out_dir / f"trace-{run.label}.jsonl", "w") as f:
+            for t in run.traces:
+                f.write(json.dumps(dataclasses.asdict(t)) + "\n")
+
+
+def _axes(num_runs: int, title: str):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, num_runs, figsize=(6 * num_runs, 4.5), squeeze=False, sharey=True)
+    fig.suptitle(title)
+    return plt, fig, axes[0]
+
+
+def plot(out_dir: Path, runs: Sequence[RunReport]) -> list[Path]:
+    """latency.png, scatter.png, timeseries.png: one panel per run, side by side."""
+    written = []
+    plt, fig, axes = _axes(len(runs), "End-to-end latency of completed requests")
+    for ax, run in zip(axes, runs, strict=True):
+        done = [t for t in run.traces if t.outcome == "ok"]
+        ax.hist([(t.finished_s - t.sent_s) * 1000 for t in done], bins=40, alpha=0.6, label="call")
+        ax.hist([(t.finished_s - t.admitted_s) * 1000 for t in done if t.admitted_s is not None], bins=40,
+                alpha=0.6, label="admitted attempt")
+        deadlines = {t.deadline_ms for t in run.traces}
+        if len(deadlines) == 1:
+            ax.axvline(deadlines.pop(), color="red", linestyle="--", label="deadline")
+        ax.set(title=run.label, xlabel="ms", ylabel="requests")
+        ax.legend()
+    written.append(_save(plt, fig, out_dir / "latency.png"))
+
+    plt, fig, axes = _axes(len(runs), "Dispatch vs finish per request (a band parallel to y = x: nothing queued)")
+    colors = {"ok": "tab:green", "rejected": "tab:orange", "deadline_exceeded": "tab:red"}
+    for ax, run in zip(axes, runs, strict=True):
+        for outcome in sorted({t.outcome for t in run.traces}):
+            pts = [(t.sent_s, t.finished_s) for t in run.traces if t.outcome == outcome and t.finished_s is not None]
+            if pts:
+                ax.scatter(*zip(*pts, strict=True), s=6, label=outcome, color=colors.get(outcome, "tab:gray"))
+        top = max((t.finished_s or 0 for t in run.traces), default=1)
+        ax.plot([0, top], [0, top], color="black", linewidth=0.5)
+        ax.set(title=run.label, xlabel="dispatched at, s", ylabel="finished at, s")
+        ax.legend(markerscale=3)
+    written.append(_save(plt, fig, out_dir / "scatter.png"))
+
+    plt, fig, axes = _axes(len(runs), "Arrivals, admissions, rejections and completions per 0.5 s")
+    for ax, run in zip(axes, runs, strict=True):
+        series = time_series(run.traces, run.summary.duration_s)
+        edges = [*series["bin_start_s"], series["bin_start_s"][-1] + 0.5]
+        for name, style in (("arrivals", ":"), ("admissions", "-"), ("rejections", "-"), ("completions", "--")):
+            ax.stairs(series[name], edges, label=name, linestyle=style, linewidth=1.5)
+        ax.set(title=run.label, xlabel="s", ylabel="count per bin")
+        ax.legend()
+    written.append(_save(plt, fig, out_dir / "timeseries.png"))
+    return written
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,97 @@
+"""Open-loop load: every planned request is sent at its planned time, whatever the server is doing.
+
+One asyncio task per request (no pool that a slow server could exhaust and so slow the arrivals down);
+each goes through the SDK, so refusals are retried as a real client would retry them.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+
+from services.client import (AsyncClient, DeadlineExceeded, DeadlineInfeasible, Rejected, Unavailable,
+                             ZeroQueueError)
+from .schedule import PlannedRequest
+from .stats import RequestTrace
+
+OUTCOMES = ((Rejected, "rejected"), (DeadlineInfeasible, "infeasible"), (DeadlineExceeded, "deadline_exceeded"),
+            (Unavailable, "unavailable"))
+
+
+def outcome_of(error: ZeroQueueError) -> str:
+    return next((name for cls, name in OUTCOMES if isinstance(error, cls)), "error")
+
+
+async def _one(client: AsyncClient, request: PlannedRequest, trace: RequestTrace, t0: float, request_id: str,
+               on_done: Callable[[RequestTrace], None]) -> None:
+    trace.sent_s = time.monotonic() - t0
+    generation = client.generate(request.prompt_token_ids, deadline_ms=request.deadline_ms,
+                                 max_tokens=request.max_tokens, temperature=0.0, request_id=request_id)
+    try:
+        async for chunk in generation:
+            if trace.first_token_s is None and chunk.token_ids:
+                trace.first_token_s = time.monotonic() - t0
+        trace.finished_s = time.monotonic() - t0
+        result = generation.result
+        trace.outcome, trace.completion_tokens = "ok", result.usage.completion_tokens
+        trace.server_deadline_met, trace.server_queue_us = result.timings.deadline_met, result.timings.queue_us
+        report = result.report
+    except ZeroQueueError as error:
+        trace.finished_s = time.monotonic() - t0
+        trace.outcome, trace.error, report = outcome_of(error), f"{error.code.name}/{error.reason}", error.report
+    except Exception as error:  # noqa: BLE001 - a load generator records a client-side failure and goes on
+        trace.finished_s = time.monotonic() - t0
+        trace.outcome, trace.error, report = "error", f"client:{type(error).__name__}: {error}", generation.report
+    if report is not None:
+        start = trace.sent_s
+        trace.attempts = [(start + a.started_s, a.outcome) for a in report.attempts]
+        trace.endpoint = report.endpoint
+    on_done(trace)
+
+
+async def run_plan(client: AsyncClient, requests: Sequence[PlannedRequest], id_prefix: str,
+                   on_sent: Callable[[RequestTrace], None] = lambda t: None,
+                   on_done: Callable[[RequestTrace], None] = lambda t: None,
+                   max_in_flight: int = 10_000) -> list[RequestTrace]:
+    """Sends `requests` at their `at_s` (seconds from now); returns one trace per request. A request that
+    would exceed `max_in_flight` calls open at once is recorded as not_sent, never delayed."""
+    traces = [RequestTrace(r.index, r.at_s, r.deadline_ms, len(r.prompt_token_ids), r.max_tokens) for r in requests]
+    in_flight: set[asyncio.Task] = set()
+    t0 = time.monotonic()
+    for request, trace in zip(requests, traces, strict=True):
+        delay_s = t0 + request.at_s - time.monotonic()
+        if delay_s > 0:
+            await asyncio.sleep(delay_s)
+        if len(in_flight) >= max_in_flight:
+            trace.outcome = "not_sent"
+            on_done(trace)
+            continue
+        task = asyncio.create_task(_one(client, request, trace, t0, f"{id_prefix}-{request.index}", on_done))
+        in_flight.add(task)
+        task.add_done_callback(in_flight.discard)
+        on_sent(trace)
+    if in_flight:
+        await asyncio.wait(in_flight)
+    return traces
+
+
+async def run_closed_loop(client: AsyncClient, make_request: Callable[[int], PlannedRequest], concurrency: int,
+                          duration_s: float, id_prefix: str) -> list[RequestTrace]:
+    """`concurrency` callers, each sending its next request as soon as the previous one ends: keeps the
+    replica saturated, which is how its capacity is measured."""
+    traces: list[RequestTrace] = []
+    t0 = time.monotonic()
+    counter = iter(range(10 ** 9))
+
+    async def caller() -> None:
+        while time.monotonic() - t0 < duration_s:
+            request = make_request(next(counter))
+            trace = RequestTrace(request.index, time.monotonic() - t0, request.deadline_ms,
+                                 len(request.prompt_token_ids), request.max_tokens)
+            traces.append(trace)
+            await _one(client, request, trace, t0, f"{id_prefix}-{request.index}", lambda t: None)
+            if trace.outcome not in ("ok", "rejected"):
+                await asyncio.sleep(0.01)            # a failing replica must not turn this into a hot loop
+
+    await asyncio.gather(*(caller() for _ in range(concurrency)))
+    return traces

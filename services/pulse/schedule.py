@@ -1,0 +1,123 @@
+"""The pulse test's plan, fixed before anything is sent: when each request arrives and what it asks for.
+
+Arrivals follow a piecewise-constant rate (a base QPS with bursts of `pulse_factor`× lasting `pulse_s`,
+one per `pulse_every_s`). Poisson arrivals are unit-rate exponential gaps mapped through the integrated
+rate; constant arrivals are evenly spaced in it. Everything comes from one seed, so the same schedule can
+be replayed against a deadline-mode and a fifo-mode replica.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    qps: float
+    duration_s: float
+    arrival: str = "poisson"            # poisson | constant
+    pulse_factor: float = 1.0           # rate multiplier inside a burst
+    pulse_s: float = 0.0                # burst length
+    pulse_every_s: float = 10.0         # one burst per this period, centred in it
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.qps <= 0 or self.duration_s <= 0:
+            raise ValueError("qps and duration must be > 0")
+        if self.arrival not in ("poisson", "constant"):
+            raise ValueError(f"arrival must be poisson or constant, got {self.arrival!r}")
+        if self.pulse_factor <= 0 or self.pulse_s < 0 or (self.pulse_s > 0 and self.pulse_s > self.pulse_every_s):
+            raise ValueError("need pulse_factor > 0 and 0 <= pulse_s <= pulse_every_s")
+
+    def segments(self) -> list[tuple[float, float, float]]:
+        """(start_s, end_s, rate_qps) covering [0, duration_s)."""
+        if self.pulse_s == 0 or self.pulse_factor == 1:
+            return [(0.0, self.duration_s, self.qps)]
+        cuts, out, period = [], [], self.pulse_every_s
+        k = 0
+        while k * period < self.duration_s:
+            start = k * period + (period - self.pulse_s) / 2
+            cuts.append((start, start + self.pulse_s))
+            k += 1
+        t = 0.0
+        for start, end in cuts:
+            for a, b, rate in ((t, start, self.qps), (start, end, self.qps * self.pulse_factor)):
+                a, b = max(a, 0.0), min(b, self.duration_s)
+                if b > a:
+                    out.append((a, b, rate))
+            t = end
+        if t < self.duration_s:
+            out.append((t, self.duration_s, self.qps))
+        return out
+
+    def rate_at(self, t_s: float) -> float:
+        return next((rate for a, b, rate in self.segments() if a <= t_s < b), 0.0)
+
+
+@dataclass(frozen=True)
+class ShapeSpec:
+    kind: str = "fixed"                 # fixed | mix
+    prompt_tokens: int = 64             # fixed: exact; mix: median of a log-normal
+    max_tokens: int = 32
+    sigma: float = 0.6                  # mix: log-normal spread
+    context_length: int = 1024          # prompt + max_tokens stay inside it
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("fixed", "mix"):
+            raise ValueError(f"shape must be fixed or mix, got {self.kind!r}")
+        if self.prompt_tokens < 1 or self.max_tokens < 1:
+            raise ValueError("prompt_tokens and max_tokens must be >= 1")
+        if self.prompt_tokens + self.max_tokens > self.context_length:
+            raise ValueError(f"prompt ({self.prompt_tokens}) + max_tokens ({self.max_tokens}) exceed the context "
+                             f"({self.context_length})")
+
+
+@dataclass(frozen=True)
+class PlannedRequest:
+    index: int
+    at_s: float
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    deadline_ms: float
+
+
+def arrival_times(load: LoadSpec, rng: random.Random) -> list[float]:
+    """Arrival times in [0, duration): the k-th arrival is where the integrated rate reaches the k-th mark."""
+    marks, total = [], 0.0
+    capacity = sum((b - a) * rate for a, b, rate in load.segments())
+    while True:
+        total += rng.expovariate(1.0) if load.arrival == "poisson" else 1.0
+        if total > capacity:
+            break
+        marks.append(total if load.arrival == "poisson" else total - 0.5)
+    times, segments, i, before = [], load.segments(), 0, 0.0
+    for mark in marks:
+        while before + (segments[i][1] - segments[i][0]) * segments[i][2] < mark:
+            before += (segments[i][1] - segments[i][0]) * segments[i][2]
+            i += 1
+        a, _, rate = segments[i]
+        times.append(a + (mark - before) / rate)
+    return times
+
+
+def _lengths(shape: ShapeSpec, rng: random.Random) -> tuple[int, int]:
+    if shape.kind == "fixed":
+        return shape.prompt_tokens, shape.max_tokens
+    prompt = max(1, round(shape.prompt_tokens * rng.lognormvariate(0.0, shape.sigma)))
+    output = max(1, round(shape.max_tokens * rng.lognormvariate(0.0, shape.sigma)))
+    prompt = min(prompt, shape.context_length - 1)
+    return prompt, min(output, shape.context_length - prompt)
+
+
+def plan(load: LoadSpec, shape: ShapeSpec, vocab_size: int, deadline_ms: float,
+         deadline_per_token_ms: float = 0.0, first_token_id: int = 16) -> list[PlannedRequest]:
+    """The whole schedule. Prompt tokens are drawn from [first_token_id, vocab_size) so low special ids stay out."""
+    if deadline_ms <= 0:
+        raise ValueError("deadline_ms must be > 0")
+    rng = random.Random(load.seed)
+    requests = []
+    for index, at_s in enumerate(arrival_times(load, rng)):
+        prompt_len, max_tokens = _lengths(shape, rng)
+        prompt = tuple(rng.randrange(first_token_id, vocab_size) for _ in range(prompt_len))
+        requests.append(PlannedRequest(index, at_s, prompt, max_tokens, deadline_ms + deadline_per_token_ms * max_tokens))
+    return requests

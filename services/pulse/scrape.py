@@ -1,0 +1,73 @@
+"""The replica's own view of a run, from its Prometheus /metrics before and after: queue time (receive ->
+first engine step), step time, deadline misses and the retry-attempt counters the SDK's x-retry-attempt feeds."""
+from __future__ import annotations
+
+import math
+import urllib.request
+from collections import defaultdict
+
+from prometheus_client.parser import text_string_to_metric_families
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(url: str, timeout_s: float = 5.0) -> Samples:
+    with urllib.request.urlopen(url, timeout=timeout_s) as reply:  # noqa: S310 - an operator-given http URL
+        text = reply.read().decode()
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def delta(after: Samples, before: Samples) -> Samples:
+    return {key: value - before.get(key, 0.0) for key, value in after.items()}
+
+
+def _bucket_counts(samples: Samples, name: str) -> list[tuple[float, float]]:
+    buckets = [(float(dict(labels)["le"]), value) for (n, labels), value in samples.items()
+               if n == f"{name}_bucket"]
+    return sorted(buckets)
+
+
+def quantile_upper_bound(buckets: list[tuple[float, float]], q: float) -> float | None:
+    """The upper bound of the bucket that holds the q-quantile (cumulative buckets): "at most this"."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    target = q * buckets[-1][1]
+    return next(le for le, cumulative in buckets if cumulative >= target)
+
+
+def _histogram_ms(samples: Samples, name: str) -> dict:
+    buckets = _bucket_counts(samples, name)
+    count = samples.get((f"{name}_count", ()), 0.0)
+    total = samples.get((f"{name}_sum", ()), 0.0)
+
+    def ms(value: float | None) -> float | None:
+        return None if value is None else (math.inf if math.isinf(value) else value * 1000)
+    return {"count": int(count), "mean_ms": total / count * 1000 if count else None,
+            "p50_at_most_ms": ms(quantile_upper_bound(buckets, 0.50)),
+            "p99_at_most_ms": ms(quantile_upper_bound(buckets, 0.99)),
+            "max_at_most_ms": ms(quantile_upper_bound(buckets, 1.0))}
+
+
+def _by_labels(samples: Samples, name: str, *keys: str) -> dict[str, float]:
+    out: dict[str, float] = defaultdict(float)
+    for (n, labels), value in samples.items():
+        if n == name and value:
+            label = dict(labels)
+            out["/".join(label.get(k, "") for k in keys)] += value
+    return dict(out)
+
+
+def server_view(before: Samples, after: Samples) -> dict:
+    d = delta(after, before)
+    return {
+        "queue_time": _histogram_ms(d, "zeroqueue_queue_time_seconds"),
+        "step_time": _histogram_ms(d, "zeroqueue_step_seconds"),
+        "deadline_misses": int(d.get(("zeroqueue_deadline_misses_total", ()), 0.0)),
+        "requests_by_outcome": _by_labels(d, "zeroqueue_requests_total", "outcome"),
+        "rejections_by_reason": _by_labels(d, "zeroqueue_rejections_total", "reason"),
+        "retry_attempts": _by_labels(d, "zeroqueue_retry_attempts_total", "attempt", "result"),
+    }
