@@ -34,6 +34,7 @@ async def _one(client: AsyncClient, request: PlannedRequest, trace: RequestTrace
         trace.finished_s = time.monotonic() - t0
         result = generation.result
         trace.outcome, trace.completion_tokens = "ok", result.usage.completion_tokens
+        trace.device_us = result.usage.device_us
         trace.server_deadline_met, trace.server_queue_us = result.timings.deadline_met, result.timings.queue_us
         report = result.report
     except ZeroQueueError as error:
@@ -45,6 +46,7 @@ async def _one(client: AsyncClient, request: PlannedRequest, trace: RequestTrace
     if report is not None:
         start = trace.sent_s
         trace.attempts = [(start + a.started_s, a.outcome) for a in report.attempts]
+        trace.attempt_endpoints = [a.endpoint for a in report.attempts]
         trace.endpoint = report.endpoint
     on_done(trace)
 

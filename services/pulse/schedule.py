@@ -119,5 +119,6 @@ def plan(load: LoadSpec, shape: ShapeSpec, vocab_size: int, deadline_ms: float,
     for index, at_s in enumerate(arrival_times(load, rng)):
         prompt_len, max_tokens = _lengths(shape, rng)
         prompt = tuple(rng.randrange(first_token_id, vocab_size) for _ in range(prompt_len))
-        requests.append(PlannedRequest(index, at_s, prompt, max_tokens, deadline_ms + deadline_per_token_ms * max_tokens))
+        deadline = deadline_ms + deadline_per_token_ms * max_tokens
+        requests.append(PlannedRequest(index, at_s, prompt, max_tokens, deadline))
     return requests

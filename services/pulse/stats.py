@@ -32,9 +32,11 @@ class RequestTrace:
     outcome: str = "pending"            # ok, rejected, infeasible, deadline_exceeded, unavailable, error, not_sent
     error: str = ""
     attempts: list[tuple[float, str]] = field(default_factory=list)   # (start_s, "admitted" or a code name)
+    attempt_endpoints: list[str] = field(default_factory=list)
     first_token_s: float | None = None
     finished_s: float | None = None
     completion_tokens: int = 0
+    device_us: int | None = None                      # the usage the final message reported
     server_deadline_met: bool | None = None
     server_queue_us: int | None = None
     endpoint: str = ""
