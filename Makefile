@@ -8,7 +8,7 @@ MODEL ?= services/inference/bundled/zq-python-tiny
 ZEROQUEUE_HOME ?= $(HOME)/.zeroqueue
 export ZEROQUEUE_HOME
 
-.PHONY: install install-dev kernels protos check-protos serve test test-fast lint bench-decode clean
+.PHONY: install install-dev kernels protos check-protos serve test test-fast lint lint-deploy bench-decode clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,11 @@ test: install-dev
 
 test-fast: install-dev
 	$(PY) -m pytest -q -m "not slow"
+
+# The deploy/ checks alone (they are also part of `make test`): hadolint on the Dockerfile, the Kubernetes
+# manifests against the schemas (offline), the dashboard's queries against the exported metrics.
+lint-deploy: $(VENV)/.installed-dev
+	$(PY) -m pytest -q -m "not slow" tests/deploy
 
 clean:
 	rm -rf $(VENV) build *.egg-info services/inference/kernels/_build
