@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import sys
+from pathlib import Path
 
 import structlog
 
@@ -55,6 +56,9 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                    help="remote metering service; usage is shipped there and API keys checked there")
     p.add_argument("--metering-key", default=os.environ.get("ZEROQUEUE_METERING_KEY"),
                    help="admin key for --metering (default: $ZEROQUEUE_METERING_KEY)")
+    p.add_argument("--metering-ca", metavar="PEM", default=None, help="CA certificates to reach --metering over TLS")
+    p.add_argument("--tls-cert", metavar="PEM", default=None, help="serve over TLS: certificate chain")
+    p.add_argument("--tls-key", metavar="PEM", default=None, help="serve over TLS: private key")
     p.add_argument("--demo-tenant", metavar="NAME", default=None,
                    help="embedded ledger with no tenant yet: create this one and print its key (make serve)")
     p.add_argument("--json-logs", action=argparse.BooleanOptionalAction, default=True)
@@ -72,7 +76,8 @@ def run_serve(args: argparse.Namespace) -> int:
                                 kv_memory_bytes=args.kv_memory, num_threads=args.threads),
         max_num_batched_tokens=args.max_batched_tokens, margin_ms=args.safety_margin_ms,
         margin_fraction=args.safety_margin_pct / 100, data_dir=args.data_dir, ledger_url=args.ledger,
-        metering_address=args.metering, metering_key=args.metering_key)
+        metering_address=args.metering, metering_key=args.metering_key, metering_ca=args.metering_ca,
+        tls_cert=args.tls_cert, tls_key=args.tls_key)
     if args.demo_tenant and not args.metering:
         ensure_demo_tenant(args.ledger, args.demo_tenant, args.data_dir)
     return asyncio.run(_serve(lambda: InferenceApp(config)))
@@ -81,8 +86,6 @@ def run_serve(args: argparse.Namespace) -> int:
 def ensure_demo_tenant(ledger: str | None, name: str, data_dir_arg: str | None) -> None:
     """First run of an embedded ledger: create a tenant and show its key once (also kept, readable by you
     alone, in the data directory, since a demo without its key is no demo)."""
-    from pathlib import Path
-
     from billing import commands
     from billing.db import data_dir, default_ledger_url, make_engine, session_factory, unit_of_work
     from billing.tenants import list_tenants
@@ -130,6 +133,7 @@ def add_health(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--address", default="127.0.0.1:50051")
     p.add_argument("--service", default="zeroqueue.inference.v1.Inference")
     p.add_argument("--timeout", type=float, default=3.0)
+    p.add_argument("--tls-ca", metavar="PEM", default=None, help="check over TLS, trusting these CA certificates")
     p.set_defaults(run=run_health)
 
 
@@ -137,7 +141,11 @@ def run_health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(args.address) as channel:
+    if args.tls_ca:
+        channel = grpc.secure_channel(args.address, grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes()))
+    else:
+        channel = grpc.insecure_channel(args.address)
+    with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)

@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from billing.db import data_dir
+from services.metering.app import server_credentials
 from zeroqueue.inference.v1 import inference_pb2, inference_pb2_grpc
 from .admission import AdmissionConfig, AdmissionController, FifoAdmission
 from .calibration import calibrate
@@ -53,6 +54,9 @@ class ServeConfig:
     ledger_url: str | None = None           # embedded metering: the ledger database
     metering_address: str | None = None     # remote metering: ship usage and check keys there
     metering_key: str | None = None         # admin key for RecordUsage on the remote metering service
+    metering_ca: str | None = None          # PEM roots to reach the metering service over TLS
+    tls_cert: str | None = None             # serve over TLS with this certificate chain and key (PEM)
+    tls_key: str | None = None
 
 
 class StepStats:
@@ -85,8 +89,9 @@ class InferenceApp:
         self.clock = Clock()
         self.metrics = ServiceMetrics()
         self.checkpoint = load_checkpoint(config.model_dir, config.dtype)
+        self.credentials = server_credentials(config.tls_cert, config.tls_key)
         self.link = MeteringLink(Path(config.data_dir) if config.data_dir else data_dir(), config.ledger_url,
-                                 config.metering_address, config.metering_key)
+                                 config.metering_address, config.metering_key, config.metering_ca)
         self.servicer = InferenceServicer(self.checkpoint.name, self.checkpoint.tokenizer, self.link.authenticator)
         self.meter: Meter | None = None
         self.health = health_aio.HealthServicer()
@@ -106,7 +111,11 @@ class InferenceApp:
         hosted = self.link.attach(self.server)
         reflection.enable_server_reflection((INFERENCE_SERVICE, *hosted, health_pb2.DESCRIPTOR.services_by_name[
             "Health"].full_name, reflection.SERVICE_NAME), self.server)
-        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        address = f"{self.config.host}:{self.config.port}"
+        if self.credentials is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            self.port = self.server.add_secure_port(address, self.credentials)
         for name in ("", INFERENCE_SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         for name in (LIVENESS, *hosted):

@@ -28,7 +28,7 @@ class MeteringLink:
     """Construct inside a running event loop (the remote mode opens an aio channel)."""
 
     def __init__(self, data_dir: Path, ledger_url: str | None = None, metering_address: str | None = None,
-                 metering_key: str | None = None) -> None:
+                 metering_key: str | None = None, metering_ca: str | None = None) -> None:
         self.outbox = Outbox(data_dir / "outbox.db")
         self.channel: grpc.aio.Channel | None = None
         self.db = None
@@ -38,7 +38,11 @@ class MeteringLink:
             if not metering_key:
                 raise ValueError("--metering needs an admin key (--metering-key or ZEROQUEUE_METERING_KEY) "
                                  "to ship usage records")
-            self.channel = grpc.aio.insecure_channel(metering_address)
+            if metering_ca:
+                roots = Path(metering_ca).read_bytes()
+                self.channel = grpc.aio.secure_channel(metering_address, grpc.ssl_channel_credentials(roots))
+            else:
+                self.channel = grpc.aio.insecure_channel(metering_address)
             self.authenticator = RemoteAuthenticator(metering_pb2_grpc.MeteringStub(self.channel))
             self.sink = GrpcSink(self.channel, metering_key)
         else:
