@@ -58,6 +58,7 @@ class CallDriver:
         self.records: list[AttemptRecord] = []
         self.next = Retry(policy.first_endpoint(), 0.0, "")
         self.gave_up = ""
+        self.last_overload: Failure | None = None
         self.admission: Admission | None = None
         self.chunks: list[Chunk] = []
         self.num_tokens = 0
@@ -92,9 +93,20 @@ class CallDriver:
         decision = self.policy.after_failure(self.state, attempt.endpoint, failure)
         if isinstance(decision, GiveUp):
             self.gave_up = decision.why
-            return error_for(failure, self.report())
+            return error_for(self._told(failure), self.report())
+        if failure.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self.last_overload = failure
         self.next = decision
         return None
+
+    def _told(self, failure: Failure) -> Failure:
+        """What the caller hears. A budget that ran short only because earlier tries were refused as
+        OVERLOADED (a retry found DEADLINE_INFEASIBLE, or expired before its answer) means the replicas were
+        overloaded, not that the caller's deadline was too small: it is reported as that rejection."""
+        if failure.code == grpc.StatusCode.DEADLINE_EXCEEDED and not failure.after_admission and self.last_overload:
+            self.gave_up = "deadline"
+            return self.last_overload
+        return failure
 
     def admitted(self, attempt: Attempt, message: pb.GenerateResponse) -> None:
         self._settle("admitted")

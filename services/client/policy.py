@@ -35,7 +35,9 @@ class RetryConfig:
     skew_threshold_s: float = 2.0
     backoff_base_ms: float = 25.0
     backoff_max_ms: float = 2_000.0
-    min_attempt_budget_ms: float = 5.0  # an attempt with less budget left than this is not worth sending
+    # an attempt with less budget left is not sent: the replica's own safety margin is 20 ms + 5 % by default,
+    # so it could never admit it
+    min_attempt_budget_ms: float = 25.0
     fallback_model: str | None = None
 
     def __post_init__(self) -> None:

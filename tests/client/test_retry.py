@@ -130,6 +130,16 @@ def test_each_attempt_carries_the_remaining_budget_and_the_last_wait_ends_inside
     assert sum(vt.sleeps) < 1.0
 
 
+def test_a_retry_whose_shrunken_budget_is_infeasible_reports_the_overload(kind, vt):
+    infeasible = Fail(grpc.StatusCode.DEADLINE_EXCEEDED, "DEADLINE_INFEASIBLE", {"min_budget_ms": "300"})
+    with FakeReplicas([[Reject(700), infeasible]]) as fakes:
+        out = run_call(kind, fakes.addresses, vt, deadline_ms=1_000, rand=lambda: 0.0)
+    assert type(out.error) is Rejected and out.error.retry_after_ms == 700
+    assert out.report.gave_up == "deadline" and len(fakes[0].calls) == 2
+    assert [(a.outcome, a.reason) for a in out.report.attempts] == [("RESOURCE_EXHAUSTED", "OVERLOADED"),
+                                                                    ("DEADLINE_EXCEEDED", "DEADLINE_INFEASIBLE")]
+
+
 @pytest.mark.parametrize("skew_s", [10.0, -10.0])
 def test_a_skewed_server_clock_means_backoff_instead_of_the_hint(kind, vt, skew_s):
     with FakeReplicas([[Reject(400, skew_s=skew_s), Serve()]]) as fakes:
