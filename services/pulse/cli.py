@@ -25,6 +25,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 
+LAG_WARNING_MS = 50.0
+
+
 @dataclass
 class Target:
     label: str
@@ -174,7 +177,11 @@ def _pulse_one(target: Target, args: argparse.Namespace, load, shape_args: dict,
     time.sleep(0.5)                                             # the last calls' metrics settle
     server = _server_view(before, _scrape_all(target.metrics_urls))
     notes = [] if server or not target.metrics_urls else ["/metrics was unreachable: no server-side figures"]
-    return RunReport(target.label, target.endpoints, summarize(traces, load.duration_s), traces, server, notes)
+    summary = summarize(traces, load.duration_s)
+    if (summary.max_dispatch_lag_ms or 0) > LAG_WARNING_MS:
+        notes.append(f"the load generator sent some requests up to {summary.max_dispatch_lag_ms:.0f} ms late: this "
+                     "machine could not keep the schedule, so arrivals bunched up (see scheduler lag)")
+    return RunReport(target.label, target.endpoints, summary, traces, server, notes)
 
 
 def run_pulse(args: argparse.Namespace) -> int:
@@ -230,18 +237,21 @@ def run_capacity(args: argparse.Namespace, shape_args: dict, out_dir: Path, run_
             prompt = tuple(rng.randrange(16, model.vocab_size) for _ in range(shape.prompt_tokens))
             return PlannedRequest(i, 0.0, prompt, shape.max_tokens, args.deadline_ms)
         console.print(f"capacity: {concurrency} closed-loop callers for {args.duration:.0f} s ...")
+        before = _scrape_all(opened.metrics_urls)
         traces = asyncio.run(_closed(opened, make, concurrency, args.duration, f"cap-{run_id}"))
+        server = _server_view(before, _scrape_all(opened.metrics_urls))
     from .stats import summarize
     summary = summarize(traces, args.duration)
     in_time = sum(1 for t in traces if t.in_deadline and t.finished_s <= args.duration)
     capacity_qps = in_time / args.duration
-    print_table([RunReport("capacity", opened.endpoints, summary, traces)], "capacity run (closed loop)", console)
+    print_table([RunReport("capacity", opened.endpoints, summary, traces, server)], "capacity run (closed loop)",
+                console)
     loads = {f"{m}x": round(m * capacity_qps, 3) for m in (0.5, 1, 2, 4)}
     console.print(f"capacity: {capacity_qps:.2f} req/s of {shape.prompt_tokens}+{shape.max_tokens} tokens inside "
                   f"{args.deadline_ms:.0f} ms with {concurrency} callers; loads {loads}")
     doc = {"capacity_qps": capacity_qps, "concurrency": concurrency, "shape": shape_args,
            "deadline_ms": args.deadline_ms, "duration_s": args.duration, "loads_qps": loads,
-           "summary": summary.to_dict()}
+           "summary": summary.to_dict(), "server": server}
     (out_dir / "capacity.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
     console.print(f"wrote {out_dir / 'capacity.json'}")
     return 0
