@@ -248,7 +248,7 @@ def metering_check(ckpt, device: str, batch: int, tokens: int) -> dict:
     records: list = []
     now_ns = engine.clock()
     meter = Meter(Device(info.kind, info.device_id, info.unit, info.num_compute_units), "gpucheck",
-                  lambda ns: (ns - now_ns) // 1000 + 1_800_000_000_000_000, lambda usage, idle: records.extend(usage),
+                  lambda ns: (ns - now_ns) // 1000 + 1_800_000_000_000_000, lambda usage, idle: records.extend(build() for build in usage),
                   started_ns=now_ns)
     reports: list = []
     engine.observers += [meter, type("Keep", (), {"on_step": lambda self, r: reports.append(r),

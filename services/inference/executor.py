@@ -89,7 +89,9 @@ class Executor:
         self.model = self._build_model(checkpoint)
         self.kv_cache = KVCache(args.num_hidden_layers, self.num_slots, args.num_key_value_heads, self.max_seq_len,
                                 args.head_dim, checkpoint.dtype, self.device)
-        self.cpu_ops = self._cpu_ops() if self.device.type == "cpu" else None
+        # the kernels take bf16 and fp32 weights; fp16 runs on plain torch
+        kernel_dtype = checkpoint.dtype in (torch.bfloat16, torch.float32)
+        self.cpu_ops = self._cpu_ops() if self.device.type == "cpu" and kernel_dtype else None
         if self.cpu_ops is not None:
             pack_model(self.model, self.cpu_ops)
         # the decode kernel is specialised for the common head sizes; others use the SDPA path

@@ -11,6 +11,7 @@ whole. Padding rows of a graph bucket carry no weight: their cost falls on the r
 """
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,9 @@ def split_exact(total: int, weights: Sequence[int]) -> list[int]:
     weight_sum = sum(weights)
     if weight_sum == 0:
         raise ValueError("at least one weight must be positive")
+    if weight_sum == len(weights):              # all ones, every decode-only step: the same rule, cheaper
+        share, extra = divmod(total, len(weights))
+        return [share + (i < extra) for i in range(len(weights))]
     parts = [total * w // weight_sum for w in weights]
     remainders = [total * w % weight_sum for w in weights]
     for i in sorted(range(len(weights)), key=lambda i: (-remainders[i], i))[:total - sum(parts)]:
@@ -68,18 +72,19 @@ class MinuteTotals:
 
 @dataclass
 class Meter:
-    """Engine-thread observer. `write` receives finished requests' records and closed minutes' idle
-    records, before the engine emits the requests' final outputs."""
+    """Engine-thread observer. `write` receives finished requests' records (as builders, so validation
+    happens off this thread) and closed minutes' idle records, before the engine emits the final outputs."""
     device: Device
     boot_id: str
     epoch_us: Callable[[int], int]              # engine clock ns -> µs since the epoch
-    write: Callable[[list[UsageRecord], list[IdleRecord]], None]
+    write: Callable[[list[Callable[[], UsageRecord]], list[IdleRecord]], None]
     started_ns: int
     contexts: dict[str, RecordContext] = field(default_factory=dict)
     usage_unit_us: dict[str, int] = field(default_factory=dict)
     minutes: dict[int, MinuteTotals] = field(default_factory=dict)
     billed_unit_us: int = 0
     idle_unit_us: int = 0
+    _close_due_us: int = 0                      # no minute can close before this epoch µs
     _last_ns: int = 0
     _busy: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -150,7 +155,10 @@ class Meter:
 
     def _close_minutes(self, now_ns: int, final: bool = False) -> list[IdleRecord]:
         now_us = self.epoch_us(now_ns)
+        if now_us < self._close_due_us and not final:
+            return []
         current = now_us - now_us % US_PER_MINUTE
+        self._close_due_us = current + US_PER_MINUTE
         closed = [m for m in self.minutes if final or m < current]
         d, records = self.device, []
         for minute in sorted(closed):
@@ -161,15 +169,16 @@ class Meter:
                                           totals.wall_us * d.num_units))
         return records
 
-    def _record(self, request: Request, ended_ns: int) -> UsageRecord:
+    def _record(self, request: Request, ended_ns: int) -> Callable[[], UsageRecord]:
+        """The request's record, built (and validated) later by whoever calls it: off the engine's thread."""
         ctx = self.contexts.pop(request.request_id)
         finished_us = self.epoch_us(ended_ns)
         first_token_us = None if request.first_token_ns is None else self.epoch_us(request.first_token_ns)
         outcome = _OUTCOMES[request.status]
         met = finished_us <= ctx.deadline_at_us and outcome not in ("deadline_exceeded", "error")
         d = self.device
-        return UsageRecord(
-            request_id=request.request_id, tenant=ctx.tenant, labels=ctx.labels, model=ctx.model,
+        return functools.partial(
+            UsageRecord, request_id=request.request_id, tenant=ctx.tenant, labels=ctx.labels, model=ctx.model,
             device_kind=d.kind, device_id=d.device_id, unit=d.unit, num_units=d.num_units,
             unit_us=self.usage_unit_us.pop(request.request_id, 0), prompt_tokens=request.num_prompt_tokens,
             completion_tokens=request.num_output_tokens, received_at_us=ctx.received_at_us,

@@ -13,12 +13,14 @@ import queue
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 
+from billing.errors import InvalidRecord
 from billing.records import IdleRecord, UsageRecord
 
 log = structlog.get_logger(__name__)
@@ -88,8 +90,9 @@ class Outbox:
         with self._lock:
             self._futures.pop(request_id, None)
 
-    def append(self, records: list[UsageRecord], idle: list[IdleRecord]) -> None:
-        """Queues records for the next group commit; returns at once."""
+    def append(self, records: list[Callable[[], UsageRecord]], idle: list[IdleRecord]) -> None:
+        """Queues records (each given as a builder, called on the writer thread) for the next group commit;
+        returns at once."""
         self._queue.put((records, idle))
 
     def flush(self, timeout_s: float = 30.0) -> bool:
@@ -116,7 +119,8 @@ class Outbox:
         if not batch:
             return
         rows, usage = [], []
-        for records, idle in batch:
+        for builders, idle in batch:
+            records = [r for r in map(self._build, builders) if r is not None]
             rows += [("usage", r.request_id, json.dumps(r.to_payload()), _now_us()) for r in records]
             rows += [("idle", r.record_id, json.dumps(r.to_payload()), _now_us()) for r in idle]
             usage += records
@@ -142,6 +146,18 @@ class Outbox:
                 future.set_exception(error)
         with self.written:
             self.written.notify_all()
+
+    def _build(self, builder: Callable[[], UsageRecord]) -> UsageRecord | None:
+        try:
+            return builder()
+        except InvalidRecord as exc:                # a bug upstream: fail that call loudly, keep the rest
+            request_id = builder.keywords.get("request_id", "?") if hasattr(builder, "keywords") else "?"
+            log.error("usage_record_invalid", request_id=request_id, field=exc.field, error=str(exc))
+            with self._lock:
+                future = self._futures.pop(request_id, None)
+            if future is not None:
+                future.set_exception(exc)
+            return None
 
     # ---- reading and marking: called from the shipper ----
     def _conn(self) -> sqlite3.Connection:

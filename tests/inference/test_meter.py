@@ -34,7 +34,7 @@ class Recorder:
         self.usage, self.idle = [], []
 
     def __call__(self, usage, idle):
-        self.usage += usage
+        self.usage += [build() for build in usage]
         self.idle += idle
 
 
