@@ -114,11 +114,13 @@ def plot(out_dir: Path, runs: Sequence[RunReport]) -> list[Path]:
         ax.legend()
     written.append(_save(plt, fig, out_dir / "latency.png"))
 
-    plt, fig, axes = _axes(len(runs), "Dispatch vs finish per request (a band parallel to y = x: nothing queued)")
+    plt, fig, axes = _axes(len(runs), "Dispatch (admitted attempt sent; never admitted: first attempt) vs finish "
+                                      "per request: a thin band along y = x means nothing queued")
     colors = {"ok": "tab:green", "rejected": "tab:orange", "deadline_exceeded": "tab:red"}
     for ax, run in zip(axes, runs, strict=True):
         for outcome in sorted({t.outcome for t in run.traces}):
-            pts = [(t.sent_s, t.finished_s) for t in run.traces if t.outcome == outcome and t.finished_s is not None]
+            pts = [(t.admitted_s if t.admitted_s is not None else t.sent_s, t.finished_s) for t in run.traces
+                   if t.outcome == outcome and t.finished_s is not None]
             if pts:
                 ax.scatter(*zip(*pts, strict=True), s=6, label=outcome, color=colors.get(outcome, "tab:gray"))
         top = max((t.finished_s or 0 for t in run.traces), default=1)
