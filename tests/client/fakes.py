@@ -97,6 +97,11 @@ class ScriptedInference(inference_pb2_grpc.InferenceServicer):
                            device_kind="cpu", num_compute_units=1)))
 
 
+    async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):
+        return pb.ListModelsResponse(models=[pb.ModelInfo(name="fake", context_length=256, vocab_size=300, max_batch=4,
+                                                          state=pb.WARMUP_STATE_READY)])
+
+
 class FakeReplicas:
     """`with FakeReplicas([script_a, script_b]) as fakes:` fakes.addresses, fakes[i].calls."""
 

@@ -1,0 +1,30 @@
+"""`zeroqueue pulse` end to end against fake replicas: schedule, SDK, report, JSON, traces and plots."""
+from __future__ import annotations
+
+import json
+
+import grpc
+
+from services.cli import main
+from tests.client.fakes import Fail, FakeReplicas, Reject, Serve
+
+
+def test_pulse_against_named_endpoints_writes_its_report(tmp_path, capsys):
+    script = [Reject(20), Serve(), Fail(grpc.StatusCode.DEADLINE_EXCEEDED, "DEADLINE_INFEASIBLE")] + [Serve()] * 50
+    with FakeReplicas([script]) as fakes:
+        code = main(["pulse", "--endpoint", fakes.addresses[0], "--api-key", "k", "--qps", "10", "--duration", "2",
+                     "--arrival", "constant", "--prompt-tokens", "5", "--max-tokens", "2", "--out", str(tmp_path),
+                     "--no-progress"])
+        calls = fakes[0].calls
+    assert code == 0
+    doc = json.loads((tmp_path / "pulse.json").read_text())
+    summary = doc["runs"]["run"]["summary"]
+    assert summary["num_sent"] == 20 and len(calls) == 21                 # one hinted retry
+    assert summary["outcomes"] == {"ok": 19, "infeasible": 1}
+    assert summary["rejection_rate"] == 1 / 20 and summary["first_retry_success_rate"] == 1.0
+    assert doc["config"]["load"]["qps"] == 10 and sum(doc["runs"]["run"]["time_series"]["arrivals"]) == 20
+    assert all(len(c.request.prompt_token_ids) == 5 and c.request.max_tokens == 2 for c in calls)
+    assert len({c.request.request_id for c in calls}) == 20
+    assert len((tmp_path / "trace-run.jsonl").read_text().splitlines()) == 20
+    assert all((tmp_path / name).stat().st_size > 0 for name in ("latency.png", "scatter.png", "timeseries.png"))
+    assert "first-retry success" in capsys.readouterr().out
