@@ -35,6 +35,14 @@ class Target:
     metrics_urls: list[str] = field(default_factory=list)
     api_key: str | None = None
     admission: str = "deadline"         # the mode of a replica the tool starts when no endpoints are given
+    tls_ca: str | None = None
+
+    def client(self):
+        import grpc
+
+        from services.client import AsyncClient
+        tls = grpc.ssl_channel_credentials(Path(self.tls_ca).read_bytes()) if self.tls_ca else False
+        return AsyncClient(self.endpoints, self.api_key, tls)
 
 
 def add_pulse(sub: argparse._SubParsersAction) -> None:
@@ -44,6 +52,7 @@ def add_pulse(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--endpoint", action="append", default=[], help="replica address; repeat for several")
     t.add_argument("--metrics-url", action="append", default=[], help="a replica's /metrics URL; repeatable")
     t.add_argument("--api-key", default=os.environ.get("ZEROQUEUE_API_KEY"), help="tenant key ($ZEROQUEUE_API_KEY)")
+    t.add_argument("--tls-ca", default=None, help="PEM roots to trust: named endpoints serve TLS")
     t.add_argument("--compare", action="store_true", help="run the schedule against deadline mode, then fifo mode")
     t.add_argument("--deadline-endpoint", action="append", default=[])
     t.add_argument("--fifo-endpoint", action="append", default=[])
@@ -82,10 +91,11 @@ def add_pulse(sub: argparse._SubParsersAction) -> None:
 
 def _targets(args: argparse.Namespace) -> list[Target]:
     if args.compare:
-        return [Target("deadline", args.deadline_endpoint, args.deadline_metrics_url, args.api_key, "deadline"),
-                Target("fifo", args.fifo_endpoint, args.fifo_metrics_url, args.api_key, "fifo")]
+        return [Target("deadline", args.deadline_endpoint, args.deadline_metrics_url, args.api_key, "deadline",
+                       args.tls_ca),
+                Target("fifo", args.fifo_endpoint, args.fifo_metrics_url, args.api_key, "fifo", args.tls_ca)]
     label = "run" if args.endpoint else args.admission
-    return [Target(label, args.endpoint, args.metrics_url, args.api_key, args.admission)]
+    return [Target(label, args.endpoint, args.metrics_url, args.api_key, args.admission, args.tls_ca)]
 
 
 @contextlib.contextmanager
@@ -102,7 +112,8 @@ def _opened(target: Target, args: argparse.Namespace, out_dir: Path, console) ->
     replica = start_replica(model, target.admission, out_dir, shlex.split(args.serve_args))
     console.print(f"  SERVING on {replica.address}, metrics {replica.metrics_url}, log {replica.log_path}")
     try:
-        yield replace(target, endpoints=[replica.address], metrics_urls=[replica.metrics_url], api_key=replica.api_key)
+        yield replace(target, endpoints=[replica.address], metrics_urls=[replica.metrics_url], api_key=replica.api_key,
+                      tls_ca=None)
     finally:
         replica.stop()
 
@@ -139,8 +150,7 @@ def _server_view(before: list, after: list) -> dict | None:
 
 
 async def _model_info(target: Target):
-    from services.client import AsyncClient
-    async with AsyncClient(target.endpoints, target.api_key) as client:
+    async with target.client() as client:
         (model, *_) = await client.list_models(timeout_s=30)
         return model
 
@@ -148,7 +158,6 @@ async def _model_info(target: Target):
 async def _drive(target: Target, requests, prefix: str, args: argparse.Namespace, console) -> list:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from services.client import AsyncClient
     from .runner import run_plan
     counts: Counter = Counter()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -160,7 +169,7 @@ async def _drive(target: Target, requests, prefix: str, args: argparse.Namespace
             counts[trace.outcome] += 1
             progress.update(task, stats=" ".join(f"{k}={v}" for k, v in sorted(counts.items())))
 
-        async with AsyncClient(target.endpoints, target.api_key) as client:
+        async with target.client() as client:
             return await run_plan(client, requests, prefix, lambda t: progress.advance(task), on_done,
                                   args.max_in_flight)
 
@@ -258,7 +267,6 @@ def run_capacity(args: argparse.Namespace, shape_args: dict, out_dir: Path, run_
 
 
 async def _closed(target: Target, make, concurrency: int, duration_s: float, prefix: str) -> list:
-    from services.client import AsyncClient
     from .runner import run_closed_loop
-    async with AsyncClient(target.endpoints, target.api_key) as client:
+    async with target.client() as client:
         return await run_closed_loop(client, make, concurrency, duration_s, prefix)

@@ -105,8 +105,9 @@ class ScriptedInference(inference_pb2_grpc.InferenceServicer):
 class FakeReplicas:
     """`with FakeReplicas([script_a, script_b]) as fakes:` fakes.addresses, fakes[i].calls."""
 
-    def __init__(self, scripts: list[list]) -> None:
+    def __init__(self, scripts: list[list], credentials: grpc.ServerCredentials | None = None) -> None:
         self.servicers = [ScriptedInference(s) for s in scripts]
+        self.credentials = credentials
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.servers: list[grpc.aio.Server] = []
@@ -120,7 +121,8 @@ class FakeReplicas:
         for servicer in self.servicers:
             server = grpc.aio.server()
             inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
-            port = server.add_insecure_port("127.0.0.1:0")
+            port = (server.add_secure_port("127.0.0.1:0", self.credentials) if self.credentials
+                    else server.add_insecure_port("127.0.0.1:0"))
             await server.start()
             servicer.address = f"127.0.0.1:{port}"
             self.servers.append(server)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import subprocess
 import time
 from dataclasses import dataclass
 
@@ -262,3 +263,18 @@ def test_bad_deadlines_are_refused_before_any_call():
         for bad in (0, -5, float("nan")):
             with pytest.raises(ValueError, match="deadline_ms"):
                 client.generate("x", deadline_ms=bad)
+
+
+def test_tls_with_the_replica_certificate_and_no_plaintext_fallback(tmp_path, vt):
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(tmp_path / "key.pem"),
+                    "-out", str(tmp_path / "cert.pem")], check=True, capture_output=True)
+    cert, key = (tmp_path / "cert.pem").read_bytes(), (tmp_path / "key.pem").read_bytes()
+    with FakeReplicas([[Serve()]], grpc.ssl_server_credentials([(key, cert)])) as fakes:
+        with Client(fakes.addresses, api_key="k", tls=grpc.ssl_channel_credentials(cert)) as client:
+            assert client.complete("x", deadline_ms=5_000).text == "t0t1"
+        with Client(fakes.addresses, api_key="k", retry=RetryConfig(max_attempts=2), clock=vt.clock,
+                    sleep=vt.sleep) as plaintext:
+            with pytest.raises(Unavailable):
+                plaintext.complete("x", deadline_ms=5_000)
+    assert len(fakes[0].calls) == 1
