@@ -56,11 +56,14 @@ class Overloaded(ServiceError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
     reason = "OVERLOADED"
 
-    def __init__(self, retry_after_ms: int, predicted_finish_ms: int, budget_ms: int) -> None:
+    def __init__(self, retry_after_ms: int, predicted_finish_ms: int, budget_ms: int,
+                 within_budget: bool = True) -> None:
+        when = (f"retry after {retry_after_ms} ms" if within_budget else
+                f"no room inside this budget; this replica frees up in {retry_after_ms} ms (try another replica)")
         super().__init__(f"predicted finish in {predicted_finish_ms} ms exceeds the budget of {budget_ms} ms under "
-                         f"the current load; retry after {retry_after_ms} ms",
+                         f"the current load; {when}",
                          {"retry_after_ms": str(retry_after_ms), "predicted_finish_ms": str(predicted_finish_ms),
-                          "budget_ms": str(budget_ms)})
+                          "budget_ms": str(budget_ms), "retry_within_budget": str(within_budget).lower()})
         self.retry_after_ms = retry_after_ms
 
 

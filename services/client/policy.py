@@ -58,7 +58,7 @@ class Retry:
 
 @dataclass(frozen=True)
 class GiveUp:
-    why: str                # not_retryable, after_admission, deadline, max_attempts
+    why: str                # not_retryable, after_admission, deadline, max_attempts, no_room_within_deadline
 
 
 Decision = Retry | GiveUp
@@ -135,6 +135,9 @@ class RetryPolicy:
             if state.num_attempts >= self.config.max_attempts:
                 return GiveUp("max_attempts")
             decision = self._choose(state, endpoint, failure, now, wait_s)
+        # the replica found no room inside this call's budget: waiting for it is pointless, another may have room
+        if failure.error_metadata.get("retry_within_budget") == "false" and decision.endpoint == endpoint:
+            return GiveUp("no_room_within_deadline")
         if isinstance(decision, Retry) and not self._fits(state, now + decision.delay_s):
             return GiveUp("deadline")
         return decision

@@ -8,7 +8,7 @@ steps × the step time at that batch size. Pending prompt tokens add their margi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .costmodel import CostModel
 
@@ -22,8 +22,15 @@ class Commitment:
     max_tokens: int
     deadline_ns: int
     num_generated: int = 0
-    reserved_from_ns: int | None = None     # set while this is a reservation for a hinted retry:
-    reserved_until_ns: int | None = None    # the retry is expected from `from` and held until `until`
+    # A reservation holds a KV slot for a rejected call's hinted retry, over [from, until); it lapses at
+    # `expires` if the retry has not come.
+    reserved_from_ns: int | None = None
+    reserved_until_ns: int | None = None
+    expires_ns: int | None = None
+
+    @property
+    def is_reservation(self) -> bool:
+        return self.reserved_from_ns is not None
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -62,6 +69,8 @@ class Admit:
 class Reject:
     retry_after_ms: int
     predicted_finish_ns: int
+    within_budget: bool = True      # False: no time inside this call's own budget works; the hint is when
+                                    # the replica frees up, for a call with a fresh budget
 
 
 @dataclass(frozen=True)
@@ -72,13 +81,32 @@ class Infeasible:
 Decision = Admit | Reject | Infeasible
 
 
+def peak_occupancy(intervals: list[tuple[int, int]], start: int, end: int) -> int:
+    """The most half-open intervals [s, e) open at once at any instant of [start, end)."""
+    open_at_start, events = 0, []
+    for s, e in intervals:
+        if e <= start or s >= end:
+            continue
+        if s <= start:
+            open_at_start += 1
+        else:
+            events.append((s, 1))
+        if e < end:
+            events.append((e, -1))
+    peak = current = open_at_start
+    for _, delta in sorted(events):         # at a tie an interval ends before another starts
+        current += delta
+        peak = max(peak, current)
+    return peak
+
+
 class Predictor:
     def __init__(self, cost: CostModel, config: AdmissionConfig) -> None:
         self.cost = cost
         self.config = config
 
     def finish_times(self, commitments: list[Commitment], now_ns: int) -> dict[str, int]:
-        """Predicted finish (engine clock) of every commitment if nothing else joins."""
+        """Predicted finish (engine clock) of every commitment if all run from now and nothing else joins."""
         if not commitments:
             return {}
         budget = self.config.max_num_batched_tokens
@@ -100,25 +128,29 @@ class Predictor:
             context_left -= c.final_context
         return finish
 
-    def fits(self, commitments: list[Commitment], new: Commitment, now_ns: int,
-             before: dict[str, int]) -> tuple[bool, int]:
-        """Whether `new` meets its deadline and pushes no commitment past a deadline it was predicted to meet."""
-        after = self.finish_times([*commitments, new], now_ns)
-        ok = len(commitments) < self.config.num_slots
-        ok = ok and after[new.request_id] <= new.deadline_ns - self.margin_for(new, now_ns)
+    def meets_deadlines(self, commitments: list[Commitment], new: Commitment, at_ns: int,
+                        before: dict[str, int]) -> tuple[bool, int]:
+        """Whether `new`, joining at `at_ns`, meets its deadline and pushes no commitment past a deadline it
+        was predicted to meet; also `new`'s predicted finish."""
+        after = self.finish_times([*commitments, new], at_ns)
+        if after[new.request_id] > new.deadline_ns - self.margin_for(new, at_ns):
+            return False, after[new.request_id]
         for c in commitments:
-            limit = c.deadline_ns - self.margin_for(c, now_ns)
+            limit = c.deadline_ns - self.margin_for(c, at_ns)
             if after[c.request_id] > limit and before.get(c.request_id, 0) <= limit:
-                ok = False
-                break
-        return ok, after[new.request_id]
+                return False, after[new.request_id]
+        return True, after[new.request_id]
 
     def margin_for(self, c: Commitment, now_ns: int) -> int:
         return self.config.margin_ns(max(c.deadline_ns - now_ns, 0))
 
 
 class AdmissionController:
-    """Deadline mode: predict at arrival, admit or reject at once with a retry delay and a reservation."""
+    """Deadline mode: predict at arrival; admit, or reject at once with the time capacity frees for the call
+    and a reservation of a slot from then, so the hinted retry finds room. Slots over time form a calendar:
+    a running call holds one until its predicted finish, a reservation over its reserved interval."""
+
+    max_retry_candidates = 8
 
     def __init__(self, cost: CostModel, config: AdmissionConfig, reservation_grace_ms: float = 50.0,
                  max_reservations: int | None = None) -> None:
@@ -130,62 +162,65 @@ class AdmissionController:
         self.max_reservations = config.num_slots if max_reservations is None else max_reservations
 
     @property
-    def num_reserved(self) -> int:
-        return len(self.commitments) - self.num_admitted
+    def num_admitted(self) -> int:
+        return sum(1 for c in self.commitments.values() if not c.is_reservation)
 
     @property
-    def num_admitted(self) -> int:
-        return sum(1 for c in self.commitments.values() if c.reserved_from_ns is None)
+    def num_reserved(self) -> int:
+        return len(self.commitments) - self.num_admitted
 
     def decide(self, new: Commitment, now_ns: int) -> Decision:
         self._expire_reservations(now_ns)
         held = self.commitments.get(new.request_id)
-        if held is not None and held.reserved_from_ns is not None:
-            del self.commitments[new.request_id]            # a retry consumes its own reservation
+        if held is not None and held.is_reservation:
+            del self.commitments[new.request_id]            # a retry takes up its own reservation
         idle = self.predictor.finish_times([new], now_ns)[new.request_id]
         if idle > new.deadline_ns - self.predictor.margin_for(new, now_ns):
             return Infeasible(min_budget_ms=math.ceil(self.config.min_budget_ns(idle - now_ns) / NS_PER_MS))
-        ok, finish_ns, current, before = self._check(new, now_ns)
+        admitted = [c for c in self.commitments.values() if not c.is_reservation]
+        finishes = self.predictor.finish_times(admitted, now_ns)
+        ok, finish_ns = self._fits_at(new, now_ns, admitted, finishes)
         if ok:
             self.commitments[new.request_id] = new
             return Admit(finish_ns)
-        retry_ns = self._retry_at(current, new, now_ns, before)
-        if retry_ns is not None and self.num_reserved < self.max_reservations:
-            new.reserved_from_ns, new.reserved_until_ns = retry_ns, retry_ns + self.reservation_grace_ns
+        retry = self._earliest_retry(new, now_ns, admitted, finishes)
+        if retry is None:
+            frees_ns = min((f for f in finishes.values() if f > now_ns), default=now_ns)
+            return Reject(_ms(frees_ns - now_ns), finish_ns, within_budget=False)
+        at_ns, until_ns = retry
+        if self.num_reserved < self.max_reservations:
+            grace_ns = max(self.reservation_grace_ns, (at_ns - now_ns) // 10)
+            new.reserved_from_ns, new.reserved_until_ns, new.expires_ns = at_ns, until_ns, at_ns + grace_ns
             self.commitments[new.request_id] = new
-        elif retry_ns is None:
-            retry_ns = max(before.values(), default=now_ns)
-        return Reject(retry_after_ms=max(math.ceil((retry_ns - now_ns) / NS_PER_MS), 1), predicted_finish_ns=finish_ns)
+        return Reject(_ms(at_ns - now_ns), finish_ns)
 
-    def _check(self, new: Commitment, now_ns: int) -> tuple[bool, int, list[Commitment], dict[str, int]]:
-        """Fits `new` with the admitted requests and with the reserved retries due before it would finish."""
-        admitted = [c for c in self.commitments.values() if c.reserved_from_ns is None]
-        before = self.predictor.finish_times(admitted, now_ns)
-        ok, finish_ns = self.predictor.fits(admitted, new, now_ns, before)
-        due = [c for c in self.commitments.values()
-               if c.reserved_from_ns is not None and c.reserved_from_ns < finish_ns]
-        if not due:
-            return ok, finish_ns, admitted, before
-        current = admitted + due
-        before = self.predictor.finish_times(current, now_ns)
-        ok, finish_ns = self.predictor.fits(current, new, now_ns, before)
-        return ok, finish_ns, current, before
+    def _fits_at(self, new: Commitment, at_ns: int, admitted: list[Commitment],
+                 finishes: dict[str, int]) -> tuple[bool, int]:
+        """Whether `new` joining at `at_ns` meets every deadline and finds a free slot for its whole run.
+        `admitted` are the running calls as they will be at `at_ns`, `finishes` their finishes from then."""
+        ok, finish_ns = self.predictor.meets_deadlines(admitted, new, at_ns, finishes)
+        reservations = [c for c in self.commitments.values() if c.is_reservation]
+        due = [r for r in reservations if r.reserved_from_ns < finish_ns and r.reserved_until_ns > at_ns]
+        if ok and due:      # retries arriving during the run share its steps: count them as running too
+            ok, finish_ns = self.predictor.meets_deadlines(admitted + due, new, at_ns,
+                                                           self.predictor.finish_times(admitted + due, at_ns))
+        intervals = [(at_ns, finishes[c.request_id]) for c in admitted]
+        intervals += [(r.reserved_from_ns, r.reserved_until_ns) for r in reservations]
+        return ok and peak_occupancy(intervals, at_ns, finish_ns) < self.config.num_slots, finish_ns
 
-    def _retry_at(self, current: list[Commitment], new: Commitment, now_ns: int,
-                  before: dict[str, int]) -> int | None:
-        """Earliest predicted finish of a running request after which `new` would be admitted, if any."""
-        by_finish = sorted(current, key=lambda c: before[c.request_id])
-        for k, leaving in enumerate(by_finish):
-            at_ns = before[leaving.request_id]
+    def _earliest_retry(self, new: Commitment, now_ns: int, admitted: list[Commitment],
+                        finishes: dict[str, int]) -> tuple[int, int] | None:
+        """The first moment a slot frees (a call finishes or a reservation ends) from which `new` would be
+        admitted inside its own deadline, with the end of its predicted run; None if there is none."""
+        frees = {f for f in finishes.values() if f > now_ns}
+        frees |= {c.reserved_until_ns for c in self.commitments.values() if c.is_reservation}
+        for at_ns in sorted(frees)[:self.max_retry_candidates]:
             if at_ns >= new.deadline_ns:
-                return None
-            steps_done = leaving.num_remaining_tokens
-            rest = [Commitment(c.request_id, c.num_prompt_tokens, c.max_tokens, c.deadline_ns,
-                               min(c.num_generated + steps_done, c.max_tokens))
-                    for c in by_finish[k + 1:]]
-            later_before = self.predictor.finish_times(rest, at_ns)
-            if self.predictor.fits(rest, new, at_ns, later_before)[0]:
-                return at_ns
+                break
+            later = _progressed(admitted, finishes, now_ns, at_ns)
+            ok, finish_ns = self._fits_at(new, at_ns, later, self.predictor.finish_times(later, at_ns))
+            if ok:
+                return at_ns, finish_ns
         return None
 
     def on_progress(self, request_id: str, num_generated: int) -> None:
@@ -195,13 +230,29 @@ class AdmissionController:
 
     def release(self, request_id: str) -> None:
         c = self.commitments.get(request_id)
-        if c is not None and c.reserved_from_ns is None:
+        if c is not None and not c.is_reservation:
             del self.commitments[request_id]
 
     def _expire_reservations(self, now_ns: int) -> None:
-        for request_id in [r for r, c in self.commitments.items()
-                           if c.reserved_until_ns is not None and c.reserved_until_ns <= now_ns]:
+        for request_id in [r for r, c in self.commitments.items() if c.is_reservation and c.expires_ns <= now_ns]:
             del self.commitments[request_id]
+
+
+def _ms(ns: int) -> int:
+    return max(math.ceil(ns / NS_PER_MS), 1)
+
+
+def _progressed(admitted: list[Commitment], finishes: dict[str, int], now_ns: int, at_ns: int) -> list[Commitment]:
+    """The running calls as they will be at `at_ns`: those finished by then gone, the others advanced in
+    proportion to the time elapsed towards their predicted finish."""
+    later = []
+    for c in admitted:
+        finish_ns = finishes[c.request_id]
+        if finish_ns <= at_ns:
+            continue
+        done = c.num_remaining_tokens * (at_ns - now_ns) // max(finish_ns - now_ns, 1)
+        later.append(replace(c, num_generated=c.num_generated + done))
+    return later
 
 
 class FifoAdmission:

@@ -146,7 +146,7 @@ class InferenceService:
         if isinstance(decision, Reject):
             self._count_decision(attempt, "overloaded")
             raise errors.Overloaded(decision.retry_after_ms, (decision.predicted_finish_ns - now_ns) // 1_000_000,
-                                    budget_ns // 1_000_000)
+                                    budget_ns // 1_000_000, decision.within_budget)
         assert isinstance(decision, Admit)
         self._count_decision(attempt, "admitted")
         request = Request(spec.request_id, spec.prompt_token_ids, spec.sampling, arrival_ns=received_ns,

@@ -118,3 +118,13 @@ def test_an_endpoint_that_keeps_failing_is_skipped_longer_and_forgiven_once_it_s
     p.on_admitted(0)
     attempt(p, state, 0, down)
     assert p.board.free_at_s[0] - clock.now_s == pytest.approx(0.0125)
+
+
+def test_no_room_within_the_budget_fails_over_or_gives_up_at_once():
+    full = Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", "OVERLOADED", retry_after_ms=400,
+                   error_metadata={"retry_within_budget": "false"}, server_time_us=int(NOW_WALL_S * 1e6))
+    p, _ = policy(num_endpoints=1)
+    assert attempt(p, p.start(deadline_ms=5_000, model=""), 0, full) == GiveUp("no_room_within_deadline")
+    p2, _ = policy(num_endpoints=2)
+    decision = attempt(p2, p2.start(deadline_ms=5_000, model=""), 0, full)
+    assert decision == Retry(1, 0.0, "failover")

@@ -147,3 +147,59 @@ def test_admitted_set_is_always_predicted_to_meet_every_deadline(arrivals, slots
         assert all(finish[x.request_id] <= x.deadline_ns for x in admitted)
         if isinstance(decision, Reject):
             assert decision.retry_after_ms >= 1
+
+
+def test_two_rejected_calls_do_not_share_one_freed_slot():
+    c = controller(slots=2, step_ms=1.0)
+    assert isinstance(c.decide(commit("r1", max_tokens=100), 0), Admit)
+    assert isinstance(c.decide(commit("r2", max_tokens=300), 0), Admit)
+    a = c.decide(commit("a", max_tokens=10), 0)
+    b = c.decide(commit("b", max_tokens=10), 0)
+    assert isinstance(a, Reject) and isinstance(b, Reject)
+    assert a.retry_after_ms == 100, "a slot frees when r1 finishes"
+    assert b.retry_after_ms == 110, "b's slot is the one a's retry frees, not r1's again"
+    c.release("r1")
+    assert isinstance(c.decide(commit("a", max_tokens=10), 100 * MS), Admit)
+    c.on_progress("a", 10)
+    c.release("a")
+    assert isinstance(c.decide(commit("b", max_tokens=10), 110 * MS), Admit)
+
+
+def test_no_slot_inside_the_budget_says_so_and_reserves_nothing():
+    c = controller(slots=1, step_ms=1.0)
+    c.decide(commit("long", max_tokens=500, deadline_ms=10_000), 0)
+    decision = c.decide(commit("short", max_tokens=10, deadline_ms=100), 0)
+    assert isinstance(decision, Reject) and not decision.within_budget
+    assert decision.retry_after_ms == 500 and c.num_reserved == 0
+
+
+def test_peak_occupancy_of_half_open_intervals():
+    from services.inference.admission import peak_occupancy
+    assert peak_occupancy([(0, 10), (10, 20)], 0, 20) == 1
+    assert peak_occupancy([(0, 10), (5, 20), (8, 9)], 0, 20) == 3
+    assert peak_occupancy([(0, 10)], 10, 20) == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(20, 3000), st.integers(0, 50)), min_size=1, max_size=20),
+       st.integers(1, 4))
+def test_the_slot_calendar_is_never_overbooked(arrivals, slots):
+    from services.inference.admission import _progressed, peak_occupancy
+    c = controller(slots=slots, step_ms=1.0)
+    now, last = 0, 0
+    for i, (max_tokens, budget_ms, gap_ms) in enumerate(arrivals):
+        now += gap_ms * MS
+        running = [x for x in c.commitments.values() if not x.is_reservation]   # the device runs as predicted
+        moved = {x.request_id: x for x in _progressed(running, c.predictor.finish_times(running, last), last, now)}
+        for x in running:
+            if x.request_id in moved:
+                c.on_progress(x.request_id, moved[x.request_id].num_generated)
+            else:
+                c.release(x.request_id)
+        last = now
+        c.decide(Commitment(f"r{i}", 4, max_tokens, now + budget_ms * MS), now)
+        admitted = [x for x in c.commitments.values() if not x.is_reservation]
+        finishes = c.predictor.finish_times(admitted, now)
+        intervals = [(now, finishes[x.request_id]) for x in admitted]
+        intervals += [(x.reserved_from_ns, x.reserved_until_ns) for x in c.commitments.values() if x.is_reservation]
+        assert peak_occupancy(intervals, now, now + 10**13) <= slots
