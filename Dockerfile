@@ -38,6 +38,9 @@ COPY services/ services/
 COPY billing/ billing/
 COPY migrations/ migrations/
 RUN pip install --no-cache-dir /src
+# The bundled model, readable by the service user whatever modes the build context gave its files.
+COPY services/inference/bundled/zq-python-tiny/ /opt/zeroqueue/models/zq-python-tiny/
+RUN chmod -R a+rX /opt/zeroqueue/models
 # From outside /src, so `services` is the installed package: the kernels land in its kernels/_build. A build
 # failure fails the image, except on a builder CPU without AVX-512 BF16, which cannot check the kernels: that
 # image runs on plain torch (the replica logs why at start).
@@ -58,7 +61,7 @@ COPY --from=build /opt/venv /opt/venv
 COPY --from=build --chown=10001:10001 /opt/venv/lib/python3.11/site-packages/services/inference/kernels/_build \
      /opt/venv/lib/python3.11/site-packages/services/inference/kernels/_build
 # The bundled model; mount another one under /models and pass --model /models/NAME.
-COPY services/inference/bundled/zq-python-tiny/ /opt/zeroqueue/models/zq-python-tiny/
+COPY --from=build /opt/zeroqueue/models/ /opt/zeroqueue/models/
 # TORCH_DONT_CHECK_COMPILER_ABI: the loader finds the kernels built and needs no compiler; without it torch
 # warns at every start that none is installed.
 ENV PATH="/opt/venv/bin:$PATH" \
@@ -74,7 +77,7 @@ EXPOSE 50051 9464 50052
 # Warm-up and calibration answer NOT_SERVING (exit 1); the start period covers them (docs/OPERATIONS.md).
 # Each check is a Python process (about 0.6 s of CPU), so only every 30 s once started: the engine's cores
 # are the latency the admission controller predicts.
-HEALTHCHECK --interval=30s --timeout=10s --start-period=120s --start-interval=5s --retries=3 \
+HEALTHCHECK --interval=30s --timeout=10s --start-period=180s --start-interval=5s --retries=3 \
   CMD ["zeroqueue", "health", "--address", "127.0.0.1:50051"]
 ENTRYPOINT ["zeroqueue"]
 # Migrations are their own command: `docker run ... IMAGE migrate --ledger URL` before the first serve.
