@@ -22,7 +22,9 @@ def data_dir() -> Path:
 
 
 def default_ledger_url() -> str:
-    return f"sqlite+pysqlite:///{data_dir() / LEDGER_FILE}"
+    """$ZEROQUEUE_LEDGER_URL (so a password need not be on a command line), else the SQLite file in the
+    data directory."""
+    return os.environ.get("ZEROQUEUE_LEDGER_URL") or f"sqlite+pysqlite:///{data_dir() / LEDGER_FILE}"
 
 
 def make_engine(url: str, *, sqlite_synchronous: str = "FULL", **kwargs: object) -> Engine:

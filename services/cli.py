@@ -59,6 +59,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metering-ca", metavar="PEM", default=None, help="CA certificates to reach --metering over TLS")
     p.add_argument("--tls-cert", metavar="PEM", default=None, help="serve over TLS: certificate chain")
     p.add_argument("--tls-key", metavar="PEM", default=None, help="serve over TLS: private key")
+    p.add_argument("--health-port", type=int, default=None,
+                   help="also serve gRPC health in plaintext on this port (for kubelet probes under TLS)")
     p.add_argument("--demo-tenant", metavar="NAME", default=None,
                    help="embedded ledger with no tenant yet: create this one and print its key (make serve)")
     p.add_argument("--json-logs", action=argparse.BooleanOptionalAction, default=True)
@@ -77,7 +79,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_batched_tokens, margin_ms=args.safety_margin_ms,
         margin_fraction=args.safety_margin_pct / 100, data_dir=args.data_dir, ledger_url=args.ledger,
         metering_address=args.metering, metering_key=args.metering_key, metering_ca=args.metering_ca,
-        tls_cert=args.tls_cert, tls_key=args.tls_key)
+        tls_cert=args.tls_cert, tls_key=args.tls_key, health_port=args.health_port)
     if args.demo_tenant and not args.metering:
         ensure_demo_tenant(args.ledger, args.demo_tenant, args.data_dir)
     return asyncio.run(_serve(lambda: InferenceApp(config)))

@@ -131,6 +131,37 @@ def run_keys_create_admin(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_keys_list(args: argparse.Namespace) -> int:
+    from billing import tenants
+    from billing.db import make_engine, session_factory, unit_of_work
+    url = ledger_url(args)
+    require_migrated(url)
+    engine = make_engine(url)
+    try:
+        with unit_of_work(session_factory(engine)) as session:
+            for k in tenants.list_keys(session, args.tenant):
+                revoked = "revoked" if k.revoked_at_us is not None else "active"
+                print(f"{k.id}\t{k.tenant or '-'}\t{k.role.value}\t{k.key_prefix}…\t{revoked}")
+    finally:
+        engine.dispose()
+    return 0
+
+
+def run_keys_revoke(args: argparse.Namespace) -> int:
+    from billing import tenants
+    from billing.db import make_engine, session_factory, unit_of_work
+    url = ledger_url(args)
+    require_migrated(url)
+    engine = make_engine(url)
+    try:
+        with unit_of_work(session_factory(engine)) as session:
+            info = tenants.revoke_key(session, args.key_id)
+    finally:
+        engine.dispose()
+    print(f"key {info.id} ({info.tenant or 'admin'}, {info.key_prefix}…) revoked", file=sys.stderr)
+    return 0
+
+
 def run_prices_add(args: argparse.Namespace) -> int:
     from billing import commands
     url = ledger_url(args)
@@ -176,6 +207,10 @@ def add_billing_commands(sub: argparse._SubParsersAction) -> None:
 
     keys = sub.add_parser("keys", help="manage API keys").add_subparsers(required=True, metavar="ACTION")
     _parser(keys, "create-admin", "create an admin key (all tenants) and print it (once)", run_keys_create_admin)
+    _parser(keys, "list", "list keys (id, tenant, role, prefix, created, revoked); never the keys", run_keys_list) \
+        .add_argument("--tenant", default=None)
+    _parser(keys, "revoke", "revoke a key by id (replicas stop accepting it within their 30 s cache)",
+            run_keys_revoke).add_argument("key_id", type=int)
 
     prices = sub.add_parser("prices", help="the price book").add_subparsers(required=True, metavar="ACTION")
     p = _parser(prices, "add", "add a price version (never edits an old one)", run_prices_add)

@@ -35,6 +35,12 @@ log = structlog.get_logger(__name__)
 INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 LIVENESS = "liveness"
 MAX_MESSAGE_BYTES = 64 << 20    # above the per-field limits, so oversize fields get a precise BadRequest
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # clients re-resolve DNS only when a connection ends: recycle them, so new replicas get traffic
+    ("grpc.max_connection_age_ms", 5 * 60_000),
+    ("grpc.max_connection_age_grace_ms", 2 * 60_000),   # streams in flight finish first
+]
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,12 @@ class ServeConfig:
     metering_ca: str | None = None          # PEM roots to reach the metering service over TLS
     tls_cert: str | None = None             # serve over TLS with this certificate chain and key (PEM)
     tls_key: str | None = None
+    health_port: int | None = None          # plaintext gRPC health only (kubelet probes cannot speak TLS)
+
+
+def drain_grace_s(default_deadline_ms: int) -> float:
+    """How long a draining replica waits for admitted calls: the longest default budget, plus a second."""
+    return default_deadline_ms / 1000 + 1
 
 
 class StepStats:
@@ -96,6 +108,7 @@ class InferenceApp:
         self.meter: Meter | None = None
         self.health = health_aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
+        self.health_server: grpc.aio.Server | None = None
         self.engine: Engine | None = None
         self.port = 0
 
@@ -105,7 +118,7 @@ class InferenceApp:
 
     async def start(self) -> int:
         """Listens at once (health says NOT_SERVING), warms up and calibrates, then says SERVING."""
-        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
         inference_pb2_grpc.add_InferenceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         hosted = self.link.attach(self.server)
@@ -121,6 +134,11 @@ class InferenceApp:
         for name in (LIVENESS, *hosted):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         await self.server.start()
+        if self.config.health_port is not None:
+            self.health_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_server.add_insecure_port(f"{self.config.host}:{self.config.health_port}")
+            await self.health_server.start()
         self.link.start()
         if self.config.metrics_port is not None:
             start_http_server(self.config.metrics_port, addr=self.config.host, registry=self.metrics.registry)
@@ -149,7 +167,9 @@ class InferenceApp:
         engine.observers.append(StepStats(observed_cost, self.metrics, engine))
         info = executor.info
         self.meter = Meter(Device(info.kind, info.device_id, info.unit, info.num_compute_units), uuid.uuid4().hex[:12],
-                           self.clock.epoch_us, self.link.outbox.append, started_ns=self.clock.now_ns())
+                           self.clock.epoch_us, self.link.outbox.append, started_ns=self.clock.now_ns(),
+                           count=self.metrics.count_usage)
+        self.metrics.compute_units.set(info.num_compute_units)
         engine.observers.append(self.meter)
         self.engine = engine
         card = ModelCard(self.checkpoint.name, executor.max_seq_len, str(self.checkpoint.dtype).removeprefix("torch."),
@@ -157,8 +177,11 @@ class InferenceApp:
         return InferenceService(engine, card, admission, self.metrics, self.clock, self.meter, self.link.outbox,
                                 self.config.default_deadline_ms)
 
-    async def stop(self, grace_s: float = 30.0) -> None:
-        """Stops admitting (NOT_SERVING), lets admitted calls finish inside their deadlines, then exits."""
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stops admitting (NOT_SERVING), lets admitted calls finish inside their deadlines, then exits.
+        By default it waits as long as the longest default budget, since no admitted call outlives its own."""
+        if grace_s is None:
+            grace_s = drain_grace_s(self.config.default_deadline_ms)
         for name in ("", INFERENCE_SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         service = self.service
@@ -170,6 +193,8 @@ class InferenceApp:
                 log.warning("drain_timeout", in_flight=len(service.in_flight))
         if self.server is not None:
             await self.server.stop(grace=1.0)
+        if self.health_server is not None:
+            await self.health_server.stop(grace=0)
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
         if self.meter is not None:

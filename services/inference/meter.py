@@ -79,6 +79,7 @@ class Meter:
     epoch_us: Callable[[int], int]              # engine clock ns -> µs since the epoch
     write: Callable[[list[Callable[[], UsageRecord]], list[IdleRecord]], None]
     started_ns: int
+    count: Callable[[str, str, str, int], None] | None = None   # (tenant, cost_center, unit, unit_us) per record
     contexts: dict[str, RecordContext] = field(default_factory=dict)
     usage_unit_us: dict[str, int] = field(default_factory=dict)
     minutes: dict[int, MinuteTotals] = field(default_factory=dict)
@@ -177,10 +178,13 @@ class Meter:
         outcome = _OUTCOMES[request.status]
         met = finished_us <= ctx.deadline_at_us and outcome not in ("deadline_exceeded", "error")
         d = self.device
+        unit_us = self.usage_unit_us.pop(request.request_id, 0)
+        if self.count is not None:
+            self.count(ctx.tenant, ctx.labels.get("cost_center", ""), d.unit, unit_us)
         return functools.partial(
             UsageRecord, request_id=request.request_id, tenant=ctx.tenant, labels=ctx.labels, model=ctx.model,
             device_kind=d.kind, device_id=d.device_id, unit=d.unit, num_units=d.num_units,
-            unit_us=self.usage_unit_us.pop(request.request_id, 0), prompt_tokens=request.num_prompt_tokens,
+            unit_us=unit_us, prompt_tokens=request.num_prompt_tokens,
             completion_tokens=request.num_output_tokens, received_at_us=ctx.received_at_us,
             dispatched_at_us=ctx.dispatched_at_us, first_token_at_us=first_token_us, finished_at_us=finished_us,
             deadline_at_us=ctx.deadline_at_us, deadline_met=met, outcome=outcome)

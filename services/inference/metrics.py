@@ -10,16 +10,25 @@ ADMISSION_BUCKETS_S = tuple(i * 50e-6 for i in range(1, 41)) + (0.003, 0.005, 0.
 RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4)
 
 
+MAX_COST_CENTERS = 64        # cost_center comes from callers: more distinct values than this count as "_other"
+
+
 class ServiceMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self._cost_centers: set[str] = set()
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.requests = Counter("zeroqueue_requests", "Generate calls by outcome", ["outcome"], registry=r)
         self.rejections = Counter("zeroqueue_rejections", "Calls refused at admission, by reason", ["reason"],
                                   registry=r)
-        self.retry_attempts = Counter("zeroqueue_retry_attempts", "Calls that carried x-retry-attempt >= 1, by "
-                                      "attempt number (1, 2, 3+) and admission result", ["attempt", "result"],
+        self.retry_attempts = Counter("zeroqueue_retry_attempts", "Admission decisions by attempt number (0 for a "
+                                      "first attempt; 1, 2, 3+ from x-retry-attempt) and result",
+                                      ["attempt", "result"], registry=r)
+        self.device_unit_us = Counter("zeroqueue_device_unit_us", "Device time of finished calls: SM·µs on a GPU, "
+                                      "core·µs on a CPU (unit says which)", ["tenant", "cost_center", "unit"],
                                       registry=r)
+        self.compute_units = Gauge("zeroqueue_device_compute_units", "SMs (GPU) or cores (CPU) the engine runs on",
+                                   registry=r)
         self.deadline_misses = Counter("zeroqueue_deadline_misses", "Admitted calls that missed their deadline",
                                        registry=r)
         self.queue_time = Histogram("zeroqueue_queue_time_seconds", "Received to first engine step",
@@ -42,3 +51,12 @@ class ServiceMetrics:
                                       registry=r)
         self.in_flight = Gauge("zeroqueue_in_flight", "Admitted calls not yet finished", registry=r)
         self.free_slots = Gauge("zeroqueue_kv_slots_free", "Free KV cache slots", registry=r)
+
+    def count_usage(self, tenant: str, cost_center: str, unit: str, unit_us: int) -> None:
+        """Called for every usage record; keeps the cost_center label's cardinality bounded."""
+        if cost_center not in self._cost_centers:
+            if len(self._cost_centers) >= MAX_COST_CENTERS:
+                cost_center = "_other"
+            else:
+                self._cost_centers.add(cost_center)
+        self.device_unit_us.labels(tenant, cost_center, unit).inc(unit_us)

@@ -12,7 +12,7 @@ import yaml
 from kubernetes_validate import utils as k8s
 
 from services.cli import build_parser
-from services.inference.app import INFERENCE_SERVICE, LIVENESS, InferenceApp
+from services.inference.app import INFERENCE_SERVICE, LIVENESS, drain_grace_s
 from services.inference.metering_link import MeteringLink
 from services.metering.app import METERING_SERVICE, MeteringApp
 
@@ -167,7 +167,7 @@ def default(function, parameter: str) -> float:
 def test_termination_grace_covers_the_drain(docs: list[dict]) -> None:
     deployment = named(docs, "Deployment", "zeroqueue-inference")
     args = parse_args(container(deployment))
-    drain_s = default(InferenceApp.stop, "grace_s")
+    drain_s = drain_grace_s(args.default_deadline_ms)
     assert args.default_deadline_ms / 1000 <= drain_s, "a call admitted with the default deadline must fit the drain"
     needed_s = drain_s + default(MeteringLink.stop, "drain_s")
     assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > needed_s

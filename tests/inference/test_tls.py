@@ -1,6 +1,7 @@
 """A replica serving over TLS: a client that trusts the certificate streams; a plaintext one cannot."""
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -26,7 +27,10 @@ def certificate(tmp_path_factory):
 
 def test_tls_replica_streams_to_a_trusting_client_only(llama_dir, certificate):
     cert, key = certificate
-    config = ServeConfig(str(llama_dir), port=0, tls_cert=str(cert), tls_key=str(key),
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        health_port = sock.getsockname()[1]
+    config = ServeConfig(str(llama_dir), port=0, tls_cert=str(cert), tls_key=str(key), health_port=health_port,
                          executor=ExecutorConfig(max_batch=2, max_seq_len=256))
     server = ServerThread(config).start()
     try:
@@ -42,5 +46,8 @@ def test_tls_replica_streams_to_a_trusting_client_only(llama_dir, certificate):
         health = subprocess.run([sys.executable, "-m", "services.cli", "health", "--address", server.address,
                                  "--tls-ca", str(cert)], capture_output=True, text=True, timeout=30)
         assert health.returncode == 0 and "SERVING" in health.stdout
+        plain = subprocess.run([sys.executable, "-m", "services.cli", "health", "--address",
+                                f"127.0.0.1:{health_port}"], capture_output=True, text=True, timeout=30)
+        assert plain.returncode == 0, "kubelet probes use the plaintext health port"
     finally:
         server.stop()

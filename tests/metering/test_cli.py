@@ -106,3 +106,26 @@ def with_usage(home: Path, admin: str) -> None:
 def test_metering_refuses_an_unmigrated_ledger(home: Path) -> None:
     done = zeroqueue(home, "metering", "--port", "0", "--no-json-logs", ok=False)
     assert "zeroqueue migrate" in done.stderr
+
+
+def test_keys_can_be_listed_and_revoked(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from billing import tenants
+    from billing.db import default_ledger_url, make_engine, session_factory, unit_of_work
+    from billing.errors import Unauthenticated
+
+    zeroqueue(home, "migrate")
+    key = zeroqueue(home, "tenants", "create", "acme").stdout.strip()
+    (line,) = zeroqueue(home, "keys", "list").stdout.strip().splitlines()
+    key_id, tenant, role, prefix, state = line.split("\t")
+    assert (tenant, role, state) == ("acme", "tenant", "active") and key.startswith(prefix.rstrip("…"))
+    assert key not in line
+    zeroqueue(home, "keys", "revoke", key_id)
+    assert zeroqueue(home, "keys", "list", "--tenant", "acme").stdout.strip().endswith("revoked")
+    monkeypatch.setenv("ZEROQUEUE_HOME", str(home))
+    engine = make_engine(default_ledger_url())
+    try:
+        with unit_of_work(session_factory(engine)) as session, pytest.raises(Unauthenticated):
+            tenants.authenticate(session, key)
+    finally:
+        engine.dispose()
+    assert "no API key 999" in zeroqueue(home, "keys", "revoke", "999", ok=False).stderr
