@@ -1,0 +1,179 @@
+"""CPU kernels vs torch, side by side in one run, at the SmolLM2-135M shapes.
+
+Reports, each as the median (and min) of interleaved repetitions, so noise from a shared machine hits
+both sides alike:
+  - per op: F.linear vs zeroqueue.linear for qkv/o/gate_up/down/lm_head at M = 1, 8, 32, 128;
+  - a full decode-step weight stream: 30 layers with distinct weights (269 MB in bf16, so the caches do not
+    flatter it) plus lm_head, at M = 1, 8, 32, as ms/step and tokens/s;
+  - decode attention vs a masked SDPA over the gathered cache rows;
+  - the machine's read bandwidth (best of several full passes over a 512 MB buffer) and the roofline it
+    implies for one decode step.
+
+    python bench/kernels.py [--dtypes bfloat16,float32] [--reps 9] [--skip-ops]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from services.inference import kernels  # noqa: E402
+
+HIDDEN, INTERMEDIATE, VOCAB, LAYERS = 576, 1536, 49152, 30
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+# (name, N, K) per layer; qkv and gate_up are the fused projections the executor uses.
+LAYER_SHAPES = (("qkv", 960, HIDDEN), ("o", HIDDEN, HIDDEN), ("gate_up", 2 * INTERMEDIATE, HIDDEN),
+                ("down", HIDDEN, INTERMEDIATE))
+OP_SHAPES = (*LAYER_SHAPES, ("lm_head", VOCAB, HIDDEN))
+
+
+def time_pair(a: Callable[[], object], b: Callable[[], object], reps: int) -> tuple[list[float], list[float]]:
+    """Seconds per call of a and b, alternating a, b, a, b... after one warm-up call each."""
+    a(), b()
+    times_a, times_b = [], []
+    for _ in range(reps):
+        for fn, out in ((a, times_a), (b, times_b)):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return times_a, times_b
+
+
+def fmt_us(times: list[float]) -> str:
+    return f"{statistics.median(times) * 1e6:,.0f} ({min(times) * 1e6:,.0f})"
+
+
+def read_bandwidth_gbs(passes: int) -> float:
+    """Best of several full reads of a 512 MB buffer, over two reducers (neither is limited by compute)."""
+    buf = torch.ones(512 * 2**20 // 4, dtype=torch.float32)
+    best = 0.0
+    for reduce in (torch.sum, torch.amax):
+        for _ in range(passes):
+            start = time.perf_counter()
+            reduce(buf)
+            best = max(best, buf.numel() * 4 / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def bench_ops(ops: kernels.CpuOps, dtype: torch.dtype, reps: int) -> None:
+    print(f"\n### per op, {str(dtype).removeprefix('torch.')}: µs median (min), {torch.get_num_threads()} threads\n")
+    print("| op | N×K | M | F.linear | zeroqueue.linear | speedup |")
+    print("|---|---|---:|---:|---:|---:|")
+    gen = torch.Generator().manual_seed(0)
+    for name, n, k in OP_SHAPES:
+        w = torch.randn(n, k, generator=gen).to(dtype)
+        packed = ops.pack_linear(w)
+        for m in (1, 8, 32, 128):
+            x = torch.randn(m, k, generator=gen).to(dtype)
+            op_reps = max(3, reps // 3) if n == VOCAB and m >= 32 else reps
+            ref, ours = time_pair(lambda: F.linear(x, w), lambda: ops.linear(x, packed, None, n), op_reps)
+            speedup = statistics.median(ref) / statistics.median(ours)
+            print(f"| {name} | {n}×{k} | {m} | {fmt_us(ref)} | {fmt_us(ours)} | {speedup:.2f}× |")
+
+
+def bench_stream(ops: kernels.CpuOps, dtype: torch.dtype, reps: int, bandwidth_gbs: float) -> None:
+    gen = torch.Generator().manual_seed(1)
+    weights = [[(torch.randn(n, k, generator=gen).to(dtype), n, k) for _, n, k in LAYER_SHAPES]
+               for _ in range(LAYERS)]
+    weights.append([(torch.randn(VOCAB, HIDDEN, generator=gen).to(dtype), VOCAB, HIDDEN)])
+    packed = [[(ops.pack_linear(w), n, k) for w, n, k in layer] for layer in weights]
+    num_bytes = sum(w.numel() * w.element_size() for layer in weights for w, _, _ in layer)
+    roofline_ms = num_bytes / bandwidth_gbs / 1e6
+    print(f"\n### full weight stream, {str(dtype).removeprefix('torch.')}: {LAYERS} layers + lm_head, "
+          f"{num_bytes / 1e6:.0f} MB; roofline at {bandwidth_gbs:.1f} GB/s = {roofline_ms:.1f} ms/step\n")
+    print("| M | F.linear ms/step | zeroqueue ms/step | speedup | zeroqueue tok/s | "
+          "zeroqueue GB/s | % of roofline |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for m in (1, 8, 32):
+        xs = {k: torch.randn(m, k, generator=gen).to(dtype) for k in (HIDDEN, INTERMEDIATE)}
+
+        def torch_step() -> None:
+            for layer in weights:
+                for w, _, k in layer:
+                    F.linear(xs[k], w)
+
+        def our_step() -> None:
+            for layer in packed:
+                for p, n, k in layer:
+                    ops.linear(xs[k], p, None, n)
+
+        ref, ours = time_pair(torch_step, our_step, reps)
+        ours_s = statistics.median(ours)
+        print(f"| {m} | {statistics.median(ref) * 1e3:.1f} ({min(ref) * 1e3:.1f}) | {ours_s * 1e3:.1f} "
+              f"({min(ours) * 1e3:.1f}) | {statistics.median(ref) / ours_s:.2f}× | {m / ours_s:,.0f} | "
+              f"{num_bytes / ours_s / 1e9:.1f} | {100 * roofline_ms / 1e3 / ours_s:.0f}% |")
+
+
+def sdpa_decode(q, k_cache, v_cache, slots, lengths, scale):
+    """The torch path: gather each sequence's cache rows, mask past its length, SDPA with GQA."""
+    max_len = int(lengths.max())
+    k = k_cache[slots, :, :max_len]
+    v = v_cache[slots, :, :max_len]
+    mask = torch.arange(max_len)[None, :] < lengths[:, None]
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale,
+                                         enable_gqa=True)
+    return out.squeeze(2)
+
+
+def bench_attention(ops: kernels.CpuOps, dtype: torch.dtype, reps: int) -> None:
+    print(f"\n### decode attention, {str(dtype).removeprefix('torch.')}: one layer, H={HEADS}, KVH={KV_HEADS}, "
+          f"D={HEAD_DIM}; µs median (min)\n")
+    print("| B | context | masked SDPA | zeroqueue.decode_attention | speedup |")
+    print("|---:|---:|---:|---:|---:|")
+    gen = torch.Generator().manual_seed(2)
+    for batch, context in ((1, 512), (1, 2048), (32, 512), (32, 2048)):
+        slots_total = batch + 1
+        k_cache = torch.randn(slots_total, KV_HEADS, context, HEAD_DIM, generator=gen).to(dtype)
+        v_cache = torch.randn(slots_total, KV_HEADS, context, HEAD_DIM, generator=gen).to(dtype)
+        q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).to(dtype)
+        slots = torch.arange(batch)
+        lengths = torch.full((batch,), context)
+        scale = 1 / math.sqrt(HEAD_DIM)
+        ref, ours = time_pair(lambda: sdpa_decode(q, k_cache, v_cache, slots, lengths, scale),
+                              lambda: ops.decode_attention(q, k_cache, v_cache, slots, lengths, scale), reps)
+        print(f"| {batch} | {context} | {fmt_us(ref)} | {fmt_us(ours)} | "
+              f"{statistics.median(ref) / statistics.median(ours):.2f}× |")
+
+
+def machine() -> str:
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
+    model = fields.get("Model name", platform.processor()).strip()
+    return f"{model}, {fields.get('CPU(s)', '?').strip()} CPUs, torch {torch.__version__}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--skip-ops", action="store_true", help="only the weight stream and attention")
+    args = parser.parse_args()
+    ops = kernels.load_cpu_ops()
+    if ops is None:
+        sys.exit(f"CPU kernels unavailable: {kernels.reason_unavailable()}")
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"{now}; {machine()}; {torch.get_num_threads()} threads; load average "
+          f"{' '.join(f'{x:.1f}' for x in __import__('os').getloadavg())}")
+    bandwidth = read_bandwidth_gbs(passes=5)
+    print(f"measured read bandwidth: {bandwidth:.1f} GB/s (best pass of torch.sum/amax over 512 MB)")
+    for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
+        if not args.skip_ops:
+            bench_ops(ops, dtype, args.reps)
+        bench_stream(ops, dtype, args.reps, bandwidth)
+        bench_attention(ops, dtype, args.reps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Fast CPU kernels for the decode path (AVX-512 + BF16), as `torch.ops.zeroqueue.*`.
+
+`load_cpu_ops()` builds (once, into `_build/`) and loads the extension, or returns None when this CPU
+cannot run it; `reason_unavailable()` then says why, so the engine can log its fallback to plain torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+SOURCE_DIR = Path(__file__).parent
+# cpu_ops.cpp holds the schemas; each kernel file registers its implementation. simd.h is shared by them.
+SOURCES = tuple(SOURCE_DIR / name for name in ("cpu_ops.cpp", "linear.cpp", "attention.cpp", "elementwise.cpp"))
+BUILD_DIR = Path(__file__).with_name("_build")
+EXTENSION_NAME = "zeroqueue_cpu_ops"
+# Explicit ISA, never -march=native: images are built on one machine and run on another.
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma")
+COMPILE_FLAGS = (
+    "-O3",
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mavx512dq",
+    "-mavx512bf16",
+    "-mfma",
+    "-fopenmp",
+    "-fvisibility-inlines-hidden",
+)
+LANES = 16  # output columns per packed weight panel
+DECODE_HEAD_DIMS = (32, 64, 128)  # head sizes decode_attention is compiled for
+DISABLE_ENV = "ZQ_DISABLE_KERNELS"
+
+
+def missing_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, ...]:
+    """The required ISA flags this CPU lacks (all of them when cpuinfo cannot be read)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return REQUIRED_CPU_FLAGS
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.partition(":")[2].split())
+            break
+    return tuple(f for f in REQUIRED_CPU_FLAGS if f not in flags)
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuOps:
+    """The loaded kernels. Tensors stay on the CPU; x and weights are both bf16 or both fp32."""
+
+    library_path: str
+
+    def pack_linear(self, w: torch.Tensor) -> torch.Tensor:
+        """w [N, K] -> packed weights (bf16 [ceil(N/16), ceil(K/2), 16, 2]; fp32 [ceil(N/16), K, 16])."""
+        return torch.ops.zeroqueue.pack_linear(w)
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+        """x [..., K] @ w.T + bias -> [..., n]; accumulates in fp32, returns x's dtype."""
+        y = torch.ops.zeroqueue.linear(x.reshape(-1, x.shape[-1]), packed, bias, n)
+        return y.reshape(*x.shape[:-1], n)
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+        lengths: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """q [B, H, D], caches [S, KVH, T, D], slots/lengths int64 [B] -> [B, H, D] in q's dtype."""
+        return torch.ops.zeroqueue.decode_attention(q, k_cache, v_cache, slots, lengths, scale)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [..., C] -> weight * to_dtype(x * rsqrt(mean(x^2) + eps)), the Hugging Face RMSNorm in one op."""
+        return torch.ops.zeroqueue.rms_norm(x, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [..., 2I] -> F.silu(gate) * up [..., I] in one op."""
+        return torch.ops.zeroqueue.silu_mul(gate_up)
+
+
+def _register_fakes() -> None:
+    """Shape-only implementations, so the ops can sit inside torch.compile graphs."""
+
+    @torch.library.register_fake("zeroqueue::pack_linear")
+    def _pack_linear(w: torch.Tensor) -> torch.Tensor:
+        n, k = w.shape
+        panels = -(-n // LANES)
+        if w.dtype == torch.bfloat16:
+            return w.new_empty((panels, -(-k // 2), LANES, 2))
+        return w.new_empty((panels, k, LANES))
+
+    @torch.library.register_fake("zeroqueue::linear")
+    def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], n))
+
+    @torch.library.register_fake("zeroqueue::rms_norm")
+    def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("zeroqueue::silu_mul")
+    def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+    @torch.library.register_fake("zeroqueue::decode_attention")
+    def _decode_attention(q, k_cache, v_cache, slots, lengths, scale) -> torch.Tensor:
+        return torch.empty_like(q)
+
+
+def build(verbose: bool = False) -> str:
+    """Compile (or reuse) the extension and load it into torch.ops; returns the library's path."""
+    from torch.utils import cpp_extension
+
+    # ninja comes with the venv; put its bin dir first so the build finds it without an activated venv.
+    bin_dir = os.path.dirname(sys.executable)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    BUILD_DIR.mkdir(exist_ok=True)
+    return cpp_extension.load(
+        name=EXTENSION_NAME,
+        sources=[str(path) for path in SOURCES],
+        extra_cflags=list(COMPILE_FLAGS),
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(BUILD_DIR),
+        is_python_module=False,
+        verbose=verbose,
+    )
+
+
+@functools.cache
+def _load() -> tuple[CpuOps | None, str | None]:
+    if os.environ.get(DISABLE_ENV) == "1":
+        return None, f"disabled by {DISABLE_ENV}=1"
+    missing = missing_cpu_flags()
+    if missing:
+        return None, f"this CPU lacks {', '.join(missing)}"
+    try:
+        path = build()
+    except (RuntimeError, OSError, ImportError) as exc:  # compiler or ninja missing, build failed
+        return None, f"building the CPU kernels failed: {exc}"
+    _register_fakes()
+    return CpuOps(library_path=path), None
+
+
+def load_cpu_ops() -> CpuOps | None:
+    """The kernels, built and loaded once per process; None when unavailable (see reason_unavailable)."""
+    return _load()[0]
+
+
+def reason_unavailable() -> str | None:
+    """Why load_cpu_ops() returned None, or None when the kernels are loaded."""
+    return _load()[1]

@@ -1,0 +1,19 @@
+// The zeroqueue CPU ops: schemas only; each kernel registers its CPU implementation in its own file.
+// Built with explicit AVX-512 + BF16 flags (never -march=native) by __init__.py, which checks the CPU
+// before loading. Shape-only (fake) implementations are registered in __init__.py for torch.compile.
+#include <torch/library.h>
+
+TORCH_LIBRARY(zeroqueue, m) {
+  // w [N, K] -> bf16 [ceil(N/16), ceil(K/2), 16, 2] or fp32 [ceil(N/16), K, 16], zero-padded (linear.cpp).
+  m.def("pack_linear(Tensor w) -> Tensor");
+  // x [M, K] . w^T + bias -> [M, n], x and packed of one dtype, fp32 accumulation.
+  m.def("linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+  // q [B, H, D], caches [S, KVH, T, D], slots/lengths int64 [B] -> [B, H, D] (attention.cpp).
+  m.def(
+      "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lengths, float scale) "
+      "-> Tensor");
+  // x [..., C] -> weight * to_dtype(x * rsqrt(mean(x^2) + eps)) (elementwise.cpp).
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  // gate_up [..., 2I] -> silu(gate) * up [..., I].
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+}
