@@ -6,6 +6,7 @@ both sides alike:
   - a full decode-step weight stream: 30 layers with distinct weights (269 MB in bf16, so the caches do not
     flatter it) plus lm_head, at M = 1, 8, 32, as ms/step and tokens/s;
   - decode attention vs a masked SDPA over the gathered cache rows;
+  - the fused rms_norm / silu_mul vs the torch ops they replace, per call and per decode step;
   - the machine's read bandwidth (best of several full passes over a 512 MB buffer) and the roofline it
     implies for one decode step.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
+import os
 import platform
 import statistics
 import subprocess
@@ -147,6 +149,32 @@ def bench_attention(ops: kernels.CpuOps, dtype: torch.dtype, reps: int) -> None:
               f"{statistics.median(ref) / statistics.median(ours):.2f}× |")
 
 
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """What services/inference/model.py's RMSNorm does: 5 torch ops."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def bench_small_ops(ops: kernels.CpuOps, dtype: torch.dtype, reps: int) -> None:
+    """The fused elementwise ops: per call and per decode step (61 norms and 30 activations)."""
+    print(f"\n### fused small ops, {str(dtype).removeprefix('torch.')}: µs per call, median (min)\n")
+    print("| op | M | torch | zeroqueue | saved per step (ms) |")
+    print("|---|---:|---:|---:|---:|")
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(HIDDEN, generator=gen).to(dtype)
+    for m in (1, 32):
+        x = torch.randn(m, HIDDEN, generator=gen).to(dtype)
+        gate_up = torch.randn(m, 2 * INTERMEDIATE, generator=gen).to(dtype)
+        gate, up = gate_up.split(INTERMEDIATE, -1)
+        cases = (("rms_norm", 2 * LAYERS + 1, lambda: hf_rms_norm(x, weight, 1e-5),
+                  lambda: ops.rms_norm(x, weight, 1e-5)),
+                 ("silu_mul", LAYERS, lambda: F.silu(gate) * up, lambda: ops.silu_mul(gate_up)))
+        for name, per_step, ref_fn, our_fn in cases:
+            ref, ours = time_pair(ref_fn, our_fn, reps * 20)
+            saved_ms = per_step * (statistics.median(ref) - statistics.median(ours)) * 1e3
+            print(f"| {name} | {m} | {fmt_us(ref)} | {fmt_us(ours)} | {saved_ms:.2f} |")
+
+
 def machine() -> str:
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
@@ -165,7 +193,7 @@ def main() -> None:
         sys.exit(f"CPU kernels unavailable: {kernels.reason_unavailable()}")
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"{now}; {machine()}; {torch.get_num_threads()} threads; load average "
-          f"{' '.join(f'{x:.1f}' for x in __import__('os').getloadavg())}")
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     bandwidth = read_bandwidth_gbs(passes=5)
     print(f"measured read bandwidth: {bandwidth:.1f} GB/s (best pass of torch.sum/amax over 512 MB)")
     for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
@@ -173,6 +201,7 @@ def main() -> None:
             bench_ops(ops, dtype, args.reps)
         bench_stream(ops, dtype, args.reps, bandwidth)
         bench_attention(ops, dtype, args.reps)
+        bench_small_ops(ops, dtype, args.reps)
 
 
 if __name__ == "__main__":

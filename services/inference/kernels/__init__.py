@@ -59,11 +59,13 @@ class CpuOps:
 
     def pack_linear(self, w: torch.Tensor) -> torch.Tensor:
         """w [N, K] -> packed weights (bf16 [ceil(N/16), ceil(K/2), 16, 2]; fp32 [ceil(N/16), K, 16])."""
-        return torch.ops.zeroqueue.pack_linear(w)
+        return torch.ops.zeroqueue.pack_linear.default(w)
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-        """x [..., K] @ w.T + bias -> [..., n]; accumulates in fp32, returns x's dtype."""
-        y = torch.ops.zeroqueue.linear(x.reshape(-1, x.shape[-1]), packed, bias, n)
+        """x [..., K] @ w.T + bias -> [..., n] in x's dtype (bias too), accumulated in fp32."""
+        if x.dim() == 2:  # the decode path: skip the reshapes, ~4 µs of a ~25 µs call at batch 1
+            return torch.ops.zeroqueue.linear.default(x, packed, bias, n)
+        y = torch.ops.zeroqueue.linear.default(x.reshape(-1, x.shape[-1]), packed, bias, n)
         return y.reshape(*x.shape[:-1], n)
 
     def decode_attention(
@@ -76,15 +78,15 @@ class CpuOps:
         scale: float,
     ) -> torch.Tensor:
         """q [B, H, D], caches [S, KVH, T, D], slots/lengths int64 [B] -> [B, H, D] in q's dtype."""
-        return torch.ops.zeroqueue.decode_attention(q, k_cache, v_cache, slots, lengths, scale)
+        return torch.ops.zeroqueue.decode_attention.default(q, k_cache, v_cache, slots, lengths, scale)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [..., C] -> weight * to_dtype(x * rsqrt(mean(x^2) + eps)), the Hugging Face RMSNorm in one op."""
-        return torch.ops.zeroqueue.rms_norm(x, weight, eps)
+        return torch.ops.zeroqueue.rms_norm.default(x, weight, eps)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [..., 2I] -> F.silu(gate) * up [..., I] in one op."""
-        return torch.ops.zeroqueue.silu_mul(gate_up)
+        return torch.ops.zeroqueue.silu_mul.default(gate_up)
 
 
 def _register_fakes() -> None:

@@ -121,7 +121,9 @@ void attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor&
   const T* vp = vc.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t group = a.heads / a.kv_heads, d = a.head_dim;
-  at::parallel_for(0, a.batch * a.kv_heads, 1, [&](int64_t p0, int64_t p1) {
+  // Short contexts stay on the calling thread: a fork/join costs more than ~64K cached values take.
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, 2 * a.max_len * d));
+  at::parallel_for(0, a.batch * a.kv_heads, grain, [&](int64_t p0, int64_t p1) {
     std::vector<float> scores(std::max<int64_t>(a.max_len, 1));
     for (int64_t pair = p0; pair < p1; ++pair) {
       const int64_t b = pair / a.kv_heads, kvh = pair % a.kv_heads, slot = a.slots[b];

@@ -16,10 +16,14 @@
 namespace zq {
 namespace {
 
+// Below this many elements a second thread costs more (fork/join, or a whole time slice when the other
+// core is busy) than it saves; decode batches stay on the calling thread, prefill chunks spread out.
+constexpr int64_t kParallelElems = 1 << 18;
+
 // Rows of x [rows, cols]: weight * to_T(x * rsqrt(mean(x^2) + eps)), the mean in fp32 (Hugging Face RMSNorm).
 template <typename T>
 void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t cols, float eps) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / cols), [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, kParallelElems / cols), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * cols;
       __m512 squares = _mm512_setzero_ps();
@@ -40,7 +44,7 @@ void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t cols, f
 // gate_up [rows, 2I] -> to_T(silu(gate)) * up [rows, I], as F.silu(gate) * up rounds in T.
 template <typename T>
 void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t inter) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / inter), [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, kParallelElems / inter), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* gate = gate_up + r * 2 * inter;
       const T* up = gate + inter;

@@ -58,7 +58,7 @@ struct Tile {
   int64_t ldx, steps;
   const T* w;            // first panel of this tile
   int64_t panel_stride;  // elements between consecutive panels
-  const float* bias;     // fp32, padded to NP*16, at column n0; nullptr when none
+  const T* bias;         // [N] at column n0, in x's dtype; nullptr when none
   T* y;                  // [rows][ldy] at column n0
   int64_t ldy, n_left;   // n_left: valid output columns from n0 on
 };
@@ -86,7 +86,7 @@ void run_tile(const Tile<typename Kn::T>& t) {
   }
   for (int j = 0; j < NR; ++j) {
     const __mmask16 m = first_n(t.n_left - j * kLanes);
-    const __m512 b = t.bias ? _mm512_loadu_ps(t.bias + j * kLanes) : _mm512_setzero_ps();
+    const __m512 b = t.bias ? load16(t.bias + j * kLanes, m) : _mm512_setzero_ps();
     for (int i = 0; i < MR; ++i) store16(t.y + i * t.ldy + j * kLanes, _mm512_add_ps(acc[i][j], b), m);
   }
 }
@@ -117,7 +117,7 @@ std::vector<float> widen_rows(const BFloat16* x, int64_t m, int64_t k, int64_t l
 }
 
 template <class Kn>
-at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias_f32, int64_t n) {
+at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias, int64_t n) {
   using T = typename Kn::T;
   static constexpr auto table = make_table<Kn>(std::make_integer_sequence<int, kMaxPanels>{});
   const int64_t m = x.size(0), k = x.size(1), np = packed.size(0), steps = packed.size(1);
@@ -132,7 +132,7 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::
   }
   at::Tensor y = at::empty({m, n}, x.options());
   const T* wp = packed.data_ptr<T>();
-  const float* bp = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
+  const T* bp = bias.defined() ? bias.data_ptr<T>() : nullptr;
   T* yp = y.data_ptr<T>();
   // Threads split the panels (so each streams its own contiguous part of the weights once); inside a
   // panel group all row blocks run while that group's weights are still in L1/L2.
@@ -182,14 +182,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
   TORCH_CHECK(shape_ok, "linear: packed ", packed.sizes(), " was not packed for K=", k, " in ", x.scalar_type());
   TORCH_CHECK(n > (np - 1) * kLanes && n <= np * kLanes, "linear: n=", n, " does not match packed with ", np,
               " panels of 16 columns");
-  at::Tensor bias_f32;
+  at::Tensor bias_x;  // in x's dtype, as F.linear requires
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "linear: bias must be [", n, "], got ", bias->sizes());
-    bias_f32 = at::constant_pad_nd(bias->to(at::kFloat), {0, np * kLanes - n}).contiguous();
+    bias_x = bias->to(x.scalar_type()).contiguous();
   }
   const at::Tensor xc = x.contiguous();
   if (xc.size(0) == 0) return at::empty({0, n}, x.options());
-  return bf16 ? linear_impl<Bf16Weights>(xc, packed, bias_f32, n) : linear_impl<F32Weights>(xc, packed, bias_f32, n);
+  return bf16 ? linear_impl<Bf16Weights>(xc, packed, bias_x, n) : linear_impl<F32Weights>(xc, packed, bias_x, n);
 }
 
 }  // namespace
