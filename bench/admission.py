@@ -1,6 +1,6 @@
 """How fast is "no"? Arrival-to-decision and rejection-reply latency on a loaded replica.
 
-Starts `zeroqueue serve` as its own process, keeps every KV slot busy with long generations (the engine
+Starts `zeroqueue serve` as its own process (services/pulse/replicas.py), keeps every KV slot busy with long generations (the engine
 computes all the while), then sends N calls one after another that the full replica must refuse. Reports:
   - server side: arrival -> admission decision, from the zeroqueue_admission_seconds histogram
     (interpolated within 50 µs buckets, as Prometheus' histogram_quantile does);
@@ -15,8 +15,8 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -28,21 +28,10 @@ from grpc_status import rpc_status
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from services.client.auth import authorized_channel  # noqa: E402
+from services.pulse.replicas import BUNDLED_MODEL, start_replica  # noqa: E402
 from zeroqueue.inference.v1 import inference_pb2 as pb  # noqa: E402
 from zeroqueue.inference.v1 import inference_pb2_grpc  # noqa: E402
-
-DEFAULT_MODEL = ROOT / "services/inference/bundled/zq-python-tiny"
-
-
-def start_server(model: Path, port: int, metrics_port: int, slots: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--model", str(model), "--port", str(port),
-           "--metrics-port", str(metrics_port), "--max-batch", str(slots), "--max-seq-len", "512"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    for line in proc.stdout:
-        if "SERVING" in line:
-            threading.Thread(target=proc.stdout.read, daemon=True).start()
-            return proc
-    raise RuntimeError("server exited before SERVING")
 
 
 def keep_busy(stub, stop: threading.Event, errors: list) -> None:
@@ -91,22 +80,20 @@ def percentile(values: list[float], q: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("--model", type=Path, default=BUNDLED_MODEL)
     parser.add_argument("--requests", type=int, default=10_000)
     parser.add_argument("--slots", type=int, default=8)
-    parser.add_argument("--port", type=int, default=50151)
-    parser.add_argument("--metrics-port", type=int, default=9151)
     args = parser.parse_args()
-    server = start_server(args.model, args.port, args.metrics_port, args.slots)
+    workdir = Path(tempfile.mkdtemp(prefix="zq-admission-"))
+    replica = start_replica(args.model, "deadline", workdir, ["--max-batch", str(args.slots), "--max-seq-len", "512"])
     stop, errors = threading.Event(), []
-    channel = grpc.insecure_channel(f"127.0.0.1:{args.port}")
-    stub = inference_pb2_grpc.InferenceStub(channel)
+    stub = inference_pb2_grpc.InferenceStub(authorized_channel(replica.address, replica.api_key))
     loaders = [threading.Thread(target=keep_busy, args=(stub, stop, errors), daemon=True) for _ in range(args.slots)]
     try:
         for t in loaders:
             t.start()
         time.sleep(2.0)                                 # let every slot fill
-        metrics_url = f"http://127.0.0.1:{args.metrics_port}/metrics"
+        metrics_url = replica.metrics_url
         client_ms, codes = [], {}
         for i in range(args.requests):
             t0 = time.perf_counter()
@@ -123,8 +110,7 @@ def main() -> None:
         text = urllib.request.urlopen(metrics_url).read().decode()
     finally:
         stop.set()
-        server.terminate()
-        server.wait(30)
+        replica.stop()
     name = "zeroqueue_admission_seconds"
     report = {
         "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.processor() or platform.machine()}, "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import signal
 import sys
@@ -131,33 +132,33 @@ def run_keys_create_admin(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_keys_list(args: argparse.Namespace) -> int:
-    from billing import tenants
+@contextlib.contextmanager
+def ledger_session(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """One unit of work on the command's (migrated) ledger; this command is the caller that commits."""
     from billing.db import make_engine, session_factory, unit_of_work
     url = ledger_url(args)
     require_migrated(url)
     engine = make_engine(url)
     try:
         with unit_of_work(session_factory(engine)) as session:
-            for k in tenants.list_keys(session, args.tenant):
-                revoked = "revoked" if k.revoked_at_us is not None else "active"
-                print(f"{k.id}\t{k.tenant or '-'}\t{k.role.value}\t{k.key_prefix}…\t{revoked}")
+            yield session
     finally:
         engine.dispose()
+
+
+def run_keys_list(args: argparse.Namespace) -> int:
+    from billing import tenants
+    with ledger_session(args) as session:
+        for k in tenants.list_keys(session, args.tenant):
+            state = "revoked" if k.revoked_at_us is not None else "active"
+            print(f"{k.id}\t{k.tenant or '-'}\t{k.role.value}\t{k.key_prefix}…\t{state}")
     return 0
 
 
 def run_keys_revoke(args: argparse.Namespace) -> int:
     from billing import tenants
-    from billing.db import make_engine, session_factory, unit_of_work
-    url = ledger_url(args)
-    require_migrated(url)
-    engine = make_engine(url)
-    try:
-        with unit_of_work(session_factory(engine)) as session:
-            info = tenants.revoke_key(session, args.key_id)
-    finally:
-        engine.dispose()
+    with ledger_session(args) as session:
+        info = tenants.revoke_key(session, args.key_id)
     print(f"key {info.id} ({info.tenant or 'admin'}, {info.key_prefix}…) revoked", file=sys.stderr)
     return 0
 
