@@ -101,17 +101,23 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(-1, a.q_size))
 
 
+class SiluAndMul(nn.Module):
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        # [T, 2 * intermediate] -> [T, intermediate]
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.intermediate_size = args.intermediate_size
         # gate and up share one matmul: [hidden] -> [2 * intermediate]
         self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
+        self.act = SiluAndMul()
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

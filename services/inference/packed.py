@@ -1,10 +1,12 @@
-"""Linear layers whose weights are packed once for the CPU kernels (services/inference/kernels)."""
+"""The model's layers on the CPU kernels (services/inference/kernels): linear layers with weights packed once,
+and RMSNorm and SiLU·up each in one op instead of several small ones."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from .kernels import CpuOps
+from .model import RMSNorm, SiluAndMul
 
 
 class PackedLinear(nn.Module):
@@ -20,10 +22,30 @@ class PackedLinear(nn.Module):
         return self.ops.linear(x, self.packed, self.bias, self.out_features)
 
 
+class KernelRMSNorm(nn.Module):
+    def __init__(self, norm: RMSNorm, ops: CpuOps) -> None:
+        super().__init__()
+        self.ops, self.weight, self.eps = ops, norm.weight, norm.eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+
+class KernelSiluAndMul(nn.Module):
+    def __init__(self, ops: CpuOps) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.ops.silu_mul(gate_up)
+
+
 def pack_model(model: nn.Module, ops: CpuOps) -> int:
-    """Swaps every nn.Linear of `model` for a PackedLinear; returns how many were swapped."""
+    """Swaps the layers of `model` that have a kernel for their kernel versions; returns how many."""
+    swaps = {nn.Linear: lambda m: PackedLinear(m, ops), RMSNorm: lambda m: KernelRMSNorm(m, ops),
+             SiluAndMul: lambda m: KernelSiluAndMul(ops)}
     targets = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+               for name, child in parent.named_children() if type(child) in swaps]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child, ops))
+        setattr(parent, name, swaps[type(child)](child))
     return len(targets)
