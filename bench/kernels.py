@@ -4,11 +4,11 @@ Reports, each as the median (and min) of interleaved repetitions, so noise from 
 both sides alike:
   - per op: F.linear vs zeroqueue.linear for qkv/o/gate_up/down/lm_head at M = 1, 8, 32, 128;
   - a full decode-step weight stream: 30 layers with distinct weights (269 MB in bf16, so the caches do not
-    flatter it) plus lm_head, at M = 1, 8, 32, as ms/step and tokens/s;
+    flatter it) plus lm_head, at M = 1, 8, 32, as ms/step and tokens/s, against a read-bandwidth probe
+    that takes turns with it (% of roofline = probe time for those bytes / our time, medians);
   - decode attention vs a masked SDPA over the gathered cache rows;
   - the fused rms_norm / silu_mul vs the torch ops they replace, per call and per decode step;
-  - the machine's read bandwidth (best of several full passes over a 512 MB buffer) and the roofline it
-    implies for one decode step.
+  - the machine's read bandwidth: best of several full passes over a 512 MB buffer.
 
     python bench/kernels.py [--dtypes bfloat16,float32] [--reps 9] [--skip-ops]
 """
@@ -41,15 +41,21 @@ LAYER_SHAPES = (("qkv", 960, HIDDEN), ("o", HIDDEN, HIDDEN), ("gate_up", 2 * INT
 OP_SHAPES = (*LAYER_SHAPES, ("lm_head", VOCAB, HIDDEN))
 
 
-def time_pair(a: Callable[[], object], b: Callable[[], object], reps: int) -> tuple[list[float], list[float]]:
-    """Seconds per call of a and b, alternating a, b, a, b... after one warm-up call each."""
-    a(), b()
-    times_a, times_b = [], []
+def time_interleaved(fns: list[Callable[[], object]], reps: int) -> list[list[float]]:
+    """Seconds per call of each fn, taking turns (a, b, c, a, b, c...) after one warm-up call each."""
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(reps):
-        for fn, out in ((a, times_a), (b, times_b)):
+        for fn, out in zip(fns, times):
             start = time.perf_counter()
             fn()
             out.append(time.perf_counter() - start)
+    return times
+
+
+def time_pair(a: Callable[[], object], b: Callable[[], object], reps: int) -> tuple[list[float], list[float]]:
+    times_a, times_b = time_interleaved([a, b], reps)
     return times_a, times_b
 
 
@@ -57,18 +63,24 @@ def fmt_us(times: list[float]) -> str:
     return f"{statistics.median(times) * 1e6:,.0f} ({min(times) * 1e6:,.0f})"
 
 
-def read_bandwidth_gbs(passes: int) -> float:
-    """Best full read of a 512 MB buffer by torch.sum or torch.mv (both stream it with all threads and
-    within ~5% of a hand-written AVX-512 reader here), over several passes: the machine's read roofline."""
-    buf = torch.ones(512 * 2**20 // 4, dtype=torch.float32)
-    rows, ones = buf.view(-1, 4096), torch.ones(4096)
-    best = 0.0
-    for read in (buf.sum, lambda: torch.mv(rows, ones)):
-        for _ in range(passes):
-            start = time.perf_counter()
-            read()
-            best = max(best, buf.numel() * 4 / (time.perf_counter() - start) / 1e9)
-    return best
+class BandwidthProbe:
+    """One full read of a 512 MB buffer, by torch.sum or torch.mv in turn (both stream it with all
+    threads, within ~5% of a hand-written AVX-512 reader here): the machine's read roofline."""
+
+    def __init__(self) -> None:
+        self.buf = torch.ones(512 * 2**20 // 4, dtype=torch.float32)
+        self.rows, self.ones = self.buf.view(-1, 4096), torch.ones(4096)
+        self.calls = 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+        if self.calls % 2:
+            self.buf.sum()
+        else:
+            torch.mv(self.rows, self.ones)
+
+    def gbs(self, seconds: float) -> float:
+        return self.buf.numel() * 4 / seconds / 1e9
 
 
 def bench_ops(ops: kernels.CpuOps, dtype: torch.dtype, reps: int) -> None:
@@ -87,22 +99,20 @@ def bench_ops(ops: kernels.CpuOps, dtype: torch.dtype, reps: int) -> None:
             print(f"| {name} | {n}×{k} | {m} | {fmt_us(ref)} | {fmt_us(ours)} | {speedup:.2f}× |")
 
 
-def bench_stream(ops: kernels.CpuOps, dtype: torch.dtype, reps: int, bandwidth_gbs: float) -> None:
-    """bandwidth_gbs: the best read bandwidth measured so far; measured again here, just before, since
-    the memory bandwidth of this VM moves by tens of percent within minutes."""
+def bench_stream(ops: kernels.CpuOps, dtype: torch.dtype, reps: int, probe: BandwidthProbe) -> None:
+    """The memory bandwidth of this VM moves by tens of percent within seconds, so the probe takes turns
+    with the two steps and the roofline of each row comes from the probe passes of that row."""
     gen = torch.Generator().manual_seed(1)
     weights = [[(torch.randn(n, k, generator=gen).to(dtype), n, k) for _, n, k in LAYER_SHAPES]
                for _ in range(LAYERS)]
     weights.append([(torch.randn(VOCAB, HIDDEN, generator=gen).to(dtype), VOCAB, HIDDEN)])
     packed = [[(ops.pack_linear(w), n, k) for w, n, k in layer] for layer in weights]
     num_bytes = sum(w.numel() * w.element_size() for layer in weights for w, _, _ in layer)
-    bandwidth_gbs = max(bandwidth_gbs, read_bandwidth_gbs(passes=4))
-    roofline_ms = num_bytes / bandwidth_gbs / 1e6
     print(f"\n### full weight stream, {str(dtype).removeprefix('torch.')}: {LAYERS} layers + lm_head, "
-          f"{num_bytes / 1e6:.0f} MB; roofline at {bandwidth_gbs:.1f} GB/s = {roofline_ms:.1f} ms/step\n")
-    print("| M | F.linear ms/step | zeroqueue ms/step | speedup | zeroqueue tok/s | "
-          "zeroqueue GB/s | % of roofline |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+          f"{num_bytes / 1e6:.0f} MB; ms/step median (min)\n")
+    print("| M | F.linear | zeroqueue | speedup | zeroqueue tok/s | zeroqueue GB/s | probe GB/s | "
+          "% of roofline |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for m in (1, 8, 32):
         xs = {k: torch.randn(m, k, generator=gen).to(dtype) for k in (HIDDEN, INTERMEDIATE)}
 
@@ -116,11 +126,12 @@ def bench_stream(ops: kernels.CpuOps, dtype: torch.dtype, reps: int, bandwidth_g
                 for p, n, k in layer:
                     ops.linear(xs[k], p, None, n)
 
-        ref, ours = time_pair(torch_step, our_step, reps)
-        ours_s = statistics.median(ours)
+        ref, ours, reads = time_interleaved([torch_step, our_step, probe], reps)
+        ours_s, probe_gbs = statistics.median(ours), probe.gbs(statistics.median(reads))
         print(f"| {m} | {statistics.median(ref) * 1e3:.1f} ({min(ref) * 1e3:.1f}) | {ours_s * 1e3:.1f} "
               f"({min(ours) * 1e3:.1f}) | {statistics.median(ref) / ours_s:.2f}× | {m / ours_s:,.0f} | "
-              f"{num_bytes / ours_s / 1e9:.1f} | {100 * roofline_ms / 1e3 / ours_s:.0f}% |")
+              f"{num_bytes / ours_s / 1e9:.1f} | {probe_gbs:.1f} | "
+              f"{100 * num_bytes / probe_gbs / 1e9 / ours_s:.0f}% |")
 
 
 def sdpa_decode(q, k_cache, v_cache, slots, lengths, scale):
@@ -199,12 +210,13 @@ def main() -> None:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"{now}; {machine()}; {torch.get_num_threads()} threads; load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    bandwidth = read_bandwidth_gbs(passes=5)
-    print(f"measured read bandwidth: {bandwidth:.1f} GB/s (best pass of torch.sum / torch.mv over 512 MB)")
+    probe = BandwidthProbe()
+    best = max(probe.gbs(t) for t in time_interleaved([probe], 8)[0])
+    print(f"read bandwidth: best {best:.1f} GB/s over 8 full passes of a 512 MB buffer (torch.sum, torch.mv)")
     for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
         if not args.skip_ops:
             bench_ops(ops, dtype, args.reps)
-        bench_stream(ops, dtype, args.reps, bandwidth)
+        bench_stream(ops, dtype, args.reps, probe)
         bench_attention(ops, dtype, args.reps)
         bench_small_ops(ops, dtype, args.reps)
 
