@@ -63,9 +63,9 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(self.args)
         positions = torch.arange(self.max_seq_len, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]          # [max_seq_len, head_dim/2]
-        emb = torch.cat((freqs, freqs), dim=-1)                    # [max_seq_len, head_dim]
-        self.cos = emb.cos().to(device=device, dtype=dtype)
-        self.sin = emb.sin().to(device=device, dtype=dtype)
+        self.cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1).to(device=device, dtype=dtype)
+        # the sign of rotate_half folded into sin: [-sin, sin], so rotating needs no negation op
+        self.sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1).to(device=device, dtype=dtype)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [T] -> cos, sin [T, 1, head_dim], broadcast over heads
@@ -73,10 +73,10 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [T, heads, head_dim]; rotates the two halves of head_dim (the Hugging Face convention)
+    # x [T, heads, head_dim]; rotates the two halves of head_dim (the Hugging Face convention, whose
+    # rotate_half(x) * sin equals cat(x2, x1) * [-sin, sin], bit for bit)
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 class Attention(nn.Module):
@@ -93,10 +93,11 @@ class Attention(nn.Module):
                 backend: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
         a = self.args
         qkv = self.qkv_proj(x)                                      # [T, q_size + 2 * kv_size]
-        q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, a.num_attention_heads, a.head_dim), cos, sin)   # [T, H, D]
-        k = apply_rotary(k.view(-1, a.num_key_value_heads, a.head_dim), cos, sin)   # [T, KVH, D]
-        v = v.view(-1, a.num_key_value_heads, a.head_dim)                         # [T, KVH, D]
+        heads = a.num_attention_heads + a.num_key_value_heads
+        # q and k are adjacent in qkv: rotate them in one go, [T, H + KVH, D]
+        qk = apply_rotary(qkv[:, :a.q_size + a.kv_size].view(-1, heads, a.head_dim), cos, sin)
+        q, k = qk.split([a.num_attention_heads, a.num_key_value_heads], dim=1)    # [T, H, D], [T, KVH, D]
+        v = qkv[:, a.q_size + a.kv_size:].view(-1, a.num_key_value_heads, a.head_dim)   # [T, KVH, D]
         out = backend.forward(self.layer_idx, q, k, v, self.scale, meta)            # [T, H, D]
         return self.o_proj(out.reshape(-1, a.q_size))
 

