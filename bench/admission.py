@@ -116,6 +116,9 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cores", "model": args.model.name, "slots": args.slots, "requests": args.requests,
         "codes": codes, "loader_errors": sorted(set(errors)),
+        "cost_model": {name: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       for name in ("zeroqueue_cost_model_ratio", "zeroqueue_cost_model_deviation")
+                       if line.startswith(name + " ")},
         "server_decision_ms": {"p50": round(histogram_quantile(text, name, 0.5) * 1000, 3),
                                "p99": round(histogram_quantile(text, name, 0.99) * 1000, 3),
                                "note": "all admission decisions of the run, loaders included; 50 µs buckets"},

@@ -145,6 +145,30 @@ class Predictor:
         return self.config.margin_ns(max(c.deadline_ns - now_ns, 0))
 
 
+@dataclass
+class Lateness:
+    """How much later than predicted admitted calls really finish: a prediction assumes nothing else joins,
+    but later arrivals share the steps. Running mean and mean absolute deviation of actual/predicted time
+    to finish; slots are expected to free `factor` times later than predicted."""
+    alpha: float = 0.05
+    mean: float = 1.0
+    deviation: float = 0.0
+    num_deviations: float = 2.0
+
+    def observe(self, predicted_ns: int, actual_ns: int) -> None:
+        if predicted_ns > 0:
+            ratio = actual_ns / predicted_ns
+            self.mean += self.alpha * (ratio - self.mean)
+            self.deviation += self.alpha * (abs(ratio - self.mean) - self.deviation)
+
+    @property
+    def factor(self) -> float:
+        return max(1.0, self.mean + self.num_deviations * self.deviation)
+
+    def stretch(self, start_ns: int, end_ns: int) -> int:
+        return start_ns + int((end_ns - start_ns) * self.factor)
+
+
 class AdmissionController:
     """Deadline mode: predict at arrival; admit, or reject at once with the time capacity frees for the call
     and a reservation of a slot from then, so the hinted retry finds room. Slots over time form a calendar:
@@ -157,6 +181,7 @@ class AdmissionController:
         self.predictor = Predictor(cost, config)
         self.config = config
         self.commitments: dict[str, Commitment] = {}
+        self.lateness = Lateness()
         self.reservation_grace_ns = int(reservation_grace_ms * NS_PER_MS)
         # a rejection storm must not grow the work of every decision: at most this many reservations
         self.max_reservations = config.num_slots if max_reservations is None else max_reservations
@@ -185,7 +210,8 @@ class AdmissionController:
             return Admit(finish_ns)
         retry = self._earliest_retry(new, now_ns, admitted, finishes)
         if retry is None:
-            frees_ns = min((f for f in finishes.values() if f > now_ns), default=now_ns)
+            frees_ns = min((self.lateness.stretch(now_ns, f) for f in finishes.values() if f > now_ns),
+                           default=now_ns)
             return Reject(_ms(frees_ns - now_ns), finish_ns, within_budget=False)
         at_ns, until_ns = retry
         if self.num_reserved < self.max_reservations:
@@ -204,24 +230,31 @@ class AdmissionController:
         if ok and due:      # retries arriving during the run share its steps: count them as running too
             ok, finish_ns = self.predictor.meets_deadlines(admitted + due, new, at_ns,
                                                            self.predictor.finish_times(admitted + due, at_ns))
-        intervals = [(at_ns, finishes[c.request_id]) for c in admitted]
+        # slots free when calls really finish, which is later than predicted
+        intervals = [(at_ns, self.lateness.stretch(at_ns, finishes[c.request_id])) for c in admitted]
         intervals += [(r.reserved_from_ns, r.reserved_until_ns) for r in reservations]
-        return ok and peak_occupancy(intervals, at_ns, finish_ns) < self.config.num_slots, finish_ns
+        holds_until = self.lateness.stretch(at_ns, finish_ns)
+        return ok and peak_occupancy(intervals, at_ns, holds_until) < self.config.num_slots, finish_ns
 
     def _earliest_retry(self, new: Commitment, now_ns: int, admitted: list[Commitment],
                         finishes: dict[str, int]) -> tuple[int, int] | None:
         """The first moment a slot frees (a call finishes or a reservation ends) from which `new` would be
         admitted inside its own deadline, with the end of its predicted run; None if there is none."""
-        frees = {f for f in finishes.values() if f > now_ns}
+        slot_ends = {rid: self.lateness.stretch(now_ns, f) for rid, f in finishes.items()}
+        frees = {f for f in slot_ends.values() if f > now_ns}
         frees |= {c.reserved_until_ns for c in self.commitments.values() if c.is_reservation}
         for at_ns in sorted(frees)[:self.max_retry_candidates]:
             if at_ns >= new.deadline_ns:
                 break
-            later = _progressed(admitted, finishes, now_ns, at_ns)
+            later = _progressed(admitted, slot_ends, now_ns, at_ns)
             ok, finish_ns = self._fits_at(new, at_ns, later, self.predictor.finish_times(later, at_ns))
             if ok:
-                return at_ns, finish_ns
+                return at_ns, self.lateness.stretch(at_ns, finish_ns)
         return None
+
+    def observe_finish(self, predicted_ns: int, actual_ns: int) -> None:
+        """A call admitted with `predicted_ns` to go took `actual_ns`."""
+        self.lateness.observe(predicted_ns, actual_ns)
 
     def on_progress(self, request_id: str, num_generated: int) -> None:
         c = self.commitments.get(request_id)
@@ -270,6 +303,9 @@ class FifoAdmission:
         return Admit(predicted_finish_ns=0)
 
     def on_progress(self, request_id: str, num_generated: int) -> None:
+        pass
+
+    def observe_finish(self, predicted_ns: int, actual_ns: int) -> None:
         pass
 
     def release(self, request_id: str) -> None:

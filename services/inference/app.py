@@ -84,6 +84,8 @@ class StepStats:
         context = sum(s.start_pos + 1 for s in report.scheduled.decodes)
         if self.cost is not None:
             self.cost.observe(report.scheduled.num_tokens, context, interval_us)
+            self.metrics.cost_ratio.set(self.cost.ratio)
+            self.metrics.cost_deviation.set(self.cost.deviation)
         self.metrics.step_time.observe(interval_us / 1e6)
         self.metrics.batch_size.observe(report.scheduled.num_seqs)
         self.metrics.free_slots.set(self.engine.scheduler.num_free_slots)

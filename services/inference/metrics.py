@@ -49,6 +49,9 @@ class ServiceMetrics:
         self.finish_error = Histogram("zeroqueue_finish_prediction_ratio",
                                       "Actual / predicted time to finish, admitted calls", buckets=RATIO_BUCKETS,
                                       registry=r)
+        self.cost_ratio = Gauge("zeroqueue_cost_model_ratio", "Running measured/calibrated step time", registry=r)
+        self.cost_deviation = Gauge("zeroqueue_cost_model_deviation", "Running mean absolute deviation of that "
+                                    "ratio; predictions use ratio + 3 deviations", registry=r)
         self.in_flight = Gauge("zeroqueue_in_flight", "Admitted calls not yet finished", registry=r)
         self.free_slots = Gauge("zeroqueue_kv_slots_free", "Free KV cache slots", registry=r)
 

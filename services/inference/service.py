@@ -206,9 +206,11 @@ class InferenceService:
             outcome = {"stop": "ok", "length": "ok"}.get(ticket.finish_reason, ticket.finish_reason)
         if outcome == "ok":
             self.metrics.e2e.observe((ticket.finished_ns - ticket.received_ns) / 1e9)
-            predicted = ticket.predicted_finish_ns - ticket.received_ns
+            predicted = ticket.predicted_finish_ns - ticket.dispatched_ns
             if self.deadline_mode and predicted > 0:
-                self.metrics.finish_error.observe((ticket.finished_ns - ticket.received_ns) / predicted)
+                actual = ticket.finished_ns - ticket.dispatched_ns
+                self.metrics.finish_error.observe(actual / predicted)
+                self.admission.observe_finish(predicted, actual)
         if outcome == "deadline_exceeded" or (outcome == "ok" and not ticket.deadline_met):
             self.metrics.deadline_misses.inc()
         self.metrics.requests.labels(outcome).inc()
