@@ -109,8 +109,6 @@ def ensure_demo_tenant(ledger: str | None, name: str, data_dir_arg: str | None) 
 
 
 async def _serve(make_app) -> int:
-    if os.environ.get("ZQ_SWITCH_INTERVAL"):
-        sys.setswitchinterval(float(os.environ["ZQ_SWITCH_INTERVAL"]))
     app = make_app()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
