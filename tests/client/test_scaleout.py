@@ -96,7 +96,10 @@ def test_two_replicas_fail_over_and_a_killed_replica_loses_no_usage(llama_dir, t
                 procs.append(start(serve_args(llama_dir, port, data_dir, metering, admin_key), data_dir / "log",
                                    "zeroqueue: SERVING"))
             endpoints = [f"127.0.0.1:{p}" for p in ports]
-            requests = plan(LoadSpec(qps=30, duration_s=DURATION_S, arrival="constant"),
+            # bursts of 5x (100 req/s for 0.4 s, centred at 1, 3, 5 and 7 s) overflow both replicas' 2 slots
+            # whatever the machine's speed, so rejections and fail-over happen before the kill as well as after
+            requests = plan(LoadSpec(qps=20, duration_s=DURATION_S, arrival="constant", pulse_factor=5.0,
+                                     pulse_s=0.4, pulse_every_s=2.0),
                             ShapeSpec("fixed", prompt_tokens=12, max_tokens=24, context_length=256),
                             vocab_size=300, deadline_ms=3_000)
             traces = asyncio.run(drive(endpoints, tenant_key, requests,
