@@ -224,8 +224,10 @@ class AdmissionController:
                  finishes: dict[str, int]) -> tuple[bool, int]:
         """Whether `new` joining at `at_ns` meets every deadline and finds a free slot for its whole run.
         `admitted` are the running calls as they will be at `at_ns`, `finishes` their finishes from then."""
+        reservations = self._reservations()
+        if self._full_at(at_ns, sum(1 for f in finishes.values() if f > at_ns), reservations):
+            return False, self.predictor.finish_times([*admitted, new], at_ns)[new.request_id]
         ok, finish_ns = self.predictor.meets_deadlines(admitted, new, at_ns, finishes)
-        reservations = [c for c in self.commitments.values() if c.is_reservation]
         due = [r for r in reservations if r.reserved_from_ns < finish_ns and r.reserved_until_ns > at_ns]
         if ok and due:      # retries arriving during the run share its steps: count them as running too
             ok, finish_ns = self.predictor.meets_deadlines(admitted + due, new, at_ns,
@@ -236,6 +238,15 @@ class AdmissionController:
         holds_until = self.lateness.stretch(at_ns, finish_ns)
         return ok and peak_occupancy(intervals, at_ns, holds_until) < self.config.num_slots, finish_ns
 
+    def _reservations(self) -> list[Commitment]:
+        return [c for c in self.commitments.values() if c.is_reservation]
+
+    def _full_at(self, at_ns: int, num_running: int, reservations: list[Commitment]) -> bool:
+        """No slot free at the instant `at_ns`: a quick no, before the cost of any prediction (the calendar's
+        peak over a run is at least its occupancy at the run's start)."""
+        held = sum(1 for r in reservations if r.reserved_from_ns <= at_ns < r.reserved_until_ns)
+        return num_running + held >= self.config.num_slots
+
     def _earliest_retry(self, new: Commitment, now_ns: int, admitted: list[Commitment],
                         finishes: dict[str, int]) -> tuple[int, int] | None:
         """The first moment a slot frees (a call finishes or a reservation ends) from which `new` would be
@@ -243,9 +254,14 @@ class AdmissionController:
         slot_ends = {rid: self.lateness.stretch(now_ns, f) for rid, f in finishes.items()}
         frees = {f for f in slot_ends.values() if f > now_ns}
         frees |= {c.reserved_until_ns for c in self.commitments.values() if c.is_reservation}
+        reservations = self._reservations()
         for at_ns in sorted(frees)[:self.max_retry_candidates]:
             if at_ns >= new.deadline_ns:
                 break
+            running = sum(1 for c in admitted if slot_ends[c.request_id] > at_ns and
+                          _tokens_done(c, slot_ends[c.request_id], now_ns, at_ns) < c.num_remaining_tokens)
+            if self._full_at(at_ns, running, reservations):
+                continue
             later = _progressed(admitted, slot_ends, now_ns, at_ns)
             ok, finish_ns = self._fits_at(new, at_ns, later, self.predictor.finish_times(later, at_ns))
             if ok:
@@ -283,9 +299,13 @@ def _progressed(admitted: list[Commitment], finishes: dict[str, int], now_ns: in
         finish_ns = finishes[c.request_id]
         if finish_ns <= at_ns:
             continue
-        done = c.num_remaining_tokens * (at_ns - now_ns) // max(finish_ns - now_ns, 1)
-        later.append(replace(c, num_generated=c.num_generated + done))
+        later.append(replace(c, num_generated=c.num_generated + _tokens_done(c, finish_ns, now_ns, at_ns)))
     return later
+
+
+def _tokens_done(c: Commitment, finish_ns: int, now_ns: int, at_ns: int) -> int:
+    """Tokens `c` will have generated between now and `at_ns`, in proportion to the time towards its finish."""
+    return c.num_remaining_tokens * (at_ns - now_ns) // max(finish_ns - now_ns, 1)
 
 
 class FifoAdmission:

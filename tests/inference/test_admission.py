@@ -203,3 +203,39 @@ def test_the_slot_calendar_is_never_overbooked(arrivals, slots):
         intervals = [(now, finishes[x.request_id]) for x in admitted]
         intervals += [(x.reserved_from_ns, x.reserved_until_ns) for x in c.commitments.values() if x.is_reservation]
         assert peak_occupancy(intervals, now, now + 10**13) <= slots
+
+
+class NoShortcut(AdmissionController):
+    """The controller without its quick 'no slot free at that instant' answer: every check predicts."""
+
+    def _full_at(self, at_ns, num_running, reservations):
+        return False
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 12), st.lists(st.tuples(st.sampled_from(["decide", "progress", "release", "late"]),
+                                              st.integers(0, 30), st.integers(1, 64), st.integers(20, 3000),
+                                              st.integers(1, 100)), min_size=1, max_size=60))
+def test_the_quick_full_check_never_changes_a_decision(slots, ops):
+    cost = CostModel(rows=[1, 8, 32], row_us=[2000, 4000, 15000], us_per_context_token=0.5)
+    quick = AdmissionController(cost, AdmissionConfig(slots, 256))
+    slow = NoShortcut(cost, AdmissionConfig(slots, 256))
+    now, ids = 0, []
+    for i, (op, gap_ms, tokens, deadline_ms, pick) in enumerate(ops):
+        now += gap_ms * MS
+        if op == "decide":
+            rid = ids[pick % len(ids)] if ids and pick % 4 == 0 else f"r{i}"     # some retries of old ids
+            a, b = (c.decide(Commitment(rid, pick, tokens, now + deadline_ms * MS), now) for c in (quick, slow))
+            # the reply's predicted finish may differ; the decision and the hint may not
+            assert type(a) is type(b) and {**a.__dict__, "predicted_finish_ns": 0} == \
+                {**b.__dict__, "predicted_finish_ns": 0}
+            ids.append(rid)
+        elif op == "progress" and ids:
+            for c in (quick, slow):
+                c.on_progress(ids[pick % len(ids)], tokens)
+        elif op == "release" and ids:
+            for c in (quick, slow):
+                c.release(ids[pick % len(ids)])
+        elif op == "late":
+            for c in (quick, slow):
+                c.observe_finish(pick * MS, pick * MS * (100 + tokens) // 100)
