@@ -39,7 +39,7 @@ def keep_busy(stub, stop: threading.Event, errors: list) -> None:
     while not stop.is_set():
         try:
             for _ in stub.Generate(pb.GenerateRequest(prompt="def main():", max_tokens=400, temperature=0.8),
-                                   timeout=120):
+                                   timeout=600):
                 if stop.is_set():
                     break
         except grpc.RpcError as error:
@@ -99,7 +99,7 @@ def main() -> None:
             t0 = time.perf_counter()
             try:
                 list(stub.Generate(pb.GenerateRequest(prompt="x = 1", max_tokens=64, request_id=f"bench-{i}"),
-                                   timeout=10))
+                                   timeout=60))
                 codes["OK"] = codes.get("OK", 0) + 1
             except grpc.RpcError as error:
                 elapsed_ms = (time.perf_counter() - t0) * 1000
