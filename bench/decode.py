@@ -59,8 +59,12 @@ def make_model() -> Path:
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**SHAPE, bos_token_id=None, eos_token_id=0)).to(torch.bfloat16)
     model.save_pretrained(MODEL_DIR)
-    for name in ("tokenizer.json",):
-        (MODEL_DIR / name).write_bytes((TOKENIZER_DIR / name).read_bytes())
+    # the bundled tokenizer, padded with placeholder tokens to the model's vocabulary, so that every id a
+    # random model emits decodes to text (a streaming peer counts text chunks)
+    from tokenizers import Tokenizer
+    tokenizer = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
+    tokenizer.add_tokens([f"<t{i}>" for i in range(tokenizer.get_vocab_size(), SHAPE["vocab_size"])])
+    tokenizer.save(str(MODEL_DIR / "tokenizer.json"))
     (MODEL_DIR / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "model_max_length": 2048}))
     return MODEL_DIR
@@ -154,6 +158,7 @@ def main() -> None:
                "zeroqueue fp32": ours(path, "float32", batches, args.reps, args.threads)}
     if not args.no_transformers:
         results["transformers generate bf16"] = transformers_generate(path, [b for b in batches if b <= 8], args.reps)
+    print(json.dumps({k: {b: round(v) for b, v in row.items()} for k, row in results.items()}), flush=True)
     if args.vllm:
         results["vLLM CPU bf16"] = vllm(path, batches)
     # the roofline at the better of two probes, before and after: the stricter goal

@@ -38,13 +38,14 @@ class TimedMeter:
     """Wraps the meter and keeps how long each of its calls took."""
 
     def __init__(self, meter: Meter) -> None:
-        self.meter, self.on_step_us, self.step_us = meter, [], []
+        self.meter, self.on_step_us, self.step_us, self.ended = meter, [], [], []
 
     def on_step(self, report) -> None:
         t0 = time.perf_counter_ns()
         self.meter.on_step(report)
         self.on_step_us.append((time.perf_counter_ns() - t0) / 1000)
         self.step_us.append(report.interval_ns / 1000)
+        self.ended.append(bool(report.ended))
 
     def on_idle(self, now_ns: int) -> None:
         self.meter.on_idle(now_ns)
@@ -88,12 +89,17 @@ def main() -> None:
         counts = outbox.counts()
         outbox.close()
     overhead = [m / s for m, s in zip(timed.on_step_us, timed.step_us)]
+    # steps where a request ended also hand its record to the outbox's writer thread
+    by_kind = {kind: [m for m, e in zip(timed.on_step_us, timed.ended) if e == ended]
+               for kind, ended in (("split_only", False), ("split_and_record", True))}
     print(json.dumps({
         "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "model": args.model.name, "batch": args.batch, "steps": len(timed.step_us), "records": counts,
         "step_us_median": round(statistics.median(timed.step_us), 1),
         "meter_us_median": round(statistics.median(timed.on_step_us), 1),
         "meter_us_p99": round(sorted(timed.on_step_us)[int(0.99 * len(timed.on_step_us))], 1),
+        **{f"meter_us_median_{kind}": round(statistics.median(v), 1) if v else None for kind, v in by_kind.items()},
+        **{f"steps_{kind}": len(v) for kind, v in by_kind.items()},
         "overhead_pct_median": round(100 * statistics.median(overhead), 3),
         "overhead_pct_mean": round(100 * statistics.mean(overhead), 3),
         "final_outbox_flush_ms": round(flush_ms, 2)}, indent=2))
