@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import collections
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.inference.detokenizer import Detokenizer
 from services.inference.request import SamplingParams
-from services.inference.sampler import sample, uniform
+from services.inference.sampler import _filtered_probs, sample, uniform
 from tests.checkpoints import build_tokenizer
 
 
@@ -98,3 +99,14 @@ def test_stream_is_always_a_prefix_of_the_answer(text, stops):
     for piece in pieces:
         seen += piece
         assert text[:cut].startswith(seen)
+
+
+@pytest.mark.parametrize("scale", [0.1, 8.0])      # flat: the nucleus spans thousands of tokens; peaked: a few
+def test_top_p_nucleus_is_the_one_a_full_sort_finds(scale):
+    scaled = torch.randn(5000, generator=torch.Generator().manual_seed(0)) * scale
+    probs, ids = _filtered_probs(scaled, SamplingParams(temperature=1.0, top_p=0.9))
+    ref_ids = torch.sort(scaled, descending=True).indices
+    ref_probs = torch.softmax(scaled, dim=-1)[ref_ids]
+    keep = int(((torch.cumsum(ref_probs, dim=-1) - ref_probs) < 0.9).sum())
+    assert ids.tolist() == ref_ids[:keep].tolist()
+    assert torch.allclose(probs, ref_probs[:keep], rtol=1e-4)
