@@ -252,9 +252,8 @@ class AdmissionController:
         """The first moment a slot frees (a call finishes or a reservation ends) from which `new` would be
         admitted inside its own deadline, with the end of its predicted run; None if there is none."""
         slot_ends = {rid: self.lateness.stretch(now_ns, f) for rid, f in finishes.items()}
-        frees = {f for f in slot_ends.values() if f > now_ns}
-        frees |= {c.reserved_until_ns for c in self.commitments.values() if c.is_reservation}
         reservations = self._reservations()
+        frees = {f for f in slot_ends.values() if f > now_ns} | {r.reserved_until_ns for r in reservations}
         for at_ns in sorted(frees)[:self.max_retry_candidates]:
             if at_ns >= new.deadline_ns:
                 break
