@@ -1,12 +1,14 @@
-"""Metering's cost inside the engine step (goal: < 1 % of step time).
+"""Metering's cost to the engine step (goal: < 1 % of step time).
 
-Runs batches of greedy requests through the engine with the meter attached (writing into a real outbox
-on disk), timing the meter's own work in every step against the step, side by side in one run:
+Runs batches of greedy requests through the engine with the meter attached as `zeroqueue serve` attaches it
+(an observer called in the step, handing records to a real outbox on disk):
 
-    python bench/metering_overhead.py [--model DIR] [--batch 8] [--steps 300]
+    python bench/metering_overhead.py [--model DIR] [--batch 8] [--steps 600 per arm]
 
-The outbox commit happens on its own thread (group commit), so it is reported separately: it delays a
-call's final message, not the engine.
+Blocks of 7 steps take turns with no metering at all, so the steps' own times can be compared too.
+Reported: the meter call's time against its step's interval, and the median and mean step interval of each
+arm. The outbox's group commit runs on
+a third thread: it delays a call's final message, not the engine.
 """
 from __future__ import annotations
 
@@ -32,23 +34,23 @@ from services.inference.request import Request, SamplingParams  # noqa: E402
 from services.metering.outbox import Outbox  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "services/inference/bundled/zq-python-tiny"
+BLOCK_STEPS = 7                 # prime to a request's 17 steps, so arms see every phase of its life
 
 
-class TimedMeter:
-    """Wraps the meter and keeps how long each of its calls took."""
+class Timed:
+    """Wraps an observer and keeps how long each of its step calls took, with the step's interval."""
 
-    def __init__(self, meter: Meter) -> None:
-        self.meter, self.on_step_us, self.step_us, self.ended = meter, [], [], []
+    def __init__(self, observer) -> None:
+        self.observer, self.call_us, self.step_us = observer, [], []
 
     def on_step(self, report) -> None:
         t0 = time.perf_counter_ns()
-        self.meter.on_step(report)
-        self.on_step_us.append((time.perf_counter_ns() - t0) / 1000)
+        self.observer.on_step(report)
+        self.call_us.append((time.perf_counter_ns() - t0) / 1000)
         self.step_us.append(report.interval_ns / 1000)
-        self.ended.append(bool(report.ended))
 
-    def on_idle(self, now_ns: int) -> None:
-        self.meter.on_idle(now_ns)
+    def on_idle(self, now_ns: int, **kwargs) -> None:
+        self.observer.on_idle(now_ns, **kwargs)
 
 
 class Discard:
@@ -56,52 +58,60 @@ class Discard:
         pass
 
 
+def pct(calls: list[float], steps: list[float]) -> dict[str, float]:
+    ratios = [c / s for c, s in zip(calls, steps)]
+    return {"us_median": round(statistics.median(calls), 1), "us_p99": round(sorted(calls)[int(0.99 * len(calls))], 1),
+            "pct_median": round(100 * statistics.median(ratios), 3), "pct_mean": round(100 * statistics.mean(ratios), 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=600)
     args = parser.parse_args()
     checkpoint = load_checkpoint(args.model)
     executor = Executor(checkpoint, ExecutorConfig(max_batch=args.batch, max_seq_len=512))
     clock = Clock()
     engine = Engine(executor, checkpoint.tokenizer, checkpoint.eos_token_ids, clock=clock.now_ns)
+    info = executor.info
+    device = Device(info.kind, info.device_id, info.unit, info.num_compute_units)
     with tempfile.TemporaryDirectory() as tmp:
         outbox = Outbox(Path(tmp) / "outbox.db")
-        info = executor.info
-        meter = Meter(Device(info.kind, info.device_id, info.unit, info.num_compute_units), "bench", clock.epoch_us,
-                      outbox.append, started_ns=clock.now_ns())
-        timed = TimedMeter(meter)
-        engine.observers.append(timed)
+        meter = Meter(device, "bench", clock.epoch_us, outbox.append, started_ns=clock.now_ns())
+        timed = Timed(meter)
+        # blocks of steps take turns: metered as served, and not metered at all (records of calls that end
+        # in an unmetered block are not made: the bench times the meter, it bills nobody)
+        arms = {"meter": [timed], "none": []}
+        steps_us: dict[str, list[float]] = {arm: [] for arm in arms}
         n, t_end = 0, time.monotonic() + 600
-        while len(timed.step_us) < args.steps and time.monotonic() < t_end:
+        while sum(map(len, steps_us.values())) < len(arms) * args.steps and time.monotonic() < t_end:
+            arm = list(arms)[(sum(map(len, steps_us.values())) // BLOCK_STEPS) % len(arms)]
+            engine.observers[:] = arms[arm]
             while engine.scheduler.num_unfinished + len(engine._inbox) < args.batch:
                 rid = f"r{n}"
-                meter.register(rid, RecordContext("bench", {"team": "bench"}, checkpoint.name, clock.now_epoch_us(),
-                                                  clock.now_epoch_us(), clock.now_epoch_us() + 10**9))
+                context = RecordContext("bench", {"team": "bench"}, checkpoint.name, clock.now_epoch_us(),
+                                        clock.now_epoch_us(), clock.now_epoch_us() + 10**9)
+                meter.register(rid, context)
                 engine.add_request(Request(rid, (1, 2, 3, 4, 5, 6, 7, 8), SamplingParams(
                     max_tokens=16, temperature=0.0, ignore_eos=True), clock.now_ns()), Discard())
                 n += 1
-            engine.step()
+            report = engine.step()
+            if report is not None:
+                steps_us[arm].append(report.interval_ns / 1000)
+        meter.on_idle(clock.now_ns(), final=True)
         t0 = time.perf_counter()
         outbox.flush()
         flush_ms = (time.perf_counter() - t0) * 1000
         counts = outbox.counts()
         outbox.close()
-    overhead = [m / s for m, s in zip(timed.on_step_us, timed.step_us)]
-    # steps where a request ended also hand its record to the outbox's writer thread
-    by_kind = {kind: [m for m, e in zip(timed.on_step_us, timed.ended) if e == ended]
-               for kind, ended in (("split_only", False), ("split_and_record", True))}
     print(json.dumps({
-        "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "model": args.model.name, "batch": args.batch, "steps": len(timed.step_us), "records": counts,
-        "step_us_median": round(statistics.median(timed.step_us), 1),
-        "meter_us_median": round(statistics.median(timed.on_step_us), 1),
-        "meter_us_p99": round(sorted(timed.on_step_us)[int(0.99 * len(timed.on_step_us))], 1),
-        **{f"meter_us_median_{kind}": round(statistics.median(v), 1) if v else None for kind, v in by_kind.items()},
-        **{f"steps_{kind}": len(v) for kind, v in by_kind.items()},
-        "overhead_pct_median": round(100 * statistics.median(overhead), 3),
-        "overhead_pct_mean": round(100 * statistics.mean(overhead), 3),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores", "model": args.model.name, "batch": args.batch,
+        "steps_per_arm": {arm: len(v) for arm, v in steps_us.items()}, "records": counts,
+        "step_us_median": {arm: round(statistics.median(v), 1) for arm, v in steps_us.items()},
+        "step_us_mean": {arm: round(statistics.mean(v), 1) for arm, v in steps_us.items()},
+        "meter_call": pct(timed.call_us, timed.step_us),
         "final_outbox_flush_ms": round(flush_ms, 2)}, indent=2))
 
 
