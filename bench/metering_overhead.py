@@ -5,9 +5,10 @@ Runs batches of greedy requests through the engine with the meter attached as `z
 
     python bench/metering_overhead.py [--model DIR] [--batch 8] [--steps 600 per arm]
 
-Blocks of 7 steps take turns with no metering at all, so the steps' own times can be compared too.
-Reported: the meter call's time against its step's interval, and the median and mean step interval of each
-arm. The outbox's group commit runs on
+Blocks of 7 steps take turns with an empty observer and with no observer at all, so the steps' own times can
+be compared too, against a control. Reported: each call's time against its step's interval (the call runs
+after the interval closes; the next step's interval is billed from there), and the median and mean step
+interval of each arm. The outbox's group commit runs on
 a third thread: it delays a call's final message, not the engine.
 """
 from __future__ import annotations
@@ -53,6 +54,16 @@ class Timed:
         self.observer.on_idle(now_ns, **kwargs)
 
 
+class Null:
+    """An observer that does nothing: the control arm, timed the same way as the meter."""
+
+    def on_step(self, report) -> None:
+        pass
+
+    def on_idle(self, now_ns: int, **kwargs) -> None:
+        pass
+
+
 class Discard:
     def put(self, output) -> None:
         pass
@@ -80,9 +91,11 @@ def main() -> None:
         outbox = Outbox(Path(tmp) / "outbox.db")
         meter = Meter(device, "bench", clock.epoch_us, outbox.append, started_ns=clock.now_ns())
         timed = Timed(meter)
-        # blocks of steps take turns: metered as served, and not metered at all (records of calls that end
-        # in an unmetered block are not made: the bench times the meter, it bills nobody)
-        arms = {"meter": [timed], "none": []}
+        # blocks of steps take turns: metered as served, an empty observer timed the same way (the control:
+        # how far arms differ by chance), and no observer (records of calls that end outside the meter's
+        # blocks are not made: the bench times the meter, it bills nobody)
+        null = Timed(Null())
+        arms = {"meter": [timed], "null": [null], "none": []}
         steps_us: dict[str, list[float]] = {arm: [] for arm in arms}
         n, t_end = 0, time.monotonic() + 600
         while sum(map(len, steps_us.values())) < len(arms) * args.steps and time.monotonic() < t_end:
@@ -112,6 +125,7 @@ def main() -> None:
         "step_us_median": {arm: round(statistics.median(v), 1) for arm, v in steps_us.items()},
         "step_us_mean": {arm: round(statistics.mean(v), 1) for arm, v in steps_us.items()},
         "meter_call": pct(timed.call_us, timed.step_us),
+        "null_call": pct(null.call_us, null.step_us),
         "final_outbox_flush_ms": round(flush_ms, 2)}, indent=2))
 
 
