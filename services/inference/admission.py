@@ -3,7 +3,8 @@
 Runs on the event loop thread, which owns the set of commitments (admitted requests and reserved retries).
 Progress comes back from the token streams. A prediction walks the commitments in order of how many
 steps each still needs: between two finishes the batch is constant, so each phase costs its number of
-steps × the step time at that batch size. Pending prompt tokens add their marginal cost to everyone.
+steps × the step time at that batch size, and a call's finish is the expected time of all phases up to its
+own plus `num_deviations` of their combined spread. Pending prompt tokens add their marginal cost to everyone.
 """
 from __future__ import annotations
 
@@ -118,13 +119,14 @@ class Predictor:
         n = len(order)
         prefill_us = prefill_tokens * self.cost.marginal_row_us(n)
         context_left = sum(c.final_context for c in order)
-        finish, elapsed_us, done_steps = {}, prefill_us, 0
+        finish, mean_us, var_us2, done_steps = {}, prefill_us, 0.0, 0
         for i, c in enumerate(order):
             phase_steps = steps[c.request_id] - done_steps
             if phase_steps > 0:
-                elapsed_us += phase_steps * self.cost.step_us(n - i, context_left)
+                phase_us, phase_var = self.cost.steps_us(phase_steps, n - i, context_left)
+                mean_us, var_us2 = mean_us + phase_us, var_us2 + phase_var
                 done_steps = steps[c.request_id]
-            finish[c.request_id] = now_ns + int(elapsed_us * 1000)
+            finish[c.request_id] = now_ns + int((mean_us + self.cost.num_deviations * math.sqrt(var_us2)) * 1000)
             context_left -= c.final_context
         return finish
 
@@ -197,14 +199,15 @@ class AdmissionController:
     def decide(self, new: Commitment, now_ns: int) -> Decision:
         self._expire_reservations(now_ns)
         held = self.commitments.get(new.request_id)
-        if held is not None and held.is_reservation:
+        on_time = held is not None and held.is_reservation
+        if on_time:
             del self.commitments[new.request_id]            # a retry takes up its own reservation
         idle = self.predictor.finish_times([new], now_ns)[new.request_id]
         if idle > new.deadline_ns - self.predictor.margin_for(new, now_ns):
             return Infeasible(min_budget_ms=math.ceil(self.config.min_budget_ns(idle - now_ns) / NS_PER_MS))
         admitted = [c for c in self.commitments.values() if not c.is_reservation]
         finishes = self.predictor.finish_times(admitted, now_ns)
-        ok, finish_ns = self._fits_at(new, now_ns, admitted, finishes)
+        ok, finish_ns = self._fits_at(new, now_ns, admitted, finishes, ahead_of_later_reservations=on_time)
         if ok:
             self.commitments[new.request_id] = new
             return Admit(finish_ns)
@@ -220,11 +223,15 @@ class AdmissionController:
             self.commitments[new.request_id] = new
         return Reject(_ms(at_ns - now_ns), finish_ns)
 
-    def _fits_at(self, new: Commitment, at_ns: int, admitted: list[Commitment],
-                 finishes: dict[str, int]) -> tuple[bool, int]:
+    def _fits_at(self, new: Commitment, at_ns: int, admitted: list[Commitment], finishes: dict[str, int],
+                 ahead_of_later_reservations: bool = False) -> tuple[bool, int]:
         """Whether `new` joining at `at_ns` meets every deadline and finds a free slot for its whole run.
-        `admitted` are the running calls as they will be at `at_ns`, `finishes` their finishes from then."""
+        `admitted` are the running calls as they will be at `at_ns`, `finishes` their finishes from then.
+        A retry that comes for its reservation goes ahead of reservations due after it: they were planned
+        behind it, on predictions that have since moved, so they wait (or are refused) rather than it."""
         reservations = self._reservations()
+        if ahead_of_later_reservations:
+            reservations = [r for r in reservations if r.reserved_from_ns <= at_ns]
         if self._full_at(at_ns, sum(1 for f in finishes.values() if f > at_ns), reservations):
             return False, self.predictor.finish_times([*admitted, new], at_ns)[new.request_id]
         ok, finish_ns = self.predictor.meets_deadlines(admitted, new, at_ns, finishes)

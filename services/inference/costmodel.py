@@ -4,8 +4,8 @@ A step costs T(rows) + context_tokens * us_per_context_token, where rows is the 
 linear layers see (one per decoding request plus every prompt token of the step's chunks) and
 context_tokens the cache positions that decode attention reads. T is piecewise linear through the
 calibration points. Every measured step then updates a running ratio measured/predicted and its mean
-absolute deviation; predictions are inflated by `num_deviations` of it, so a noisy machine is planned
-for rather than hoped away.
+absolute deviation; predictions are inflated by `num_deviations` of it (of a run of k steps: √k step
+deviations), so a noisy machine is planned for rather than hoped away.
 """
 from __future__ import annotations
 
@@ -44,8 +44,15 @@ class CostModel:
         return max(base, self.row_us[0] * 0.5) + context_tokens * self.us_per_context_token
 
     def step_us(self, num_rows: int, context_tokens: int = 0) -> float:
-        """A cautious prediction: calibrated time × (running ratio + num_deviations × deviation)."""
+        """A cautious prediction of one step: calibrated time × (running ratio + num_deviations × deviation)."""
         return self.raw_step_us(num_rows, context_tokens) * (self.ratio + self.num_deviations * self.deviation)
+
+    def steps_us(self, num_steps: int, num_rows: int, context_tokens: int = 0) -> tuple[float, float]:
+        """`num_steps` steps of one shape: (expected time, variance), in µs and µs². Step noise adds up like
+        independent noise, so k steps spread by √k deviations, not k: a prediction over many steps that is
+        inflated per step would refuse calls that fit."""
+        raw = self.raw_step_us(num_rows, context_tokens)
+        return num_steps * raw * self.ratio, num_steps * (raw * self.deviation) ** 2
 
     def marginal_row_us(self, num_rows: int) -> float:
         """Extra time of one more row in a step that already has `num_rows`."""

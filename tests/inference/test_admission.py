@@ -239,3 +239,26 @@ def test_the_quick_full_check_never_changes_a_decision(slots, ops):
         elif op == "late":
             for c in (quick, slow):
                 c.observe_finish(pick * MS, pick * MS * (100 + tokens) // 100)
+
+
+def test_a_run_of_k_steps_spreads_by_root_k_step_deviations():
+    cost = CostModel(rows=[1, 2], row_us=[1000, 1000], us_per_context_token=0.0, deviation=0.1, num_deviations=3)
+    predictor = Predictor(cost, AdmissionConfig(4, 256))
+    (finish,) = predictor.finish_times([Commitment("a", 1, 100, 10**12, num_generated=1)], 0).values()
+    # 99 steps of 1 ms expected, spread 0.1 ms each: 99 ms + 3 × √99 × 0.1 ms, not 99 × 1.3 ms
+    assert finish == pytest.approx((99_000 + 3 * 99 ** 0.5 * 100) * 1000, abs=1)
+
+
+def test_a_retry_on_time_goes_ahead_of_reservations_planned_behind_it():
+    cost = CostModel(rows=[1, 2], row_us=[10_000, 10_000], us_per_context_token=0.0, num_deviations=0,
+                     deviation=0)
+    c = AdmissionController(cost, AdmissionConfig(1, 256, margin_ms=0, margin_fraction=0), max_reservations=4)
+    assert isinstance(c.decide(commit("a", max_tokens=10, deadline_ms=5000), 0), Admit)      # runs 0-100 ms
+    b = c.decide(commit("b", max_tokens=10, deadline_ms=5000), 0)
+    q = c.decide(commit("q", max_tokens=10, deadline_ms=5000), 0)
+    assert (b.retry_after_ms, q.retry_after_ms) == (100, 200)       # b reserved 100-200 ms, q 200-300 ms
+    c.release("a")
+    cost.ratio = 1.5            # the device slowed down since: b's run now ends at 250 ms, into q's reservation
+    retry = c.decide(commit("b", max_tokens=10, deadline_ms=4900, now_ms=100), 100 * MS)
+    assert isinstance(retry, Admit)                                 # b came on time: q is the one to wait
+    assert isinstance(c.decide(commit("q", max_tokens=10, deadline_ms=4800, now_ms=200), 200 * MS), Reject)
