@@ -23,10 +23,11 @@ def uniform(seed: int, index: int) -> float:
 
 def _filtered_probs(scaled: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
     """Temperature-scaled logits [V] fp32 -> (probs [K], token ids [K]) in descending order after top-k and
-    top-p. The probabilities need not sum to one (the caller draws against their total)."""
+    top-p, for a call that has either filter. The probabilities need not sum to one (the caller draws
+    against their total)."""
     vocab_size = scaled.shape[0]
-    if 0 < params.top_k < vocab_size or params.top_p >= 1.0:
-        values, ids = torch.topk(scaled, params.top_k if 0 < params.top_k < vocab_size else vocab_size)
+    if 0 < params.top_k < vocab_size:
+        values, ids = torch.topk(scaled, params.top_k)
         probs = torch.softmax(values, dim=-1)
         if params.top_p < 1.0:
             probs, ids = _nucleus(probs, ids, params.top_p)
@@ -57,7 +58,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], draw_index: S
         if p.greedy:
             continue
         scaled = logits[row] / p.temperature
-        if p.top_k == 0 and p.top_p >= 1.0:     # no filter: draw over the vocabulary in its own order, no sort
+        if not 0 < p.top_k < scaled.shape[0] and p.top_p >= 1.0:    # no filter: draw in vocabulary order, no sort
             probs, ids = torch.softmax(scaled, dim=-1), None
         else:
             probs, ids = _filtered_probs(scaled, p)
