@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 from billing.records import IdleRecord, UsageRecord
 
-from .engine import StepReport
-from .request import Request, RequestStatus
+from .digest import EndedRequest, StepDigest
+from .request import RequestStatus
 
 US_PER_MINUTE = 60_000_000
 _OUTCOMES = {RequestStatus.FINISHED_STOPPED: "ok", RequestStatus.FINISHED_LENGTH: "ok",
@@ -98,12 +98,16 @@ class Meter:
         with self._lock:
             self.contexts[request_id] = context
 
-    def on_step(self, report: StepReport) -> None:
+    def on_step(self, digest: StepDigest) -> None:
         with self._lock:
-            if report.scheduled.num_seqs:
-                self._bill_step(report)
-            records = [self._record(r, report.ended_ns) for r in report.ended if r.request_id in self.contexts]
-            idle = self._close_minutes(report.ended_ns)
+            if digest.work:
+                self._bill_step(digest)
+            elif digest.num_unfinished == 0:
+                # requests ended without running (cancelled, expired) and none is left: from here on the
+                # device waits for work, and that time is idle, not the next request's
+                self._busy = False
+            records = [self._record(r, digest.ended_ns) for r in digest.ended if r.request_id in self.contexts]
+            idle = self._close_minutes(digest.ended_ns)
         if records or idle:
             self.write(records, idle)
 
@@ -121,20 +125,19 @@ class Meter:
         """Wall time accounted so far × units: always billed + idle."""
         return self.device.num_units * (self.epoch_us(self._last_ns) - self.epoch_us(self.started_ns))
 
-    def _bill_step(self, report: StepReport) -> None:
+    def _bill_step(self, digest: StepDigest) -> None:
         if self._busy:
             start_ns = self._last_ns
         else:
-            start_ns = max(report.began_ns, self._last_ns)
+            start_ns = max(digest.began_ns, self._last_ns)
             self._account(self._last_ns, start_ns, idle=True)
-        span_us = self._account(start_ns, report.ended_ns, idle=False)
-        seqs = [*report.scheduled.decodes, *report.scheduled.prefills]
+        span_us = self._account(start_ns, digest.ended_ns, idle=False)
         total = self.device.num_units * span_us
-        for seq, part in zip(seqs, split_exact(total, [s.num_tokens for s in seqs])):
-            rid = seq.request.request_id
-            self.usage_unit_us[rid] = self.usage_unit_us.get(rid, 0) + part
+        usage = self.usage_unit_us
+        for (rid, _), part in zip(digest.work, split_exact(total, [n for _, n in digest.work])):
+            usage[rid] = usage.get(rid, 0) + part
         self.billed_unit_us += total
-        self._busy = report.num_unfinished > 0
+        self._busy = digest.num_unfinished > 0
 
     def _account(self, start_ns: int, end_ns: int, idle: bool) -> int:
         """Adds [start, end) to the UTC minutes it covers; returns its length in µs. Lengths are taken on
@@ -170,7 +173,7 @@ class Meter:
                                           totals.wall_us * d.num_units))
         return records
 
-    def _record(self, request: Request, ended_ns: int) -> Callable[[], UsageRecord]:
+    def _record(self, request: EndedRequest, ended_ns: int) -> Callable[[], UsageRecord]:
         """The request's record, built (and validated) later by whoever calls it: off the engine's thread."""
         ctx = self.contexts.pop(request.request_id)
         finished_us = self.epoch_us(ended_ns)

@@ -4,10 +4,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.inference.engine import StepReport
+from services.inference.digest import StepDigest, ended_request
 from services.inference.meter import US_PER_MINUTE, Device, Meter, RecordContext, split_exact
 from services.inference.request import Request, RequestStatus, SamplingParams
-from services.inference.scheduler import ScheduledSeq, SchedulerOutput
 
 EPOCH_US = 29_833_334 * 60_000_000           # a UTC minute boundary in 2026
 DEVICE = Device("cpu", "cpu:test", "core_us", 2)
@@ -47,9 +46,8 @@ def req(rid, prompt=4, max_tokens=8):
 
 
 def report(decodes, prefills, began_ns, ended_ns, ended=(), unfinished=1):
-    seqs = SchedulerOutput(tuple(ScheduledSeq(r, 0, 0, (1,), True) for r in decodes),
-                           tuple(ScheduledSeq(r, 0, 0, tuple(range(n)), True) for r, n in prefills), ())
-    return StepReport(seqs, object(), (), tuple(ended), began_ns, began_ns, ended_ns, unfinished)
+    work = (*((r.request_id, 1) for r in decodes), *((r.request_id, n) for r, n in prefills))
+    return StepDigest(began_ns, ended_ns, bool(work), work, 0, tuple(map(ended_request, ended)), unfinished, 0)
 
 
 def register(meter, *requests):
@@ -105,9 +103,24 @@ def test_cancelled_request_is_recorded_with_its_outcome():
     register(meter, a)
     meter.on_step(report([a], [], 0, 1_000_000))
     a.status = RequestStatus.FINISHED_CANCELLED
-    meter.on_step(StepReport(SchedulerOutput((), (), ()), None, (), (a,), 1_500_000, 1_500_000, 1_500_000, 0))
+    meter.on_step(report([], [], 1_500_000, 1_500_000, ended=[a], unfinished=0))
     (record,) = rec.usage
     assert record.outcome == "cancelled" and record.unit_us == 2000 and record.deadline_met
+
+
+def test_time_after_the_last_request_is_cancelled_is_idle_not_the_next_requests():
+    rec = Recorder()
+    meter = make_meter(rec)
+    a, b = req("a"), req("b")
+    register(meter, a, b)
+    meter.on_step(report([a], [], 0, 1_000_000))                    # a runs, more to come
+    a.status = RequestStatus.FINISHED_CANCELLED
+    meter.on_step(report([], [], 1_200_000, 1_200_000, ended=[a], unfinished=0))
+    meter.on_idle(5_000_000)
+    meter.on_step(report([b], [], 9_000_000, 10_000_000, unfinished=0))   # b arrives 8 ms later
+    assert meter.usage_unit_us["b"] == 2 * 1000                     # its own 1 ms step, nothing before it
+    assert meter.idle_unit_us == 2 * 8000
+    assert meter.billed_unit_us + meter.idle_unit_us == meter.wall_unit_us
 
 
 steps = st.lists(st.tuples(st.integers(0, 5_000_000), st.integers(1, 5_000_000),
