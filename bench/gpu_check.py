@@ -127,13 +127,16 @@ def prompts(batch: int, vocab: int, seed: int) -> list[tuple[int, ...]]:
     return [tuple(rng.randrange(1, vocab) for _ in range(rng.randint(4, 64))) for _ in range(batch)]
 
 
-def generate(engine: Engine, batch: int, max_tokens: int, seed: int = 0) -> dict[str, list[int]]:
+def generate(engine: Engine, batch: int, max_tokens: int, seed: int = 0,
+             reports: list | None = None) -> dict[str, list[int]]:
     sink = Sink()
     for i, prompt in enumerate(prompts(batch, engine.executor.model.args.vocab_size, seed)):
         engine.add_request(Request(f"b{batch}-{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                                             ignore_eos=True), engine.clock()), sink)
     while engine.has_work:
-        engine.step()
+        report = engine.step()
+        if reports is not None and report is not None:
+            reports.append(report)
     return sink.tokens
 
 
@@ -251,12 +254,11 @@ def metering_check(ckpt, device: str, batch: int, tokens: int) -> dict:
                   lambda ns: (ns - now_ns) // 1000 + 1_800_000_000_000_000, lambda usage, idle: records.extend(build() for build in usage),
                   started_ns=now_ns)
     reports: list = []
-    engine.observers += [meter, type("Keep", (), {"on_step": lambda self, r: reports.append(r),
-                                                  "on_idle": lambda self, n: None})()]
+    engine.observers.append(meter)
     epoch = 1_800_000_000_000_000
     for i in range(batch):
         meter.register(f"b{batch}-{i}", RecordContext("gpucheck", {}, "random", epoch, epoch, epoch + 10**12))
-    generate(engine, batch, tokens)
+    generate(engine, batch, tokens, reports=reports)
     steps = [r for r in reports if r.result is not None]
     ratios = [r.result.device_time_us / max(r.interval_ns / 1000, 1) for r in steps]
     return {"steps": len(steps), "device_over_host_time_median": round(statistics.median(ratios), 3),

@@ -3,6 +3,7 @@ the engine thread, Prometheus metrics, and a graceful drain on shutdown."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,10 +20,11 @@ from billing.db import data_dir
 from services.metering.app import server_credentials
 from zeroqueue.inference.v1 import inference_pb2, inference_pb2_grpc
 from .admission import AdmissionConfig, AdmissionController, FifoAdmission
-from .calibration import calibrate
 from .clock import Clock
 from .costmodel import CostModel
-from .engine import Engine, StepReport
+from .digest import StepDigest
+from .engine import Engine
+from .engine_process import EngineClient, EngineSpec, build_engine
 from .executor import Executor, ExecutorConfig
 from .loader import load_checkpoint
 from .meter import Device, Meter
@@ -53,6 +55,7 @@ class ServeConfig:
     metrics_port: int | None = None
     dtype: str = "auto"
     executor: ExecutorConfig = ExecutorConfig()
+    engine_process: bool = True             # the engine in a child process (False: a thread of this one)
     max_num_batched_tokens: int = 256
     margin_ms: float = 20.0
     margin_fraction: float = 0.05
@@ -72,26 +75,25 @@ def drain_grace_s(default_deadline_ms: int) -> float:
 
 
 class StepStats:
-    """Engine-thread observer: feeds every measured step to the cost model and the metrics."""
+    """Step observer: feeds every measured step to the cost model and the metrics."""
 
-    def __init__(self, cost: CostModel | None, metrics: ServiceMetrics, engine: Engine) -> None:
-        self.cost, self.metrics, self.engine = cost, metrics, engine
+    def __init__(self, cost: CostModel | None, metrics: ServiceMetrics, num_slots: int) -> None:
+        self.cost, self.metrics, self.num_slots = cost, metrics, num_slots
 
-    def on_step(self, report: StepReport) -> None:
-        if report.result is None:
+    def on_step(self, digest: StepDigest) -> None:
+        self.metrics.free_slots.set(digest.num_free_slots)
+        if not digest.ran:
             return
-        interval_us = report.interval_ns // 1000
-        context = sum(s.start_pos + 1 for s in report.scheduled.decodes)
+        interval_us = digest.interval_ns // 1000
         if self.cost is not None:
-            self.cost.observe(report.scheduled.num_tokens, context, interval_us)
+            self.cost.observe(digest.num_tokens, digest.context_tokens, interval_us)
             self.metrics.cost_ratio.set(self.cost.ratio)
             self.metrics.cost_deviation.set(self.cost.deviation)
         self.metrics.step_time.observe(interval_us / 1e6)
-        self.metrics.batch_size.observe(report.scheduled.num_seqs)
-        self.metrics.free_slots.set(self.engine.scheduler.num_free_slots)
+        self.metrics.batch_size.observe(digest.num_seqs)
 
     def on_idle(self, now_ns: int) -> None:
-        self.metrics.free_slots.set(self.engine.scheduler.num_free_slots)
+        self.metrics.free_slots.set(self.num_slots)     # idle: nothing holds a slot
 
 
 class InferenceApp:
@@ -111,7 +113,7 @@ class InferenceApp:
         self.health = health_aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.health_server: grpc.aio.Server | None = None
-        self.engine: Engine | None = None
+        self.engine: Engine | EngineClient | None = None
         self.port = 0
 
     @property
@@ -155,29 +157,43 @@ class InferenceApp:
         return self.port
 
     def _warm_up(self) -> InferenceService:
-        executor = self.make_executor(self.checkpoint, self.config.executor)
-        engine = Engine(executor, self.checkpoint.tokenizer, self.checkpoint.eos_token_ids,
-                        max_num_batched_tokens=self.config.max_num_batched_tokens, clock=self.clock.now_ns)
-        cost = calibrate(engine)
-        admission_config = AdmissionConfig(executor.num_slots, engine.scheduler.config.max_num_batched_tokens,
+        spec = EngineSpec(str(self.checkpoint.path), self.config.dtype, self.config.executor,
+                          self.config.max_num_batched_tokens, make_executor=self.make_executor)
+        if self.config.engine_process:
+            engine = EngineClient(spec, self.clock.now_ns, on_lost=self._engine_lost)
+            ready = engine.launch()
+            # the weights live in the engine process; this one keeps the tokenizer and the config
+            self.checkpoint = dataclasses.replace(self.checkpoint, state_dict={})
+        else:
+            engine, ready = build_engine(spec)
+        cost = CostModel(list(ready.cost_rows), list(ready.cost_row_us), ready.cost_us_per_context_token)
+        admission_config = AdmissionConfig(ready.num_slots, ready.max_num_batched_tokens,
                                            self.config.margin_ms, self.config.margin_fraction)
         if self.config.admission == "fifo":
             admission, observed_cost = FifoAdmission(), None
         else:
             admission, observed_cost = AdmissionController(cost, admission_config), cost
-            engine.expiry_guard_ns = int(cost.step_us(executor.num_slots) * 1000)
-        engine.observers.append(StepStats(observed_cost, self.metrics, engine))
-        info = executor.info
+            engine.set_expiry_guard(int(cost.step_us(ready.num_slots) * 1000))
+        engine.observers.append(StepStats(observed_cost, self.metrics, ready.num_slots))
+        info = ready.info
         self.meter = Meter(Device(info.kind, info.device_id, info.unit, info.num_compute_units), uuid.uuid4().hex[:12],
                            self.clock.epoch_us, self.link.outbox.append, started_ns=self.clock.now_ns(),
                            count=self.metrics.count_usage)
         self.metrics.compute_units.set(info.num_compute_units)
         engine.observers.append(self.meter)
         self.engine = engine
-        card = ModelCard(self.checkpoint.name, executor.max_seq_len, str(self.checkpoint.dtype).removeprefix("torch."),
-                         self.checkpoint.args.vocab_size, executor.num_slots, executor.info)
+        card = ModelCard(self.checkpoint.name, ready.max_seq_len, str(self.checkpoint.dtype).removeprefix("torch."),
+                         self.checkpoint.args.vocab_size, ready.num_slots, info)
         return InferenceService(engine, card, admission, self.metrics, self.clock, self.meter, self.link.outbox,
                                 self.config.default_deadline_ms)
+
+    def _engine_lost(self, why: str) -> None:
+        """The engine process died: this replica cannot serve; clients go elsewhere (UNAVAILABLE)."""
+        if self.service is not None:
+            self.service.state = WarmupState.FAILED
+        for name in ("", INFERENCE_SERVICE):
+            asyncio.get_running_loop().create_task(
+                self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING))
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stops admitting (NOT_SERVING), lets admitted calls finish inside their deadlines, then exits.

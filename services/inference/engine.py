@@ -11,6 +11,7 @@ from typing import Protocol
 import structlog
 
 from .detokenizer import Detokenizer
+from .digest import StepDigest, ended_request
 from .executor import Executor, StepResult
 from .request import Request, RequestStatus
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepUpdate
@@ -26,6 +27,7 @@ class RequestOutput:
     time_ns: int                    # engine clock when the step that produced it ended
     num_output_tokens: int          # generated so far, stop tokens included
     finish_reason: str | None = None  # set on a request's last output
+    first_scheduled_ns: int | None = None   # start of the first step that ran the request
 
 
 class OutputSink(Protocol):
@@ -50,7 +52,7 @@ class StepReport:
 
 class StepObserver(Protocol):
     """Sees every step before its outputs are emitted (the meter must record usage before a final message)."""
-    def on_step(self, report: StepReport) -> None: ...
+    def on_step(self, digest: StepDigest) -> None: ...
 
     def on_idle(self, now_ns: int) -> None: ...
 
@@ -96,6 +98,10 @@ class Engine:
         with self._wake:
             self._inbox.append(request_id)
             self._wake.notify()
+
+    def set_expiry_guard(self, guard_ns: int) -> None:
+        """Requests whose deadline falls within this of a step's start end before it (about one step)."""
+        self.expiry_guard_ns = guard_ns
 
     def start(self) -> None:
         self._running = True
@@ -145,8 +151,16 @@ class Engine:
         return self.scheduler.num_unfinished > 0 or bool(self._inbox)
 
     def _notify(self, report: StepReport) -> None:
+        if not self.observers:
+            return
+        scheduled = report.scheduled
+        work = (*((s.request.request_id, 1) for s in scheduled.decodes),
+                *((s.request.request_id, s.num_tokens) for s in scheduled.prefills))
+        digest = StepDigest(report.began_ns, report.ended_ns, report.result is not None, work,
+                            sum(s.start_pos + 1 for s in scheduled.decodes), tuple(map(ended_request, report.ended)),
+                            report.num_unfinished, self.scheduler.num_free_slots)
         for observer in self.observers:
-            observer.on_step(report)
+            observer.on_step(digest)
 
     def _loop(self) -> None:
         while True:
@@ -201,7 +215,7 @@ class Engine:
             text += stream.detokenizer.flush()
             del self._streams[request.request_id]
         output = RequestOutput(request.request_id, (token,) if streamed else (), text, time_ns,
-                               request.num_output_tokens, request.status.finish_reason)
+                               request.num_output_tokens, request.status.finish_reason, request.first_scheduled_ns)
         if output.token_ids or output.text or output.finish_reason:
             stream.sink.put(output)
 
@@ -209,7 +223,8 @@ class Engine:
         stream = self._streams.pop(request.request_id, None)
         if stream is not None:
             stream.sink.put(RequestOutput(request.request_id, (), stream.detokenizer.flush(), time_ns,
-                                          request.num_output_tokens, request.status.finish_reason))
+                                          request.num_output_tokens, request.status.finish_reason,
+                                          request.first_scheduled_ns))
 
     def _fail_all(self) -> None:
         ids = [r.request_id for r in (*self.scheduler.running, *self.scheduler.waiting)]

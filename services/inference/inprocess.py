@@ -5,6 +5,7 @@ For tests and benchmarks that drive a server and look inside it at the same time
 from __future__ import annotations
 
 import asyncio
+import functools
 import tempfile
 import threading
 import time
@@ -58,8 +59,9 @@ class ServerThread:
 
     async def _make_app(self) -> InferenceApp:
         floor = self.step_floor_s
-        slow = type("FloorExecutor", (SlowExecutor,), {"floor_s": floor})
-        return InferenceApp(self.config, make_executor=slow if floor else Executor)
+        # a partial of a module-level class: it can cross into the engine process
+        return InferenceApp(self.config, make_executor=functools.partial(SlowExecutor, floor_s=floor)
+                            if floor else Executor)
 
     def run(self, coro, timeout: float = 60):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -83,7 +85,10 @@ class ServerThread:
 
 class SlowExecutor(Executor):
     """A fake slow device: every step takes at least `floor_s`, so a test's timing is dominated by it."""
-    floor_s = 0.0
+
+    def __init__(self, checkpoint, config, floor_s: float = 0.0) -> None:
+        super().__init__(checkpoint, config)
+        self.floor_s = floor_s
 
     def run(self, step):
         t0 = time.monotonic()

@@ -26,7 +26,7 @@ from .service import BudgetSource, GenerateSpec, InferenceService, Ticket, Warmu
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 _STATE = {WarmupState.WARMING_UP: pb.WARMUP_STATE_WARMING_UP, WarmupState.READY: pb.WARMUP_STATE_READY,
-          WarmupState.DRAINING: pb.WARMUP_STATE_DRAINING}
+          WarmupState.DRAINING: pb.WARMUP_STATE_DRAINING, WarmupState.FAILED: pb.WARMUP_STATE_FAILED}
 _SOURCE = {BudgetSource.CLIENT_DEADLINE: pb.BUDGET_SOURCE_CLIENT_DEADLINE,
            BudgetSource.SERVER_DEFAULT: pb.BUDGET_SOURCE_SERVER_DEFAULT}
 
@@ -201,7 +201,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     def _final(self, t: Ticket) -> pb.Final:
         clock = self.service.clock
-        first_scheduled = t.request.first_scheduled_ns or t.received_ns
+        first_scheduled = t.first_scheduled_ns or t.received_ns
         first_token = t.first_token_ns or t.finished_ns
         received_us, scheduled_us = clock.epoch_us(t.received_ns), clock.epoch_us(first_scheduled)
         first_token_us, finished_us = clock.epoch_us(first_token), clock.epoch_us(t.finished_ns)

@@ -19,6 +19,7 @@ from services.metering.outbox import Outbox
 from .admission import Admit, AdmissionController, Commitment, FifoAdmission, Infeasible, Reject
 from .clock import Clock
 from .engine import Engine, RequestOutput
+from .engine_process import EngineClient
 from .executor import DeviceInfo
 from .meter import Meter, RecordContext
 from .metrics import ServiceMetrics
@@ -31,6 +32,7 @@ class WarmupState(enum.Enum):
     WARMING_UP = "warming_up"
     READY = "ready"
     DRAINING = "draining"
+    FAILED = "failed"                   # the engine died; this replica cannot serve
 
 
 class BudgetSource(enum.Enum):
@@ -69,6 +71,7 @@ class Ticket:
     budget_ms: int
     budget_source: BudgetSource
     predicted_finish_ns: int
+    first_scheduled_ns: int | None = None
     first_token_ns: int | None = None
     finished_ns: int | None = None
     finish_reason: str | None = None
@@ -96,7 +99,7 @@ def _attempt_label(attempt: int) -> str:
 
 
 class InferenceService:
-    def __init__(self, engine: Engine, card: ModelCard, admission: AdmissionController | FifoAdmission,
+    def __init__(self, engine: Engine | EngineClient, card: ModelCard, admission: AdmissionController | FifoAdmission,
                  metrics: ServiceMetrics, clock: Clock, meter: Meter, outbox: Outbox,
                  default_budget_ms: int = 30_000) -> None:
         self.engine = engine
@@ -173,12 +176,14 @@ class InferenceService:
         last_ns = ticket.received_ns
         while ticket.finish_reason is None:
             output: RequestOutput = await ticket.outputs.get()
+            if ticket.first_scheduled_ns is None:
+                ticket.first_scheduled_ns = output.first_scheduled_ns
             if output.token_ids:
                 if ticket.first_token_ns is None:
                     ticket.first_token_ns = output.time_ns
                     self.metrics.ttft.observe((output.time_ns - ticket.received_ns) / 1e9)
                     self.metrics.queue_time.observe(
-                        ((ticket.request.first_scheduled_ns or output.time_ns) - ticket.received_ns) / 1e9)
+                        ((ticket.first_scheduled_ns or output.time_ns) - ticket.received_ns) / 1e9)
                 else:
                     self.metrics.inter_token.observe((output.time_ns - last_ns) / 1e9)
                 last_ns = output.time_ns

@@ -41,7 +41,9 @@ def health(address: str, *service: str) -> subprocess.CompletedProcess:
 def test_exit_codes_follow_the_replica_through_warm_up_serving_and_stop(tmp_path: Path) -> None:
     model = save_hf_checkpoint(tmp_path / "llama", "llama", initializer_range=0.1)
     gate = threading.Event()
-    config = ServeConfig(str(model), port=0, executor=ExecutorConfig(max_batch=2, max_seq_len=128))
+    # the engine on a thread here, so the gate (an event in this process) can hold its warm-up
+    config = ServeConfig(str(model), port=0, engine_process=False,
+                         executor=ExecutorConfig(max_batch=2, max_seq_len=128))
     server = GatedServer(config, gate).start(wait_ready=False)
     try:
         warming = health(server.address)

@@ -19,6 +19,8 @@ STEP_S = 0.02
 
 
 def start_slow_server(llama_dir, **config):
+    # the engine on a thread of this process, so a test can slow its device down mid-call
+    config.setdefault("engine_process", False)
     cfg = ServeConfig(str(llama_dir), port=0, executor=ExecutorConfig(max_batch=2, max_seq_len=256), **config)
     return ServerThread(cfg, step_floor_s=STEP_S).start()
 

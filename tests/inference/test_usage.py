@@ -53,8 +53,9 @@ def outbox_pending(data_dir: Path) -> int:
                             ).fetchone()[0]
 
 
-def test_served_run_bills_every_call_once_and_conserves_wall_time(llama_dir, tmp_path):
-    server = start_slow_server(llama_dir)
+@pytest.mark.parametrize("engine_process", [True, False], ids=["engine-process", "engine-thread"])
+def test_served_run_bills_every_call_once_and_conserves_wall_time(llama_dir, tmp_path, engine_process):
+    server = start_slow_server(llama_dir, engine_process=engine_process)
     stub = server.stub()
     done = finals(stub, 3, labels={"cost_center": "cc-7", "team": "search"})
     running = fill(server, max_tokens=60)

@@ -25,6 +25,7 @@ class WarmupState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WARMUP_STATE_WARMING_UP: _ClassVar[WarmupState]
     WARMUP_STATE_READY: _ClassVar[WarmupState]
     WARMUP_STATE_DRAINING: _ClassVar[WarmupState]
+    WARMUP_STATE_FAILED: _ClassVar[WarmupState]
 BUDGET_SOURCE_UNSPECIFIED: BudgetSource
 BUDGET_SOURCE_CLIENT_DEADLINE: BudgetSource
 BUDGET_SOURCE_SERVER_DEFAULT: BudgetSource
@@ -35,6 +36,7 @@ WARMUP_STATE_UNSPECIFIED: WarmupState
 WARMUP_STATE_WARMING_UP: WarmupState
 WARMUP_STATE_READY: WarmupState
 WARMUP_STATE_DRAINING: WarmupState
+WARMUP_STATE_FAILED: WarmupState
 
 class GenerateRequest(_message.Message):
     __slots__ = ("model", "prompt", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "request_id", "labels")

@@ -1,0 +1,280 @@
+"""The engine in its own process, as vLLM v1 runs its EngineCore.
+
+The engine's Python (scheduling, sampling, detokenizing and the glue of hundreds of small torch ops per step)
+holds a GIL. On the server's thread it held the event loop's GIL too, so an arriving call's admission waited
+behind a step. Here the child process loads the checkpoint, warms up, calibrates and runs the step loop; the
+server process keeps the event loop, admission and the meter. Per step, one message comes back: the step's
+digest and its outputs, in that order, so the meter sees usage before any final message is relayed.
+
+Pipes: server -> engine carries ("add", Request), ("cancel", request_id), ("stop",); engine -> server carries
+("ready", Ready), ("failed", text) before ready, then ("step", StepDigest | None, [RequestOutput]),
+("idle", now_ns) and ("stopped",).
+"""
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+import structlog
+
+from .digest import EndedRequest, StepDigest
+from .engine import Engine, OutputSink, RequestOutput, StepObserver
+from .executor import DeviceInfo, Executor, ExecutorConfig
+from .request import Request, RequestStatus
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything the child needs to build the engine; picklable."""
+    model_dir: str
+    dtype: str
+    executor: ExecutorConfig
+    max_num_batched_tokens: int
+    calibrate: bool = True
+    make_executor: Callable[..., Executor] = Executor   # a module-level callable: it crosses by reference
+
+
+@dataclass(frozen=True)
+class Ready:
+    info: DeviceInfo
+    num_slots: int
+    max_seq_len: int
+    max_num_batched_tokens: int
+    cost_rows: tuple[int, ...] = ()      # the calibrated cost model, empty without calibration
+    cost_row_us: tuple[float, ...] = ()
+    cost_us_per_context_token: float = 0.0
+
+
+class EngineFailed(RuntimeError):
+    """The engine process could not start (it names why) or died."""
+
+
+# ---------------------------------------------------------------- the child
+
+class _Relay:
+    """In the child: the sink of every request and the observer of every step; ships both per step."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.digest: StepDigest | None = None
+        self.outputs: list[RequestOutput] = []
+
+    def put(self, output: RequestOutput) -> None:
+        self.outputs.append(output)
+
+    def on_step(self, digest: StepDigest) -> None:
+        self.digest = digest
+
+    def on_idle(self, now_ns: int) -> None:
+        self.conn.send(("idle", now_ns))
+
+    def flush(self) -> None:
+        if self.digest is not None or self.outputs:
+            self.conn.send(("step", self.digest, self.outputs))
+            self.digest, self.outputs = None, []
+
+
+class _RelayedEngine(Engine):
+    relay: _Relay | None = None
+
+    def step(self):
+        report = super().step()
+        if self.relay is not None:
+            self.relay.flush()
+        return report
+
+    def _fail_all(self) -> None:
+        super()._fail_all()
+        if self.relay is not None:
+            self.relay.flush()
+
+
+def build_engine(spec: EngineSpec) -> tuple[_RelayedEngine, Ready]:
+    """Loads, warms up and (unless told not to) calibrates an engine, in whichever process calls it."""
+    from .calibration import calibrate
+    from .loader import load_checkpoint
+
+    checkpoint = load_checkpoint(spec.model_dir, spec.dtype)
+    executor = spec.make_executor(checkpoint, spec.executor)
+    engine = _RelayedEngine(executor, checkpoint.tokenizer, checkpoint.eos_token_ids,
+                            max_num_batched_tokens=spec.max_num_batched_tokens)
+    ready = Ready(executor.info, executor.num_slots, executor.max_seq_len,
+                  engine.scheduler.config.max_num_batched_tokens)
+    if spec.calibrate:
+        cost = calibrate(engine)
+        ready = Ready(ready.info, ready.num_slots, ready.max_seq_len, ready.max_num_batched_tokens,
+                      tuple(cost.rows), tuple(cost.row_us), cost.us_per_context_token)
+    return engine, ready
+
+
+def engine_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None:
+    """The child's entry point: builds, says ready, then steps until told to stop or the server is gone."""
+    try:
+        engine, ready = build_engine(spec)
+    except Exception as exc:  # noqa: BLE001 - reported to the server, which names it and exits
+        outbox.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    relay = _Relay(outbox)
+    engine.relay = relay
+    engine.observers.append(relay)
+    outbox.send(("ready", ready))
+    engine.start()
+    while True:
+        try:
+            message = inbox.recv()
+        except (EOFError, OSError):         # the server is gone: nobody is left to stream to
+            message = ("stop",)
+        kind = message[0]
+        if kind == "add":
+            engine.add_request(message[1], relay)
+        elif kind == "cancel":
+            engine.cancel(message[1])
+        elif kind == "guard":
+            engine.set_expiry_guard(message[1])
+        elif kind == "stop":
+            engine.stop()
+            outbox.send(("stopped",))
+            return
+
+
+# ---------------------------------------------------------------- the server side
+
+@dataclass
+class _Tracked:
+    sink: OutputSink
+    num_prompt_tokens: int
+    num_output_tokens: int = 0
+    first_token_ns: int | None = None
+
+
+@dataclass
+class EngineClient:
+    """Stands in for `Engine` in the server process: the same add_request / cancel / observers, with the
+    engine in a child process. `on_lost` is called (on the event loop) if the child dies while serving."""
+    spec: EngineSpec
+    clock: Callable[[], int]
+    observers: list[StepObserver] = field(default_factory=list)
+    on_lost: Callable[[str], None] | None = None
+    ready: Ready | None = None
+    _tracked: dict[str, _Tracked] = field(default_factory=dict)
+    _process: multiprocessing.process.BaseProcess | None = None
+    _to_engine: Connection | None = None
+    _from_engine: Connection | None = None
+    _loop: asyncio.AbstractEventLoop | None = None
+    _send_lock: threading.Lock = field(default_factory=threading.Lock)
+    _stopping: bool = False
+
+    def launch(self) -> Ready:
+        """Starts the child and waits until it has warmed up and calibrated (blocking: call off the loop)."""
+        context = multiprocessing.get_context("spawn")     # never fork a process that runs gRPC threads
+        engine_in, self._to_engine = context.Pipe(duplex=False)
+        self._from_engine, engine_out = context.Pipe(duplex=False)
+        self._process = context.Process(target=engine_main, args=(self.spec, engine_in, engine_out),
+                                        name="zeroqueue-engine", daemon=True)
+        self._process.start()
+        engine_in.close()
+        engine_out.close()
+        try:
+            kind, *rest = self._from_engine.recv()
+        except EOFError:
+            raise EngineFailed(f"the engine process exited with code {self._process.exitcode} while warming up")
+        if kind != "ready":
+            self._process.join(10)
+            raise EngineFailed(f"the engine process could not start: {rest[0]}")
+        self.ready = rest[0]
+        return self.ready
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._tracked)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    def set_expiry_guard(self, guard_ns: int) -> None:
+        self._send(("guard", guard_ns))
+
+    def start(self) -> None:
+        """Relays the child's messages on the running event loop from now on."""
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._from_engine.fileno(), self._drain)
+
+    def add_request(self, request: Request, sink: OutputSink) -> None:
+        self._tracked[request.request_id] = _Tracked(sink, request.num_prompt_tokens)
+        self._send(("add", request))
+
+    def cancel(self, request_id: str) -> None:
+        self._send(("cancel", request_id))
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Blocking: call off the loop, which goes on relaying the last outputs meanwhile."""
+        self._stopping = True
+        if self._process is None:
+            return
+        try:
+            self._send(("stop",))
+        except (BrokenPipeError, OSError):
+            pass
+        self._process.join(timeout_s)
+        if self._process.is_alive():
+            log.warning("engine_process_kill", pid=self._process.pid)
+            self._process.kill()
+            self._process.join(5)
+
+    def _send(self, message: tuple) -> None:
+        with self._send_lock:
+            self._to_engine.send(message)
+
+    def _drain(self) -> None:
+        conn = self._from_engine
+        try:
+            while conn.poll():
+                self._dispatch(conn.recv())
+        except (EOFError, OSError):
+            self._loop.remove_reader(conn.fileno())
+            if not self._stopping:
+                self._lose(f"the engine process exited with code {self._process.exitcode}")
+
+    def _dispatch(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "step":
+            _, digest, outputs = message
+            if digest is not None:
+                for observer in self.observers:
+                    observer.on_step(digest)
+            self._relay(outputs)
+        elif kind == "idle":
+            for observer in self.observers:
+                observer.on_idle(message[1])
+
+    def _relay(self, outputs: Sequence[RequestOutput]) -> None:
+        for output in outputs:
+            tracked = self._tracked.get(output.request_id)
+            if tracked is None:
+                continue
+            tracked.num_output_tokens = output.num_output_tokens
+            if output.token_ids and tracked.first_token_ns is None:
+                tracked.first_token_ns = output.time_ns
+            if output.finish_reason is not None:
+                del self._tracked[output.request_id]
+            tracked.sink.put(output)
+
+    def _lose(self, why: str) -> None:
+        """The child died: its requests end with "error", billed for what the meter saw, as in-thread."""
+        log.error("engine_process_lost", why=why, in_flight=len(self._tracked))
+        now_ns = self.clock()
+        ended = tuple(EndedRequest(rid, RequestStatus.FINISHED_ERROR, t.num_prompt_tokens, t.num_output_tokens,
+                                   t.first_token_ns) for rid, t in self._tracked.items())
+        digest = StepDigest(now_ns, now_ns, False, (), 0, ended, 0, 0)
+        for observer in self.observers:
+            observer.on_step(digest)
+        self._relay([RequestOutput(e.request_id, (), "", now_ns, e.num_output_tokens, "error") for e in ended])
+        if self.on_lost is not None:
+            self.on_lost(why)

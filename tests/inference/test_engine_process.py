@@ -1,0 +1,94 @@
+"""The engine in its own process: same tokens as in a thread, and a dead engine fails its calls precisely,
+bills what they used, and takes the replica out of service."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.inference.app import ServeConfig
+from services.inference.engine_process import EngineClient, EngineFailed, EngineSpec
+from services.inference.executor import ExecutorConfig
+from services.inference.inprocess import ServerThread, status_details
+from tests.inference.test_usage import ledger_rows
+from zeroqueue.inference.v1 import inference_pb2 as pb
+
+PROMPT = "def add(a, b):\n    return"
+
+
+def serve(llama_dir, engine_process, **config):
+    cfg = ServeConfig(str(llama_dir), port=0, engine_process=engine_process,
+                      executor=ExecutorConfig(max_batch=4, max_seq_len=256), **config)
+    return ServerThread(cfg).start()
+
+
+def greedy(server, **fields):
+    messages = list(server.stub().Generate(pb.GenerateRequest(prompt=PROMPT, temperature=0.0, **fields),
+                                           timeout=30))
+    return [t for m in messages if m.HasField("chunk") for t in m.chunk.token_ids], messages[-1].final
+
+
+def test_engine_process_streams_the_same_tokens_as_the_engine_thread(llama_dir):
+    threaded = serve(llama_dir, engine_process=False)
+    try:
+        expected, _ = greedy(threaded, max_tokens=24)
+    finally:
+        threaded.stop()
+    server = serve(llama_dir, engine_process=True)
+    try:
+        assert isinstance(server.app.engine, EngineClient) and server.app.engine.pid != os.getpid()
+        tokens, final = greedy(server, max_tokens=24)
+        assert tokens == expected and len(tokens) > 0
+        assert final.usage.sm_us > 0 and final.timings.queue_us >= 0
+        assert final.timings.first_scheduled_at_us >= final.timings.received_at_us
+    finally:
+        server.stop()
+
+
+def _health(server):
+    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.address))
+    return stub.Check(health_pb2.HealthCheckRequest(service="zeroqueue.inference.v1.Inference"), timeout=5).status
+
+
+def test_a_killed_engine_fails_its_calls_bills_them_and_takes_the_replica_out(llama_dir):
+    server = serve(llama_dir, engine_process=True)
+    try:
+        call = server.stub().Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=200, request_id="doomed"),
+                                      timeout=30)
+        next(call)                                          # admitted
+        next(call)                                          # and running: a token came back
+        os.kill(server.app.engine.pid, signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as info:
+            list(call)
+        assert info.value.code() == grpc.StatusCode.INTERNAL
+        assert status_details(info.value)["ErrorInfo"].reason == "ENGINE_FAILURE"
+        deadline = time.monotonic() + 5
+        while _health(server) != health_pb2.HealthCheckResponse.NOT_SERVING and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _health(server) == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.RpcError) as refused:
+            list(server.stub().Generate(pb.GenerateRequest(prompt="x", max_tokens=2), timeout=5))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert status_details(refused.value)["ErrorInfo"].reason == "NOT_SERVING"
+        (model,) = server.stub().ListModels(pb.ListModelsRequest(), timeout=5).models
+        assert model.state == pb.WARMUP_STATE_FAILED
+    finally:
+        server.stop(grace_s=1)
+    (row,) = ledger_rows(server.config.ledger_url,
+                         "SELECT outcome, unit_us, completion_tokens FROM usage_records WHERE request_id = 'doomed'")
+    assert row.outcome == "error" and row.unit_us > 0 and row.completion_tokens >= 1
+
+
+def failing_executor(checkpoint, config):
+    raise RuntimeError("no device here")
+
+
+def test_an_engine_that_cannot_start_says_why(llama_dir):
+    spec = EngineSpec(str(llama_dir), "auto", ExecutorConfig(max_batch=2, max_seq_len=64), 64,
+                      make_executor=failing_executor)
+    with pytest.raises(EngineFailed, match="RuntimeError: no device here"):
+        EngineClient(spec, time.monotonic_ns).launch()
