@@ -1,5 +1,6 @@
 """Wires a serving replica: gRPC server (inference, health, reflection), warm-up and calibration,
-the engine thread, Prometheus metrics, and a graceful drain on shutdown."""
+the engine (its own process by default, engine_process.py), Prometheus metrics, and a graceful drain on
+shutdown."""
 from __future__ import annotations
 
 import asyncio
@@ -56,6 +57,7 @@ class ServeConfig:
     dtype: str = "auto"
     executor: ExecutorConfig = ExecutorConfig()
     engine_process: bool = True             # the engine in a child process (False: a thread of this one)
+    json_logs: bool | None = None           # the engine process logs like this one (None: structlog's default)
     max_num_batched_tokens: int = 256
     margin_ms: float = 20.0
     margin_fraction: float = 0.05
@@ -158,7 +160,8 @@ class InferenceApp:
 
     def _warm_up(self) -> InferenceService:
         spec = EngineSpec(str(self.checkpoint.path), self.config.dtype, self.config.executor,
-                          self.config.max_num_batched_tokens, make_executor=self.make_executor)
+                          self.config.max_num_batched_tokens, make_executor=self.make_executor,
+                          json_logs=self.config.json_logs)
         if self.config.engine_process:
             engine = EngineClient(spec, self.clock.now_ns, on_lost=self._engine_lost)
             ready = engine.launch()
@@ -191,7 +194,8 @@ class InferenceApp:
         """The engine process died: this replica cannot serve; clients go elsewhere (UNAVAILABLE)."""
         if self.service is not None:
             self.service.state = WarmupState.FAILED
-        for name in ("", INFERENCE_SERVICE):
+        log.error("replica_failed", why=why)
+        for name in ("", INFERENCE_SERVICE, LIVENESS):     # liveness too: only a restart brings it back
             asyncio.get_running_loop().create_task(
                 self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING))
 

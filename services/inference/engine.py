@@ -178,7 +178,7 @@ class Engine:
                     self.step()
             except Exception:  # a failed step must not kill the loop; its requests end with "error"
                 log.exception("engine_step_failed")
-                self._fail_all()
+                self.fail_all()
 
     def _drain_inbox(self) -> list[Request]:
         """Takes new requests in and ends cancelled ones; returns those it ended."""
@@ -226,7 +226,8 @@ class Engine:
                                           request.num_output_tokens, request.status.finish_reason,
                                           request.first_scheduled_ns))
 
-    def _fail_all(self) -> None:
+    def fail_all(self) -> None:
+        """After a failed step: every request ends with "error", observers first, then its stream."""
         ids = [r.request_id for r in (*self.scheduler.running, *self.scheduler.waiting)]
         failed = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
         now_ns = self.clock()

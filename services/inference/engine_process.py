@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
+import signal
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +23,8 @@ from multiprocessing.connection import Connection
 
 import structlog
 
+from services import errors
+from services.logs import configure_logging
 from .digest import EndedRequest, StepDigest
 from .engine import Engine, OutputSink, RequestOutput, StepObserver
 from .executor import DeviceInfo, Executor, ExecutorConfig
@@ -38,6 +42,7 @@ class EngineSpec:
     max_num_batched_tokens: int
     calibrate: bool = True
     make_executor: Callable[..., Executor] = Executor   # a module-level callable: it crosses by reference
+    json_logs: bool | None = None                       # configure structlog like the server (None: leave it)
 
 
 @dataclass(frozen=True)
@@ -89,8 +94,8 @@ class _RelayedEngine(Engine):
             self.relay.flush()
         return report
 
-    def _fail_all(self) -> None:
-        super()._fail_all()
+    def fail_all(self) -> None:
+        super().fail_all()
         if self.relay is not None:
             self.relay.flush()
 
@@ -115,6 +120,12 @@ def build_engine(spec: EngineSpec) -> tuple[_RelayedEngine, Ready]:
 
 def engine_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None:
     """The child's entry point: builds, says ready, then steps until told to stop or the server is gone."""
+    # the server decides when the engine stops (after draining); a terminal's Ctrl-C or a group-wide SIGTERM
+    # must not end the engine under calls the server is still finishing
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if spec.json_logs is not None:
+        configure_logging(spec.json_logs)
     try:
         engine, ready = build_engine(spec)
     except Exception as exc:  # noqa: BLE001 - reported to the server, which names it and exits
@@ -124,23 +135,44 @@ def engine_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None
     engine.relay = relay
     engine.observers.append(relay)
     outbox.send(("ready", ready))
-    engine.start()
-    while True:
-        try:
-            message = inbox.recv()
-        except (EOFError, OSError):         # the server is gone: nobody is left to stream to
-            message = ("stop",)
-        kind = message[0]
-        if kind == "add":
-            engine.add_request(message[1], relay)
-        elif kind == "cancel":
-            engine.cancel(message[1])
-        elif kind == "guard":
-            engine.set_expiry_guard(message[1])
-        elif kind == "stop":
-            engine.stop()
-            outbox.send(("stopped",))
-            return
+    _step_loop(engine, relay, inbox)
+    outbox.send(("stopped",))
+
+
+def _step_loop(engine: _RelayedEngine, relay: _Relay, inbox: Connection) -> None:
+    """One thread: before every step it takes whatever the server sent, so a call that arrived during a step
+    joins the very next one (a receiving thread would first have to win the GIL from the stepping one)."""
+    stopping = False
+    while not (stopping and not engine.has_work):
+        if not engine.has_work and not inbox.poll(engine.idle_tick_s):
+            relay.on_idle(engine.clock())
+            continue
+        stopping = _take_messages(engine, relay, inbox) or stopping
+        if engine.has_work:
+            try:
+                engine.step()
+            except Exception:  # noqa: BLE001 - a failed step must not kill the loop; its requests end with "error"
+                log.exception("engine_step_failed")
+                engine.fail_all()
+
+
+def _take_messages(engine: _RelayedEngine, relay: _Relay, inbox: Connection) -> bool:
+    """Applies every message waiting in the pipe; True once the server asked the engine to stop."""
+    stop = False
+    try:
+        while inbox.poll():
+            kind, *args = inbox.recv()
+            if kind == "add":
+                engine.add_request(args[0], relay)
+            elif kind == "cancel":
+                engine.cancel(args[0])
+            elif kind == "guard":
+                engine.set_expiry_guard(args[0])
+            elif kind == "stop":
+                stop = True
+    except (EOFError, OSError):         # the server is gone: nobody is left to stream to or to bill
+        os._exit(0)
+    return stop
 
 
 # ---------------------------------------------------------------- the server side
@@ -207,11 +239,17 @@ class EngineClient:
         self._loop.add_reader(self._from_engine.fileno(), self._drain)
 
     def add_request(self, request: Request, sink: OutputSink) -> None:
+        try:
+            self._send(("add", request))
+        except OSError:     # the child died and the loop has not read its end yet
+            raise errors.NotServing("the engine process is gone; try another replica", {"state": "failed"})
         self._tracked[request.request_id] = _Tracked(sink, request.num_prompt_tokens)
-        self._send(("add", request))
 
     def cancel(self, request_id: str) -> None:
-        self._send(("cancel", request_id))
+        try:
+            self._send(("cancel", request_id))
+        except OSError:     # nothing left to cancel: the loss ends every call the child had
+            pass
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Blocking: call off the loop, which goes on relaying the last outputs meanwhile."""

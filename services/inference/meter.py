@@ -1,7 +1,7 @@
 """Per-request device time, split exactly from every engine step. No torch here.
 
-The engine's thread alternates between steps and waiting for work, and the meter accounts for every µs
-of it: a step is billed from the end of the one before it (or from when work arrived after an idle
+The engine alternates between steps and waiting for work, and the meter (in the server process, fed step
+digests; or on the engine's thread with --engine-thread) accounts for every µs of it: a step is billed from the end of the one before it (or from when work arrived after an idle
 spell) to its own end, so the host work between back-to-back steps, during which the device is held
 for those requests, is billed too; time with no request at all is idle. Hence, exactly,
     Σ billed unit·µs + Σ idle unit·µs = wall µs × units.
@@ -97,6 +97,11 @@ class Meter:
         """Called by the service when it admits a request, before the engine sees it."""
         with self._lock:
             self.contexts[request_id] = context
+
+    def forget(self, request_id: str) -> None:
+        """Called by the service for an admitted request that never reached the engine."""
+        with self._lock:
+            self.contexts.pop(request_id, None)
 
     def on_step(self, digest: StepDigest) -> None:
         with self._lock:

@@ -1,7 +1,8 @@
 """The inference service in domain terms: admission, the engine, streams and their outcomes.
 
 server.py turns protobuf into a validated GenerateSpec and calls `submit`, then relays `stream`.
-Everything here runs on the event loop thread, except the engine, which runs on its own thread.
+Everything here runs on the event loop thread; the engine runs in its own process (engine_process.py) or,
+with --engine-thread, on a thread of this one.
 """
 from __future__ import annotations
 
@@ -86,7 +87,8 @@ class Ticket:
 
 @dataclass
 class _LoopSink:
-    """Hands engine outputs from the engine thread to the request's queue on the event loop."""
+    """Hands engine outputs to the request's queue on the event loop (from the engine's thread, or from the
+    loop itself when the engine runs in its own process)."""
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
@@ -163,8 +165,21 @@ class InferenceService:
         self.meter.register(spec.request_id, RecordContext(tenant, spec.labels, self.card.name, epoch(received_ns),
                                                            epoch(decided_ns), epoch(deadline_ns)))
         ticket.usage_on_disk = self.outbox.expect(spec.request_id)
-        self.engine.add_request(request, sink)
+        try:
+            self.engine.add_request(request, sink)
+        except errors.NotServing:       # the engine process died under us: undo the admission, then say so
+            self._withdraw(ticket)
+            raise
         return ticket
+
+    def _withdraw(self, ticket: Ticket) -> None:
+        """Forgets an admitted call that never reached the engine: nothing ran, nothing is billed."""
+        request_id = ticket.spec.request_id
+        self.meter.forget(request_id)
+        self.admission.release(request_id)
+        self.outbox.forget(request_id)
+        self.in_flight.pop(request_id, None)
+        self.metrics.in_flight.set(len(self.in_flight))
 
     def _count_decision(self, attempt: str, result: str) -> None:
         self.metrics.retry_attempts.labels(attempt, result).inc()

@@ -10,10 +10,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services import errors
 from services.inference.app import ServeConfig
 from services.inference.engine_process import EngineClient, EngineFailed, EngineSpec
 from services.inference.executor import ExecutorConfig
 from services.inference.inprocess import ServerThread, status_details
+from services.inference.request import Request, SamplingParams
 from tests.inference.test_usage import ledger_rows
 from zeroqueue.inference.v1 import inference_pb2 as pb
 
@@ -45,13 +47,18 @@ def test_engine_process_streams_the_same_tokens_as_the_engine_thread(llama_dir):
         assert tokens == expected and len(tokens) > 0
         assert final.usage.sm_us > 0 and final.timings.queue_us >= 0
         assert final.timings.first_scheduled_at_us >= final.timings.received_at_us
+        # Ctrl-C in a terminal reaches the whole process group: the server, not the signal, stops the engine
+        os.kill(server.app.engine.pid, signal.SIGINT)
+        os.kill(server.app.engine.pid, signal.SIGTERM)
+        time.sleep(0.2)
+        assert greedy(server, max_tokens=24)[0] == expected
     finally:
         server.stop()
 
 
-def _health(server):
+def _health(server, name="zeroqueue.inference.v1.Inference"):
     stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.address))
-    return stub.Check(health_pb2.HealthCheckRequest(service="zeroqueue.inference.v1.Inference"), timeout=5).status
+    return stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status
 
 
 def test_a_killed_engine_fails_its_calls_bills_them_and_takes_the_replica_out(llama_dir):
@@ -70,6 +77,7 @@ def test_a_killed_engine_fails_its_calls_bills_them_and_takes_the_replica_out(ll
         while _health(server) != health_pb2.HealthCheckResponse.NOT_SERVING and time.monotonic() < deadline:
             time.sleep(0.01)
         assert _health(server) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert _health(server, "liveness") == health_pb2.HealthCheckResponse.NOT_SERVING   # restart the pod
         with pytest.raises(grpc.RpcError) as refused:
             list(server.stub().Generate(pb.GenerateRequest(prompt="x", max_tokens=2), timeout=5))
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -92,3 +100,16 @@ def test_an_engine_that_cannot_start_says_why(llama_dir):
                       make_executor=failing_executor)
     with pytest.raises(EngineFailed, match="RuntimeError: no device here"):
         EngineClient(spec, time.monotonic_ns).launch()
+
+
+def test_a_call_admitted_as_the_engine_dies_is_refused_as_not_serving(llama_dir):
+    spec = EngineSpec(str(llama_dir), "auto", ExecutorConfig(max_batch=2, max_seq_len=64), 64, calibrate=False)
+    client = EngineClient(spec, time.monotonic_ns)
+    client.launch()
+    os.kill(client.pid, signal.SIGKILL)
+    client._process.join(10)
+    request = Request("late", (1, 2, 3), SamplingParams(max_tokens=2), time.monotonic_ns())
+    with pytest.raises(errors.NotServing):
+        client.add_request(request, sink=None)
+    assert client.num_unfinished == 0                   # nothing is tracked for a call the engine never got
+    client.cancel("late")                               # and cancelling into a dead engine is harmless

@@ -124,6 +124,21 @@ def _serve(model: Path, data_dir: Path, port: int) -> subprocess.Popen:
 
 
 @pytest.mark.slow
+def engine_children(pid: int) -> list[int]:
+    """The engine processes a replica spawned (multiprocessing's resource tracker is its other child)."""
+    # a child belongs to the thread that started it (warm-up runs on a worker thread): look at every thread
+    children = [c for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+    return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
 def test_sigkill_loses_no_usage_of_a_finished_call(llama_dir, tmp_path):
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     commands.migrate(url)
@@ -146,9 +161,16 @@ def test_sigkill_loses_no_usage_of_a_finished_call(llama_dir, tmp_path):
     threads = [threading.Thread(target=client, daemon=True) for _ in range(4)]
     for t in threads:
         t.start()
-    wait_until(lambda: len(finished) >= 20, timeout=60)
+    try:
+        wait_until(lambda: len(finished) >= 20, timeout=60)
+        engines = engine_children(proc.pid)
+        assert len(engines) == 1
+    except BaseException:
+        proc.kill()
+        raise
     os.kill(proc.pid, signal.SIGKILL)                               # no drain, no flush, no goodbye
     proc.wait(10)
+    wait_until(lambda: not running(engines[0]), timeout=15)         # its engine process does not linger
     stop.set()
     for t in threads:
         t.join(15)
