@@ -3,16 +3,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import re
 import signal
 import sys
 from pathlib import Path
 
-import structlog
-
 from services.cli_billing import add_billing_commands, fails_cleanly
+from services.logs import configure_logging
 from services.pulse.cli import add_pulse
 
 UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
@@ -26,11 +24,6 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * UNITS[match.group(2).lower()])
 
 
-def configure_logging(json_logs: bool) -> None:
-    renderer = structlog.processors.JSONRenderer() if json_logs else structlog.dev.ConsoleRenderer()
-    structlog.configure(processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper("iso"),
-                                    structlog.processors.format_exc_info, renderer],
-                        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
 
 
 def add_serve(sub: argparse._SubParsersAction) -> None:
@@ -63,6 +56,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                    help="also serve gRPC health in plaintext on this port (for kubelet probes under TLS)")
     p.add_argument("--demo-tenant", metavar="NAME", default=None,
                    help="embedded ledger with no tenant yet: create this one and print its key (make serve)")
+    p.add_argument("--engine-thread", action="store_true",
+                   help="run the engine on a thread of the server process instead of its own process")
     p.add_argument("--json-logs", action=argparse.BooleanOptionalAction, default=True)
     p.set_defaults(run=fails_cleanly(run_serve))
 
@@ -79,7 +74,8 @@ def run_serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_batched_tokens, margin_ms=args.safety_margin_ms,
         margin_fraction=args.safety_margin_pct / 100, data_dir=args.data_dir, ledger_url=args.ledger,
         metering_address=args.metering, metering_key=args.metering_key, metering_ca=args.metering_ca,
-        tls_cert=args.tls_cert, tls_key=args.tls_key, health_port=args.health_port)
+        tls_cert=args.tls_cert, tls_key=args.tls_key, health_port=args.health_port,
+        engine_process=not args.engine_thread, json_logs=args.json_logs)
     if args.demo_tenant and not args.metering:
         ensure_demo_tenant(args.ledger, args.demo_tenant, args.data_dir)
     return asyncio.run(_serve(lambda: InferenceApp(config)))
