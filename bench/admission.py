@@ -1,12 +1,14 @@
 """How fast is "no"? Arrival-to-decision and rejection-reply latency on a loaded replica.
 
-Starts `zeroqueue serve` as its own process (services/pulse/replicas.py), keeps every KV slot busy with long generations (the engine
-computes all the while), then sends N calls one after another that the full replica must refuse. Reports:
+Starts `zeroqueue serve` as its own process (services/pulse/replicas.py), keeps every KV slot busy with long
+generations (the engine computes all the while), then sends N calls one after another that the full replica must
+refuse. It does so twice, side by side: the engine in its own process (the default) and on a thread of the
+server (`--engine-thread`). Reports, per arm:
   - server side: arrival -> admission decision, from the zeroqueue_admission_seconds histogram
     (interpolated within 50 µs buckets, as Prometheus' histogram_quantile does);
   - client side: call start -> RESOURCE_EXHAUSTED received, measured here over loopback.
 
-    python bench/admission.py [--model DIR] [--requests 10000]
+    python bench/admission.py [--model DIR] [--requests 10000] [--arms engine-process,engine-thread]
 """
 from __future__ import annotations
 
@@ -78,14 +80,14 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=BUNDLED_MODEL)
-    parser.add_argument("--requests", type=int, default=10_000)
-    parser.add_argument("--slots", type=int, default=8)
-    args = parser.parse_args()
+ARMS = {"engine-process": [], "engine-thread": ["--engine-thread"]}
+
+
+def run_arm(args: argparse.Namespace, flags: list[str]) -> dict:
+    """One replica, loaded and refusing `args.requests` calls; its decision and rejection latencies."""
     workdir = Path(tempfile.mkdtemp(prefix="zq-admission-"))
-    replica = start_replica(args.model, "deadline", workdir, ["--max-batch", str(args.slots), "--max-seq-len", "512"])
+    replica = start_replica(args.model, "deadline", workdir,
+                            ["--max-batch", str(args.slots), "--max-seq-len", "512", *flags])
     stop, errors = threading.Event(), []
     stub = inference_pb2_grpc.InferenceStub(authorized_channel(replica.address, replica.api_key))
     loaders = [threading.Thread(target=keep_busy, args=(stub, stop, errors), daemon=True) for _ in range(args.slots)]
@@ -93,7 +95,6 @@ def main() -> None:
         for t in loaders:
             t.start()
         time.sleep(2.0)                                 # let every slot fill
-        metrics_url = replica.metrics_url
         client_ms, codes = [], {}
         for i in range(args.requests):
             t0 = time.perf_counter()
@@ -107,14 +108,14 @@ def main() -> None:
                 codes[key] = codes.get(key, 0) + 1
                 if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     client_ms.append(elapsed_ms)
-        text = urllib.request.urlopen(metrics_url).read().decode()
+        text = urllib.request.urlopen(replica.metrics_url).read().decode()
     finally:
         stop.set()
         replica.stop()
+        for t in loaders:
+            t.join(30)
     name = "zeroqueue_admission_seconds"
-    report = {
-        "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores", "model": args.model.name, "slots": args.slots, "requests": args.requests,
+    return {
         "codes": codes, "loader_errors": sorted(set(errors)),
         "cost_model": {name: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                        for name in ("zeroqueue_cost_model_ratio", "zeroqueue_cost_model_deviation")
@@ -126,6 +127,25 @@ def main() -> None:
                                 "p99": round(percentile(client_ms, 0.99), 3),
                                 "max": round(max(client_ms), 3)} if client_ms else None,
     }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=BUNDLED_MODEL)
+    parser.add_argument("--requests", type=int, default=10_000)
+    parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    args = parser.parse_args()
+    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+              "model": args.model.name, "slots": args.slots, "requests": args.requests, "arms": {}}
+    for arm in args.arms.split(","):
+        report["arms"][arm] = run_arm(args, ARMS[arm])
+        print(json.dumps({arm: report["arms"][arm]}), file=sys.stderr, flush=True)
+    if len(report["arms"]) > 1:
+        p99 = {arm: r["server_decision_ms"]["p99"] for arm, r in report["arms"].items()}
+        report["decision_p99_ratio_process_over_thread"] = round(
+            p99.get("engine-process", 0) / max(p99.get("engine-thread", 1e-9), 1e-9), 3)
     print(json.dumps(report, indent=2))
 
 

@@ -1,21 +1,28 @@
 """Metering's cost to the engine step (goal: < 1 % of step time).
 
-Runs batches of greedy requests through the engine with the meter attached as `zeroqueue serve` attaches it
-(an observer called in the step, handing records to a real outbox on disk):
+Runs batches of greedy requests through the engine and times, in each step, everything the step does for its
+observers (`Engine._notify`: building the step digest and calling them), in blocks of 7 steps that take turns
+among four arms:
+
+  - meter-thread: the meter as `zeroqueue serve --engine-thread` attaches it, an observer called in the step
+    (splitting the step, handing records to a real outbox on disk);
+  - meter-process: what the engine process pays under plain `zeroqueue serve`, where the meter runs in the
+    server process: the digest is built and pickled into the step's message (the outputs travel anyway);
+  - null: an observer that does nothing (the control: how far the arms differ by chance);
+  - none: no observer at all.
 
     python bench/metering_overhead.py [--model DIR] [--batch 8] [--steps 600 per arm]
 
-Blocks of 7 steps take turns with an empty observer and with no observer at all, so the steps' own times can
-be compared too, against a control. Reported: each call's time against its step's interval (the call runs
-after the interval closes; the next step's interval is billed from there), and the median and mean step
-interval of each arm. The outbox's group commit runs on
-a third thread: it delays a call's final message, not the engine.
+Reported: the observer time against its step's interval (it runs after the interval closes; the next step's
+interval is billed from there), and the median and mean step interval of each arm. The outbox's group commit
+runs on another thread: it delays a call's final message, not the engine.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import pickle
 import platform
 import statistics
 import sys
@@ -38,20 +45,30 @@ DEFAULT_MODEL = ROOT / "services/inference/bundled/zq-python-tiny"
 BLOCK_STEPS = 7                 # prime to a request's 17 steps, so arms see every phase of its life
 
 
-class Timed:
-    """Wraps an observer and keeps how long each of its step calls took, with the step's interval."""
+class TimedEngine(Engine):
+    """Keeps how long each step's observer work took (digest and calls), with the step's interval."""
 
-    def __init__(self, observer) -> None:
-        self.observer, self.call_us, self.step_us = observer, [], []
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.notify_us: list[float] = []
 
-    def on_step(self, report) -> None:
+    def _notify(self, report) -> None:
         t0 = time.perf_counter_ns()
-        self.observer.on_step(report)
-        self.call_us.append((time.perf_counter_ns() - t0) / 1000)
-        self.step_us.append(report.interval_ns / 1000)
+        super()._notify(report)
+        self.notify_us.append((time.perf_counter_ns() - t0) / 1000)
+
+
+class Pickled:
+    """What the engine process does with a digest for the server-side meter: it pickles it into a message."""
+
+    def __init__(self) -> None:
+        self.num_bytes = 0
+
+    def on_step(self, digest) -> None:
+        self.num_bytes += len(pickle.dumps(digest, pickle.HIGHEST_PROTOCOL))
 
     def on_idle(self, now_ns: int, **kwargs) -> None:
-        self.observer.on_idle(now_ns, **kwargs)
+        pass
 
 
 class Null:
@@ -84,20 +101,18 @@ def main() -> None:
     checkpoint = load_checkpoint(args.model)
     executor = Executor(checkpoint, ExecutorConfig(max_batch=args.batch, max_seq_len=512))
     clock = Clock()
-    engine = Engine(executor, checkpoint.tokenizer, checkpoint.eos_token_ids, clock=clock.now_ns)
+    engine = TimedEngine(executor, checkpoint.tokenizer, checkpoint.eos_token_ids, clock=clock.now_ns)
     info = executor.info
     device = Device(info.kind, info.device_id, info.unit, info.num_compute_units)
     with tempfile.TemporaryDirectory() as tmp:
         outbox = Outbox(Path(tmp) / "outbox.db")
         meter = Meter(device, "bench", clock.epoch_us, outbox.append, started_ns=clock.now_ns())
-        timed = Timed(meter)
-        # blocks of steps take turns: metered as served, an empty observer timed the same way (the control:
-        # how far arms differ by chance), and no observer (records of calls that end outside the meter's
-        # blocks are not made: the bench times the meter, it bills nobody)
-        null = Timed(Null())
-        arms = {"meter": [timed], "null": [null], "none": []}
+        # blocks of steps take turns (records of calls that end outside the meter's blocks are not made:
+        # the bench times the meter, it bills nobody)
+        arms = {"meter-thread": [meter], "meter-process": [Pickled()], "null": [Null()], "none": []}
         steps_us: dict[str, list[float]] = {arm: [] for arm in arms}
-        n, t_end = 0, time.monotonic() + 600
+        observer_us: dict[str, list[float]] = {arm: [] for arm in arms}
+        n, t_end = 0, time.monotonic() + 900
         while sum(map(len, steps_us.values())) < len(arms) * args.steps and time.monotonic() < t_end:
             arm = list(arms)[(sum(map(len, steps_us.values())) // BLOCK_STEPS) % len(arms)]
             engine.observers[:] = arms[arm]
@@ -109,9 +124,11 @@ def main() -> None:
                 engine.add_request(Request(rid, (1, 2, 3, 4, 5, 6, 7, 8), SamplingParams(
                     max_tokens=16, temperature=0.0, ignore_eos=True), clock.now_ns()), Discard())
                 n += 1
+            engine.notify_us.clear()
             report = engine.step()
             if report is not None:
                 steps_us[arm].append(report.interval_ns / 1000)
+                observer_us[arm].append(sum(engine.notify_us))
         meter.on_idle(clock.now_ns(), final=True)
         t0 = time.perf_counter()
         outbox.flush()
@@ -124,8 +141,8 @@ def main() -> None:
         "steps_per_arm": {arm: len(v) for arm, v in steps_us.items()}, "records": counts,
         "step_us_median": {arm: round(statistics.median(v), 1) for arm, v in steps_us.items()},
         "step_us_mean": {arm: round(statistics.mean(v), 1) for arm, v in steps_us.items()},
-        "meter_call": pct(timed.call_us, timed.step_us),
-        "null_call": pct(null.call_us, null.step_us),
+        "observer_time": {arm: pct(observer_us[arm], steps_us[arm]) for arm in arms},
+        "digest_bytes_per_step": round(arms["meter-process"][0].num_bytes / max(len(steps_us["meter-process"]), 1)),
         "final_outbox_flush_ms": round(flush_ms, 2)}, indent=2))
 
 
