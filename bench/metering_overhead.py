@@ -65,7 +65,7 @@ class Pickled:
         self.num_bytes = 0
 
     def on_step(self, digest) -> None:
-        self.num_bytes += len(pickle.dumps(digest, pickle.HIGHEST_PROTOCOL))
+        self.num_bytes += len(pickle.dumps(digest.to_wire(), pickle.HIGHEST_PROTOCOL))
 
     def on_idle(self, now_ns: int, **kwargs) -> None:
         pass

@@ -6,7 +6,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import structlog
 
@@ -19,8 +19,8 @@ from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepUpdate
 log = structlog.get_logger(__name__)
 
 
-@dataclass(frozen=True)
-class RequestOutput:
+class RequestOutput(NamedTuple):
+    """A named tuple: made for every token, and (as a plain tuple) pickled to the server process."""
     request_id: str
     token_ids: tuple[int, ...]      # new tokens since the previous output (stop tokens are not streamed)
     text: str                       # new text; held back while it may be the start of a stop string
@@ -153,12 +153,14 @@ class Engine:
     def _notify(self, report: StepReport) -> None:
         if not self.observers:
             return
-        scheduled = report.scheduled
-        work = (*((s.request.request_id, 1) for s in scheduled.decodes),
-                *((s.request.request_id, s.num_tokens) for s in scheduled.prefills))
+        decodes, prefills = report.scheduled.decodes, report.scheduled.prefills
+        # list comprehensions: this runs every step, and they take 2/3 of the time of unpacked generators
+        work = tuple([(s.request.request_id, 1) for s in decodes]
+                     + [(s.request.request_id, len(s.token_ids)) for s in prefills])
         digest = StepDigest(report.began_ns, report.ended_ns, report.result is not None, work,
-                            sum(s.start_pos + 1 for s in scheduled.decodes), tuple(map(ended_request, report.ended)),
-                            report.num_unfinished, self.scheduler.num_free_slots)
+                            sum([s.start_pos for s in decodes]) + len(decodes),
+                            tuple([ended_request(r) for r in report.ended]), report.num_unfinished,
+                            self.scheduler.num_free_slots)
         for observer in self.observers:
             observer.on_step(digest)
 

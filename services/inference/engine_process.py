@@ -7,7 +7,7 @@ server process keeps the event loop, admission and the meter. Per step, one mess
 digest and its outputs, in that order, so the meter sees usage before any final message is relayed.
 
 Pipes: server -> engine carries ("add", Request), ("cancel", request_id), ("stop",); engine -> server carries
-("ready", Ready), ("failed", text) before ready, then ("step", StepDigest | None, [RequestOutput]),
+("ready", Ready), ("failed", text) before ready, then ("step", StepDigest wire | None, [RequestOutput tuple]),
 ("idle", now_ns) and ("stopped",).
 """
 from __future__ import annotations
@@ -81,7 +81,8 @@ class _Relay:
 
     def flush(self) -> None:
         if self.digest is not None or self.outputs:
-            self.conn.send(("step", self.digest, self.outputs))
+            digest = None if self.digest is None else self.digest.to_wire()
+            self.conn.send(("step", digest, [tuple(o) for o in self.outputs]))   # plain tuples pickle fastest
             self.digest, self.outputs = None, []
 
 
@@ -283,11 +284,12 @@ class EngineClient:
     def _dispatch(self, message: tuple) -> None:
         kind = message[0]
         if kind == "step":
-            _, digest, outputs = message
-            if digest is not None:
+            _, wire, outputs = message
+            if wire is not None:
+                digest = StepDigest.from_wire(wire)
                 for observer in self.observers:
                     observer.on_step(digest)
-            self._relay(outputs)
+            self._relay([RequestOutput._make(o) for o in outputs])
         elif kind == "idle":
             for observer in self.observers:
                 observer.on_idle(message[1])
