@@ -64,7 +64,8 @@ def _health(server, name="zeroqueue.inference.v1.Inference"):
 def test_a_killed_engine_fails_its_calls_bills_them_and_takes_the_replica_out(llama_dir):
     server = serve(llama_dir, engine_process=True)
     try:
-        call = server.stub().Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=200, request_id="doomed"),
+        call = server.stub().Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=200, request_id="doomed",
+                                                         temperature=0.0),
                                       timeout=30)
         next(call)                                          # admitted
         next(call)                                          # and running: a token came back

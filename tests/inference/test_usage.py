@@ -64,7 +64,8 @@ def test_served_run_bills_every_call_once_and_conserves_wall_time(llama_dir, tmp
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     for call in running:
         call.join()
-    cancelled = stub.Generate(pb.GenerateRequest(prompt="y", max_tokens=100, request_id="cancel-1"), timeout=20)
+    cancelled = stub.Generate(pb.GenerateRequest(prompt="y", max_tokens=100, request_id="cancel-1",
+                                                     temperature=0.0), timeout=20)
     next(cancelled)
     next(cancelled)
     cancelled.cancel()
