@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -195,8 +195,10 @@ class _Status(grpc.Status):
 
 
 @contextlib.asynccontextmanager
-async def rpc_errors(context: grpc.aio.ServicerContext, method: str, request_id: str = "") -> AsyncIterator[None]:
-    """Wraps one RPC handler: domain errors become their status; an unexpected error is logged as a bug."""
+async def rpc_errors(context: grpc.aio.ServicerContext, method: str, request_id: str = "",
+                     before_abort: Callable[[grpc.StatusCode], None] | None = None) -> AsyncIterator[None]:
+    """Wraps one RPC handler: domain errors become their status; an unexpected error is logged as a bug.
+    `before_abort` sees the code of a domain error's status just before it is handed to gRPC."""
     try:
         yield
     except grpc.aio.AbortError:
@@ -204,7 +206,10 @@ async def rpc_errors(context: grpc.aio.ServicerContext, method: str, request_id:
     except (ServiceError, billing.BillingError) as error:
         status = status_for(error)
         log.info("rpc_error", method=method, request_id=request_id, code=status.code.name, reason=error.reason)
-        await context.abort_with_status(to_grpc_status(status))
+        grpc_status = to_grpc_status(status)
+        if before_abort is not None:
+            before_abort(status.code)
+        await context.abort_with_status(grpc_status)
     except Exception as error:  # noqa: BLE001 - last resort: a bug, answered INTERNAL with an ErrorInfo
         log.exception("rpc_unexpected_error", method=method, request_id=request_id)
         await context.abort_with_status(to_grpc_status(status_for(error)))

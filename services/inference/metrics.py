@@ -42,6 +42,10 @@ class ServiceMetrics:
         self.admission_time = Histogram("zeroqueue_admission_seconds", "Arrival to admission decision",
                                         buckets=ADMISSION_BUCKETS_S,
                                         registry=r)
+        self.refusal_reply_time = Histogram("zeroqueue_refusal_reply_seconds",
+                                            "Arrival to a refusal (RESOURCE_EXHAUSTED) handed to gRPC: decision, "
+                                            "status details and its log line", buckets=ADMISSION_BUCKETS_S,
+                                            registry=r)
         self.step_time = Histogram("zeroqueue_step_seconds", "Engine step interval", buckets=STEP_BUCKETS_S,
                                    registry=r)
         self.batch_size = Histogram("zeroqueue_batch_size", "Sequences per engine step",

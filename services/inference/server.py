@@ -161,7 +161,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         received_ns = time.monotonic_ns()
         ticket = None
-        async with rpc_errors(context, "Generate", request.request_id):
+
+        def time_refusal(code: grpc.StatusCode) -> None:
+            if code is grpc.StatusCode.RESOURCE_EXHAUSTED and self.service is not None:
+                self.service.metrics.refusal_reply_time.observe((time.monotonic_ns() - received_ns) / 1e9)
+
+        async with rpc_errors(context, "Generate", request.request_id, before_abort=time_refusal):
             tenant = await self._tenant(context)
             service = self._ready_service()
             spec = to_spec(request, service.card, self.tokenizer, self.limits, context.invocation_metadata())

@@ -77,6 +77,7 @@ def fill(server, n=2, max_tokens=40):
 
 def test_full_batch_rejects_at_once_with_a_retry_delay_and_the_retry_succeeds(server):
     running = fill(server)
+    refusals_timed = metric(server, "zeroqueue_refusal_reply_seconds_count")
     t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as info:
         list(server.stub().Generate(pb.GenerateRequest(prompt="x = 1", max_tokens=20, request_id="retry-me"),
@@ -86,6 +87,7 @@ def test_full_batch_rejects_at_once_with_a_retry_delay_and_the_retry_succeeds(se
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     details = status_details(error)
     assert details["ErrorInfo"].reason == "OVERLOADED"
+    assert metric(server, "zeroqueue_refusal_reply_seconds_count") == refusals_timed + 1
     retry_ms = details["RetryInfo"].retry_delay.ToMilliseconds()
     trailing = dict(error.trailing_metadata())
     assert int(trailing["retry-after-ms"]) == retry_ms == int(trailing["grpc-retry-pushback-ms"])
