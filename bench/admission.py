@@ -6,8 +6,8 @@ refuse. It does so twice, side by side: the engine in its own process (the defau
 server (`--engine-thread`). Reports, per arm:
   - server side: arrival -> admission decision, from the zeroqueue_admission_seconds histogram
     (interpolated within 50 µs buckets, as Prometheus' histogram_quantile does);
-  - server side: arrival -> the refusal handed to gRPC (zeroqueue_refusal_reply_seconds: decision, status
-    details, the log line);
+  - server side: arrival -> the refusal handed to gRPC (zeroqueue_refusal_reply_seconds: the decision and the
+    status details; the log line follows the reply);
   - client side: call start -> RESOURCE_EXHAUSTED received, measured here over loopback (this includes the
     bench process's own delays: its 8 loader threads stream tokens in Python).
 
@@ -129,7 +129,7 @@ def run_arm(args: argparse.Namespace, flags: list[str]) -> dict:
         "server_refusal_reply_ms": {
             "p50": round(histogram_quantile(text, "zeroqueue_refusal_reply_seconds", 0.5) * 1000, 3),
             "p99": round(histogram_quantile(text, "zeroqueue_refusal_reply_seconds", 0.99) * 1000, 3),
-            "note": "arrival to the refusal handed to gRPC (decision, status details, log line); all refusals"},
+            "note": "arrival to the refusal handed to gRPC (decision, status details); all refusals"},
         "client_rejection_ms": {"p50": round(statistics.median(client_ms), 3),
                                 "p99": round(percentile(client_ms, 0.99), 3),
                                 "max": round(max(client_ms), 3)} if client_ms else None,

@@ -43,8 +43,8 @@ class ServiceMetrics:
                                         buckets=ADMISSION_BUCKETS_S,
                                         registry=r)
         self.refusal_reply_time = Histogram("zeroqueue_refusal_reply_seconds",
-                                            "Arrival to a refusal (RESOURCE_EXHAUSTED) handed to gRPC: decision, "
-                                            "status details and its log line", buckets=ADMISSION_BUCKETS_S,
+                                            "Arrival to a refusal (RESOURCE_EXHAUSTED) handed to gRPC: the decision "
+                                            "and the status details", buckets=ADMISSION_BUCKETS_S,
                                             registry=r)
         self.step_time = Histogram("zeroqueue_step_seconds", "Engine step interval", buckets=STEP_BUCKETS_S,
                                    registry=r)
