@@ -168,7 +168,7 @@ class InferenceApp:
             # the weights live in the engine process; this one keeps the tokenizer and the config
             self.checkpoint = dataclasses.replace(self.checkpoint, state_dict={})
         else:
-            engine, ready = build_engine(spec)
+            engine, ready = build_engine(spec, self.checkpoint)
         cost = CostModel(list(ready.cost_rows), list(ready.cost_row_us), ready.cost_us_per_context_token)
         admission_config = AdmissionConfig(ready.num_slots, ready.max_num_batched_tokens,
                                            self.config.margin_ms, self.config.margin_fraction)

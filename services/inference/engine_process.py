@@ -18,16 +18,18 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 
 import structlog
 
 from services import errors
 from services.logs import configure_logging
+from .calibration import calibrate
 from .digest import EndedRequest, StepDigest
 from .engine import Engine, OutputSink, RequestOutput, StepObserver
 from .executor import DeviceInfo, Executor, ExecutorConfig
+from .loader import Checkpoint, load_checkpoint
 from .request import Request, RequestStatus
 
 log = structlog.get_logger(__name__)
@@ -101,12 +103,10 @@ class _RelayedEngine(Engine):
             self.relay.flush()
 
 
-def build_engine(spec: EngineSpec) -> tuple[_RelayedEngine, Ready]:
-    """Loads, warms up and (unless told not to) calibrates an engine, in whichever process calls it."""
-    from .calibration import calibrate
-    from .loader import load_checkpoint
-
-    checkpoint = load_checkpoint(spec.model_dir, spec.dtype)
+def build_engine(spec: EngineSpec, checkpoint: Checkpoint | None = None) -> tuple[_RelayedEngine, Ready]:
+    """Loads (unless given the checkpoint), warms up and (unless told not to) calibrates an engine, in
+    whichever process calls it."""
+    checkpoint = checkpoint or load_checkpoint(spec.model_dir, spec.dtype)
     executor = spec.make_executor(checkpoint, spec.executor)
     engine = _RelayedEngine(executor, checkpoint.tokenizer, checkpoint.eos_token_ids,
                             max_num_batched_tokens=spec.max_num_batched_tokens)
@@ -114,8 +114,8 @@ def build_engine(spec: EngineSpec) -> tuple[_RelayedEngine, Ready]:
                   engine.scheduler.config.max_num_batched_tokens)
     if spec.calibrate:
         cost = calibrate(engine)
-        ready = Ready(ready.info, ready.num_slots, ready.max_seq_len, ready.max_num_batched_tokens,
-                      tuple(cost.rows), tuple(cost.row_us), cost.us_per_context_token)
+        ready = replace(ready, cost_rows=tuple(cost.rows), cost_row_us=tuple(cost.row_us),
+                                    cost_us_per_context_token=cost.us_per_context_token)
     return engine, ready
 
 
