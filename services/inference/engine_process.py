@@ -194,7 +194,6 @@ class EngineClient:
     clock: Callable[[], int]
     observers: list[StepObserver] = field(default_factory=list)
     on_lost: Callable[[str], None] | None = None
-    ready: Ready | None = None
     _tracked: dict[str, _Tracked] = field(default_factory=dict)
     _process: multiprocessing.process.BaseProcess | None = None
     _to_engine: Connection | None = None
@@ -220,8 +219,7 @@ class EngineClient:
         if kind != "ready":
             self._process.join(10)
             raise EngineFailed(f"the engine process could not start: {rest[0]}")
-        self.ready = rest[0]
-        return self.ready
+        return rest[0]
 
     @property
     def num_unfinished(self) -> int:

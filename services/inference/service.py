@@ -174,8 +174,11 @@ class InferenceService:
 
     def _withdraw(self, ticket: Ticket) -> None:
         """Forgets an admitted call that never reached the engine: nothing ran, nothing is billed."""
-        request_id = ticket.spec.request_id
-        self.meter.forget(request_id)
+        self.meter.forget(ticket.spec.request_id)
+        self._untrack(ticket.spec.request_id)
+
+    def _untrack(self, request_id: str) -> None:
+        """Drops the call's slot in admission, its outbox waiter and its in-flight entry."""
         self.admission.release(request_id)
         self.outbox.forget(request_id)
         self.in_flight.pop(request_id, None)
@@ -234,10 +237,7 @@ class InferenceService:
         if outcome == "deadline_exceeded" or (outcome == "ok" and not ticket.deadline_met):
             self.metrics.deadline_misses.inc()
         self.metrics.requests.labels(outcome).inc()
-        self.admission.release(ticket.spec.request_id)
-        self.outbox.forget(ticket.spec.request_id)
-        self.in_flight.pop(ticket.spec.request_id, None)
-        self.metrics.in_flight.set(len(self.in_flight))
+        self._untrack(ticket.spec.request_id)
         log.info("request_done", request_id=ticket.spec.request_id, outcome=outcome,
                  prompt_tokens=len(ticket.spec.prompt_token_ids), completion_tokens=ticket.num_output_tokens,
                  budget_ms=ticket.budget_ms, predicted_finish_ms=(ticket.predicted_finish_ns - ticket.received_ns)
