@@ -7,7 +7,7 @@ server process keeps the event loop, admission and the meter. Per step, one mess
 digest and its outputs, in that order, so the meter sees usage before any final message is relayed.
 
 Pipes: server -> engine carries ("add", Request), ("cancel", request_id), ("stop",); engine -> server carries
-("ready", Ready), ("failed", text) before ready, then ("step", StepDigest wire | None, [RequestOutput tuple]),
+("ready", Ready), ("failed", text) before ready, then ("step", step_wire | None, [RequestOutput tuple]),
 ("idle", now_ns) and ("stopped",).
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
+import pickle
 import signal
 import threading
 from collections.abc import Callable, Sequence
@@ -26,7 +27,7 @@ import structlog
 from services import errors
 from services.logs import configure_logging
 from .calibration import calibrate
-from .digest import EndedRequest, StepDigest
+from .digest import EndedRequest, StepDigest, step_wire
 from .engine import Engine, OutputSink, RequestOutput, StepObserver
 from .executor import DeviceInfo, Executor, ExecutorConfig
 from .loader import Checkpoint, load_checkpoint
@@ -65,30 +66,32 @@ class EngineFailed(RuntimeError):
 # ---------------------------------------------------------------- the child
 
 class _Relay:
-    """In the child: the sink of every request and the observer of every step; ships both per step."""
+    """In the child: the sink of every request; ships each step's digest and outputs in one message."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
-        self.digest: StepDigest | None = None
+        self.wire: tuple | None = None          # the step's digest (step_wire), set by the engine
         self.outputs: list[RequestOutput] = []
 
     def put(self, output: RequestOutput) -> None:
         self.outputs.append(output)
 
-    def on_step(self, digest: StepDigest) -> None:
-        self.digest = digest
-
     def on_idle(self, now_ns: int) -> None:
         self.conn.send(("idle", now_ns))
 
     def flush(self) -> None:
-        if self.digest is not None or self.outputs:
-            digest = None if self.digest is None else self.digest.to_wire()
-            self.conn.send(("step", digest, [tuple(o) for o in self.outputs]))   # plain tuples pickle fastest
-            self.digest, self.outputs = None, []
+        if self.wire is not None or self.outputs:
+            # plain tuples and the C pickler: Connection.send's ForkingPickler (a Python subclass with its own
+            # dispatch table) took twice as long, on every step; recv() on the other end reads either
+            message = ("step", self.wire, [tuple(o) for o in self.outputs])
+            self.conn.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
+            self.wire, self.outputs = None, []
 
 
-class _RelayedEngine(Engine):
+class RelayedEngine(Engine):
+    """The engine as the child runs it: with a relay, each step's digest goes to it as its wire form, built
+    straight from the step's report (the observers are in the server process), and the relay ships it with the
+    step's outputs. Without one (the --engine-thread layout) it is a plain Engine."""
     relay: _Relay | None = None
 
     def step(self):
@@ -97,18 +100,24 @@ class _RelayedEngine(Engine):
             self.relay.flush()
         return report
 
+    def _notify(self, report) -> None:
+        if self.relay is None:
+            super()._notify(report)
+        else:
+            self.relay.wire = step_wire(report, self.scheduler.num_free_slots)
+
     def fail_all(self) -> None:
         super().fail_all()
         if self.relay is not None:
             self.relay.flush()
 
 
-def build_engine(spec: EngineSpec, checkpoint: Checkpoint | None = None) -> tuple[_RelayedEngine, Ready]:
+def build_engine(spec: EngineSpec, checkpoint: Checkpoint | None = None) -> tuple[RelayedEngine, Ready]:
     """Loads (unless given the checkpoint), warms up and (unless told not to) calibrates an engine, in
     whichever process calls it."""
     checkpoint = checkpoint or load_checkpoint(spec.model_dir, spec.dtype)
     executor = spec.make_executor(checkpoint, spec.executor)
-    engine = _RelayedEngine(executor, checkpoint.tokenizer, checkpoint.eos_token_ids,
+    engine = RelayedEngine(executor, checkpoint.tokenizer, checkpoint.eos_token_ids,
                             max_num_batched_tokens=spec.max_num_batched_tokens)
     ready = Ready(executor.info, executor.num_slots, executor.max_seq_len,
                   engine.scheduler.config.max_num_batched_tokens)
@@ -134,13 +143,12 @@ def engine_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None
         return
     relay = _Relay(outbox)
     engine.relay = relay
-    engine.observers.append(relay)
     outbox.send(("ready", ready))
     _step_loop(engine, relay, inbox)
     outbox.send(("stopped",))
 
 
-def _step_loop(engine: _RelayedEngine, relay: _Relay, inbox: Connection) -> None:
+def _step_loop(engine: RelayedEngine, relay: _Relay, inbox: Connection) -> None:
     """One thread: before every step it takes whatever the server sent, so a call that arrived during a step
     joins the very next one (a receiving thread would first have to win the GIL from the stepping one)."""
     stopping = False
@@ -157,7 +165,7 @@ def _step_loop(engine: _RelayedEngine, relay: _Relay, inbox: Connection) -> None
                 engine.fail_all()
 
 
-def _take_messages(engine: _RelayedEngine, relay: _Relay, inbox: Connection) -> bool:
+def _take_messages(engine: RelayedEngine, relay: _Relay, inbox: Connection) -> bool:
     """Applies every message waiting in the pipe; True once the server asked the engine to stop."""
     stop = False
     try:

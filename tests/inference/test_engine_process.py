@@ -3,6 +3,7 @@ bills what they used, and takes the replica out of service."""
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import time
 
@@ -12,10 +13,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import errors
 from services.inference.app import ServeConfig
-from services.inference.engine_process import EngineClient, EngineFailed, EngineSpec
-from services.inference.executor import ExecutorConfig
+from services.inference.digest import StepDigest
+from services.inference.engine import Engine
+from services.inference.engine_process import EngineClient, EngineFailed, EngineSpec, RelayedEngine, _Relay
+from services.inference.executor import Executor, ExecutorConfig
 from services.inference.inprocess import ServerThread, status_details
-from services.inference.request import Request, SamplingParams
+from services.inference.loader import load_checkpoint
+from services.inference.request import Request, RequestStatus, SamplingParams
 from tests.inference.test_usage import ledger_rows
 from zeroqueue.inference.v1 import inference_pb2 as pb
 
@@ -114,3 +118,48 @@ def test_a_call_admitted_as_the_engine_dies_is_refused_as_not_serving(llama_dir)
         client.add_request(request, sink=None)
     assert client.num_unfinished == 0                   # nothing is tracked for a call the engine never got
     client.cancel("late")                               # and cancelling into a dead engine is harmless
+
+
+class _Pipe:
+    def __init__(self) -> None:
+        self.messages: list[tuple] = []
+
+    def send_bytes(self, data: bytes) -> None:
+        self.messages.append(pickle.loads(data))
+
+
+class _BothWays(RelayedEngine):
+    """Builds each step's digest as the thread layout does (for its observers) and as the engine process ships
+    it (the wire form into the relay), from the same report."""
+
+    def _notify(self, report) -> None:
+        Engine._notify(self, report)
+        RelayedEngine._notify(self, report)
+
+
+def test_the_digest_the_engine_process_ships_is_the_one_the_thread_layout_builds(llama_dir):
+    checkpoint = load_checkpoint(llama_dir)
+    executor = Executor(checkpoint, ExecutorConfig(max_batch=4, max_seq_len=256))
+    digests: list[StepDigest] = []
+    engine = _BothWays(executor, checkpoint.tokenizer, checkpoint.eos_token_ids, max_num_batched_tokens=40,
+                       observers=[type("Keep", (), {"on_step": lambda self, d: digests.append(d)})()])
+    pipe = _Pipe()
+    engine.relay = _Relay(pipe)
+    now = time.monotonic_ns()
+    # a prompt longer than the step's token budget (chunked), short ones that finish, one cancelled mid-way
+    engine.add_request(Request("long", tuple(range(1, 70)), SamplingParams(max_tokens=3, temperature=0.0), now),
+                       engine.relay)
+    for i in range(3):
+        engine.add_request(Request(f"short-{i}", (5, 6, 7), SamplingParams(max_tokens=2 + i, temperature=0.0,
+                                                                           ignore_eos=True), now), engine.relay)
+    engine.step()
+    engine.cancel("short-2")
+    while engine.has_work:
+        engine.step()
+    shipped = [StepDigest.from_wire(m[1]) for m in pipe.messages if m[1] is not None]
+    assert shipped == digests
+    work = [w for d in digests for w in d.work]
+    assert len([n for rid, n in work if rid == "long" and n > 1]) >= 2     # the prompt ran in chunks
+    ended = {e.request_id: e.status for d in digests for e in d.ended}
+    assert ended["short-2"] is RequestStatus.FINISHED_CANCELLED and ended["short-0"].is_finished
+    assert sum(n for rid, n in work if rid == "long") == 69 + 3 - 1   # prompt, then one decode per later token
