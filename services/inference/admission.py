@@ -209,6 +209,10 @@ class AdmissionController:
         finishes = self.predictor.finish_times(admitted, now_ns)
         ok, finish_ns = self._fits_at(new, now_ns, admitted, finishes, ahead_of_later_reservations=on_time)
         if ok:
+            wait_steps = self._steps_until_room(admitted)
+            if wait_steps:      # it would not join the very next step: a short refusal, no reservation
+                return Reject(_ms(wait_steps * int(self.predictor.cost.step_us(self.config.max_num_batched_tokens)
+                                                   * 1000)), finish_ns)
             self.commitments[new.request_id] = new
             return Admit(finish_ns)
         retry = self._earliest_retry(new, now_ns, admitted, finishes)
@@ -244,6 +248,17 @@ class AdmissionController:
         intervals += [(r.reserved_from_ns, r.reserved_until_ns) for r in reservations]
         holds_until = self.lateness.stretch(at_ns, finish_ns)
         return ok and peak_occupancy(intervals, at_ns, holds_until) < self.config.num_slots, finish_ns
+
+    def _steps_until_room(self, admitted: list[Commitment]) -> int:
+        """Steps before the engine's step token budget has room for one more prompt: 0 when a call admitted
+        now gets at least its first prompt chunk into the very next step. Every decoding call takes a token of
+        each step first; prompts admitted but not yet begun are prefilled in order, in chunks. (A call whose
+        prompt runs in the current step counts as pending until its first token comes back: cautious.)"""
+        budget = self.config.max_num_batched_tokens
+        decoding = sum(1 for c in admitted if c.num_generated > 0)
+        pending = sum(c.num_prompt_tokens for c in admitted if c.num_generated == 0)
+        excess = decoding + pending - budget        # tokens ahead of the new call that the next step cannot take
+        return 0 if excess < 0 else excess // max(budget - decoding, 1) + 1
 
     def _reservations(self) -> list[Commitment]:
         return [c for c in self.commitments.values() if c.is_reservation]

@@ -33,6 +33,7 @@ from .metering_link import MeteringLink
 from .metrics import ServiceMetrics
 from .server import InferenceServicer
 from .service import InferenceService, ModelCard, WarmupState
+from .steplog import StepLog
 
 log = structlog.get_logger(__name__)
 INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -79,13 +80,14 @@ def drain_grace_s(default_deadline_ms: int) -> float:
 class StepStats:
     """Step observer: feeds every measured step to the cost model and the metrics."""
 
-    def __init__(self, cost: CostModel | None, metrics: ServiceMetrics, num_slots: int) -> None:
-        self.cost, self.metrics, self.num_slots = cost, metrics, num_slots
+    def __init__(self, cost: CostModel | None, metrics: ServiceMetrics, num_slots: int, steps: StepLog) -> None:
+        self.cost, self.metrics, self.num_slots, self.steps = cost, metrics, num_slots, steps
 
     def on_step(self, digest: StepDigest) -> None:
         self.metrics.free_slots.set(digest.num_free_slots)
         if not digest.ran:
             return
+        self.steps.add(digest.began_ns)
         interval_us = digest.interval_ns // 1000
         if self.cost is not None:
             self.cost.observe(digest.num_tokens, digest.context_tokens, interval_us)
@@ -177,7 +179,8 @@ class InferenceApp:
         else:
             admission, observed_cost = AdmissionController(cost, admission_config), cost
             engine.set_expiry_guard(int(cost.step_us(ready.num_slots) * 1000))
-        engine.observers.append(StepStats(observed_cost, self.metrics, ready.num_slots))
+        steps = StepLog()
+        engine.observers.append(StepStats(observed_cost, self.metrics, ready.num_slots, steps))
         info = ready.info
         self.meter = Meter(Device(info.kind, info.device_id, info.unit, info.num_compute_units), uuid.uuid4().hex[:12],
                            self.clock.epoch_us, self.link.outbox.append, started_ns=self.clock.now_ns(),
@@ -188,7 +191,7 @@ class InferenceApp:
         card = ModelCard(self.checkpoint.name, ready.max_seq_len, str(self.checkpoint.dtype).removeprefix("torch."),
                          self.checkpoint.args.vocab_size, ready.num_slots, info)
         return InferenceService(engine, card, admission, self.metrics, self.clock, self.meter, self.link.outbox,
-                                self.config.default_deadline_ms)
+                                steps, self.config.default_deadline_ms)
 
     def _engine_lost(self, why: str) -> None:
         """The engine process died: this replica cannot serve; clients go elsewhere (UNAVAILABLE)."""

@@ -25,6 +25,7 @@ from .executor import DeviceInfo
 from .meter import Meter, RecordContext
 from .metrics import ServiceMetrics
 from .request import Request, SamplingParams
+from .steplog import StepLog
 
 log = structlog.get_logger(__name__)
 
@@ -102,7 +103,7 @@ def _attempt_label(attempt: int) -> str:
 
 class InferenceService:
     def __init__(self, engine: Engine | EngineClient, card: ModelCard, admission: AdmissionController | FifoAdmission,
-                 metrics: ServiceMetrics, clock: Clock, meter: Meter, outbox: Outbox,
+                 metrics: ServiceMetrics, clock: Clock, meter: Meter, outbox: Outbox, steps: StepLog,
                  default_budget_ms: int = 30_000) -> None:
         self.engine = engine
         self.meter = meter
@@ -111,6 +112,7 @@ class InferenceService:
         self.admission = admission
         self.metrics = metrics
         self.clock = clock
+        self.steps = steps
         self.default_budget_ms = default_budget_ms
         self.state = WarmupState.WARMING_UP
         self.in_flight: dict[str, Ticket] = {}
@@ -200,8 +202,10 @@ class InferenceService:
                 if ticket.first_token_ns is None:
                     ticket.first_token_ns = output.time_ns
                     self.metrics.ttft.observe((output.time_ns - ticket.received_ns) / 1e9)
-                    self.metrics.queue_time.observe(
-                        ((ticket.first_scheduled_ns or output.time_ns) - ticket.received_ns) / 1e9)
+                    first_step_ns = ticket.first_scheduled_ns or output.time_ns
+                    self.metrics.queue_time.observe((first_step_ns - ticket.received_ns) / 1e9)
+                    self.metrics.steps_waited.observe(self.steps.steps_began_between(ticket.received_ns,
+                                                                                     first_step_ns))
                 else:
                     self.metrics.inter_token.observe((output.time_ns - last_ns) / 1e9)
                 last_ns = output.time_ns

@@ -37,7 +37,7 @@ def _p(p, attr: str) -> str:
 
 def rows(run: RunReport) -> list[tuple[str, str]]:
     s, server = run.summary, run.server or {}
-    queue, step = server.get("queue_time", {}), server.get("step_time", {})
+    queue, step, waited = server.get("queue_time", {}), server.get("step_time", {}), server.get("steps_waited", {})
     out = [("requests sent / completed / in deadline", f"{s.num_sent} / {s.num_completed} / {s.num_in_deadline}")]
     for name, p in (("latency", s.latency_ms), ("admitted latency", s.admitted_latency_ms), ("TTFT", s.ttft_ms)):
         out.append((f"{name} P50 / P95 / P99 / max, ms",
@@ -53,6 +53,8 @@ def rows(run: RunReport) -> list[tuple[str, str]]:
         ("server queue time mean / P99 ≤, ms", f"{_f(queue.get('mean_ms'), '{:.2f}')} / "
                                                f"{_f(queue.get('p99_at_most_ms'), '{:.1f}')}"),
         ("server step time mean, ms", _f(step.get("mean_ms"), "{:.2f}")),
+        ("joined the very next step / most steps waited ≤", f"{_pct(waited.get('next_step_share'))} / "
+                                                          f"{_f(waited.get('max_at_most'), '{:.0f}')}"),
         ("mean completion tokens", _f(s.mean_completion_tokens)),
         ("scheduler lag max, ms", _f(s.max_dispatch_lag_ms)),
         ("outcomes", ", ".join(f"{k} {v}" for k, v in sorted(s.outcomes.items()))),

@@ -1,5 +1,5 @@
 """The replica's own view of a run, from its Prometheus /metrics before and after: queue time (receive ->
-first engine step), step time, deadline misses and the retry-attempt counters the SDK's x-retry-attempt feeds."""
+first engine step), steps waited (steps that began in between), step time, deadline misses and the retry-attempt counters the SDK's x-retry-attempt feeds."""
 from __future__ import annotations
 
 import math
@@ -61,11 +61,23 @@ def _by_labels(samples: Samples, name: str, *keys: str) -> dict[str, float]:
     return dict(out)
 
 
+def _steps_waited(samples: Samples) -> dict:
+    """Of admitted calls that ran, how many joined the very next step (0 steps waited), and the most waited."""
+    name = "zeroqueue_steps_waited"
+    buckets = _bucket_counts(samples, name)
+    count = samples.get((f"{name}_count", ()), 0.0)
+    next_step = next((cumulative for le, cumulative in buckets if le == 0), 0.0)
+    return {"count": int(count), "next_step_share": next_step / count if count else None,
+            "mean": samples.get((f"{name}_sum", ()), 0.0) / count if count else None,
+            "max_at_most": quantile_upper_bound(buckets, 1.0)}
+
+
 def server_view(before: Samples, after: Samples) -> dict:
     d = delta(after, before)
     return {
         "queue_time": _histogram_ms(d, "zeroqueue_queue_time_seconds"),
         "step_time": _histogram_ms(d, "zeroqueue_step_seconds"),
+        "steps_waited": _steps_waited(d),
         "deadline_misses": int(d.get(("zeroqueue_deadline_misses_total", ()), 0.0)),
         "requests_by_outcome": _by_labels(d, "zeroqueue_requests_total", "outcome"),
         "rejections_by_reason": _by_labels(d, "zeroqueue_rejections_total", "reason"),

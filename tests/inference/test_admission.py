@@ -262,3 +262,25 @@ def test_a_retry_on_time_goes_ahead_of_reservations_planned_behind_it():
     retry = c.decide(commit("b", max_tokens=10, deadline_ms=4900, now_ms=100), 100 * MS)
     assert isinstance(retry, Admit)                                 # b came on time: q is the one to wait
     assert isinstance(c.decide(commit("q", max_tokens=10, deadline_ms=4800, now_ms=200), 200 * MS), Reject)
+
+
+def test_a_prompt_that_would_not_join_the_very_next_step_is_refused_for_whole_steps():
+    c = controller(slots=8)                          # step budget 256 tokens, 10 ms steps
+    for rid in "abc":                                # three 80-token prompts not yet begun: 240 of 256 tokens
+        assert isinstance(c.decide(commit(rid, prompt=80), 0), Admit)
+    assert isinstance(c.decide(commit("d", prompt=80), 0), Admit)      # 240 < 256: its first chunk fits
+    refused = c.decide(commit("e", prompt=80), 0)                     # 320 ahead of it: one step to wait
+    assert isinstance(refused, Reject) and refused.within_budget and refused.retry_after_ms == 10
+    assert c.num_admitted == 4 and c.num_reserved == 0
+    for rid in "abcd":                               # their prompts ran: now each decodes one token a step
+        c.on_progress(rid, 1)
+    assert isinstance(c.decide(commit("e", prompt=80), 10 * MS), Admit)
+
+
+def test_the_wait_for_room_counts_the_steps_the_prompts_ahead_need():
+    c = controller(slots=16)
+    for i in range(12):                              # 12 × 80 = 960 prompt tokens ahead, 256 a step
+        c.commitments[f"p{i}"] = commit(f"p{i}", prompt=80)
+    refused = c.decide(commit("late", prompt=8), 0)
+    # after k steps 960 - 256k tokens are still ahead; below 256 from k = 3, so it joins the fourth step
+    assert isinstance(refused, Reject) and refused.retry_after_ms == 30

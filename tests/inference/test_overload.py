@@ -177,3 +177,15 @@ def test_health_goes_serving_after_warm_up_and_not_serving_on_drain(llama_dir):
     long.join()
     stopper.join(30)
     assert long.error is None and long.messages[-1].WhichOneof("kind") == "final"
+
+
+def test_a_call_that_arrives_while_a_step_runs_joins_the_very_next_step(server):
+    joined = metric(server, "zeroqueue_steps_waited_bucket", le="0.0")
+    counted = metric(server, "zeroqueue_steps_waited_count")
+    first = fill(server, n=1, max_tokens=30)[0]
+    wait_until(lambda: len(first.messages) >= 5)         # steps of 20 ms are running back to back
+    late = Background(server.stub(), prompt="y = 2", max_tokens=5, temperature=0.0).join()
+    assert late.error is None and late.messages[-1].final.timings.queue_us <= 3 * STEP_S * 1e6
+    first.join()
+    assert metric(server, "zeroqueue_steps_waited_count") == counted + 2
+    assert metric(server, "zeroqueue_steps_waited_bucket", le="0.0") == joined + 2
