@@ -33,7 +33,7 @@ class ServiceMetrics:
                                        registry=r)
         self.queue_time = Histogram("zeroqueue_queue_time_seconds", "Received to first engine step",
                                     buckets=LATENCY_BUCKETS_S, registry=r)
-        self.steps_waited = Histogram("zeroqueue_steps_waited", "Engine steps that began between a call's receipt "
+        self.steps_waited = Histogram("zeroqueue_steps_waited", "Engine steps that began between a call's admission "
                                       "and the step that first ran it: 0 when it joined the very next step",
                                       buckets=(0, 1, 2, 3, 5, 10, 20, 50), registry=r)
         self.ttft = Histogram("zeroqueue_ttft_seconds", "Received to first token", buckets=LATENCY_BUCKETS_S,

@@ -204,7 +204,7 @@ class InferenceService:
                     self.metrics.ttft.observe((output.time_ns - ticket.received_ns) / 1e9)
                     first_step_ns = ticket.first_scheduled_ns or output.time_ns
                     self.metrics.queue_time.observe((first_step_ns - ticket.received_ns) / 1e9)
-                    self.metrics.steps_waited.observe(self.steps.steps_began_between(ticket.received_ns,
+                    self.metrics.steps_waited.observe(self.steps.steps_began_between(ticket.dispatched_ns,
                                                                                      first_step_ns))
                 else:
                     self.metrics.inter_token.observe((output.time_ns - last_ns) / 1e9)

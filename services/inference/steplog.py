@@ -1,7 +1,8 @@
 """When recent engine steps began, to tell how many steps an admitted call waited before it first ran.
 
-"Joins the very next step" is the product's promise: a call received while a step runs waits for that step
-(0 steps waited), never for another. Queue time in ms cannot show this on its own: a call more likely arrives
+"Joins the very next step" is the product's promise: a call admitted while a step runs waits for that step
+(0 steps waited), never for another. (Counted from the admission decision: a step that begins while the
+decision is being made could not have taken the call; the time from receipt is the queue-time metric.) Queue time in ms cannot show this on its own: a call more likely arrives
 during a long step than a short one, so its mean wait is E[S²]/2E[S], above half a mean step.
 """
 from __future__ import annotations
