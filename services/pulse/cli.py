@@ -2,7 +2,7 @@
 
     zeroqueue pulse --endpoint 127.0.0.1:50051 --api-key KEY --qps 20 --duration 30
     zeroqueue pulse --compare --qps 20 --duration 30            # starts a deadline and a fifo replica in turn
-    zeroqueue pulse --capacity --duration 30                    # saturating QPS of the fixed shape
+    zeroqueue pulse --capacity --duration 30                    # saturation, then the knee: the capacity
     zeroqueue pulse --compare --load 2 --capacity-json out/capacity/capacity.json --duration 60
 
 A compare run replays one schedule (same seed) against each mode in turn, one replica at a time, so the
@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import json
 import os
-import random
 import shlex
 import time
 import uuid
@@ -80,8 +79,13 @@ def add_pulse(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--deadline-ms", type=float, default=2_000.0)
     s.add_argument("--deadline-per-token-ms", type=float, default=0.0, help="added per requested output token")
     c = p.add_argument_group("capacity")
-    c.add_argument("--capacity", action="store_true", help="measure the saturating QPS of the fixed shape")
+    c.add_argument("--capacity", action="store_true",
+                   help="measure the fixed shape's saturation (closed loop, --duration) and its capacity: the "
+                        "highest Poisson rate refusing at most --knee-rejection of first attempts")
     c.add_argument("--concurrency", type=int, default=0, help="closed-loop callers (default: the replica's slots)")
+    c.add_argument("--knee-rejection", type=float, default=0.02, help="share of first attempts refused at the knee")
+    c.add_argument("--knee-probes", type=int, default=5, help="probe runs of the bisection for the knee")
+    c.add_argument("--probe-duration", type=float, default=20.0, help="seconds of arrivals per probe")
     o = p.add_argument_group("output")
     o.add_argument("--out", default=None, help="output directory (default pulse-results/<time>)")
     o.add_argument("--no-plots", action="store_true")
@@ -207,6 +211,7 @@ def run_pulse(args: argparse.Namespace) -> int:
                       sigma=args.shape_sigma)
     run_id = uuid.uuid4().hex[:8]
     if args.capacity:
+        from .capacity import run_capacity
         return run_capacity(args, shape_args, out_dir, run_id, console)
     load = LoadSpec(_load_qps(args), args.duration, args.arrival, args.pulse_factor, args.pulse_seconds,
                     args.pulse_every, args.seed)
@@ -227,46 +232,3 @@ def run_pulse(args: argparse.Namespace) -> int:
     console.print(f"wrote {out_dir / 'pulse.json'}, traces" + "".join(f", {p.name}" for p in written)
                   + f" in {out_dir}")
     return 0
-
-
-def run_capacity(args: argparse.Namespace, shape_args: dict, out_dir: Path, run_id: str, console) -> int:
-    """Closed loop, one caller per KV slot, fixed shape: completions inside the deadline per second."""
-    from .report import RunReport, print_table
-    from .schedule import PlannedRequest, ShapeSpec
-    if args.shape != "fixed":
-        raise SystemExit("zeroqueue pulse: error: --capacity measures the fixed shape (--shape fixed)")
-    target = replace(_targets(argparse.Namespace(**{**vars(args), "compare": False}))[0], label="capacity")
-    with _opened(target, args, out_dir, console) as opened:
-        model = asyncio.run(_model_info(opened))
-        shape = ShapeSpec(**shape_args, context_length=model.context_length)
-        concurrency = args.concurrency or model.max_batch
-        rng = random.Random(args.seed)
-
-        def make(i: int) -> PlannedRequest:
-            prompt = tuple(rng.randrange(16, model.vocab_size) for _ in range(shape.prompt_tokens))
-            return PlannedRequest(i, 0.0, prompt, shape.max_tokens, args.deadline_ms)
-        console.print(f"capacity: {concurrency} closed-loop callers for {args.duration:.0f} s ...")
-        before = _scrape_all(opened.metrics_urls)
-        traces = asyncio.run(_closed(opened, make, concurrency, args.duration, f"cap-{run_id}"))
-        server = _server_view(before, _scrape_all(opened.metrics_urls))
-    from .stats import summarize
-    summary = summarize(traces, args.duration)
-    in_time = sum(1 for t in traces if t.in_deadline and t.finished_s <= args.duration)
-    capacity_qps = in_time / args.duration
-    print_table([RunReport("capacity", opened.endpoints, summary, traces, server)], "capacity run (closed loop)",
-                console)
-    loads = {f"{m}x": round(m * capacity_qps, 3) for m in (0.5, 1, 2, 4)}
-    console.print(f"capacity: {capacity_qps:.2f} req/s of {shape.prompt_tokens}+{shape.max_tokens} tokens inside "
-                  f"{args.deadline_ms:.0f} ms with {concurrency} callers; loads {loads}")
-    doc = {"capacity_qps": capacity_qps, "concurrency": concurrency, "shape": shape_args,
-           "deadline_ms": args.deadline_ms, "duration_s": args.duration, "loads_qps": loads,
-           "summary": summary.to_dict(), "server": server}
-    (out_dir / "capacity.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
-    console.print(f"wrote {out_dir / 'capacity.json'}")
-    return 0
-
-
-async def _closed(target: Target, make, concurrency: int, duration_s: float, prefix: str) -> list:
-    from .runner import run_closed_loop
-    async with target.client() as client:
-        return await run_closed_loop(client, make, concurrency, duration_s, prefix)

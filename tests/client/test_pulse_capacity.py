@@ -1,0 +1,51 @@
+"""The knee search of `zeroqueue pulse --capacity`, against synthetic replicas with a known refusal curve."""
+from __future__ import annotations
+
+import pytest
+
+from services.pulse.capacity import Probe, find_knee
+from services.pulse.scrape import server_view
+
+
+def replica(knee_qps: float):
+    """Refuses nothing below the knee and a growing share above it; remembers what it was probed at."""
+    probed: list[float] = []
+
+    def probe(qps: float) -> Probe:
+        probed.append(qps)
+        refused = 0.0 if qps <= knee_qps else min((qps - knee_qps) / knee_qps, 1.0)
+        return Probe(qps, refused, qps * (1 - refused))
+    return probe, probed
+
+
+def test_bisection_lands_on_the_highest_probed_rate_that_passes():
+    probe, probed = replica(knee_qps=41.0)
+    capacity, probes = find_knee(probe, 30.0, 60.0, target=0.02, num_probes=6)
+    assert len(probes) == 6 and probed[0] == 30.0
+    rate_at_target = 41.0 * 1.02                    # refuses exactly 2 %
+    assert rate_at_target - 30.0 / 2 ** 5 <= capacity <= rate_at_target   # five halvings of [30, 60] after the first
+    assert capacity == max(p.qps for p in probes if p.rejection_rate <= 0.02)
+
+
+def test_a_lower_bound_that_already_refuses_too_much_is_halved_first():
+    probe, probed = replica(knee_qps=10.0)
+    capacity, probes = find_knee(probe, 30.0, 60.0, target=0.02, num_probes=6)
+    assert probed[:2] == [30.0, 15.0] and probed[2] == 7.5
+    assert 7.5 <= capacity <= 10.2
+
+
+def test_no_rate_that_passes_is_an_error_naming_the_probes():
+    probe, _ = replica(knee_qps=0.1)
+    with pytest.raises(RuntimeError, match="30.00 req/s refused"):
+        find_knee(probe, 30.0, 60.0, target=0.02, num_probes=3)
+
+
+def test_the_server_view_reports_how_many_calls_joined_the_very_next_step():
+    name = "zeroqueue_steps_waited"
+    before = {(f"{name}_count", ()): 10.0, (f"{name}_sum", ()): 2.0, (f"{name}_bucket", (("le", "0.0"),)): 8.0,
+              (f"{name}_bucket", (("le", "1.0"),)): 10.0, (f"{name}_bucket", (("le", "+Inf"),)): 10.0}
+    after = {(f"{name}_count", ()): 110.0, (f"{name}_sum", ()): 5.0, (f"{name}_bucket", (("le", "0.0"),)): 105.0,
+             (f"{name}_bucket", (("le", "1.0"),)): 109.0, (f"{name}_bucket", (("le", "+Inf"),)): 110.0}
+    waited = server_view(before, after)["steps_waited"]
+    assert waited["count"] == 100 and waited["next_step_share"] == pytest.approx(0.97)
+    assert waited["mean"] == pytest.approx(0.03) and waited["max_at_most"] == float("inf")
