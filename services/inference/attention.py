@@ -40,6 +40,8 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
+        # per-layer views [slots + 1, KVH, max_seq_len, D], made once: selecting a layer costs a dispatch
+        self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)
 
     @property
     def scratch_slot(self) -> int:
@@ -68,9 +70,14 @@ class AttentionBackend:
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 meta: AttentionMetadata) -> torch.Tensor:
         # q [T, H, D]; k, v [T, KVH, D] -> out [T, H, D]
-        kc, vc = self.cache.k[layer], self.cache.v[layer]      # [slots + 1, KVH, max_seq_len, D]
+        kc, vc = self.cache.k_layers[layer], self.cache.v_layers[layer]     # [slots + 1, KVH, max_seq_len, D]
         kc[meta.slot_ids, :, meta.positions] = k
         vc[meta.slot_ids, :, meta.positions] = v
+        return self.attend(layer, q, scale, meta)
+
+    def attend(self, layer: int, q: torch.Tensor, scale: float, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, H, D] -> out [T, H, D], the step's k and v already in the cache."""
+        kc, vc = self.cache.k_layers[layer], self.cache.v_layers[layer]
         if meta.num_decode == q.shape[0] and not meta.prefills:
             return self._decode(q, kc, vc, scale, meta)
         out = torch.empty_like(q)

@@ -27,6 +27,11 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add, then this norm: (norm(x + residual), x + residual). One kernel on the CPU path."""
+        h = x + residual
+        return self(h), h
+
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     """[head_dim/2] inverse frequencies, with `linear` or `llama3` scaling applied."""
@@ -129,10 +134,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                backend: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, backend, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                backend: AttentionBackend, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (this layer's MLP output, the residual stream before it); the stream is
+        residual + x, each residual add done by the norm that follows it (fused on the CPU path)."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.add_forward(x, residual)
+        x, residual = self.post_attention_layernorm.add_forward(self.self_attn(x, cos, sin, backend, meta), residual)
+        return self.mlp(x), residual
 
 
 class Transformer(nn.Module):
@@ -148,9 +159,10 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
                 backend: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> fp32 logits [N, vocab] for the N rows picked by logits_indices."""
-        h = self.embed_tokens(input_ids)                            # [T, hidden]
+        h, residual = self.embed_tokens(input_ids), None            # [T, hidden]
         cos, sin = self.rotary(positions)
         for layer in self.layers:
-            h = layer(h, cos, sin, backend, meta)
-        h = self.norm(h[logits_indices])                            # [N, hidden]: only rows we sample from
+            h, residual = layer(h, residual, cos, sin, backend, meta)
+        # [N, hidden]: only the rows we sample from
+        h, _ = self.norm.add_forward(h[logits_indices], residual[logits_indices])
         return self.lm_head(h).float()

@@ -16,7 +16,8 @@ import torch
 
 SOURCE_DIR = Path(__file__).parent
 # cpu_ops.cpp holds the schemas; each kernel file registers its implementation. simd.h is shared by them.
-SOURCES = tuple(SOURCE_DIR / name for name in ("cpu_ops.cpp", "linear.cpp", "attention.cpp", "elementwise.cpp"))
+SOURCES = tuple(SOURCE_DIR / name for name in ("cpu_ops.cpp", "linear.cpp", "attention.cpp", "elementwise.cpp",
+                                                 "rope.cpp"))
 BUILD_DIR = Path(__file__).with_name("_build")
 EXTENSION_NAME = "zeroqueue_cpu_ops"
 # Explicit ISA, never -march=native: images are built on one machine and run on another.
@@ -84,6 +85,19 @@ class CpuOps:
         """x [..., C] -> weight * to_dtype(x * rsqrt(mean(x^2) + eps)), the Hugging Face RMSNorm in one op."""
         return torch.ops.zeroqueue.rms_norm.default(x, weight, eps)
 
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, residual [..., C] -> (rms_norm(x + residual), x + residual): the residual add and the next norm."""
+        return torch.ops.zeroqueue.add_rms_norm.default(x, residual, weight, eps)
+
+    def rope_cache(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                   slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int,
+                   kv_heads: int) -> torch.Tensor:
+        """qkv [T, (H + 2 KVH) D] -> q rotated [T, H, D]; k rotated and v written into one layer's caches
+        [S, KVH, L, D] at [slot, :, position]. cos/sin are the model's tables [>= L, D], sin sign-folded."""
+        return torch.ops.zeroqueue.rope_cache.default(qkv, cos, sin, positions, slots, k_cache, v_cache, heads,
+                                                      kv_heads)
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [..., 2I] -> F.silu(gate) * up [..., I] in one op."""
         return torch.ops.zeroqueue.silu_mul.default(gate_up)
@@ -107,6 +121,14 @@ def _register_fakes() -> None:
     @torch.library.register_fake("zeroqueue::rms_norm")
     def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return torch.empty_like(x)
+
+    @torch.library.register_fake("zeroqueue::add_rms_norm")
+    def _add_rms_norm(x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.empty_like(x), torch.empty_like(x)
+
+    @torch.library.register_fake("zeroqueue::rope_cache")
+    def _rope_cache(qkv, cos, sin, positions, slots, k_cache, v_cache, heads, kv_heads) -> torch.Tensor:
+        return qkv.new_empty((qkv.shape[0], heads, k_cache.shape[-1]))
 
     @torch.library.register_fake("zeroqueue::silu_mul")
     def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

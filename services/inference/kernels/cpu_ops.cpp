@@ -14,6 +14,13 @@ TORCH_LIBRARY(zeroqueue, m) {
       "-> Tensor");
   // x [..., C] -> weight * to_dtype(x * rsqrt(mean(x^2) + eps)) (elementwise.cpp).
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  // x, residual [..., C] -> (rms_norm(x + residual), x + residual), the sum rounded to the dtype.
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  // qkv [T, (H + 2 KVH) D], cos/sin tables [L', D], positions/slots int64 [T], one layer's caches
+  // [S, KVH, L, D] -> rotated q [T, H, D]; writes rotated k and v at [slot, :, position] (rope.cpp).
+  m.def(
+      "rope_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor slots, Tensor(a!) k_cache, "
+      "Tensor(b!) v_cache, int heads, int kv_heads) -> Tensor");
   // gate_up [..., 2I] -> silu(gate) * up [..., I].
   m.def("silu_mul(Tensor gate_up) -> Tensor");
 }

@@ -1,4 +1,4 @@
-// zeroqueue::rms_norm and zeroqueue::silu_mul: the small ops of a decoder layer, fused so that a decode
+// zeroqueue::rms_norm, add_rms_norm and silu_mul: the small ops of a decoder layer, fused so that a decode
 // step at batch 1 pays one dispatch for each instead of 2-5 (see BENCHMARKS.md, "CPU kernels").
 // Rows are independent and computed in a fixed order: batch invariant.
 #include <ATen/core/Tensor.h>
@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 #include <vector>
 
 #include "simd.h"
@@ -36,6 +37,31 @@ void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t cols, f
         const __mmask16 m = first_n(cols - c);
         const __m512 normed = round_as<T>(_mm512_mul_ps(load16(xr + c, m), inv));
         store16(out + r * cols + c, _mm512_mul_ps(load16(w + c, m), normed), m);
+      }
+    }
+  });
+}
+
+// The residual stream and the next norm in one pass: sum = to_T(x + residual) [rows, cols], and
+// out = rms_norm(sum) as rms_norm_rows computes it.
+template <typename T>
+void add_rms_norm_rows(const T* x, const T* residual, const T* w, T* sum, T* out, int64_t rows, int64_t cols,
+                       float eps) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, kParallelElems / cols), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t base = r * cols;
+      __m512 squares = _mm512_setzero_ps();
+      for (int64_t c = 0; c < cols; c += kLanes) {
+        const __mmask16 m = first_n(cols - c);
+        const __m512 v = round_as<T>(_mm512_add_ps(load16(x + base + c, m), load16(residual + base + c, m)));
+        store16(sum + base + c, v, m);
+        squares = _mm512_fmadd_ps(v, v, squares);
+      }
+      const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / cols + eps));
+      for (int64_t c = 0; c < cols; c += kLanes) {
+        const __mmask16 m = first_n(cols - c);
+        const __m512 normed = round_as<T>(_mm512_mul_ps(load16(sum + base + c, m), inv));
+        store16(out + base + c, _mm512_mul_ps(load16(w + c, m), normed), m);
       }
     }
   });
@@ -80,6 +106,26 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  check_activation(x, "add_rms_norm");
+  const int64_t cols = x.size(-1);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+              "add_rms_norm: residual must match x ", x.sizes(), " ", x.scalar_type(), ", got ", residual.sizes(),
+              " ", residual.scalar_type());
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == cols, "add_rms_norm: weight must be [", cols, "], got ",
+              weight.sizes());
+  const at::Tensor xc = x.contiguous(), rc = residual.contiguous(), wc = weight.to(x.scalar_type()).contiguous();
+  at::Tensor sum = at::empty_like(xc), out = at::empty_like(xc);
+  const auto run = [&](auto tag) {
+    using T = decltype(tag);
+    add_rms_norm_rows<T>(xc.data_ptr<T>(), rc.data_ptr<T>(), wc.data_ptr<T>(), sum.data_ptr<T>(), out.data_ptr<T>(),
+                         xc.numel() / cols, cols, float(eps));
+  };
+  x.scalar_type() == at::kBFloat16 ? run(BFloat16()) : run(float());
+  return {out, sum};
+}
+
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   check_activation(gate_up, "silu_mul");
   TORCH_CHECK(gate_up.size(-1) % 2 == 0, "silu_mul: the last dim (gate and up) must be even, got ", gate_up.size(-1));
@@ -101,5 +147,6 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 
 TORCH_LIBRARY_IMPL(zeroqueue, CPU, m) {
   m.impl("rms_norm", &zq::rms_norm);
+  m.impl("add_rms_norm", &zq::add_rms_norm);
   m.impl("silu_mul", &zq::silu_mul);
 }
