@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 
@@ -30,6 +31,12 @@ def ops() -> kernels.CpuOps:
     pytest.skip(f"CPU kernels unavailable: {reason}")
 
 
+@pytest.fixture(scope="module", params=["dot", "widen"])
+def linear_ops(ops, request) -> kernels.CpuOps:
+    """Both bf16 paths of the linear kernel, whichever this CPU picked: each must be right on its own."""
+    return dataclasses.replace(ops, bf16_dot=request.param == "dot")
+
+
 @contextlib.contextmanager
 def num_threads(n: int):
     before = torch.get_num_threads()
@@ -49,10 +56,10 @@ def randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 @FEW
 @given(m=st.integers(1, 40), n=st.integers(1, 100), k=st.integers(1, 90), dtype=st.sampled_from(DTYPES),
        with_bias=st.booleans(), seed=st.integers(0, 2**16))
-def test_linear_matches_f_linear(ops, m, n, k, dtype, with_bias, seed):
+def test_linear_matches_f_linear(linear_ops, m, n, k, dtype, with_bias, seed):
     x, w = randn(m, k, dtype=dtype, seed=seed), randn(n, k, dtype=dtype, seed=seed + 1)
     bias = randn(n, dtype=dtype, seed=seed + 2) if with_bias else None
-    y = ops.linear(x, ops.pack_linear(w), bias, n)
+    y = linear_ops.linear(x, linear_ops.pack_linear(w), bias, n)
     # fp32 math on the same (already rounded) inputs: the kernel only adds fp32 accumulation error.
     ref = F.linear(x.float(), w.float(), None if bias is None else bias.float())
     assert y.dtype == dtype and y.shape == (m, n)
@@ -63,9 +70,9 @@ def test_linear_matches_f_linear(ops, m, n, k, dtype, with_bias, seed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_bias_lands_on_its_own_column(ops, dtype):
+def test_linear_bias_lands_on_its_own_column(linear_ops, dtype):
     w, bias = randn(35, 21, dtype=dtype, seed=2), randn(35, dtype=dtype, seed=3)  # 35: three panels, last partial
-    y = ops.linear(torch.zeros(3, 21, dtype=dtype), ops.pack_linear(w), bias, 35)
+    y = linear_ops.linear(torch.zeros(3, 21, dtype=dtype), linear_ops.pack_linear(w), bias, 35)
     assert torch.equal(y, bias.expand(3, -1))
 
 
@@ -77,20 +84,42 @@ def test_linear_keeps_leading_dims(ops):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k", [(960, 576), (37, 33), (16, 1)])
-def test_linear_is_batch_invariant(ops, dtype, n, k):
+def test_linear_is_batch_invariant(linear_ops, dtype, n, k):
     """A row's output is bit-identical alone, in any batch, in any order, on any number of threads."""
     x, w = randn(45, k, dtype=dtype, seed=6), randn(n, k, dtype=dtype, seed=7)
     bias = randn(n, dtype=dtype, seed=8)
-    packed = ops.pack_linear(w)
-    full = ops.linear(x, packed, bias, n)
+    packed = linear_ops.pack_linear(w)
+    full = linear_ops.linear(x, packed, bias, n)
     for m in range(0, 45, 7):
-        assert torch.equal(ops.linear(x[m:m + 1], packed, bias, n), full[m:m + 1])
+        assert torch.equal(linear_ops.linear(x[m:m + 1], packed, bias, n), full[m:m + 1])
     for size in (2, 5, 8, 9, 33):
-        assert torch.equal(ops.linear(x[:size], packed, bias, n), full[:size])
+        assert torch.equal(linear_ops.linear(x[:size], packed, bias, n), full[:size])
     order = torch.randperm(45, generator=torch.Generator().manual_seed(9))
-    assert torch.equal(ops.linear(x[order], packed, bias, n), full[order])
+    assert torch.equal(linear_ops.linear(x[order], packed, bias, n), full[order])
     with num_threads(1):
-        assert torch.equal(ops.linear(x, packed, bias, n), full)
+        assert torch.equal(linear_ops.linear(x, packed, bias, n), full)
+
+
+def test_the_two_bf16_paths_agree_to_fp32_rounding(ops):
+    x, w = randn(33, 576, dtype=torch.bfloat16, seed=13), randn(1536, 576, dtype=torch.bfloat16, seed=14)
+    packed = ops.pack_linear(w)
+    dot = dataclasses.replace(ops, bf16_dot=True).linear(x, packed, None, 1536)
+    widen = dataclasses.replace(ops, bf16_dot=False).linear(x, packed, None, 1536)
+    # the same exact products summed in another order: at most a bf16 rounding apart, mostly equal
+    torch.testing.assert_close(dot, widen, rtol=2**-7, atol=1e-3)
+    assert (dot == widen).float().mean() > 0.9
+
+
+def test_the_bf16_path_is_measured_or_forced(ops, monkeypatch):
+    rate = torch.ops.zeroqueue.bf16_dot_rate.default()
+    assert 0.05 < rate < 20                                     # an issue-rate ratio, not a failed timing
+    monkeypatch.setenv(kernels.BF16_PATH_ENV, "widen")
+    assert kernels.choose_bf16_dot() is False
+    monkeypatch.setenv(kernels.BF16_PATH_ENV, "dot")
+    assert kernels.choose_bf16_dot() is True
+    monkeypatch.delenv(kernels.BF16_PATH_ENV)
+    assert kernels.choose_bf16_dot() is (torch.ops.zeroqueue.bf16_dot_rate.default() > kernels.DOT_RATE_THRESHOLD) \
+        or abs(rate - kernels.DOT_RATE_THRESHOLD) < 0.1          # a rate on the threshold may fall either way
 
 
 def test_pack_linear_layout(ops):
@@ -340,6 +369,7 @@ def test_ops_have_fake_implementations_for_torch_compile(ops):
     checks = ("test_schema", "test_faketensor")
     torch.library.opcheck(torch.ops.zeroqueue.pack_linear.default, (w,), test_utils=checks)
     torch.library.opcheck(torch.ops.zeroqueue.linear.default, (x, packed, None, 20), test_utils=checks)
+    torch.library.opcheck(torch.ops.zeroqueue.linear.default, (x, packed, None, 20, True), test_utils=checks)
     torch.library.opcheck(torch.ops.zeroqueue.decode_attention.default,
                           (q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0), slots, lengths, 0.5),
                           test_utils=checks)

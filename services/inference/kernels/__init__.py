@@ -36,6 +36,9 @@ COMPILE_FLAGS = (
 LANES = 16  # output columns per packed weight panel
 DECODE_HEAD_DIMS = (32, 64, 128)  # head sizes decode_attention is compiled for
 DISABLE_ENV = "ZQ_DISABLE_KERNELS"
+BF16_PATH_ENV = "ZQ_LINEAR_BF16"  # "dot" or "widen": overrides the measured choice
+# VDPBF16PS does two multiply-adds a lane to VFMADD231PS's one: it wins when it issues at over half the rate
+DOT_RATE_THRESHOLD = 0.5
 
 
 def missing_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, ...]:
@@ -57,6 +60,7 @@ class CpuOps:
     """The loaded kernels. Tensors stay on the CPU; x and weights are both bf16 or both fp32."""
 
     library_path: str
+    bf16_dot: bool = False      # bf16 linears by VDPBF16PS (see choose_bf16_dot), else widened to fp32 FMAs
 
     def pack_linear(self, w: torch.Tensor) -> torch.Tensor:
         """w [N, K] -> packed weights (bf16 [ceil(N/16), ceil(K/2), 16, 2]; fp32 [ceil(N/16), K, 16])."""
@@ -65,8 +69,8 @@ class CpuOps:
     def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
         """x [..., K] @ w.T + bias -> [..., n] in x's dtype (bias too), accumulated in fp32."""
         if x.dim() == 2:  # the decode path: skip the reshapes, ~4 µs of a ~25 µs call at batch 1
-            return torch.ops.zeroqueue.linear.default(x, packed, bias, n)
-        y = torch.ops.zeroqueue.linear.default(x.reshape(-1, x.shape[-1]), packed, bias, n)
+            return torch.ops.zeroqueue.linear.default(x, packed, bias, n, self.bf16_dot)
+        y = torch.ops.zeroqueue.linear.default(x.reshape(-1, x.shape[-1]), packed, bias, n, self.bf16_dot)
         return y.reshape(*x.shape[:-1], n)
 
     def decode_attention(
@@ -115,7 +119,8 @@ def _register_fakes() -> None:
         return w.new_empty((panels, k, LANES))
 
     @torch.library.register_fake("zeroqueue::linear")
-    def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int,
+                bf16_dot: bool = False) -> torch.Tensor:
         return x.new_empty((x.shape[0], n))
 
     @torch.library.register_fake("zeroqueue::rms_norm")
@@ -171,7 +176,16 @@ def _load() -> tuple[CpuOps | None, str | None]:
     except (RuntimeError, OSError, ImportError) as exc:  # compiler or ninja missing, build failed
         return None, f"building the CPU kernels failed: {exc}"
     _register_fakes()
-    return CpuOps(library_path=path), None
+    return CpuOps(library_path=path, bf16_dot=choose_bf16_dot()), None
+
+
+def choose_bf16_dot() -> bool:
+    """Whether bf16 linears use VDPBF16PS on this CPU: its issue rate against the FMA's, measured once per
+    process (~1 ms), or $ZQ_LINEAR_BF16. One choice for the process keeps every batch on one code path."""
+    forced = os.environ.get(BF16_PATH_ENV)
+    if forced in ("dot", "widen"):
+        return forced == "dot"
+    return torch.ops.zeroqueue.bf16_dot_rate.default() > DOT_RATE_THRESHOLD
 
 
 def load_cpu_ops() -> CpuOps | None:

@@ -6,8 +6,10 @@
 TORCH_LIBRARY(zeroqueue, m) {
   // w [N, K] -> bf16 [ceil(N/16), ceil(K/2), 16, 2] or fp32 [ceil(N/16), K, 16], zero-padded (linear.cpp).
   m.def("pack_linear(Tensor w) -> Tensor");
-  // x [M, K] . w^T + bias -> [M, n], x and packed of one dtype, fp32 accumulation.
-  m.def("linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+  // x [M, K] . w^T + bias -> [M, n], x and packed of one dtype, fp32 accumulation; bf16 by VDPBF16PS
+  // when bf16_dot, else widened to fp32 FMAs (which is faster depends on the core: bf16_dot_rate).
+  m.def("linear(Tensor x, Tensor packed, Tensor? bias, int n, bool bf16_dot=False) -> Tensor");
+  // bf16_dot_rate() -> float: defined in linear.cpp (it has no tensor to dispatch on).
   // q [B, H, D], caches [S, KVH, T, D], slots/lengths int64 [B] -> [B, H, D] (attention.cpp).
   m.def(
       "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lengths, float scale) "

@@ -12,6 +12,8 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -26,35 +28,79 @@ constexpr int kMaxRows = 8;
 constexpr int kMaxPanels = 3;
 constexpr int64_t kPrefetchBytes = 1024;  // how far ahead of its loads each panel's stream is prefetched
 
-// ---- weight layouts (see pack_linear) and how one step of a panel widens to fp32 ----
-// VDPBF16PS issues at half the rate of VFMADD231PS on this core (measured: ~1.2 vs ~4-5 Gop/s per core),
-// so bf16 weights are widened in registers (exact) and multiplied with fp32 FMAs. One code path for
-// every M keeps the rounding of a row independent of the batch.
+// ---- weight layouts (see pack_linear) and how a tile multiplies one step of them ----
+// Each Kn says what x it takes (X: the tile's row type), how many weight elements one step of a panel
+// spans, and how a step updates the MR x NR accumulators. One code path for every M keeps the rounding of
+// a row independent of the batch.
 
 // bf16: [NP][KP][16][2], KP = ceil(K/2). One 64-byte row holds k-pair kk of 16 output columns; lane j is
-// the 32-bit pair (w[n0+j][2kk] low half, w[n0+j][2kk+1] high half): a shift widens k=2kk, a mask 2kk+1.
-struct Bf16Weights {
+// the 32-bit pair (w[n0+j][2kk] low half, w[n0+j][2kk+1] high half).
+//
+// Bf16Dot: VDPBF16PS multiplies the pair by x's pair (broadcast) and adds both products to the fp32
+// accumulator: 32 multiply-adds an instruction. Bf16Widen: the pair widened in registers (exact: a shift,
+// a mask) and two fp32 FMAs. Which is faster depends on the core: on the Zen 4 VM of 2026-12-01 both
+// instructions issued at 3.6 G/s per core, so the dot product does twice the work; an earlier host issued
+// VDPBF16PS at a quarter of the FMA rate. `linear` takes the path kernels/__init__.py measured faster
+// on this CPU at load time (ZQ_LINEAR_BF16 overrides it).
+struct Bf16Dot {
   using T = BFloat16;
-  static constexpr int kSub = 2;              // k values per step
+  using X = int32_t;                          // x as bf16 pairs, one 32-bit broadcast per step
   static constexpr int64_t kStepElems = 32;   // weight elements per panel per step (64 bytes)
-  static __m512 load(const T* p, int u) {
-    const __m512i w = _mm512_loadu_si512(p);
-    return _mm512_castsi512_ps(u == 0 ? _mm512_slli_epi32(w, 16)
-                                      : _mm512_and_si512(w, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+  static constexpr int64_t kXPerStep = 1;
+  template <int MR, int NR>
+  static void step(__m512 (&acc)[MR][NR], const X* x, int64_t ldx, int64_t s, const T* ws, int64_t panel_stride) {
+    __m512bh b[NR];
+    for (int j = 0; j < NR; ++j) b[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(ws + j * panel_stride));
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(x[i * ldx + s]));
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, b[j]);
+    }
+  }
+};
+
+struct Bf16Widen {
+  using T = BFloat16;
+  using X = float;                            // x widened to fp32, two values per step
+  static constexpr int64_t kStepElems = 32;
+  static constexpr int64_t kXPerStep = 2;
+  template <int MR, int NR>
+  static void step(__m512 (&acc)[MR][NR], const X* x, int64_t ldx, int64_t s, const T* ws, int64_t panel_stride) {
+    for (int u = 0; u < 2; ++u) {  // one k at a time: the MR x NR accumulators stay in registers
+      __m512 b[NR];
+      for (int j = 0; j < NR; ++j) {
+        const __m512i w = _mm512_loadu_si512(ws + j * panel_stride);
+        b[j] = _mm512_castsi512_ps(u == 0 ? _mm512_slli_epi32(w, 16)
+                                          : _mm512_and_si512(w, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+      }
+      for (int i = 0; i < MR; ++i) {
+        const __m512 a = _mm512_set1_ps(x[i * ldx + s * 2 + u]);
+        for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(a, b[j], acc[i][j]);
+      }
+    }
   }
 };
 
 // fp32: [NP][K][16], one 64-byte row per k.
 struct F32Weights {
   using T = float;
-  static constexpr int kSub = 1;
+  using X = float;
   static constexpr int64_t kStepElems = 16;
-  static __m512 load(const T* p, int) { return _mm512_loadu_ps(p); }
+  static constexpr int64_t kXPerStep = 1;
+  template <int MR, int NR>
+  static void step(__m512 (&acc)[MR][NR], const X* x, int64_t ldx, int64_t s, const T* ws, int64_t panel_stride) {
+    __m512 b[NR];
+    for (int j = 0; j < NR; ++j) b[j] = _mm512_loadu_ps(ws + j * panel_stride);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 a = _mm512_set1_ps(x[i * ldx + s]);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(a, b[j], acc[i][j]);
+    }
+  }
 };
 
-template <typename T>
+template <class Kn>
 struct Tile {
-  const float* x;        // row 0 of this tile, fp32 [rows][ldx], zero-padded to steps * kSub columns
+  using T = typename Kn::T;
+  const typename Kn::X* x;  // row 0 of this tile, [rows][ldx], zero-padded to steps * kXPerStep columns
   int64_t ldx, steps;
   const T* w;            // first panel of this tile
   int64_t panel_stride;  // elements between consecutive panels
@@ -64,9 +110,9 @@ struct Tile {
 };
 
 // MR rows x NR panels of accumulators live in registers for the whole K loop; each weight row is loaded
-// (and widened) once per step and reused by all MR rows; x is broadcast straight from memory.
+// once per step and reused by all MR rows; x is broadcast straight from memory.
 template <class Kn, int MR, int NR>
-void run_tile(const Tile<typename Kn::T>& t) {
+void run_tile(const Tile<Kn>& t) {
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -75,14 +121,7 @@ void run_tile(const Tile<typename Kn::T>& t) {
     const typename Kn::T* ws = t.w + s * Kn::kStepElems;
     for (int j = 0; j < NR; ++j)
       _mm_prefetch(reinterpret_cast<const char*>(ws + j * t.panel_stride + kAhead), _MM_HINT_T0);
-    for (int u = 0; u < Kn::kSub; ++u) {  // one k at a time: the MR x NR accumulators stay in registers
-      __m512 b[NR];
-      for (int j = 0; j < NR; ++j) b[j] = Kn::load(ws + j * t.panel_stride, u);
-      for (int i = 0; i < MR; ++i) {
-        const __m512 a = _mm512_set1_ps(t.x[i * t.ldx + s * Kn::kSub + u]);
-        for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(a, b[j], acc[i][j]);
-      }
-    }
+    Kn::template step<MR, NR>(acc, t.x, t.ldx, s, ws, t.panel_stride);
   }
   for (int j = 0; j < NR; ++j) {
     const __mmask16 m = first_n(t.n_left - j * kLanes);
@@ -92,7 +131,7 @@ void run_tile(const Tile<typename Kn::T>& t) {
 }
 
 template <class Kn>
-using TileFn = void (*)(const Tile<typename Kn::T>&);
+using TileFn = void (*)(const Tile<Kn>&);
 
 // table[nr-1][mr-1] -> run_tile<Kn, mr, nr>, so every tail shape has a register-blocked kernel too.
 template <class Kn, int NR, int... Ms>
@@ -116,19 +155,27 @@ std::vector<float> widen_rows(const BFloat16* x, int64_t m, int64_t k, int64_t l
   return out;
 }
 
+// x [M, K] bf16 -> [M, ld] bf16 pairs as 32-bit words, a zero after an odd K.
+std::vector<int32_t> pair_rows(const BFloat16* x, int64_t m, int64_t k, int64_t ld) {
+  std::vector<int32_t> out(m * ld, 0);
+  for (int64_t r = 0; r < m; ++r) std::memcpy(out.data() + r * ld, x + r * k, k * sizeof(BFloat16));
+  return out;
+}
+
 template <class Kn>
 at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias, int64_t n) {
   using T = typename Kn::T;
   static constexpr auto table = make_table<Kn>(std::make_integer_sequence<int, kMaxPanels>{});
   const int64_t m = x.size(0), k = x.size(1), np = packed.size(0), steps = packed.size(1);
-  const int64_t panel_stride = packed.numel() / np, ldx = steps * Kn::kSub;
-  std::vector<float> widened;
-  const float* xf = nullptr;
-  if constexpr (std::is_same_v<T, float>) {
+  const int64_t panel_stride = packed.numel() / np, ldx = steps * Kn::kXPerStep;
+  std::vector<typename Kn::X> prepared;
+  const typename Kn::X* xf = nullptr;
+  if constexpr (std::is_same_v<Kn, F32Weights>) {
     xf = x.data_ptr<float>();
   } else {
-    widened = widen_rows(x.data_ptr<T>(), m, k, ldx);
-    xf = widened.data();
+    if constexpr (std::is_same_v<Kn, Bf16Dot>) prepared = pair_rows(x.data_ptr<T>(), m, k, ldx);
+    else prepared = widen_rows(x.data_ptr<T>(), m, k, ldx);
+    xf = prepared.data();
   }
   at::Tensor y = at::empty({m, n}, x.options());
   const T* wp = packed.data_ptr<T>();
@@ -141,7 +188,7 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::
       const int64_t nr = std::min<int64_t>(kMaxPanels, p1 - p);
       for (int64_t r = 0; r < m; r += kMaxRows) {
         const int64_t mr = std::min<int64_t>(kMaxRows, m - r);
-        const Tile<T> t{xf + r * ldx, ldx, steps, wp + p * panel_stride, panel_stride,
+        const Tile<Kn> t{xf + r * ldx, ldx, steps, wp + p * panel_stride, panel_stride,
                         bp ? bp + p * kLanes : nullptr, yp + r * n + p * kLanes, n, n - p * kLanes};
         table[nr - 1][mr - 1](t);
       }
@@ -168,7 +215,8 @@ at::Tensor pack_linear(const at::Tensor& w_in) {
   return padded.view({np, kLanes, k}).permute({0, 2, 1}).contiguous();  // [NP][K][16]
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n,
+                  bool bf16_dot) {
   TORCH_CHECK(x.dim() == 2, "linear: x must be [M, K], got ", x.dim(), " dims");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "linear: x and packed must be on the CPU");
   TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "linear: x is ", x.scalar_type(), " but packed is ",
@@ -189,7 +237,39 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
   }
   const at::Tensor xc = x.contiguous();
   if (xc.size(0) == 0) return at::empty({0, n}, x.options());
-  return bf16 ? linear_impl<Bf16Weights>(xc, packed, bias_x, n) : linear_impl<F32Weights>(xc, packed, bias_x, n);
+  if (!bf16) return linear_impl<F32Weights>(xc, packed, bias_x, n);
+  return bf16_dot ? linear_impl<Bf16Dot>(xc, packed, bias_x, n) : linear_impl<Bf16Widen>(xc, packed, bias_x, n);
+}
+
+// Issue rate of VDPBF16PS over that of VFMADD231PS on this core (12 independent accumulators each, ~1 ms):
+// above 0.5 the dot product does more multiply-adds per second. Rates seen: 1.0 (Zen 4), ~0.25 (an earlier
+// host), far enough apart that timing noise does not flip the choice.
+template <class Op>
+double issue_seconds(Op op, int64_t iterations) {
+  __m512 acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(float(i) * 1e-9f);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t n = 0; n < iterations; ++n)
+    for (int i = 0; i < 12; ++i) acc[i] = op(acc[i]);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  float sink = 0.0f;
+  for (int i = 0; i < 12; ++i) sink += _mm512_reduce_add_ps(acc[i]);
+  volatile float keep = sink;  // the loops must not be optimised away
+  (void)keep;
+  return seconds;
+}
+
+double bf16_dot_rate() {
+  const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1.001f);
+  const __m512bh p = reinterpret_cast<__m512bh>(_mm512_set1_epi16(0x3f80)), q = p;
+  const auto fma = [&](__m512 c) { return _mm512_fmadd_ps(a, b, c); };
+  const auto dot = [&](__m512 c) { return _mm512_dpbf16_ps(c, p, q); };
+  double best_fma = 1e9, best_dot = 1e9;
+  for (int rep = 0; rep < 3; ++rep) {  // best of 3: a preempted run only makes its side slower
+    best_fma = std::min(best_fma, issue_seconds(fma, 50000));
+    best_dot = std::min(best_dot, issue_seconds(dot, 50000));
+  }
+  return best_fma / best_dot;
 }
 
 }  // namespace
@@ -199,3 +279,6 @@ TORCH_LIBRARY_IMPL(zeroqueue, CPU, m) {
   m.impl("pack_linear", &zq::pack_linear);
   m.impl("linear", &zq::linear);
 }
+
+// No tensor to dispatch on: a catch-all kernel, defined with its schema.
+TORCH_LIBRARY_FRAGMENT(zeroqueue, m) { m.def("bf16_dot_rate() -> float", &zq::bf16_dot_rate); }
