@@ -58,6 +58,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                    help="embedded ledger with no tenant yet: create this one and print its key (make serve)")
     p.add_argument("--engine-thread", action="store_true",
                    help="run the engine on a thread of the server process instead of its own process")
+    p.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=True,
+                   help="CPU engine process on the last --threads cores, the server on the others")
     p.add_argument("--json-logs", action=argparse.BooleanOptionalAction, default=True)
     p.set_defaults(run=fails_cleanly(run_serve))
 
@@ -75,7 +77,7 @@ def run_serve(args: argparse.Namespace) -> int:
         margin_fraction=args.safety_margin_pct / 100, data_dir=args.data_dir, ledger_url=args.ledger,
         metering_address=args.metering, metering_key=args.metering_key, metering_ca=args.metering_ca,
         tls_cert=args.tls_cert, tls_key=args.tls_key, health_port=args.health_port,
-        engine_process=not args.engine_thread, json_logs=args.json_logs)
+        engine_process=not args.engine_thread, pin_cpus=args.pin_cpus, json_logs=args.json_logs)
     if args.demo_tenant and not args.metering:
         ensure_demo_tenant(args.ledger, args.demo_tenant, args.data_dir)
     return asyncio.run(_serve(lambda: InferenceApp(config)))

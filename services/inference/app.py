@@ -23,10 +23,11 @@ from zeroqueue.inference.v1 import inference_pb2, inference_pb2_grpc
 from .admission import AdmissionConfig, AdmissionController, FifoAdmission
 from .clock import Clock
 from .costmodel import CostModel
+from .cpus import allowed_cpus, engine_threads, pin, split_cpus
 from .digest import StepDigest
 from .engine import Engine
 from .engine_process import EngineClient, EngineSpec, build_engine
-from .executor import Executor, ExecutorConfig
+from .executor import Executor, ExecutorConfig, runs_on_cpu
 from .loader import load_checkpoint
 from .meter import Device, Meter
 from .metering_link import MeteringLink
@@ -58,6 +59,7 @@ class ServeConfig:
     dtype: str = "auto"
     executor: ExecutorConfig = ExecutorConfig()
     engine_process: bool = True             # the engine in a child process (False: a thread of this one)
+    pin_cpus: bool = False                  # engine process on cores of its own, this process on the rest (CPU)
     json_logs: bool | None = None           # the engine process logs like this one (None: structlog's default)
     max_num_batched_tokens: int = 256
     margin_ms: float = 20.0
@@ -165,8 +167,14 @@ class InferenceApp:
                           self.config.max_num_batched_tokens, make_executor=self.make_executor,
                           json_logs=self.config.json_logs)
         if self.config.engine_process:
+            split = self._cpu_split()
+            if split is not None:
+                spec = dataclasses.replace(spec, cpus=split[0])
             engine = EngineClient(spec, self.clock.now_ns, on_lost=self._engine_lost)
             ready = engine.launch()
+            if split is not None:
+                pin(split[1])
+                log.info("cpus_pinned", engine=list(split[0]), server=list(split[1]))
             # the weights live in the engine process; this one keeps the tokenizer and the config
             self.checkpoint = dataclasses.replace(self.checkpoint, state_dict={})
         else:
@@ -192,6 +200,14 @@ class InferenceApp:
                          self.checkpoint.args.vocab_size, ready.num_slots, info)
         return InferenceService(engine, card, admission, self.metrics, self.clock, self.meter, self.link.outbox,
                                 steps, self.config.default_deadline_ms)
+
+    def _cpu_split(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """The engine's cores and this process's, when pinning applies: a CPU engine with a core to spare."""
+        executor = self.config.executor
+        if not (self.config.pin_cpus and runs_on_cpu(executor)):
+            return None
+        allowed = allowed_cpus()
+        return split_cpus(allowed, engine_threads(executor.num_threads, allowed))
 
     def _engine_lost(self, why: str) -> None:
         """The engine process died: this replica cannot serve; clients go elsewhere (UNAVAILABLE)."""

@@ -27,6 +27,7 @@ import structlog
 from services import errors
 from services.logs import configure_logging
 from .calibration import calibrate
+from .cpus import pin
 from .digest import EndedRequest, StepDigest, step_wire
 from .engine import Engine, OutputSink, RequestOutput, StepObserver
 from .executor import DeviceInfo, Executor, ExecutorConfig
@@ -46,6 +47,7 @@ class EngineSpec:
     calibrate: bool = True
     make_executor: Callable[..., Executor] = Executor   # a module-level callable: it crosses by reference
     json_logs: bool | None = None                       # configure structlog like the server (None: leave it)
+    cpus: tuple[int, ...] = ()                          # the cores the engine process runs on (empty: any)
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,8 @@ def engine_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None
     # must not end the engine under calls the server is still finishing
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if spec.cpus:                       # before the first parallel region: OpenMP's threads inherit the mask
+        pin(spec.cpus)
     if spec.json_logs is not None:
         configure_logging(spec.json_logs)
     try:

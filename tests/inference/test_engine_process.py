@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import errors
 from services.inference.app import ServeConfig
+from services.inference.cpus import engine_threads, pin, split_cpus
 from services.inference.digest import StepDigest
 from services.inference.engine import Engine
 from services.inference.engine_process import EngineClient, EngineFailed, EngineSpec, RelayedEngine, _Relay
@@ -163,3 +164,34 @@ def test_the_digest_the_engine_process_ships_is_the_one_the_thread_layout_builds
     ended = {e.request_id: e.status for d in digests for e in d.ended}
     assert ended["short-2"] is RequestStatus.FINISHED_CANCELLED and ended["short-0"].is_finished
     assert sum(n for rid, n in work if rid == "long") == 69 + 3 - 1   # prompt, then one decode per later token
+
+
+def test_split_cpus_gives_the_engine_the_last_cores_and_the_server_the_rest():
+    assert split_cpus((0, 1), engine_threads(0, (0, 1))) == ((1,), (0,))
+    assert split_cpus((3, 0, 2, 1), engine_threads(0, (0, 1, 2, 3))) == ((1, 2, 3), (0,))
+    assert split_cpus((0, 1, 2, 3), engine_threads(2, (0, 1, 2, 3))) == ((2, 3), (0, 1))
+    assert split_cpus((5,), engine_threads(0, (5,))) is None          # one core: nothing to keep apart
+    assert split_cpus((0, 1), 2) is None
+
+
+def thread_affinity(tid: int, if_gone: set[int]) -> set[int]:
+    try:
+        return os.sched_getaffinity(tid)
+    except ProcessLookupError:          # the thread ended since it was listed
+        return if_gone
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning keeps cores apart: needs two")
+def test_a_pinned_engine_process_runs_on_its_own_cores_and_the_server_on_the_others(llama_dir):
+    mask = os.sched_getaffinity(0)
+    engine_cores, server_cores = split_cpus(tuple(mask), engine_threads(0, tuple(mask)))
+    server = serve(llama_dir, engine_process=True, pin_cpus=True)
+    try:
+        assert os.sched_getaffinity(server.app.engine.pid) == set(engine_cores)
+        assert all(thread_affinity(int(tid), set(server_cores)) == set(server_cores)
+                   for tid in os.listdir("/proc/self/task"))
+        tokens, final = greedy(server, max_tokens=8)
+        assert len(tokens) == 8 and final.usage.sm_us > 0
+    finally:
+        server.stop()
+        pin(mask)                           # this test process hosted the server

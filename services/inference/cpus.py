@@ -1,0 +1,43 @@
+"""Which cores the engine process and the server process run on. No torch here.
+
+The engine's step is a tight loop of a few ms; when the server's Python (gRPC, admission, relaying tokens) or
+a load generator on the same machine is scheduled onto the engine's core, a 2 ms step takes 10-20 ms and the
+calls in it finish late: the tail of end-to-end latency is made of such steps. Pinned, the engine's threads
+have cores of their own and everything else shares the rest.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+
+def engine_threads(requested: int, allowed: Sequence[int]) -> int:
+    """The engine's CPU threads: as requested, else every allowed core but one (left to the server)."""
+    return requested or max(1, len(allowed) - 1)
+
+
+def split_cpus(allowed: Sequence[int], num_engine_threads: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(engine cores, server cores): the engine takes the last `num_engine_threads` of the allowed cores, the
+    server the others. None when there are not more cores than engine threads: nothing to keep apart."""
+    cores = tuple(sorted(allowed))
+    if num_engine_threads < 1 or len(cores) <= num_engine_threads:
+        return None
+    return cores[-num_engine_threads:], cores[:-num_engine_threads]
+
+
+def allowed_cpus() -> tuple[int, ...]:
+    return tuple(sorted(os.sched_getaffinity(0)))
+
+
+def pin(cpus: Sequence[int]) -> None:
+    """Every thread of this process runs on `cpus` only (threads started later inherit it). Linux sets
+    affinity per thread, so each existing thread is set, not just the caller."""
+    try:
+        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        threads = [0]
+    for tid in threads:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except ProcessLookupError:          # a thread that ended meanwhile
+            pass
