@@ -58,8 +58,9 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                    help="embedded ledger with no tenant yet: create this one and print its key (make serve)")
     p.add_argument("--engine-thread", action="store_true",
                    help="run the engine on a thread of the server process instead of its own process")
-    p.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=True,
-                   help="CPU engine process on the last --threads cores, the server on the others")
+    p.add_argument("--pin-cpus", action="store_true",
+                   help="CPU engine process on the last --threads cores, the server on the others (on 2 cores it "
+                        "starved the server under overload: see BENCHMARKS.md)")
     p.add_argument("--json-logs", action=argparse.BooleanOptionalAction, default=True)
     p.set_defaults(run=fails_cleanly(run_serve))
 

@@ -1,9 +1,9 @@
-"""Which cores the engine process and the server process run on. No torch here.
+"""Which cores the engine process and the server process run on (`zeroqueue serve --pin-cpus`). No torch here.
 
-The engine's step is a tight loop of a few ms; when the server's Python (gRPC, admission, relaying tokens) or
-a load generator on the same machine is scheduled onto the engine's core, a 2 ms step takes 10-20 ms and the
-calls in it finish late: the tail of end-to-end latency is made of such steps. Pinned, the engine's threads
-have cores of their own and everything else shares the rest.
+Pinned, the engine's threads have cores of their own and the server's threads share the rest, so no server
+thread is ever scheduled into the middle of an engine step. Off by default: on the 2-core machine the server
+then has one core for gRPC, admission and relaying tokens, and under 2-4x overload it fell behind
+(BENCHMARKS.md, "Pulse"); with cores to spare for the server it is the layout to try.
 """
 from __future__ import annotations
 

@@ -110,23 +110,15 @@ def _opened(target: Target, args: argparse.Namespace, out_dir: Path, console) ->
             raise SystemExit("zeroqueue pulse: error: --api-key (or $ZEROQUEUE_API_KEY) is needed with endpoints")
         yield target
         return
-    from services.inference.cpus import allowed_cpus, engine_threads, pin, split_cpus
-
     from .replicas import default_model, start_replica
     model = Path(args.model) if args.model else default_model()
     console.print(f"starting a {target.admission}-mode replica on {model} (warm-up and calibration first) ...")
     replica = start_replica(model, target.admission, out_dir, shlex.split(args.serve_args))
     console.print(f"  SERVING on {replica.address}, metrics {replica.metrics_url}, log {replica.log_path}")
-    # the load generator keeps off the replica's engine cores (the server's share them with it)
-    mask = allowed_cpus()
-    split = split_cpus(mask, engine_threads(0, mask))
-    if split is not None:
-        pin(split[1])
     try:
         yield replace(target, endpoints=[replica.address], metrics_urls=[replica.metrics_url], api_key=replica.api_key,
                       tls_ca=None)
     finally:
-        pin(mask)
         replica.stop()
 
 
