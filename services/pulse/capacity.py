@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 from collections.abc import Callable
@@ -83,15 +84,16 @@ def run_capacity(args: argparse.Namespace, shape_args: dict, out_dir: Path, run_
         print_table([RunReport("saturation", opened.endpoints, summary, traces, server)],
                     "saturation run (closed loop)", console)
 
+        probe_numbers = itertools.count()
+
         def probe(qps: float) -> Probe:
             console.print(f"knee probe: Poisson {qps:.2f} req/s for {args.probe_duration:.0f} s ...")
-            load = LoadSpec(qps, args.probe_duration, "poisson", seed=args.seed + len(probes_run))
-            run = _pulse_one(opened, args, load, shape_args, f"{run_id}-{len(probes_run)}", console)
+            number = next(probe_numbers)
+            load = LoadSpec(qps, args.probe_duration, "poisson", seed=args.seed + number)
+            run = _pulse_one(opened, args, load, shape_args, f"{run_id}-{number}", console)
             result = Probe(qps, run.summary.rejection_rate or 0.0, run.summary.goodput_rps)
-            probes_run.append(result)
             console.print(f"  refused at first attempt {result.rejection_rate:.2%}, goodput {result.goodput_rps:.2f}")
             return result
-        probes_run: list[Probe] = []
         capacity_qps, probes = find_knee(probe, saturation_qps / 2, saturation_qps, args.knee_rejection,
                                          args.knee_probes)
     loads = {f"{m}x": round(m * capacity_qps, 3) for m in (0.5, 1, 2, 4)}
