@@ -38,7 +38,7 @@ def test_tls_replica_streams_to_a_trusting_client_only(llama_dir, certificate):
             grpc.secure_channel(server.address, grpc.ssl_channel_credentials(cert.read_bytes())),
             BearerAuth(server.key))
         messages = list(inference_pb2_grpc.InferenceStub(channel).Generate(
-            pb.GenerateRequest(prompt="def f():", max_tokens=4), timeout=20))
+            pb.GenerateRequest(prompt="def f():", max_tokens=4, temperature=0.0), timeout=20))
         assert messages[-1].final.usage.completion_tokens == 4
         with pytest.raises(grpc.RpcError) as info:
             list(server.stub().Generate(pb.GenerateRequest(prompt="x", max_tokens=2), timeout=5))
