@@ -146,12 +146,24 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class DecoderStack(nn.ModuleList):
+    """The decoder layers, run in order; a ModuleList, so the weights keep their names (layers.{i}.…)."""
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [T, hidden] -> (the last layer's MLP output, the residual stream before it)."""
+        residual = None
+        for layer in self:
+            h, residual = layer(h, residual, cos, sin, backend, meta)
+        return h, residual
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs, max_seq_len: int) -> None:
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
+        self.layers = DecoderStack(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(args, max_seq_len)
@@ -159,10 +171,8 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
                 backend: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> fp32 logits [N, vocab] for the N rows picked by logits_indices."""
-        h, residual = self.embed_tokens(input_ids), None            # [T, hidden]
         cos, sin = self.rotary(positions)
-        for layer in self.layers:
-            h, residual = layer(h, residual, cos, sin, backend, meta)
+        h, residual = self.layers(self.embed_tokens(input_ids), cos, sin, backend, meta)    # [T, hidden] each
         # [N, hidden]: only the rows we sample from
         h, _ = self.norm.add_forward(h[logits_indices], residual[logits_indices])
         return self.lm_head(h).float()

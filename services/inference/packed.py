@@ -1,6 +1,6 @@
 """The model's layers on the CPU kernels (services/inference/kernels): linear layers with weights packed once;
 RMSNorm (with the residual add before it), SiLU·up, and the rotary embedding with the KV-cache write, each in
-one op instead of several small ones."""
+one op instead of several small ones; and a decode-only step's layers all in one op."""
 from __future__ import annotations
 
 import torch
@@ -8,7 +8,7 @@ from torch import nn
 
 from .kernels import CpuOps
 from .attention import AttentionBackend, AttentionMetadata
-from .model import Attention, RMSNorm, RotaryEmbedding, SiluAndMul
+from .model import Attention, DecoderStack, RMSNorm, RotaryEmbedding, SiluAndMul
 
 
 class PackedLinear(nn.Module):
@@ -64,14 +64,45 @@ class KernelSiluAndMul(nn.Module):
         return self.ops.silu_mul(gate_up)
 
 
+class KernelDecoderStack(DecoderStack):
+    """The decoder layers on the kernels. A decode-only step runs them all in one op (zeroqueue::decode_layers:
+    the same kernels in the same order, so bit-identical); a step with prompt tokens runs layer by layer.
+    The weights are gathered once: the executor never swaps a tensor of a packed model."""
+
+    def __init__(self, stack: DecoderStack, rotary: RotaryEmbedding, ops: CpuOps) -> None:
+        super().__init__(stack)
+        self.ops, self.tables = ops, (rotary,)
+        attn = stack[0].self_attn
+        self.heads, self.kv_heads = attn.args.num_attention_heads, attn.args.num_key_value_heads
+        self.eps, self.scale = stack[0].input_layernorm.eps, attn.scale
+        linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                   for layer in stack]
+        self.out_features = [lin.out_features for lin in linears[0]]
+        self.weights = [w for layer, (qkv, o, gate_up, down) in zip(stack, linears)
+                        for w in (layer.input_layernorm.weight, qkv.packed, o.packed,
+                                  layer.post_attention_layernorm.weight, gate_up.packed, down.packed)]
+        self.biases = [lin.bias for four in linears for lin in four]
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if backend.decode_kernel is None or meta.prefills or meta.num_decode != h.shape[0]:
+            return super().forward(h, cos, sin, backend, meta)
+        rotary = self.tables[0]
+        return self.ops.decode_layers(h, self.weights, self.biases, self.out_features, rotary.cos, rotary.sin,
+                                      meta.positions, meta.slot_ids, meta.decode_lens, backend.cache.k,
+                                      backend.cache.v, self.heads, self.kv_heads, self.eps, self.scale)
+
+
 def pack_model(model: nn.Module, ops: CpuOps) -> int:
     """Swaps the layers of the Transformer `model` that have a kernel for their kernel versions; returns how
-    many (attention first, so that its linear layers are then packed in place)."""
+    many (attention first, so that its linear layers are then packed in place; the stack of layers last, as it
+    gathers their packed weights)."""
     swaps = {Attention: lambda m: KernelAttention(m, model.rotary, ops)}
     count = _swap(model, swaps)
     swaps = {nn.Linear: lambda m: PackedLinear(m, ops), RMSNorm: lambda m: KernelRMSNorm(m, ops),
              SiluAndMul: lambda m: KernelSiluAndMul(ops)}
-    return count + _swap(model, swaps)
+    count += _swap(model, swaps)
+    return count + _swap(model, {DecoderStack: lambda m: KernelDecoderStack(m, model.rotary, ops)})
 
 
 def _swap(model: nn.Module, swaps: dict) -> int:

@@ -17,7 +17,7 @@ import torch
 SOURCE_DIR = Path(__file__).parent
 # cpu_ops.cpp holds the schemas; each kernel file registers its implementation. simd.h is shared by them.
 SOURCES = tuple(SOURCE_DIR / name for name in ("cpu_ops.cpp", "linear.cpp", "attention.cpp", "elementwise.cpp",
-                                                 "rope.cpp"))
+                                                 "rope.cpp", "layer.cpp"))
 BUILD_DIR = Path(__file__).with_name("_build")
 EXTENSION_NAME = "zeroqueue_cpu_ops"
 # Explicit ISA, never -march=native: images are built on one machine and run on another.
@@ -106,6 +106,18 @@ class CpuOps:
         """gate_up [..., 2I] -> F.silu(gate) * up [..., I] in one op."""
         return torch.ops.zeroqueue.silu_mul.default(gate_up)
 
+    def decode_layers(self, x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
+                      out_features: list[int], cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                      slots: torch.Tensor, lengths: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      heads: int, kv_heads: int, eps: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decoder layer of a decode-only step in one op, bit-identical to running them one by one:
+        x [B, hidden] -> (the last layer's MLP output, the residual stream before it). Per layer 6 weights
+        (input norm, qkv, o, post-attention norm, gate_up, down; linears packed) and 4 optional biases;
+        caches [layers, S, KVH, L, D]; positions, slots, lengths (= positions + 1) int64 [B]."""
+        return torch.ops.zeroqueue.decode_layers.default(x, weights, biases, out_features, cos, sin, positions,
+                                                         slots, lengths, k_cache, v_cache, heads, kv_heads, eps,
+                                                         scale, self.bf16_dot)
+
 
 def _register_fakes() -> None:
     """Shape-only implementations, so the ops can sit inside torch.compile graphs."""
@@ -138,6 +150,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("zeroqueue::silu_mul")
     def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+    @torch.library.register_fake("zeroqueue::decode_layers")
+    def _decode_layers(x, weights, biases, out_features, *rest) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.empty_like(x), torch.empty_like(x)
 
     @torch.library.register_fake("zeroqueue::decode_attention")
     def _decode_attention(q, k_cache, v_cache, slots, lengths, scale) -> torch.Tensor:

@@ -11,6 +11,7 @@
 #include <limits>
 #include <vector>
 
+#include "ops.h"
 #include "simd.h"
 
 namespace zq {
@@ -227,6 +228,8 @@ void dispatch_head_dim(const at::Tensor& q, const at::Tensor& kc, const at::Tens
   }
 }
 
+}  // namespace
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& slots, const at::Tensor& lengths, double scale) {
   TORCH_CHECK(q.dim() == 3, "decode_attention: q must be [B, H, D], got ", q.sizes());
@@ -270,7 +273,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   return out;
 }
 
-}  // namespace
 }  // namespace zq
 
 TORCH_LIBRARY_IMPL(zeroqueue, CPU, m) {

@@ -12,6 +12,7 @@
 #include <tuple>
 #include <vector>
 
+#include "ops.h"
 #include "simd.h"
 
 namespace zq {
@@ -91,6 +92,8 @@ void check_activation(const at::Tensor& x, const char* op) {
               ": dtype must be bfloat16 or float32, got ", x.scalar_type());
 }
 
+}  // namespace
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_activation(x, "rms_norm");
   const int64_t cols = x.size(-1);
@@ -142,7 +145,6 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-}  // namespace
 }  // namespace zq
 
 TORCH_LIBRARY_IMPL(zeroqueue, CPU, m) {

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "ops.h"
 #include "simd.h"
 
 namespace zq {
@@ -215,6 +216,8 @@ at::Tensor pack_linear(const at::Tensor& w_in) {
   return padded.view({np, kLanes, k}).permute({0, 2, 1}).contiguous();  // [NP][K][16]
 }
 
+}  // namespace
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n,
                   bool bf16_dot) {
   TORCH_CHECK(x.dim() == 2, "linear: x must be [M, K], got ", x.dim(), " dims");
@@ -240,6 +243,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
   if (!bf16) return linear_impl<F32Weights>(xc, packed, bias_x, n);
   return bf16_dot ? linear_impl<Bf16Dot>(xc, packed, bias_x, n) : linear_impl<Bf16Widen>(xc, packed, bias_x, n);
 }
+
+namespace {
 
 // Issue rate of VDPBF16PS over that of VFMADD231PS on this core (12 independent accumulators each, ~1 ms):
 // above 0.5 the dot product does more multiply-adds per second. Rates seen: 1.0 (Zen 4), ~0.25 (an earlier

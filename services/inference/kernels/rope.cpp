@@ -12,6 +12,7 @@
 #include <cstring>
 #include <initializer_list>
 
+#include "ops.h"
 #include "simd.h"
 
 namespace zq {
@@ -67,6 +68,8 @@ void check_indices(const at::Tensor& index, int64_t tokens, int64_t bound, const
     TORCH_CHECK(p[i] >= 0 && p[i] < bound, "rope_cache: ", name, "[", i, "] = ", p[i], " is outside [0, ", bound, ")");
 }
 
+}  // namespace
+
 at::Tensor rope_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                       const at::Tensor& positions, const at::Tensor& slots, at::Tensor& k_cache,
                       at::Tensor& v_cache, int64_t heads, int64_t kv_heads) {
@@ -99,7 +102,6 @@ at::Tensor rope_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   return q;
 }
 
-}  // namespace
 }  // namespace zq
 
 TORCH_LIBRARY_IMPL(zeroqueue, CPU, m) { m.impl("rope_cache", &zq::rope_cache); }

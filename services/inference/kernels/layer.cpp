@@ -1,0 +1,83 @@
+// zeroqueue::decode_layers: every decoder layer of a decode-only step in one op. The same kernels run in the
+// same order as the layer-by-layer path (packed.py), so the result is bit-identical to it; what goes is the
+// per-op cost of Python and the dispatcher (~30 calls a layer), which at batch 1 was a third of the step.
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+#include "ops.h"
+
+namespace zq {
+namespace {
+
+// weights per layer: input norm, qkv, o, post-attention norm, gate_up, down (linears packed by pack_linear)
+constexpr int64_t kWeightsPerLayer = 6;
+constexpr int64_t kBiasesPerLayer = 4;  // qkv, o, gate_up, down: each optional
+
+struct LayerArgs {
+  const at::Tensor& cos;
+  const at::Tensor& sin;
+  const at::Tensor& positions;
+  const at::Tensor& slots;
+  const at::Tensor& lengths;
+  at::IntArrayRef out_features;  // qkv, o, gate_up, down
+  int64_t heads, kv_heads;
+  double eps, scale;
+  bool bf16_dot;
+};
+
+// (x, residual) -> (this layer's MLP output, the residual stream before it), as DecoderLayer.forward.
+std::tuple<at::Tensor, at::Tensor> layer_forward(const at::Tensor& x, const at::Tensor& residual,
+                                                 const at::Tensor* w, const std::optional<at::Tensor>* b,
+                                                 at::Tensor k_cache, at::Tensor v_cache, const LayerArgs& a) {
+  at::Tensor h, stream;
+  if (residual.defined()) {
+    std::tie(h, stream) = add_rms_norm(x, residual, w[0], a.eps);
+  } else {
+    h = rms_norm(x, w[0], a.eps);
+    stream = x;
+  }
+  const at::Tensor qkv = linear(h, w[1], b[0], a.out_features[0], a.bf16_dot);
+  const at::Tensor q = rope_cache(qkv, a.cos, a.sin, a.positions, a.slots, k_cache, v_cache, a.heads, a.kv_heads);
+  const at::Tensor att = decode_attention(q, k_cache, v_cache, a.slots, a.lengths, a.scale);   // [B, H, D]
+  const at::Tensor o = linear(att.reshape({att.size(0), -1}), w[2], b[1], a.out_features[1], a.bf16_dot);
+  std::tie(h, stream) = add_rms_norm(o, stream, w[3], a.eps);
+  const at::Tensor act = silu_mul(linear(h, w[4], b[2], a.out_features[2], a.bf16_dot));
+  return {linear(act, w[5], b[3], a.out_features[3], a.bf16_dot), stream};
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, at::TensorList weights,
+                                                 const c10::List<std::optional<at::Tensor>>& biases,
+                                                 at::IntArrayRef out_features, const at::Tensor& cos,
+                                                 const at::Tensor& sin, const at::Tensor& positions,
+                                                 const at::Tensor& slots, const at::Tensor& lengths,
+                                                 at::Tensor& k_cache, at::Tensor& v_cache, int64_t heads,
+                                                 int64_t kv_heads, double eps, double scale, bool bf16_dot) {
+  TORCH_CHECK(x.dim() == 2, "decode_layers: x must be [B, hidden], got ", x.sizes());
+  TORCH_CHECK(k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes(),
+              "decode_layers: caches must both be [layers, slots, KVH, max_len, D], got ", k_cache.sizes(), " and ",
+              v_cache.sizes());
+  const int64_t layers = k_cache.size(0);
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kWeightsPerLayer * layers,
+              "decode_layers: expected ", kWeightsPerLayer, " weights for each of ", layers, " layers, got ",
+              weights.size());
+  TORCH_CHECK(static_cast<int64_t>(biases.size()) == kBiasesPerLayer * layers, "decode_layers: expected ",
+              kBiasesPerLayer, " biases (or None) for each of ", layers, " layers, got ", biases.size());
+  TORCH_CHECK(out_features.size() == 4, "decode_layers: out_features must be [qkv, o, gate_up, down]");
+  const LayerArgs args{cos, sin, positions, slots, lengths, out_features, heads, kv_heads, eps, scale, bf16_dot};
+  std::vector<std::optional<at::Tensor>> b(biases.begin(), biases.end());
+  at::Tensor h = x, residual;
+  for (int64_t i = 0; i < layers; ++i) {
+    std::tie(h, residual) = layer_forward(h, residual, weights.data() + i * kWeightsPerLayer,
+                                          b.data() + i * kBiasesPerLayer, k_cache.select(0, i),
+                                          v_cache.select(0, i), args);
+  }
+  return {h, residual};
+}
+
+}  // namespace
+}  // namespace zq
+
+TORCH_LIBRARY_IMPL(zeroqueue, CPU, m) { m.impl("decode_layers", &zq::decode_layers); }

@@ -1,0 +1,123 @@
+"""A decode-only step's layers in one op (zeroqueue::decode_layers): bit-identical to the layer-by-layer path,
+taken whenever the kernels run a decode-only step, and still equal to transformers' greedy tokens.
+
+The shared test checkpoints have head_dim 16, which the decode-attention kernel is not built for (so they run
+layer by layer); these use head_dim 32."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from services.inference import kernels
+from services.inference.model import DecoderStack
+from services.inference.packed import KernelDecoderStack
+from tests.checkpoints import save_hf_checkpoint
+from tests.inference.conftest import Collector, make_engine, request, run_to_completion
+from tests.inference.test_parity import PROMPT, hf_model
+
+pytestmark = pytest.mark.skipif(kernels.load_cpu_ops() is None, reason=f"{kernels.reason_unavailable()}")
+
+PROMPTS = [[5, 6, 7], list(range(10, 40)), [40] * 9, [7, 8]]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def wide_heads_dir(request, tmp_path_factory):
+    """hidden 128, 4 heads of 32, 2 KV heads; the Qwen2 one has q/k/v biases. The norms get weights of their
+    own (transformers starts them at ones), so a kernel that read the wrong norm's weights would show."""
+    path = save_hf_checkpoint(tmp_path_factory.mktemp(request.param), request.param, initializer_range=0.1,
+                              hidden_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
+    model = hf_model(path)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if name.endswith("norm.weight"):
+                weight.copy_(1 + 0.2 * torch.randn(weight.shape, generator=generator))
+    model.save_pretrained(path)
+    return path
+
+
+class CountingOps:
+    """The executor's CpuOps with decode_layers calls counted."""
+
+    def __init__(self, ops: kernels.CpuOps) -> None:
+        self.ops, self.calls = ops, 0
+
+    def decode_layers(self, *args, **kwargs):
+        self.calls += 1
+        return self.ops.decode_layers(*args, **kwargs)
+
+
+def count_fused_calls(engine) -> CountingOps:
+    stack = engine.executor.model.layers
+    assert isinstance(stack, KernelDecoderStack)
+    stack.ops = CountingOps(stack.ops)
+    return stack.ops
+
+
+def decode_step_after_prompts(engine):
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(request(f"r{i}", prompt, max_tokens=20), Collector())
+    engine.step()                                           # every prompt in one step
+    engine.step()                                           # and a first decode, so lengths differ by row
+    step = engine.scheduler.schedule(time.monotonic_ns())
+    assert len(step.decodes) == len(PROMPTS) and not step.prefills
+    return step
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_layers_are_bit_identical_to_the_layer_by_layer_path(wide_heads_dir, dtype):
+    engine = make_engine(wide_heads_dir, dtype=dtype, max_batch=6)
+    step = decode_step_after_prompts(engine)
+    executor, cache = engine.executor, engine.executor.kv_cache
+    before_k, before_v = cache.k.clone(), cache.v.clone()
+    model, calls = executor.model, count_fused_calls(engine)
+    with torch.inference_mode():
+        fused = executor._eager(step)
+        fused_k, fused_v = cache.k.clone(), cache.v.clone()
+        cache.k.copy_(before_k)
+        cache.v.copy_(before_v)
+        model.layers.forward = lambda *a: DecoderStack.forward(model.layers, *a)     # layer by layer
+        layered = executor._eager(step)
+    assert calls.calls == 1
+    assert torch.equal(fused, layered)
+    assert torch.equal(fused_k, cache.k) and torch.equal(fused_v, cache.v)
+    assert not torch.equal(fused_k, before_k), "the step wrote no k into the cache"
+
+
+def test_engine_takes_the_fused_path_for_decode_only_steps(wide_heads_dir):
+    engine = make_engine(wide_heads_dir, dtype="bfloat16", max_batch=4)
+    calls = count_fused_calls(engine)
+    sinks = Collector()
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(request(f"r{i}", prompt, max_tokens=12, ignore_eos=True), sinks)
+    steps = run_to_completion(engine)
+    assert calls.calls == steps - 1                         # every step but the one with the prompts
+    assert all(len(sinks.tokens(f"r{i}")) == 12 for i in range(len(PROMPTS)))
+
+
+def test_greedy_tokens_match_transformers_generate_on_the_fused_path(wide_heads_dir):
+    engine = make_engine(wide_heads_dir)
+    engine.eos_token_ids = frozenset()
+    calls = count_fused_calls(engine)
+    tokens = engine.tokenizer.encode(PROMPT).ids
+    sink = Collector()
+    engine.add_request(request("r", tokens, max_tokens=32), sink)
+    run_to_completion(engine)
+    with torch.no_grad():
+        reference = hf_model(wide_heads_dir).generate(torch.tensor([tokens]), max_new_tokens=32, do_sample=False)
+    assert calls.calls == 31
+    assert sink.tokens("r") == reference[0, len(tokens):].tolist()
+
+
+def test_decode_layers_names_a_wrong_weight_count(wide_heads_dir):
+    engine = make_engine(wide_heads_dir, max_batch=4)
+    stack, cache = engine.executor.model.layers, engine.executor.kv_cache
+    x = torch.zeros(1, 128)
+    ints = torch.zeros(1, dtype=torch.int64)
+    rotary = engine.executor.model.rotary
+    with pytest.raises(RuntimeError, match="expected 6 weights for each of 3 layers, got 17"):
+        stack.ops.decode_layers(x, stack.weights[:-1], stack.biases, stack.out_features, rotary.cos, rotary.sin,
+                                ints, ints, ints + 1, cache.k, cache.v, stack.heads, stack.kv_heads, stack.eps,
+                                stack.scale)
