@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import platform
 import statistics
@@ -27,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "protos"), str(ROOT / "bench")]
 
 from kernels import BandwidthProbe  # noqa: E402  (bench/kernels.py)
+from services.inference import kernels as zq_kernels  # noqa: E402
 from services.inference.engine import Engine  # noqa: E402
 from services.inference.executor import Executor, ExecutorConfig  # noqa: E402
 from services.inference.loader import load_checkpoint  # noqa: E402
@@ -96,6 +98,20 @@ def ours(path: Path, dtype: str, batches: list[int], reps: int, threads: int,
     return out
 
 
+def ours_on_path(bf16_path: str, path: Path, batches: list[int], reps: int, threads: int) -> dict[int, float]:
+    """ours() in bf16 in a child process that was made to take `bf16_path` (the choice is once a process)."""
+    before = os.environ.get(zq_kernels.BF16_PATH_ENV)
+    os.environ[zq_kernels.BF16_PATH_ENV] = bf16_path
+    try:
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            return pool.apply(ours, (path, "bfloat16", batches, reps, threads))
+    finally:
+        if before is None:
+            del os.environ[zq_kernels.BF16_PATH_ENV]
+        else:
+            os.environ[zq_kernels.BF16_PATH_ENV] = before
+
+
 class _Discard:
     def put(self, output) -> None:
         pass
@@ -153,6 +169,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--vllm", action="store_true")
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--bf16-paths", default="",
+                        help="also run our bf16 engine on these linear paths (widen,dot,amx), each in a child process")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     torch.set_num_threads(args.threads)
@@ -161,8 +179,13 @@ def main() -> None:
     weight_bytes = sum(t.numel() * t.element_size() for k, t in checkpoint.state_dict.items() if k != "lm_head.weight")
     bandwidth_before = read_bandwidth_gbs()
     pairs: list[tuple[float, float]] = []
-    results = {"zeroqueue bf16": ours(path, "bfloat16", batches, args.reps, args.threads, pairs),
-               "zeroqueue fp32": ours(path, "float32", batches, args.reps, args.threads)}
+    ops = zq_kernels.load_cpu_ops()
+    chosen = ops.bf16_path_name if ops is not None else "torch"
+    results = {"zeroqueue bf16": ours(path, "bfloat16", batches, args.reps, args.threads, pairs)}
+    for name in filter(None, args.bf16_paths.split(",")):
+        if name != chosen:
+            results[f"zeroqueue bf16, {name} path"] = ours_on_path(name, path, batches, args.reps, args.threads)
+    results["zeroqueue fp32"] = ours(path, "float32", batches, args.reps, args.threads)
     if not args.no_transformers:
         results["transformers generate bf16"] = transformers_generate(path, [b for b in batches if b <= 8], args.reps)
     print(json.dumps({k: {b: round(v) for b, v in row.items()} for k, row in results.items()}), flush=True)
@@ -171,6 +194,7 @@ def main() -> None:
     # the roofline at the better of two probes, before and after: the stricter goal
     bandwidth = max(bandwidth_before, read_bandwidth_gbs())
     results = {"roofline (bf16, batch 1)": {1: bandwidth * 1e9 / weight_bytes}, **results}
+    print(f"\nour bf16 linears: the {chosen} path (this CPU's choice)")
     print(f"\n{time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores, {args.threads} threads; "
           f"weights read per step {weight_bytes / 1e6:.0f} MB, read bandwidth {bandwidth:.1f} GB/s\n")
     print("| engine | " + " | ".join(f"batch {b}" for b in batches) + " |")

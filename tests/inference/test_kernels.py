@@ -31,10 +31,12 @@ def ops() -> kernels.CpuOps:
     pytest.skip(f"CPU kernels unavailable: {reason}")
 
 
-@pytest.fixture(scope="module", params=["dot", "widen"])
+@pytest.fixture(scope="module", params=kernels.BF16_PATHS)
 def linear_ops(ops, request) -> kernels.CpuOps:
-    """Both bf16 paths of the linear kernel, whichever this CPU picked: each must be right on its own."""
-    return dataclasses.replace(ops, bf16_dot=request.param == "dot")
+    """Every bf16 path of the linear kernel this CPU runs, whichever it picked: each must be right on its own."""
+    if request.param == "amx" and not kernels.amx_available():
+        pytest.skip("this CPU has no AMX tiles")
+    return dataclasses.replace(ops, bf16_path=kernels.BF16_PATHS.index(request.param))
 
 
 @contextlib.contextmanager
@@ -54,9 +56,10 @@ def randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 # ---- linear ----
 
 @FEW
-@given(m=st.integers(1, 40), n=st.integers(1, 100), k=st.integers(1, 90), dtype=st.sampled_from(DTYPES),
-       with_bias=st.booleans(), seed=st.integers(0, 2**16))
+@given(m=st.integers(1, 40), n=st.integers(1, 100), k=st.one_of(st.integers(1, 90), st.sampled_from([32, 64, 96])),
+       dtype=st.sampled_from(DTYPES), with_bias=st.booleans(), seed=st.integers(0, 2**16))
 def test_linear_matches_f_linear(linear_ops, m, n, k, dtype, with_bias, seed):
+    """k in whole tiles of 32 as well as any k: the AMX path takes the former, the widening path the rest."""
     x, w = randn(m, k, dtype=dtype, seed=seed), randn(n, k, dtype=dtype, seed=seed + 1)
     bias = randn(n, dtype=dtype, seed=seed + 2) if with_bias else None
     y = linear_ops.linear(x, linear_ops.pack_linear(w), bias, n)
@@ -70,10 +73,11 @@ def test_linear_matches_f_linear(linear_ops, m, n, k, dtype, with_bias, seed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_bias_lands_on_its_own_column(linear_ops, dtype):
-    w, bias = randn(35, 21, dtype=dtype, seed=2), randn(35, dtype=dtype, seed=3)  # 35: three panels, last partial
-    y = linear_ops.linear(torch.zeros(3, 21, dtype=dtype), linear_ops.pack_linear(w), bias, 35)
-    assert torch.equal(y, bias.expand(3, -1))
+@pytest.mark.parametrize("k,m", [(21, 3), (64, 3), (64, 20)])
+def test_linear_bias_lands_on_its_own_column(linear_ops, dtype, k, m):
+    w, bias = randn(35, k, dtype=dtype, seed=2), randn(35, dtype=dtype, seed=3)  # 35: three panels, last partial
+    y = linear_ops.linear(torch.zeros(m, k, dtype=dtype), linear_ops.pack_linear(w), bias, 35)
+    assert torch.equal(y, bias.expand(m, -1))
 
 
 def test_linear_keeps_leading_dims(ops):
@@ -83,7 +87,7 @@ def test_linear_keeps_leading_dims(ops):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,k", [(960, 576), (37, 33), (16, 1)])
+@pytest.mark.parametrize("n,k", [(960, 576), (37, 64), (37, 33), (16, 1)])
 def test_linear_is_batch_invariant(linear_ops, dtype, n, k):
     """A row's output is bit-identical alone, in any batch, in any order, on any number of threads."""
     x, w = randn(45, k, dtype=dtype, seed=6), randn(n, k, dtype=dtype, seed=7)
@@ -100,26 +104,37 @@ def test_linear_is_batch_invariant(linear_ops, dtype, n, k):
         assert torch.equal(linear_ops.linear(x, packed, bias, n), full)
 
 
-def test_the_two_bf16_paths_agree_to_fp32_rounding(ops):
+def test_the_bf16_paths_agree_to_fp32_rounding(linear_ops, ops):
     x, w = randn(33, 576, dtype=torch.bfloat16, seed=13), randn(1536, 576, dtype=torch.bfloat16, seed=14)
     packed = ops.pack_linear(w)
-    dot = dataclasses.replace(ops, bf16_dot=True).linear(x, packed, None, 1536)
-    widen = dataclasses.replace(ops, bf16_dot=False).linear(x, packed, None, 1536)
+    widen = dataclasses.replace(ops, bf16_path=0).linear(x, packed, None, 1536)
+    other = linear_ops.linear(x, packed, None, 1536)
     # the same exact products summed in another order: at most a bf16 rounding apart, mostly equal
-    torch.testing.assert_close(dot, widen, rtol=2**-7, atol=1e-3)
-    assert (dot == widen).float().mean() > 0.9
+    torch.testing.assert_close(other, widen, rtol=2**-7, atol=1e-3)
+    assert (other == widen).float().mean() > 0.9
 
 
 def test_the_bf16_path_is_measured_or_forced(ops, monkeypatch):
     rate = torch.ops.zeroqueue.bf16_dot_rate.default()
     assert 0.05 < rate < 20                                     # an issue-rate ratio, not a failed timing
-    monkeypatch.setenv(kernels.BF16_PATH_ENV, "widen")
-    assert kernels.choose_bf16_dot() is False
-    monkeypatch.setenv(kernels.BF16_PATH_ENV, "dot")
-    assert kernels.choose_bf16_dot() is True
+    for name in ("widen", "dot"):
+        monkeypatch.setenv(kernels.BF16_PATH_ENV, name)
+        assert kernels.BF16_PATHS[kernels.choose_bf16_path()] == name
+    monkeypatch.setenv(kernels.BF16_PATH_ENV, "amx")            # forced, but only where the CPU has it
+    assert kernels.BF16_PATHS[kernels.choose_bf16_path()] == "amx" or not kernels.amx_available()
     monkeypatch.delenv(kernels.BF16_PATH_ENV)
-    assert kernels.choose_bf16_dot() is (torch.ops.zeroqueue.bf16_dot_rate.default() > kernels.DOT_RATE_THRESHOLD) \
-        or abs(rate - kernels.DOT_RATE_THRESHOLD) < 0.1          # a rate on the threshold may fall either way
+    chosen = kernels.BF16_PATHS[kernels.choose_bf16_path()]
+    if kernels.amx_available():
+        assert chosen == "amx"
+    else:
+        dot = torch.ops.zeroqueue.bf16_dot_rate.default() > kernels.DOT_RATE_THRESHOLD
+        assert chosen == ("dot" if dot else "widen") or abs(rate - kernels.DOT_RATE_THRESHOLD) < 0.1
+
+
+def test_amx_is_offered_only_with_the_cpu_flags(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("flags\t\t: fpu avx512f amx_tile\n")
+    assert kernels.missing_cpu_flags(cpuinfo, kernels.AMX_CPU_FLAGS) == ("amx_bf16",)
 
 
 def test_pack_linear_layout(ops):

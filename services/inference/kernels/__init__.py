@@ -17,7 +17,7 @@ import torch
 SOURCE_DIR = Path(__file__).parent
 # cpu_ops.cpp holds the schemas; each kernel file registers its implementation. simd.h is shared by them.
 SOURCES = tuple(SOURCE_DIR / name for name in ("cpu_ops.cpp", "linear.cpp", "attention.cpp", "elementwise.cpp",
-                                                 "rope.cpp", "layer.cpp"))
+                                                 "rope.cpp", "layer.cpp", "amx.cpp"))
 BUILD_DIR = Path(__file__).with_name("_build")
 EXTENSION_NAME = "zeroqueue_cpu_ops"
 # Explicit ISA, never -march=native: images are built on one machine and run on another.
@@ -29,6 +29,8 @@ COMPILE_FLAGS = (
     "-mavx512vl",
     "-mavx512dq",
     "-mavx512bf16",
+    "-mamx-tile",     # AMX instructions come only from amx.cpp's intrinsics, run only where the CPU has them
+    "-mamx-bf16",
     "-mfma",
     "-fopenmp",
     "-fvisibility-inlines-hidden",
@@ -36,23 +38,26 @@ COMPILE_FLAGS = (
 LANES = 16  # output columns per packed weight panel
 DECODE_HEAD_DIMS = (32, 64, 128)  # head sizes decode_attention is compiled for
 DISABLE_ENV = "ZQ_DISABLE_KERNELS"
-BF16_PATH_ENV = "ZQ_LINEAR_BF16"  # "dot" or "widen": overrides the measured choice
+BF16_PATH_ENV = "ZQ_LINEAR_BF16"  # "widen", "dot" or "amx": overrides the measured choice
+BF16_PATHS = ("widen", "dot", "amx")  # the kernels' bf16_path codes 0, 1, 2
+AMX_CPU_FLAGS = ("amx_tile", "amx_bf16")
 # VDPBF16PS does two multiply-adds a lane to VFMADD231PS's one: it wins when it issues at over half the rate
 DOT_RATE_THRESHOLD = 0.5
 
 
-def missing_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, ...]:
-    """The required ISA flags this CPU lacks (all of them when cpuinfo cannot be read)."""
+def missing_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo"),
+                      required: tuple[str, ...] = REQUIRED_CPU_FLAGS) -> tuple[str, ...]:
+    """The ISA flags of `required` this CPU lacks (all of them when cpuinfo cannot be read)."""
     try:
         text = cpuinfo.read_text()
     except OSError:
-        return REQUIRED_CPU_FLAGS
+        return required
     flags: set[str] = set()
     for line in text.splitlines():
         if line.startswith("flags"):
             flags = set(line.partition(":")[2].split())
             break
-    return tuple(f for f in REQUIRED_CPU_FLAGS if f not in flags)
+    return tuple(f for f in required if f not in flags)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +65,11 @@ class CpuOps:
     """The loaded kernels. Tensors stay on the CPU; x and weights are both bf16 or both fp32."""
 
     library_path: str
-    bf16_dot: bool = False      # bf16 linears by VDPBF16PS (see choose_bf16_dot), else widened to fp32 FMAs
+    bf16_path: int = 0          # bf16 linears: 0 widened to fp32 FMAs, 1 VDPBF16PS, 2 AMX (see choose_bf16_path)
+
+    @property
+    def bf16_path_name(self) -> str:
+        return BF16_PATHS[self.bf16_path]
 
     def pack_linear(self, w: torch.Tensor) -> torch.Tensor:
         """w [N, K] -> packed weights (bf16 [ceil(N/16), ceil(K/2), 16, 2]; fp32 [ceil(N/16), K, 16])."""
@@ -69,8 +78,8 @@ class CpuOps:
     def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
         """x [..., K] @ w.T + bias -> [..., n] in x's dtype (bias too), accumulated in fp32."""
         if x.dim() == 2:  # the decode path: skip the reshapes, ~4 µs of a ~25 µs call at batch 1
-            return torch.ops.zeroqueue.linear.default(x, packed, bias, n, self.bf16_dot)
-        y = torch.ops.zeroqueue.linear.default(x.reshape(-1, x.shape[-1]), packed, bias, n, self.bf16_dot)
+            return torch.ops.zeroqueue.linear.default(x, packed, bias, n, self.bf16_path)
+        y = torch.ops.zeroqueue.linear.default(x.reshape(-1, x.shape[-1]), packed, bias, n, self.bf16_path)
         return y.reshape(*x.shape[:-1], n)
 
     def decode_attention(
@@ -116,7 +125,7 @@ class CpuOps:
         caches [layers, S, KVH, L, D]; positions, slots, lengths (= positions + 1) int64 [B]."""
         return torch.ops.zeroqueue.decode_layers.default(x, weights, biases, out_features, cos, sin, positions,
                                                          slots, lengths, k_cache, v_cache, heads, kv_heads, eps,
-                                                         scale, self.bf16_dot)
+                                                         scale, self.bf16_path)
 
 
 def _register_fakes() -> None:
@@ -132,7 +141,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("zeroqueue::linear")
     def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int,
-                bf16_dot: bool = False) -> torch.Tensor:
+                bf16_path: int = 0) -> torch.Tensor:
         return x.new_empty((x.shape[0], n))
 
     @torch.library.register_fake("zeroqueue::rms_norm")
@@ -192,16 +201,25 @@ def _load() -> tuple[CpuOps | None, str | None]:
     except (RuntimeError, OSError, ImportError) as exc:  # compiler or ninja missing, build failed
         return None, f"building the CPU kernels failed: {exc}"
     _register_fakes()
-    return CpuOps(library_path=path, bf16_dot=choose_bf16_dot()), None
+    return CpuOps(library_path=path, bf16_path=choose_bf16_path()), None
 
 
-def choose_bf16_dot() -> bool:
-    """Whether bf16 linears use VDPBF16PS on this CPU: its issue rate against the FMA's, measured once per
-    process (~1 ms), or $ZQ_LINEAR_BF16. One choice for the process keeps every batch on one code path."""
+def amx_available() -> bool:
+    """Whether this CPU has AMX with bf16 and the OS gave this process its tile state (asked once)."""
+    return not missing_cpu_flags(required=AMX_CPU_FLAGS) and torch.ops.zeroqueue.amx_request.default()
+
+
+def choose_bf16_path() -> int:
+    """How bf16 linears multiply on this CPU, once per process: AMX tiles where the CPU has them, else
+    VDPBF16PS if it issues at over half the FMA's rate (measured, ~1 ms), else bf16 widened to fp32 FMAs;
+    $ZQ_LINEAR_BF16 forces one. One choice for the process keeps every batch on one rounding."""
     forced = os.environ.get(BF16_PATH_ENV)
-    if forced in ("dot", "widen"):
-        return forced == "dot"
-    return torch.ops.zeroqueue.bf16_dot_rate.default() > DOT_RATE_THRESHOLD
+    if forced in BF16_PATHS and (forced != "amx" or amx_available()):
+        return BF16_PATHS.index(forced)
+    if amx_available():
+        return BF16_PATHS.index("amx")
+    dot = torch.ops.zeroqueue.bf16_dot_rate.default() > DOT_RATE_THRESHOLD
+    return BF16_PATHS.index("dot" if dot else "widen")
 
 
 def load_cpu_ops() -> CpuOps | None:

@@ -6,10 +6,11 @@
 TORCH_LIBRARY(zeroqueue, m) {
   // w [N, K] -> bf16 [ceil(N/16), ceil(K/2), 16, 2] or fp32 [ceil(N/16), K, 16], zero-padded (linear.cpp).
   m.def("pack_linear(Tensor w) -> Tensor");
-  // x [M, K] . w^T + bias -> [M, n], x and packed of one dtype, fp32 accumulation; bf16 by VDPBF16PS
-  // when bf16_dot, else widened to fp32 FMAs (which is faster depends on the core: bf16_dot_rate).
-  m.def("linear(Tensor x, Tensor packed, Tensor? bias, int n, bool bf16_dot=False) -> Tensor");
-  // bf16_dot_rate() -> float: defined in linear.cpp (it has no tensor to dispatch on).
+  // x [M, K] . w^T + bias -> [M, n], x and packed of one dtype, fp32 accumulation; bf16_path 0: bf16 widened
+  // to fp32 FMAs, 1: VDPBF16PS, 2: AMX tiles where K is a multiple of 32 (which is faster depends on the core:
+  // kernels/__init__.py chooses).
+  m.def("linear(Tensor x, Tensor packed, Tensor? bias, int n, int bf16_path=0) -> Tensor");
+  // bf16_dot_rate() -> float and amx_request() -> bool: defined in linear.cpp (no tensor to dispatch on).
   // q [B, H, D], caches [S, KVH, T, D], slots/lengths int64 [B] -> [B, H, D] (attention.cpp).
   m.def(
       "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lengths, float scale) "
@@ -32,5 +33,5 @@ TORCH_LIBRARY(zeroqueue, m) {
   m.def(
       "decode_layers(Tensor x, Tensor[] weights, Tensor?[] biases, int[] out_features, Tensor cos, Tensor sin, "
       "Tensor positions, Tensor slots, Tensor lengths, Tensor(a!) k_cache, Tensor(b!) v_cache, int heads, "
-      "int kv_heads, float eps, float scale, bool bf16_dot=False) -> (Tensor, Tensor)");
+      "int kv_heads, float eps, float scale, int bf16_path=0) -> (Tensor, Tensor)");
 }

@@ -25,7 +25,7 @@ struct LayerArgs {
   at::IntArrayRef out_features;  // qkv, o, gate_up, down
   int64_t heads, kv_heads;
   double eps, scale;
-  bool bf16_dot;
+  int64_t bf16_path;
 };
 
 // (x, residual) -> (this layer's MLP output, the residual stream before it), as DecoderLayer.forward.
@@ -39,13 +39,13 @@ std::tuple<at::Tensor, at::Tensor> layer_forward(const at::Tensor& x, const at::
     h = rms_norm(x, w[0], a.eps);
     stream = x;
   }
-  const at::Tensor qkv = linear(h, w[1], b[0], a.out_features[0], a.bf16_dot);
+  const at::Tensor qkv = linear(h, w[1], b[0], a.out_features[0], a.bf16_path);
   const at::Tensor q = rope_cache(qkv, a.cos, a.sin, a.positions, a.slots, k_cache, v_cache, a.heads, a.kv_heads);
   const at::Tensor att = decode_attention(q, k_cache, v_cache, a.slots, a.lengths, a.scale);   // [B, H, D]
-  const at::Tensor o = linear(att.reshape({att.size(0), -1}), w[2], b[1], a.out_features[1], a.bf16_dot);
+  const at::Tensor o = linear(att.reshape({att.size(0), -1}), w[2], b[1], a.out_features[1], a.bf16_path);
   std::tie(h, stream) = add_rms_norm(o, stream, w[3], a.eps);
-  const at::Tensor act = silu_mul(linear(h, w[4], b[2], a.out_features[2], a.bf16_dot));
-  return {linear(act, w[5], b[3], a.out_features[3], a.bf16_dot), stream};
+  const at::Tensor act = silu_mul(linear(h, w[4], b[2], a.out_features[2], a.bf16_path));
+  return {linear(act, w[5], b[3], a.out_features[3], a.bf16_path), stream};
 }
 
 std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, at::TensorList weights,
@@ -54,7 +54,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, at::Tensor
                                                  const at::Tensor& sin, const at::Tensor& positions,
                                                  const at::Tensor& slots, const at::Tensor& lengths,
                                                  at::Tensor& k_cache, at::Tensor& v_cache, int64_t heads,
-                                                 int64_t kv_heads, double eps, double scale, bool bf16_dot) {
+                                                 int64_t kv_heads, double eps, double scale, int64_t bf16_path) {
   TORCH_CHECK(x.dim() == 2, "decode_layers: x must be [B, hidden], got ", x.sizes());
   TORCH_CHECK(k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes(),
               "decode_layers: caches must both be [layers, slots, KVH, max_len, D], got ", k_cache.sizes(), " and ",
@@ -66,7 +66,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, at::Tensor
   TORCH_CHECK(static_cast<int64_t>(biases.size()) == kBiasesPerLayer * layers, "decode_layers: expected ",
               kBiasesPerLayer, " biases (or None) for each of ", layers, " layers, got ", biases.size());
   TORCH_CHECK(out_features.size() == 4, "decode_layers: out_features must be [qkv, o, gate_up, down]");
-  const LayerArgs args{cos, sin, positions, slots, lengths, out_features, heads, kv_heads, eps, scale, bf16_dot};
+  const LayerArgs args{cos, sin, positions, slots, lengths, out_features, heads, kv_heads, eps, scale, bf16_path};
   std::vector<std::optional<at::Tensor>> b(biases.begin(), biases.end());
   at::Tensor h = x, residual;
   for (int64_t i = 0; i < layers; ++i) {

@@ -219,7 +219,7 @@ at::Tensor pack_linear(const at::Tensor& w_in) {
 }  // namespace
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n,
-                  bool bf16_dot) {
+                  int64_t bf16_path) {
   TORCH_CHECK(x.dim() == 2, "linear: x must be [M, K], got ", x.dim(), " dims");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "linear: x and packed must be on the CPU");
   TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "linear: x is ", x.scalar_type(), " but packed is ",
@@ -241,7 +241,16 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
   const at::Tensor xc = x.contiguous();
   if (xc.size(0) == 0) return at::empty({0, n}, x.options());
   if (!bf16) return linear_impl<F32Weights>(xc, packed, bias_x, n);
-  return bf16_dot ? linear_impl<Bf16Dot>(xc, packed, bias_x, n) : linear_impl<Bf16Widen>(xc, packed, bias_x, n);
+  TORCH_CHECK(bf16_path >= kBf16Widen && bf16_path <= kBf16Amx, "linear: bf16_path must be 0 (widen), 1 (dot) or 2 "
+              "(amx), got ", bf16_path);
+  // AMX takes k in whole tiles; other shapes take the widening path, whatever M (one path per shape)
+  if (bf16_path == kBf16Amx && amx_fits(k)) {
+    static const bool amx_ok = amx_request();
+    TORCH_CHECK(amx_ok, "linear: this CPU or kernel does not give the process AMX tiles");
+    return linear_amx(xc, packed, bias_x, n);
+  }
+  return bf16_path == kBf16Dot ? linear_impl<Bf16Dot>(xc, packed, bias_x, n)
+                               : linear_impl<Bf16Widen>(xc, packed, bias_x, n);
 }
 
 namespace {
@@ -286,4 +295,7 @@ TORCH_LIBRARY_IMPL(zeroqueue, CPU, m) {
 }
 
 // No tensor to dispatch on: a catch-all kernel, defined with its schema.
-TORCH_LIBRARY_FRAGMENT(zeroqueue, m) { m.def("bf16_dot_rate() -> float", &zq::bf16_dot_rate); }
+TORCH_LIBRARY_FRAGMENT(zeroqueue, m) {
+  m.def("bf16_dot_rate() -> float", &zq::bf16_dot_rate);
+  m.def("amx_request() -> bool", &zq::amx_request);
+}

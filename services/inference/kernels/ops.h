@@ -10,8 +10,10 @@
 
 namespace zq {
 
+// bf16_path: how bf16 weights are multiplied (fp32 weights ignore it); one per process, see kernels/__init__.py
+constexpr int64_t kBf16Widen = 0, kBf16Dot = 1, kBf16Amx = 2;
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n,
-                  bool bf16_dot);
+                  int64_t bf16_path);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& slots, const at::Tensor& lengths, double scale);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
@@ -21,5 +23,11 @@ at::Tensor rope_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
                       const at::Tensor& positions, const at::Tensor& slots, at::Tensor& k_cache,
                       at::Tensor& v_cache, int64_t heads, int64_t kv_heads);
 at::Tensor silu_mul(const at::Tensor& gate_up);
+
+// AMX (amx.cpp): amx_request asks the OS for the tile state (once a process, before any use); linear_amx takes
+// contiguous bf16 x [M, K] with amx_fits(K), packed bf16 weights, bias in bf16 or undefined -> [M, n].
+bool amx_request();
+bool amx_fits(int64_t k);
+at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias, int64_t n);
 
 }  // namespace zq
