@@ -139,7 +139,7 @@ def vllm(path: Path, batches: list[int], port: int = 8011) -> dict[int, float]:
     server = subprocess.Popen(["bash", str(PEERS / "vllm_cpu.sh"), "serve", str(path), str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_http(port, 300)
+        _wait_http(port, 900)                 # a cold start compiles its graphs: 3-5 minutes here
         done = subprocess.run([sys.executable, str(PEERS / "bench_openai.py"), "--port", str(port), "--model", "peer",
                                "--max-tokens", str(NEW_TOKENS), "--conc", ",".join(map(str, batches))],
                               capture_output=True, text=True, timeout=1800, check=True)
