@@ -136,10 +136,12 @@ def transformers_generate(path: Path, batches: list[int], reps: int) -> dict[int
 
 
 def vllm(path: Path, batches: list[int], port: int = 8011) -> dict[int, float]:
-    server = subprocess.Popen(["bash", str(PEERS / "vllm_cpu.sh"), "serve", str(path), str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log_path = ROOT / "bench/out/vllm-serve.log"
+    with log_path.open("w") as log_file:
+        server = subprocess.Popen(["bash", str(PEERS / "vllm_cpu.sh"), "serve", str(path), str(port)],
+                                  stdout=log_file, stderr=subprocess.STDOUT)
     try:
-        _wait_http(port, 900)                 # a cold start compiles its graphs: 3-5 minutes here
+        _wait_http(port, 900, server, log_path)   # a cold start compiles its graphs: 3-5 minutes here
         done = subprocess.run([sys.executable, str(PEERS / "bench_openai.py"), "--port", str(port), "--model", "peer",
                                "--max-tokens", str(NEW_TOKENS), "--conc", ",".join(map(str, batches))],
                               capture_output=True, text=True, timeout=1800, check=True)
@@ -150,10 +152,12 @@ def vllm(path: Path, batches: list[int], port: int = 8011) -> dict[int, float]:
     return {row["best"]["conc"]: row["best"]["agg_tok_s"] for row in rows}
 
 
-def _wait_http(port: int, timeout_s: float) -> None:
+def _wait_http(port: int, timeout_s: float, server: subprocess.Popen, log_path: Path) -> None:
     import urllib.request
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"vLLM exited with code {server.returncode}; its log: {log_path}")
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
             return

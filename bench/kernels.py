@@ -8,14 +8,17 @@ both sides alike:
     that takes turns with it (% of roofline = probe time for those bytes / our time, medians);
   - decode attention vs a masked SDPA over the gathered cache rows;
   - the fused rms_norm / silu_mul vs the torch ops they replace, per call and per decode step;
-  - the machine's read bandwidth: best of several full passes over a 512 MB buffer.
+  - the machine's read bandwidth: best of several full passes over a 512 MB buffer;
+  - first, the bf16 weight stream on each linear path this CPU runs (widen, dot, amx), at M = 1 to 128.
 
-    python bench/kernels.py [--dtypes bfloat16,float32] [--reps 9] [--skip-ops]
+    python bench/kernels.py [--dtypes bfloat16,float32] [--reps 9] [--skip-ops] [--paths-only]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import functools
 import math
 import os
 import platform
@@ -191,6 +194,33 @@ def bench_small_ops(ops: kernels.CpuOps, dtype: torch.dtype, reps: int) -> None:
             print(f"| {name} | {m} | {fmt_us(ref)} | {fmt_us(ours)} | {saved_ms:.2f} |")
 
 
+def bench_bf16_paths(ops: kernels.CpuOps, reps: int, probe: BandwidthProbe) -> None:
+    """The bf16 weight stream on every linear path this CPU runs, taking turns with each other and the probe:
+    which path a process should take (kernels/__init__.py chooses once a process)."""
+    names = [name for name in kernels.BF16_PATHS if name != "amx" or kernels.amx_available()]
+    variants = [dataclasses.replace(ops, bf16_path=kernels.BF16_PATHS.index(name)) for name in names]
+    gen = torch.Generator().manual_seed(2)
+    packed = [(ops.pack_linear(torch.randn(n, k, generator=gen).to(torch.bfloat16)), n, k)
+              for _ in range(LAYERS) for _, n, k in LAYER_SHAPES]
+    packed.append((ops.pack_linear(torch.randn(VOCAB, HIDDEN, generator=gen).to(torch.bfloat16)), VOCAB, HIDDEN))
+    num_bytes = sum(p.numel() * 2 for p, _, _ in packed)
+    print(f"\n### bf16 linear paths: the full weight stream ({num_bytes / 1e6:.0f} MB), ms/step median (min); "
+          f"this process chose {ops.bf16_path_name}\n")
+    print("| M | " + " | ".join(names) + " | probe GB/s |")
+    print("|---:|" + "---:|" * (len(names) + 1))
+    for m in (1, 8, 32, 128):
+        xs = {k: torch.randn(m, k, generator=gen).to(torch.bfloat16) for k in (HIDDEN, INTERMEDIATE)}
+        steps = [functools.partial(_stream, variant, packed, xs) for variant in variants]
+        *times, reads = time_interleaved([*steps, probe], max(3, reps // 2) if m == 128 else reps)
+        print(f"| {m} | " + " | ".join(f"{statistics.median(t) * 1e3:.1f} ({min(t) * 1e3:.1f})" for t in times)
+              + f" | {probe.gbs(statistics.median(reads)):.1f} |")
+
+
+def _stream(ops: kernels.CpuOps, packed: list, xs: dict) -> None:
+    for p, n, k in packed:
+        ops.linear(xs[k], p, None, n)
+
+
 def machine() -> str:
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
@@ -203,6 +233,7 @@ def main() -> None:
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--skip-ops", action="store_true", help="only the weight stream and attention")
+    parser.add_argument("--paths-only", action="store_true", help="only the bf16 linear paths side by side")
     args = parser.parse_args()
     ops = kernels.load_cpu_ops()
     if ops is None:
@@ -213,6 +244,9 @@ def main() -> None:
     probe = BandwidthProbe()
     best = max(probe.gbs(t) for t in time_interleaved([probe], 8)[0])
     print(f"read bandwidth: best {best:.1f} GB/s over 8 full passes of a 512 MB buffer (torch.sum, torch.mv)")
+    bench_bf16_paths(ops, args.reps, probe)
+    if args.paths_only:
+        return
     for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
         if not args.skip_ops:
             bench_ops(ops, dtype, args.reps)
