@@ -1,6 +1,6 @@
 """The model's layers on the CPU kernels (services/inference/kernels): linear layers with weights packed once;
 RMSNorm (with the residual add before it), SiLU·up, and the rotary embedding with the KV-cache write, each in
-one op instead of several small ones; and a decode-only step's layers all in one op."""
+one op instead of several small ones; and a step's layers all in one op."""
 from __future__ import annotations
 
 import torch
@@ -65,9 +65,10 @@ class KernelSiluAndMul(nn.Module):
 
 
 class KernelDecoderStack(DecoderStack):
-    """The decoder layers on the kernels. A decode-only step runs them all in one op (zeroqueue::decode_layers:
-    the same kernels in the same order, so bit-identical); a step with prompt tokens runs layer by layer.
-    The weights are gathered once: the executor never swaps a tensor of a packed model."""
+    """The decoder layers on the kernels, all of them in one op a step (zeroqueue::decode_layers). Every row
+    attends from its own position over its slot's cache, which the op has just written for all the step's
+    rows; a prompt chunk's rows are thus causal, and a decode-only step is bit-identical to running the
+    layers one by one. The weights are gathered once: the executor never swaps a tensor of a packed model."""
 
     def __init__(self, stack: DecoderStack, rotary: RotaryEmbedding, ops: CpuOps) -> None:
         super().__init__(stack)
@@ -85,12 +86,14 @@ class KernelDecoderStack(DecoderStack):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if backend.decode_kernel is None or meta.prefills or meta.num_decode != h.shape[0]:
+        if backend.decode_kernel is None:       # a head size the attention kernel is not built for
             return super().forward(h, cos, sin, backend, meta)
         rotary = self.tables[0]
+        decode_only = meta.num_decode == h.shape[0]
+        lengths = meta.decode_lens if decode_only else meta.positions + 1       # [T]: each row sees [0, pos]
         return self.ops.decode_layers(h, self.weights, self.biases, self.out_features, rotary.cos, rotary.sin,
-                                      meta.positions, meta.slot_ids, meta.decode_lens, backend.cache.k,
-                                      backend.cache.v, self.heads, self.kv_heads, self.eps, self.scale)
+                                      meta.positions, meta.slot_ids, lengths, backend.cache.k, backend.cache.v,
+                                      self.heads, self.kv_heads, self.eps, self.scale)
 
 
 def pack_model(model: nn.Module, ops: CpuOps) -> int:

@@ -1,5 +1,6 @@
-"""A decode-only step's layers in one op (zeroqueue::decode_layers): bit-identical to the layer-by-layer path,
-taken whenever the kernels run a decode-only step, and still equal to transformers' greedy tokens.
+"""Every step's layers in one op (zeroqueue::decode_layers): a decode-only step bit-identical to the
+layer-by-layer path, a prompt (each row attending over its slot's cache from its own position) equal to it
+within rounding and bit-identical however it is chunked, and greedy tokens equal to transformers'.
 
 The shared test checkpoints have head_dim 16, which the decode-attention kernel is not built for (so they run
 layer by layer); these use head_dim 32."""
@@ -15,7 +16,8 @@ from services.inference.model import DecoderStack
 from services.inference.packed import KernelDecoderStack
 from tests.checkpoints import save_hf_checkpoint
 from tests.inference.conftest import Collector, make_engine, request, run_to_completion
-from tests.inference.test_parity import PROMPT, hf_model
+from tests.inference.logits import prompt_logits
+from tests.inference.test_parity import PROMPT, hf_logits, hf_model
 
 pytestmark = pytest.mark.skipif(kernels.load_cpu_ops() is None, reason=f"{kernels.reason_unavailable()}")
 
@@ -86,15 +88,50 @@ def test_fused_layers_are_bit_identical_to_the_layer_by_layer_path(wide_heads_di
     assert not torch.equal(fused_k, before_k), "the step wrote no k into the cache"
 
 
-def test_engine_takes_the_fused_path_for_decode_only_steps(wide_heads_dir):
+def test_engine_takes_the_fused_path_for_every_step(wide_heads_dir):
     engine = make_engine(wide_heads_dir, dtype="bfloat16", max_batch=4)
     calls = count_fused_calls(engine)
     sinks = Collector()
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(request(f"r{i}", prompt, max_tokens=12, ignore_eos=True), sinks)
     steps = run_to_completion(engine)
-    assert calls.calls == steps - 1                         # every step but the one with the prompts
+    assert calls.calls == steps
     assert all(len(sinks.tokens(f"r{i}")) == 12 for i in range(len(PROMPTS)))
+
+
+def test_a_prompt_on_the_fused_path_matches_the_layer_by_layer_path(wide_heads_dir):
+    """Two attention kernels, two roundings: in fp32 as close as fp32 allows; in bf16 the fused path is no
+    farther from the fp32 logits than the layer-by-layer path is (mean and worst error, with 25 % to spare)."""
+    logits = {}
+    for dtype in ("float32", "bfloat16"):
+        engine = make_engine(wide_heads_dir, dtype=dtype, max_batch=4)
+        tokens = engine.tokenizer.encode(PROMPT * 3).ids
+        logits[dtype, "fused"] = prompt_logits(engine.executor, tokens)
+        layers = engine.executor.model.layers
+        layers.forward = lambda *a, layers=layers: DecoderStack.forward(layers, *a)     # attention by SDPA
+        logits[dtype, "layers"] = prompt_logits(engine.executor, tokens)
+    torch.testing.assert_close(logits["float32", "fused"], logits["float32", "layers"], atol=1e-5, rtol=0)
+    error = {path: (logits["bfloat16", path] - logits["float32", "layers"]).abs() for path in ("fused", "layers")}
+    assert error["fused"].mean() <= 1.25 * error["layers"].mean()
+    assert error["fused"].max() <= 1.25 * error["layers"].max()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_chunked_prompt_is_bit_identical_to_one_shot_on_the_fused_path(wide_heads_dir, dtype):
+    engine = make_engine(wide_heads_dir, dtype=dtype, max_batch=4)
+    tokens = engine.tokenizer.encode(PROMPT * 3).ids
+    one_shot = prompt_logits(engine.executor, tokens)
+    for chunk in (1, 7, 16):
+        assert torch.equal(prompt_logits(engine.executor, tokens, chunk_size=chunk, slot=2), one_shot), chunk
+
+
+def test_prompt_logits_on_the_fused_path_match_transformers(wide_heads_dir):
+    engine = make_engine(wide_heads_dir)
+    calls = count_fused_calls(engine)
+    tokens = engine.tokenizer.encode(PROMPT).ids
+    torch.testing.assert_close(prompt_logits(engine.executor, tokens), hf_logits(wide_heads_dir, tokens),
+                               atol=1e-4, rtol=0)
+    assert calls.calls == 1
 
 
 def test_greedy_tokens_match_transformers_generate_on_the_fused_path(wide_heads_dir):
@@ -107,8 +144,32 @@ def test_greedy_tokens_match_transformers_generate_on_the_fused_path(wide_heads_
     run_to_completion(engine)
     with torch.no_grad():
         reference = hf_model(wide_heads_dir).generate(torch.tensor([tokens]), max_new_tokens=32, do_sample=False)
-    assert calls.calls == 31
+    assert calls.calls == 32                                # the prompt step and 31 decode steps
     assert sink.tokens("r") == reference[0, len(tokens):].tolist()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_call_decodes_the_same_alone_and_among_calls_joining_mid_stream(wide_heads_dir, dtype):
+    """Steps that mix decodes with other calls' prompt chunks (max_num_batched_tokens 40 chunks the long
+    prompts) still give a call the tokens it gets alone, greedy and seeded."""
+    target = dict(max_tokens=16, ignore_eos=True)
+    alone = {}
+    for name, sampling in (("greedy", {}), ("seeded", dict(temperature=0.9, seed=7))):
+        engine = make_engine(wide_heads_dir, dtype=dtype, max_batch=8, max_num_batched_tokens=40)
+        sink = Collector()
+        engine.add_request(request("t", PROMPTS[1], **target, **sampling), sink)
+        run_to_completion(engine)
+        alone[name] = sink.tokens("t")
+    for name, sampling in (("greedy", {}), ("seeded", dict(temperature=0.9, seed=7))):
+        engine = make_engine(wide_heads_dir, dtype=dtype, max_batch=8, max_num_batched_tokens=40)
+        sink = Collector()
+        engine.add_request(request("t", PROMPTS[1], **target, **sampling), sink)
+        for i in range(6):                                  # a neighbour joins every other step
+            engine.step()
+            engine.step()
+            engine.add_request(request(f"n{i}", list(range(50 + i, 50 + 9 * (i + 2))), max_tokens=8), Collector())
+        run_to_completion(engine)
+        assert sink.tokens("t") == alone[name], name
 
 
 def test_decode_layers_names_a_wrong_weight_count(wide_heads_dir):

@@ -119,10 +119,10 @@ class CpuOps:
                       out_features: list[int], cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                       slots: torch.Tensor, lengths: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       heads: int, kv_heads: int, eps: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every decoder layer of a decode-only step in one op, bit-identical to running them one by one:
-        x [B, hidden] -> (the last layer's MLP output, the residual stream before it). Per layer 6 weights
-        (input norm, qkv, o, post-attention norm, gate_up, down; linears packed) and 4 optional biases;
-        caches [layers, S, KVH, L, D]; positions, slots, lengths (= positions + 1) int64 [B]."""
+        """Every decoder layer of a step in one op, each row attending over its slot's cache up to its own
+        position: x [T, hidden] -> (the last layer's MLP output, the residual stream before it). Per layer 6
+        weights (input norm, qkv, o, post-attention norm, gate_up, down; linears packed) and 4 optional
+        biases; caches [layers, S, KVH, L, D]; positions, slots, lengths (= positions + 1) int64 [T]."""
         return torch.ops.zeroqueue.decode_layers.default(x, weights, biases, out_features, cos, sin, positions,
                                                          slots, lengths, k_cache, v_cache, heads, kv_heads, eps,
                                                          scale, self.bf16_path)

@@ -26,10 +26,10 @@ TORCH_LIBRARY(zeroqueue, m) {
       "Tensor(b!) v_cache, int heads, int kv_heads) -> Tensor");
   // gate_up [..., 2I] -> silu(gate) * up [..., I].
   m.def("silu_mul(Tensor gate_up) -> Tensor");
-  // Every decoder layer of a decode-only step (layer.cpp): x [B, hidden], 6 weights a layer (input norm, qkv,
-  // o, post-attention norm, gate_up, down; linears packed), 4 optional biases a layer, out_features of the
-  // 4 linears, caches [layers, S, KVH, L, D], positions/slots/lengths int64 [B]
-  // -> (the last layer's MLP output, the residual stream before it), each [B, hidden].
+  // Every decoder layer of a step (layer.cpp): x [T, hidden], 6 weights a layer (input norm, qkv, o,
+  // post-attention norm, gate_up, down; linears packed), 4 optional biases a layer, out_features of the
+  // 4 linears, caches [layers, S, KVH, L, D], positions/slots int64 [T], lengths = positions + 1
+  // -> (the last layer's MLP output, the residual stream before it), each [T, hidden].
   m.def(
       "decode_layers(Tensor x, Tensor[] weights, Tensor?[] biases, int[] out_features, Tensor cos, Tensor sin, "
       "Tensor positions, Tensor slots, Tensor lengths, Tensor(a!) k_cache, Tensor(b!) v_cache, int heads, "

@@ -1,6 +1,8 @@
-// zeroqueue::decode_layers: every decoder layer of a decode-only step in one op. The same kernels run in the
-// same order as the layer-by-layer path (packed.py), so the result is bit-identical to it; what goes is the
-// per-op cost of Python and the dispatcher (~30 calls a layer), which at batch 1 was a third of the step.
+// zeroqueue::decode_layers: every decoder layer of a step in one op. Each row attends from its own position
+// over its slot's cache, which rope_cache has just written for all of the step's rows: decode rows see their
+// context, a prompt chunk's rows are causal. A decode-only step runs the layer-by-layer path's kernels in its
+// order (packed.py), so it is bit-identical to it; what goes is the per-op cost of Python and the dispatcher
+// (~30 calls a layer), which at batch 1 was a third of the step.
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
