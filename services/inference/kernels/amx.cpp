@@ -2,9 +2,9 @@
 // reading pack_linear's bf16 layout as it is: a panel's k-pair rows [KP][16][2] are the tile unit's B layout,
 // 16 pair-rows (one 1 KB tile) per 32 values of k.
 //
-// Batch invariance: x is padded to whole 16-row tiles and every output tile accumulates its k blocks in
-// ascending order with the same instruction, whatever M, the tile grouping or the thread; a row's result is
-// bit-identical in any batch.
+// Batch invariance: every output tile accumulates its k blocks in ascending order with the same instruction,
+// whatever M, the tile's row count (M below 16, else 16 with zero padding), the grouping or the thread; a
+// row's result is bit-identical in any batch (test_kernels checks it on this path).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
