@@ -17,7 +17,7 @@ from services.inference.packed import KernelDecoderStack
 from tests.checkpoints import save_hf_checkpoint
 from tests.inference.conftest import Collector, make_engine, request, run_to_completion
 from tests.inference.logits import prompt_logits
-from tests.inference.test_parity import PROMPT, hf_logits, hf_model
+from tests.inference.test_parity import PROMPT, greedy_beside_transformers, hf_logits, hf_model
 
 pytestmark = pytest.mark.skipif(kernels.load_cpu_ops() is None, reason=f"{kernels.reason_unavailable()}")
 
@@ -136,16 +136,10 @@ def test_prompt_logits_on_the_fused_path_match_transformers(wide_heads_dir):
 
 def test_greedy_tokens_match_transformers_generate_on_the_fused_path(wide_heads_dir):
     engine = make_engine(wide_heads_dir)
-    engine.eos_token_ids = frozenset()
     calls = count_fused_calls(engine)
-    tokens = engine.tokenizer.encode(PROMPT).ids
-    sink = Collector()
-    engine.add_request(request("r", tokens, max_tokens=32), sink)
-    run_to_completion(engine)
-    with torch.no_grad():
-        reference = hf_model(wide_heads_dir).generate(torch.tensor([tokens]), max_new_tokens=32, do_sample=False)
+    sink, reference = greedy_beside_transformers(engine, wide_heads_dir)
     assert calls.calls == 32                                # the prompt step and 31 decode steps
-    assert sink.tokens("r") == reference[0, len(tokens):].tolist()
+    assert sink.tokens("r") == reference
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

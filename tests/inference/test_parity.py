@@ -42,16 +42,21 @@ def test_qwen2_checkpoint_has_qkv_bias(qwen_dir):
     assert "layers.0.self_attn.qkv_proj.bias" in checkpoint.state_dict
 
 
-def test_greedy_tokens_match_transformers_generate(checkpoint_dir):
-    engine = make_engine(checkpoint_dir)
+def greedy_beside_transformers(engine, path, max_tokens: int = 32) -> tuple[Collector, list[int]]:
+    """The engine's greedy run of PROMPT (EOS ignored) as request "r", and transformers' generate on `path`."""
     engine.eos_token_ids = frozenset()
     tokens = engine.tokenizer.encode(PROMPT).ids
     sink = Collector()
-    engine.add_request(request("r", tokens, max_tokens=32), sink)
+    engine.add_request(request("r", tokens, max_tokens=max_tokens), sink)
     run_to_completion(engine)
     with torch.no_grad():
-        reference = hf_model(checkpoint_dir).generate(torch.tensor([tokens]), max_new_tokens=32, do_sample=False)
-    assert sink.tokens("r") == reference[0, len(tokens):].tolist()
+        reference = hf_model(path).generate(torch.tensor([tokens]), max_new_tokens=max_tokens, do_sample=False)
+    return sink, reference[0, len(tokens):].tolist()
+
+
+def test_greedy_tokens_match_transformers_generate(checkpoint_dir):
+    sink, reference = greedy_beside_transformers(make_engine(checkpoint_dir), checkpoint_dir)
+    assert sink.tokens("r") == reference
     assert sink.finish_reason("r") == "length"
 
 
