@@ -149,9 +149,10 @@ class DecoderLayer(nn.Module):
 class DecoderStack(nn.ModuleList):
     """The decoder layers, run in order; a ModuleList, so the weights keep their names (layers.{i}.…)."""
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, backend: AttentionBackend,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [T, hidden] -> (the last layer's MLP output, the residual stream before it)."""
+        """h [T, hidden], positions [T] -> (the last layer's MLP output, the residual stream before it)."""
+        cos, sin = rotary(positions)
         residual = None
         for layer in self:
             h, residual = layer(h, residual, cos, sin, backend, meta)
@@ -171,8 +172,8 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
                 backend: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> fp32 logits [N, vocab] for the N rows picked by logits_indices."""
-        cos, sin = self.rotary(positions)
-        h, residual = self.layers(self.embed_tokens(input_ids), cos, sin, backend, meta)    # [T, hidden] each
+        # [T, hidden] each
+        h, residual = self.layers(self.embed_tokens(input_ids), positions, self.rotary, backend, meta)
         # [N, hidden]: only the rows we sample from
         h, _ = self.norm.add_forward(h[logits_indices], residual[logits_indices])
         return self.lm_head(h).float()

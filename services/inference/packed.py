@@ -70,9 +70,9 @@ class KernelDecoderStack(DecoderStack):
     rows; a prompt chunk's rows are thus causal, and a decode-only step is bit-identical to running the
     layers one by one. The weights are gathered once: the executor never swaps a tensor of a packed model."""
 
-    def __init__(self, stack: DecoderStack, rotary: RotaryEmbedding, ops: CpuOps) -> None:
+    def __init__(self, stack: DecoderStack, ops: CpuOps) -> None:
         super().__init__(stack)
-        self.ops, self.tables = ops, (rotary,)
+        self.ops = ops
         attn = stack[0].self_attn
         self.heads, self.kv_heads = attn.args.num_attention_heads, attn.args.num_key_value_heads
         self.eps, self.scale = stack[0].input_layernorm.eps, attn.scale
@@ -84,11 +84,11 @@ class KernelDecoderStack(DecoderStack):
                                   layer.post_attention_layernorm.weight, gate_up.packed, down.packed)]
         self.biases = [lin.bias for four in linears for lin in four]
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, backend: AttentionBackend,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         if backend.decode_kernel is None:       # a head size the attention kernel is not built for
-            return super().forward(h, cos, sin, backend, meta)
-        rotary = self.tables[0]
+            return super().forward(h, positions, rotary, backend, meta)
+        # the op reads the whole cos/sin tables at each row's position: no per-step lookup of them here
         decode_only = meta.num_decode == h.shape[0]
         lengths = meta.decode_lens if decode_only else meta.positions + 1       # [T]: each row sees [0, pos]
         return self.ops.decode_layers(h, self.weights, self.biases, self.out_features, rotary.cos, rotary.sin,
@@ -105,7 +105,7 @@ def pack_model(model: nn.Module, ops: CpuOps) -> int:
     swaps = {nn.Linear: lambda m: PackedLinear(m, ops), RMSNorm: lambda m: KernelRMSNorm(m, ops),
              SiluAndMul: lambda m: KernelSiluAndMul(ops)}
     count += _swap(model, swaps)
-    return count + _swap(model, {DecoderStack: lambda m: KernelDecoderStack(m, model.rotary, ops)})
+    return count + _swap(model, {DecoderStack: lambda m: KernelDecoderStack(m, ops)})
 
 
 def _swap(model: nn.Module, swaps: dict) -> int:
