@@ -7,8 +7,10 @@ Two figures, on one deadline-mode replica, for the fixed request shape:
               retry), so it is not a load the replica "serves".
   capacity    the knee: the highest open-loop Poisson rate at which at most `knee_rejection` (default 2 %) of
               calls are refused at their first attempt, found by bisection between half the saturation and the
-              saturation, one probe run per step. Issue 5 asks 1x to show a rejection rate of 0.5-3 %; this is
-              the rate that does, measured rather than assumed.
+              saturation, one probe run per step, then confirmed by runs as long as a matrix run (a 20-s
+              probe passed at 68 req/s where the 60-s run at that rate refused 8 %: the knee is steep and the
+              host drifts), lowered 5 % at a time until one passes. Issue 5 asks 1x to show a rejection rate
+              of 0.5-3 %; this is the rate that does, measured rather than assumed.
 """
 from __future__ import annotations
 
@@ -58,6 +60,22 @@ def find_knee(probe: Callable[[float], Probe], lo_qps: float, hi_qps: float, tar
     return best, probes
 
 
+def confirm_knee(run: Callable[[float], Probe], qps: float, target: float, num_runs: int,
+                 step_down: float = 0.95) -> tuple[float, list[Probe], bool]:
+    """Runs at `qps` (with `run`, as long as a matrix run); while it refuses more than `target` of first
+    attempts, lowers the rate by `step_down` and runs again, at most `num_runs` times. Returns the rate that
+    passed (or, if none did, the last one tried), the runs, and whether one passed."""
+    runs: list[Probe] = []
+    for i in range(num_runs):
+        if i:
+            qps *= step_down
+        result = run(qps)
+        runs.append(result)
+        if result.rejection_rate <= target:
+            return qps, runs, True
+    return qps, runs, False
+
+
 def run_capacity(args: argparse.Namespace, shape_args: dict, out_dir: Path, run_id: str, console) -> int:
     from .cli import _model_info, _opened, _pulse_one, _scrape_all, _server_view, _targets
     from .report import RunReport, print_table
@@ -86,22 +104,31 @@ def run_capacity(args: argparse.Namespace, shape_args: dict, out_dir: Path, run_
 
         probe_numbers = itertools.count()
 
-        def probe(qps: float) -> Probe:
-            console.print(f"knee probe: Poisson {qps:.2f} req/s for {args.probe_duration:.0f} s ...")
+        def probe(qps: float, duration_s: float = args.probe_duration) -> Probe:
+            console.print(f"knee probe: Poisson {qps:.2f} req/s for {duration_s:.0f} s ...")
             number = next(probe_numbers)
-            load = LoadSpec(qps, args.probe_duration, "poisson", seed=args.seed + number)
+            load = LoadSpec(qps, duration_s, "poisson", seed=args.seed + number)
             run = _pulse_one(opened, args, load, shape_args, f"{run_id}-{number}", console)
             result = Probe(qps, run.summary.rejection_rate or 0.0, run.summary.goodput_rps)
             console.print(f"  refused at first attempt {result.rejection_rate:.2%}, goodput {result.goodput_rps:.2f}")
             return result
         capacity_qps, probes = find_knee(probe, saturation_qps / 2, saturation_qps, args.knee_rejection,
                                          args.knee_probes)
+        confirmations, confirmed = [], None
+        if args.confirm_duration > 0 and args.confirm_runs > 0:
+            capacity_qps, confirmations, confirmed = confirm_knee(
+                lambda qps: probe(qps, args.confirm_duration), capacity_qps, args.knee_rejection, args.confirm_runs)
+            if not confirmed:
+                console.print(f"[yellow]no confirmation run refused at most {args.knee_rejection:.1%}: capacity is "
+                              f"the last rate tried, {capacity_qps:.2f} req/s[/yellow]")
     loads = {f"{m}x": round(m * capacity_qps, 3) for m in (0.5, 1, 2, 4)}
     console.print(f"capacity: {capacity_qps:.2f} req/s of {shape.prompt_tokens}+{shape.max_tokens} tokens (knee: "
                   f"<= {args.knee_rejection:.1%} refused at first attempt; saturation {saturation_qps:.2f} req/s "
                   f"with {concurrency} callers); loads {loads}")
     doc = {"capacity_qps": capacity_qps, "definition": "knee", "knee_rejection": args.knee_rejection,
            "probes": [p.__dict__ for p in probes], "probe_duration_s": args.probe_duration,
+           "confirmations": [p.__dict__ for p in confirmations], "confirm_duration_s": args.confirm_duration,
+           "confirmed": confirmed,
            "saturation_qps": saturation_qps, "concurrency": concurrency, "shape": shape_args,
            "deadline_ms": args.deadline_ms, "duration_s": args.duration, "loads_qps": loads,
            "summary": summary.to_dict(), "server": server}

@@ -86,6 +86,10 @@ def add_pulse(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--knee-rejection", type=float, default=0.02, help="share of first attempts refused at the knee")
     c.add_argument("--knee-probes", type=int, default=5, help="probe runs of the bisection for the knee")
     c.add_argument("--probe-duration", type=float, default=20.0, help="seconds of arrivals per probe")
+    c.add_argument("--confirm-duration", type=float, default=60.0,
+                   help="seconds of each run confirming the knee (as long as the runs at 1x; 0: no confirmation)")
+    c.add_argument("--confirm-runs", type=int, default=3,
+                   help="confirmation runs, each 5 %% below the last that refused too many")
     o = p.add_argument_group("output")
     o.add_argument("--out", default=None, help="output directory (default pulse-results/<time>)")
     o.add_argument("--no-plots", action="store_true")

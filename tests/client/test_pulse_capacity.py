@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.pulse.capacity import Probe, find_knee
+from services.pulse.capacity import Probe, confirm_knee, find_knee
 from services.pulse.scrape import server_view
 
 
@@ -38,6 +38,24 @@ def test_no_rate_that_passes_is_an_error_naming_the_probes():
     probe, _ = replica(knee_qps=0.1)
     with pytest.raises(RuntimeError, match="30.00 req/s refused"):
         find_knee(probe, 30.0, 60.0, target=0.02, num_probes=3)
+
+
+def test_a_knee_that_a_long_run_refutes_is_lowered_until_one_passes():
+    probe, probed = replica(knee_qps=40.0)         # the short probes passed 41.0; the long runs say 40.0
+    capacity, runs, confirmed = confirm_knee(probe, 41.0, target=0.0, num_runs=3)
+    assert confirmed and probed == [41.0, 41.0 * 0.95] and capacity == 41.0 * 0.95
+    assert [r.rejection_rate > 0 for r in runs] == [True, False]
+
+
+def test_a_knee_that_holds_is_kept_after_one_run():
+    probe, probed = replica(knee_qps=40.0)
+    assert confirm_knee(probe, 39.0, target=0.02, num_runs=3)[::2] == (39.0, True) and probed == [39.0]
+
+
+def test_when_no_confirmation_passes_the_last_rate_tried_is_flagged():
+    probe, probed = replica(knee_qps=10.0)
+    capacity, runs, confirmed = confirm_knee(probe, 40.0, target=0.02, num_runs=3)
+    assert not confirmed and len(runs) == 3 and capacity == pytest.approx(40.0 * 0.95 ** 2) == probed[-1]
 
 
 def test_the_server_view_reports_how_many_calls_joined_the_very_next_step():
