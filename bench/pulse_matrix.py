@@ -3,7 +3,7 @@ rate refusing at most 2 % of first attempts), then deadline vs fifo at 0.5×, 1�
 Markdown table of the results against the goals, ready for BENCHMARKS.md.
 
 Every step is a `zeroqueue pulse` command (printed before it runs), so any cell can be rerun by hand.
-Takes roughly (4 × 2 × duration) + 5 probes × 20 s + 9 replica warm-ups; run it on a quiet machine.
+Takes roughly (4 × 2 × duration) + 5 probes × 20 s + 1-3 confirmations × duration + 9 replica warm-ups; run it on a quiet machine.
 
     nice -n 5 .venv/bin/python bench/pulse_matrix.py --duration 60 --out bench/results/pulse
 """
@@ -44,13 +44,18 @@ def table(out: Path) -> str:
     runs = {load: json.loads((out / f"load-{load}x" / "pulse.json").read_text())["runs"] for load in LOADS}
     goodput_1x = runs[1]["deadline"]["summary"]["goodput_rps"]
     probes = ", ".join(f"{p['qps']:.1f} → {100 * p['rejection_rate']:.1f} %" for p in capacity.get("probes", []))
+    confirmations = capacity.get("confirmations") or []
+    if confirmations:
+        probes += (f"; confirmed by {capacity['confirm_duration_s']:.0f}-s runs: "
+                   + ", ".join(f"{p['qps']:.1f} → {100 * p['rejection_rate']:.1f} %" for p in confirmations)
+                   + ("" if capacity.get("confirmed") else ", none passed"))
     lines = [f"Capacity (1×): {capacity['capacity_qps']:.2f} req/s, the knee: the highest Poisson rate refusing at "
              f"most {100 * capacity.get('knee_rejection', 0):.0f} % of first attempts (probes of "
              f"{capacity.get('probe_duration_s', 0):.0f} s, rate → refused: {probes}). Saturation: "
              f"{capacity.get('saturation_qps', capacity['capacity_qps']):.2f} req/s ({capacity['concurrency']} "
              f"closed-loop callers). Shape {capacity['shape']['prompt_tokens']}+{capacity['shape']['max_tokens']} "
              f"tokens, deadline {capacity['deadline_ms']:.0f} ms.", "",
-             "| load | mode | in deadline of admitted | P99/P50 admitted | queue mean / step mean, ms | joined the "
+             "| load | mode | in deadline of admitted | P99/P50 admitted | queue mean / step time mean / step period mean, ms | joined the "
              "next step | rejection rate | first-retry success | avg retries | goodput req/s | goodput vs fifo "
              "| goodput vs 1× |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -64,7 +69,8 @@ def table(out: Path) -> str:
             lines.append(
                 f"| {load}× | {mode} | {_f(None if miss is None else 100 * (1 - miss), '{:.2f} %')} "
                 f"| {_f(s['p99_over_p50'])} | {_f(server.get('queue_time', {}).get('mean_ms'))} / "
-                f"{_f(server.get('step_time', {}).get('mean_ms'))} "
+                f"{_f(server.get('step_time', {}).get('mean_ms'))} / "
+                f"{_f(server.get('step_period', {}).get('mean_ms'))} "
                 f"| {_f(_pct(server.get('steps_waited', {}).get('next_step_share')), '{:.2f} %')} "
                 f"| {_f(_pct(s['rejection_rate']), '{:.2f} %')} "
                 f"| {_f(_pct(s['first_retry_success_rate']), '{:.2f} %')} | {_f(s['avg_retries_per_rejected'])} "
@@ -93,6 +99,7 @@ def main() -> int:
     out = Path(ns.out)
     if not ns.table_only:
         pulse(["--capacity", "--duration", str(ns.capacity_duration), "--probe-duration", str(ns.probe_duration),
+               "--confirm-duration", str(ns.duration),
                "--out", str(out / "capacity"), *common(ns)])
         for load in LOADS:
             pulse(["--compare", "--load", str(load), "--capacity-json", str(out / "capacity" / "capacity.json"),

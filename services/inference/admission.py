@@ -52,6 +52,7 @@ class AdmissionConfig:
     max_num_batched_tokens: int
     margin_ms: float = 20.0                 # fixed part of the safety margin
     margin_fraction: float = 0.05           # proportional part, of the budget
+    pace_tokens: int = 0                    # paced steps: each lasts as long as with this many more prompt tokens
 
     def margin_ns(self, budget_ns: int) -> int:
         return int(self.margin_ms * NS_PER_MS + self.margin_fraction * budget_ns)
@@ -116,14 +117,15 @@ class Predictor:
         steps = {c.request_id: c.num_remaining_tokens + max(math.ceil(c.num_prefill_tokens / budget) - 1, 0)
                  for c in commitments}
         order = sorted(commitments, key=lambda c: steps[c.request_id])
-        n = len(order)
-        prefill_us = prefill_tokens * self.cost.marginal_row_us(n)
+        n, pace = len(order), self.config.pace_tokens
+        # paced, a step costs at least as much as with `pace` prompt tokens: those come at no extra cost
+        prefill_us = max(prefill_tokens - pace, 0) * self.cost.marginal_row_us(n + pace)
         context_left = sum(c.final_context for c in order)
         finish, mean_us, var_us2, done_steps = {}, prefill_us, 0.0, 0
         for i, c in enumerate(order):
             phase_steps = steps[c.request_id] - done_steps
             if phase_steps > 0:
-                phase_us, phase_var = self.cost.steps_us(phase_steps, n - i, context_left)
+                phase_us, phase_var = self.cost.steps_us(phase_steps, n - i + pace, context_left)
                 mean_us, var_us2 = mean_us + phase_us, var_us2 + phase_var
                 done_steps = steps[c.request_id]
             finish[c.request_id] = now_ns + int((mean_us + self.cost.num_deviations * math.sqrt(var_us2)) * 1000)

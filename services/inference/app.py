@@ -62,6 +62,7 @@ class ServeConfig:
     pin_cpus: bool = False                  # engine process on cores of its own, this process on the rest (CPU)
     json_logs: bool | None = None           # the engine process logs like this one (None: structlog's default)
     max_num_batched_tokens: int = 256
+    pace_tokens: int = 0                    # paced steps with room for this prompt chunk (pacing.py); 0: unpaced
     margin_ms: float = 20.0
     margin_fraction: float = 0.05
     data_dir: str | None = None             # the outbox (and the default ledger); $ZEROQUEUE_HOME or ~/.zeroqueue
@@ -80,10 +81,15 @@ def drain_grace_s(default_deadline_ms: int) -> float:
 
 
 class StepStats:
-    """Step observer: feeds every measured step to the cost model and the metrics."""
+    """Step observer: feeds every measured step to the cost model and the metrics. Paced (pace_tokens > 0), the
+    cost model learns a step's period, its interval plus the idle the engine held after it (which comes with
+    the next step), against the step padded with a prompt chunk: that is what admission predicts then."""
 
-    def __init__(self, cost: CostModel | None, metrics: ServiceMetrics, num_slots: int, steps: StepLog) -> None:
+    def __init__(self, cost: CostModel | None, metrics: ServiceMetrics, num_slots: int, steps: StepLog,
+                 pace_tokens: int = 0) -> None:
         self.cost, self.metrics, self.num_slots, self.steps = cost, metrics, num_slots, steps
+        self.pace_tokens = pace_tokens
+        self._last: StepDigest | None = None    # the step whose period ends when the next one begins
 
     def on_step(self, digest: StepDigest) -> None:
         self.metrics.free_slots.set(digest.num_free_slots)
@@ -91,12 +97,24 @@ class StepStats:
             return
         self.steps.add(digest.began_ns)
         interval_us = digest.interval_ns // 1000
-        if self.cost is not None:
-            self.cost.observe(digest.num_tokens, digest.context_tokens, interval_us)
+        if self.cost is not None:        # before _last moves on to this step
+            self._observe_cost(digest)
             self.metrics.cost_ratio.set(self.cost.ratio)
             self.metrics.cost_deviation.set(self.cost.deviation)
         self.metrics.step_time.observe(interval_us / 1e6)
         self.metrics.batch_size.observe(digest.num_seqs)
+        last, self._last = self._last, digest
+        if last is not None and last.num_unfinished:
+            self.metrics.step_period.observe((digest.began_ns - last.began_ns) / 1e9)
+
+    def _observe_cost(self, digest: StepDigest) -> None:
+        if not self.pace_tokens:
+            self.cost.observe(digest.num_tokens, digest.context_tokens, digest.interval_ns // 1000)
+            return
+        last = self._last
+        if last is not None:
+            rows = max(last.num_tokens, last.num_seqs + self.pace_tokens)
+            self.cost.observe(rows, last.context_tokens, (last.interval_ns + digest.paced_ns) // 1000)
 
     def on_idle(self, now_ns: int) -> None:
         self.metrics.free_slots.set(self.num_slots)     # idle: nothing holds a slot
@@ -165,7 +183,7 @@ class InferenceApp:
     def _warm_up(self) -> InferenceService:
         spec = EngineSpec(str(self.checkpoint.path), self.config.dtype, self.config.executor,
                           self.config.max_num_batched_tokens, make_executor=self.make_executor,
-                          json_logs=self.config.json_logs)
+                          json_logs=self.config.json_logs, pace_tokens=self.config.pace_tokens)
         if self.config.engine_process:
             split = self._cpu_split()
             if split is not None:
@@ -181,14 +199,16 @@ class InferenceApp:
             engine, ready = build_engine(spec, self.checkpoint)
         cost = CostModel(list(ready.cost_rows), list(ready.cost_row_us), ready.cost_us_per_context_token)
         admission_config = AdmissionConfig(ready.num_slots, ready.max_num_batched_tokens,
-                                           self.config.margin_ms, self.config.margin_fraction)
+                                           self.config.margin_ms, self.config.margin_fraction,
+                                           pace_tokens=self.config.pace_tokens)
         if self.config.admission == "fifo":
             admission, observed_cost = FifoAdmission(), None
         else:
             admission, observed_cost = AdmissionController(cost, admission_config), cost
             engine.set_expiry_guard(int(cost.step_us(ready.num_slots) * 1000))
         steps = StepLog()
-        engine.observers.append(StepStats(observed_cost, self.metrics, ready.num_slots, steps))
+        engine.observers.append(StepStats(observed_cost, self.metrics, ready.num_slots, steps,
+                                          self.config.pace_tokens))
         info = ready.info
         self.meter = Meter(Device(info.kind, info.device_id, info.unit, info.num_compute_units), uuid.uuid4().hex[:12],
                            self.clock.epoch_us, self.link.outbox.append, started_ns=self.clock.now_ns(),

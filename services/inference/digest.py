@@ -28,6 +28,7 @@ class StepDigest(NamedTuple):
     ended: tuple[EndedRequest, ...]  # finished, cancelled or expired in this step
     num_unfinished: int             # requests still in the engine after this step
     num_free_slots: int
+    paced_ns: int = 0               # idle on purpose before this step (paced steps): billed to no one
 
     @property
     def interval_ns(self) -> int:
@@ -44,11 +45,12 @@ class StepDigest(NamedTuple):
     @classmethod
     def from_wire(cls, wire: tuple) -> StepDigest:
         """The digest that `step_wire` shipped, rebuilt in the server process (off the engine's core)."""
-        began_ns, ended_ns, ran, decode_ids, prefills, context_tokens, ended, num_unfinished, num_free_slots = wire
+        (began_ns, ended_ns, ran, decode_ids, prefills, context_tokens, ended, num_unfinished, num_free_slots,
+         paced_ns) = wire
         work = tuple([(rid, 1) for rid in decode_ids]) + prefills
         ended = tuple([EndedRequest(rid, RequestStatus(status), prompt, output, first)
                        for rid, status, prompt, output, first in ended])
-        return cls(began_ns, ended_ns, ran, work, context_tokens, ended, num_unfinished, num_free_slots)
+        return cls(began_ns, ended_ns, ran, work, context_tokens, ended, num_unfinished, num_free_slots, paced_ns)
 
 
 def step_wire(report, num_free_slots: int) -> tuple:
@@ -62,7 +64,7 @@ def step_wire(report, num_free_slots: int) -> tuple:
     return (report.began_ns, report.ended_ns, report.result is not None,
             tuple([s.request.request_id for s in decodes]),
             tuple([(s.request.request_id, len(s.token_ids)) for s in prefills]) if prefills else (),
-            sum([s.start_pos for s in decodes]) + len(decodes), ended, report.num_unfinished, num_free_slots)
+            report.scheduled.context_tokens, ended, report.num_unfinished, num_free_slots, report.paced_ns)
 
 
 def ended_request(request: Request) -> EndedRequest:

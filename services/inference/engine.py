@@ -13,6 +13,7 @@ import structlog
 from .detokenizer import Detokenizer
 from .digest import StepDigest, ended_request
 from .executor import Executor, StepResult
+from .pacing import Pacer
 from .request import Request, RequestStatus
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepUpdate
 
@@ -44,6 +45,7 @@ class StepReport:
     started_ns: int                 # handed to the executor
     ended_ns: int
     num_unfinished: int             # requests still in the engine after this step
+    paced_ns: int = 0               # the engine idled this long on purpose (paced steps) before this step
 
     @property
     def interval_ns(self) -> int:
@@ -77,6 +79,8 @@ class Engine:
         self.expiry_guard_ns = 0        # the service sets this to about one step
         self.last_interval_ns = 0
         self.idle_tick_s = 1.0          # how often observers hear of idle time while there is no work
+        self.pacer: Pacer | None = None     # paced steps (pacing.py); None: each step starts when the last ends
+        self._paced_ns = 0              # idled out since the last reported step
         self._streams: dict[str, _Stream] = {}
         self._inbox: list[tuple[Request, OutputSink] | str] = []
         self._lock = threading.Lock()
@@ -136,7 +140,8 @@ class Engine:
         if result is None and not ended:
             return None
         report = StepReport(scheduled, result, updates, ended, began_ns, started_ns, ended_ns,
-                            self.scheduler.num_unfinished)
+                            self.scheduler.num_unfinished, self._paced_ns)
+        self._paced_ns = 0
         if result is not None:
             self.last_interval_ns = report.interval_ns
         self._notify(report)
@@ -145,6 +150,20 @@ class Engine:
         for update in updates:
             self._emit(update, texts.get(update.request.request_id, ""), ended_ns)
         return report
+
+    def pace(self, report: StepReport | None) -> None:
+        """With a pacer, idles out the rest of the floor of a step that ran while requests are still in flight;
+        calls that arrive meanwhile join the next step, on the cadence."""
+        if self.pacer is None or report is None or report.result is None:
+            return
+        scheduled = report.scheduled
+        self.pacer.observe(scheduled.num_tokens, scheduled.num_tokens - len(scheduled.decodes),
+                           scheduled.context_tokens, report.interval_ns)
+        if report.num_unfinished == 0:
+            return
+        floor_ns = self.pacer.floor_ns(scheduled.num_seqs, scheduled.context_tokens)
+        self._paced_ns += self.pacer.idle_out(report.began_ns, floor_ns, self.clock)
+        self.last_interval_ns = max(self.last_interval_ns, floor_ns)
 
     @property
     def has_work(self) -> bool:
@@ -158,9 +177,9 @@ class Engine:
         work = tuple([(s.request.request_id, 1) for s in decodes]
                      + [(s.request.request_id, len(s.token_ids)) for s in prefills])
         digest = StepDigest(report.began_ns, report.ended_ns, report.result is not None, work,
-                            sum([s.start_pos for s in decodes]) + len(decodes),
+                            report.scheduled.context_tokens,
                             tuple([ended_request(r) for r in report.ended]), report.num_unfinished,
-                            self.scheduler.num_free_slots)
+                            self.scheduler.num_free_slots, report.paced_ns)
         for observer in self.observers:
             observer.on_step(digest)
 
@@ -177,7 +196,7 @@ class Engine:
                     for observer in self.observers:
                         observer.on_idle(self.clock())
                 else:
-                    self.step()
+                    self.pace(self.step())
             except Exception:  # a failed step must not kill the loop; its requests end with "error"
                 log.exception("engine_step_failed")
                 self.fail_all()

@@ -27,11 +27,13 @@ import structlog
 from services import errors
 from services.logs import configure_logging
 from .calibration import calibrate
+from .costmodel import CostModel
 from .cpus import pin
 from .digest import EndedRequest, StepDigest, step_wire
 from .engine import Engine, OutputSink, RequestOutput, StepObserver
 from .executor import DeviceInfo, Executor, ExecutorConfig
 from .loader import Checkpoint, load_checkpoint
+from .pacing import Pacer
 from .request import Request, RequestStatus
 
 log = structlog.get_logger(__name__)
@@ -48,6 +50,7 @@ class EngineSpec:
     make_executor: Callable[..., Executor] = Executor   # a module-level callable: it crosses by reference
     json_logs: bool | None = None                       # configure structlog like the server (None: leave it)
     cpus: tuple[int, ...] = ()                          # the cores the engine process runs on (empty: any)
+    pace_tokens: int = 0                                # paced steps (pacing.py) with this chunk; 0: unpaced
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,8 @@ class RelayedEngine(Engine):
 def build_engine(spec: EngineSpec, checkpoint: Checkpoint | None = None) -> tuple[RelayedEngine, Ready]:
     """Loads (unless given the checkpoint), warms up and (unless told not to) calibrates an engine, in
     whichever process calls it."""
+    if spec.pace_tokens and not spec.calibrate:
+        raise ValueError("paced steps need the calibrated cost model (calibrate=True)")
     checkpoint = checkpoint or load_checkpoint(spec.model_dir, spec.dtype)
     executor = spec.make_executor(checkpoint, spec.executor)
     engine = RelayedEngine(executor, checkpoint.tokenizer, checkpoint.eos_token_ids,
@@ -127,6 +132,9 @@ def build_engine(spec: EngineSpec, checkpoint: Checkpoint | None = None) -> tupl
         cost = calibrate(engine)
         ready = replace(ready, cost_rows=tuple(cost.rows), cost_row_us=tuple(cost.row_us),
                                     cost_us_per_context_token=cost.us_per_context_token)
+        if spec.pace_tokens:        # its own copy: the engine corrects it with the steps it measures
+            engine.pacer = Pacer(CostModel(list(cost.rows), list(cost.row_us), cost.us_per_context_token),
+                                 spec.pace_tokens)
     return engine, ready
 
 
@@ -163,7 +171,7 @@ def _step_loop(engine: RelayedEngine, relay: _Relay, inbox: Connection) -> None:
         stopping = _take_messages(engine, relay, inbox) or stopping
         if engine.has_work:
             try:
-                engine.step()
+                engine.pace(engine.step())
             except Exception:  # noqa: BLE001 - a failed step must not kill the loop; its requests end with "error"
                 log.exception("engine_step_failed")
                 engine.fail_all()

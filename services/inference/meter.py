@@ -3,7 +3,8 @@
 The engine alternates between steps and waiting for work, and the meter (in the server process, fed step
 digests; or on the engine's thread with --engine-thread) accounts for every µs of it: a step is billed from the end of the one before it (or from when work arrived after an idle
 spell) to its own end, so the host work between back-to-back steps, during which the device is held
-for those requests, is billed too; time with no request at all is idle. Hence, exactly,
+for those requests, is billed too; time with no request at all is idle, and so is the time a paced engine
+idles out between steps (pacing.py: held for arrivals, used by no one). Hence, exactly,
     Σ billed unit·µs + Σ idle unit·µs = wall µs × units.
 A step's cost is split over its requests by the tokens each had in it (a decode is one token, a prompt
 chunk its length), in integer unit·µs with largest-remainder rounding, so the parts add up to the
@@ -133,6 +134,9 @@ class Meter:
     def _bill_step(self, digest: StepDigest) -> None:
         if self._busy:
             start_ns = self._last_ns
+            if digest.paced_ns:     # the engine idled on purpose between the steps (paced): no one's usage
+                start_ns = min(start_ns + digest.paced_ns, digest.began_ns)
+                self._account(self._last_ns, start_ns, idle=True)
         else:
             start_ns = max(digest.began_ns, self._last_ns)
             self._account(self._last_ns, start_ns, idle=True)

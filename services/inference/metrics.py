@@ -51,6 +51,10 @@ class ServiceMetrics:
                                             registry=r)
         self.step_time = Histogram("zeroqueue_step_seconds", "Engine step interval", buckets=STEP_BUCKETS_S,
                                    registry=r)
+        self.step_period = Histogram("zeroqueue_step_period_seconds",
+                                     "Start of one engine step to the start of the next while calls stay in "
+                                     "flight: the cadence an arriving call waits on (paced steps idle in it)",
+                                     buckets=STEP_BUCKETS_S, registry=r)
         self.batch_size = Histogram("zeroqueue_batch_size", "Sequences per engine step",
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
         self.finish_error = Histogram("zeroqueue_finish_prediction_ratio",

@@ -56,6 +56,11 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.decodes and not self.prefills
 
+    @property
+    def context_tokens(self) -> int:
+        """Cache positions the decode rows attend to, summed (each also attends to its own new token)."""
+        return sum([s.start_pos for s in self.decodes]) + len(self.decodes)
+
 
 @dataclass(frozen=True)
 class StepUpdate:

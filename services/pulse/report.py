@@ -52,7 +52,8 @@ def rows(run: RunReport) -> list[tuple[str, str]]:
         ("deadline misses among admitted", f"{s.num_admitted_misses} ({_pct(s.admitted_miss_rate)})"),
         ("server queue time mean / P99 ≤, ms", f"{_f(queue.get('mean_ms'), '{:.2f}')} / "
                                                f"{_f(queue.get('p99_at_most_ms'), '{:.1f}')}"),
-        ("server step time mean, ms", _f(step.get("mean_ms"), "{:.2f}")),
+        ("server step time / period mean, ms", f"{_f(step.get('mean_ms'), '{:.2f}')} / "
+                                               f"{_f(server.get('step_period', {}).get('mean_ms'), '{:.2f}')}"),
         ("joined the very next step / most steps waited ≤", f"{_pct(waited.get('next_step_share'))} / "
                                                           f"{_f(waited.get('max_at_most'), '{:.0f}')}"),
         ("mean completion tokens", _f(s.mean_completion_tokens)),

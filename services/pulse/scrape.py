@@ -1,5 +1,5 @@
 """The replica's own view of a run, from its Prometheus /metrics before and after: queue time (receive ->
-first engine step), steps waited (steps that began in between), step time, deadline misses and the retry-attempt counters the SDK's x-retry-attempt feeds."""
+first engine step), steps waited (steps that began in between), step time and period, deadline misses and the retry-attempt counters the SDK's x-retry-attempt feeds."""
 from __future__ import annotations
 
 import math
@@ -77,6 +77,7 @@ def server_view(before: Samples, after: Samples) -> dict:
     return {
         "queue_time": _histogram_ms(d, "zeroqueue_queue_time_seconds"),
         "step_time": _histogram_ms(d, "zeroqueue_step_seconds"),
+        "step_period": _histogram_ms(d, "zeroqueue_step_period_seconds"),
         "steps_waited": _steps_waited(d),
         "deadline_misses": int(d.get(("zeroqueue_deadline_misses_total", ()), 0.0)),
         "requests_by_outcome": _by_labels(d, "zeroqueue_requests_total", "outcome"),
