@@ -36,6 +36,7 @@ async def _one(client: AsyncClient, request: PlannedRequest, trace: RequestTrace
         trace.outcome, trace.completion_tokens = "ok", result.usage.completion_tokens
         trace.device_us = result.usage.device_us
         trace.server_deadline_met, trace.server_queue_us = result.timings.deadline_met, result.timings.queue_us
+        trace.server_total_us = result.timings.total_us
         report = result.report
     except ZeroQueueError as error:
         trace.finished_s = time.monotonic() - t0

@@ -39,6 +39,7 @@ class RequestTrace:
     device_us: int | None = None                      # the usage the final message reported
     server_deadline_met: bool | None = None
     server_queue_us: int | None = None
+    server_total_us: int | None = None               # the replica's own received -> finished (Final.timings)
     endpoint: str = ""
 
     @property
@@ -95,6 +96,8 @@ class Summary:
     ttft_ms: Percentiles
     admitted_ttft_ms: Percentiles
     p99_over_p50: float | None                  # admitted latency
+    server_latency_ms: Percentiles              # the replica's received -> finished of completed calls: the
+    server_p99_over_p50: float | None           # spread without the load generator's own delays on shared cores
     rejection_rate: float | None
     attempt_rejection_rate: float | None        # refused attempts / attempts
     avg_retries_per_rejected: float | None
@@ -129,6 +132,7 @@ def summarize(traces: Sequence[RequestTrace], duration_s: float) -> Summary:
     admitted_ttft = _ms(t.first_token_s - t.admitted_s for t in done
                         if t.first_token_s is not None and t.admitted_s is not None)
     admitted_pct = percentiles(admitted_latency)
+    server_pct = percentiles([t.server_total_us / 1000 for t in done if t.server_total_us is not None])
     lags = _ms(t.sent_s - t.planned_s for t in sent)
     return Summary(
         num_requests=len(traces), num_sent=len(sent), num_admitted=len(admitted), num_completed=len(done),
@@ -136,6 +140,8 @@ def summarize(traces: Sequence[RequestTrace], duration_s: float) -> Summary:
         latency_ms=percentiles(latency), admitted_latency_ms=admitted_pct, ttft_ms=percentiles(ttft),
         admitted_ttft_ms=percentiles(admitted_ttft),
         p99_over_p50=_ratio(admitted_pct.p99, admitted_pct.p50) if admitted_pct.count else None,
+        server_latency_ms=server_pct,
+        server_p99_over_p50=_ratio(server_pct.p99, server_pct.p50) if server_pct.count else None,
         rejection_rate=_ratio(len(refused_first), len(sent)),
         attempt_rejection_rate=_ratio(sum(t.num_rejections for t in sent), num_attempts),
         avg_retries_per_rejected=_ratio(sum(len(t.attempts) - 1 for t in refused_any), len(refused_any)),

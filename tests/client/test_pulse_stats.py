@@ -69,6 +69,19 @@ def test_a_completion_past_its_deadline_is_no_goodput_and_an_admitted_miss():
     assert s.goodput_rps == pytest.approx(0.25) and s.num_admitted_misses == 2
 
 
+def test_the_replicas_own_latency_spread_is_reported_beside_the_clients():
+    # the client saw 100..400 ms; the replica says 80, 90, 100 and 300 ms (the rest was the client's own lag)
+    done = [trace(i, [(0.0, "admitted")], "ok", 0.1 * (i + 1)) for i in range(4)]
+    for t, server_ms in zip(done, (80, 90, 100, 300)):
+        t.server_total_us = server_ms * 1000
+    unknown = trace(4, [(0.0, "admitted")], "ok", 0.5)         # a reply without timings counts for the client only
+    s = summarize([*done, unknown], duration_s=5.0)
+    assert s.p99_over_p50 == pytest.approx(500 / 300)
+    assert (s.server_latency_ms.p50, s.server_latency_ms.p99, s.server_latency_ms.count) == (90, 300, 4)
+    assert s.server_p99_over_p50 == pytest.approx(300 / 90)
+    assert summarize([unknown], duration_s=1.0).server_p99_over_p50 is None
+
+
 def test_empty_and_rejection_free_runs_have_no_ratios_to_report():
     s = summarize([trace(0, [(0.0, "admitted")], "ok", 0.2)], duration_s=1.0)
     assert s.rejection_rate == 0 and s.avg_retries_per_rejected is None and s.first_retry_success_rate is None
