@@ -46,9 +46,10 @@ def table(out: Path) -> str:
     probes = ", ".join(f"{p['qps']:.1f} → {100 * p['rejection_rate']:.1f} %" for p in capacity.get("probes", []))
     confirmations = capacity.get("confirmations") or []
     if confirmations:
-        probes += (f"; confirmed by {capacity['confirm_duration_s']:.0f}-s runs: "
+        band = f"{100 * capacity.get('knee_min_rejection', 0):.1f}–{100 * capacity['knee_rejection']:.0f} %"
+        probes += (f"; runs of {capacity['confirm_duration_s']:.0f} s looking for {band}: "
                    + ", ".join(f"{p['qps']:.1f} → {100 * p['rejection_rate']:.1f} %" for p in confirmations)
-                   + ("" if capacity.get("confirmed") else ", none passed"))
+                   + ("" if capacity.get("confirmed") else ", none in the band"))
     lines = [f"Capacity (1×): {capacity['capacity_qps']:.2f} req/s, the knee: the highest Poisson rate refusing at "
              f"most {100 * capacity.get('knee_rejection', 0):.0f} % of first attempts (probes of "
              f"{capacity.get('probe_duration_s', 0):.0f} s, rate → refused: {probes}). Saturation: "

@@ -89,7 +89,11 @@ def add_pulse(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--confirm-duration", type=float, default=60.0,
                    help="seconds of each run confirming the knee (as long as the runs at 1x; 0: no confirmation)")
     c.add_argument("--confirm-runs", type=int, default=3,
-                   help="confirmation runs, each 5 %% below the last that refused too many")
+                   help="confirmation runs: 5 %% lower after one that refused too many, 3 %% higher after one "
+                        "that refused under --knee-min-rejection")
+    c.add_argument("--knee-min-rejection", type=float, default=0.005,
+                   help="a confirmation run refusing less than this share tries a higher rate (issue 5's band: "
+                        "0.5-3 %% at 1x)")
     o = p.add_argument_group("output")
     o.add_argument("--out", default=None, help="output directory (default pulse-results/<time>)")
     o.add_argument("--no-plots", action="store_true")

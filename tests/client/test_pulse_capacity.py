@@ -47,9 +47,25 @@ def test_a_knee_that_a_long_run_refutes_is_lowered_until_one_passes():
     assert [r.rejection_rate > 0 for r in runs] == [True, False]
 
 
-def test_a_knee_that_holds_is_kept_after_one_run():
+def test_a_knee_inside_the_band_is_kept_after_one_run():
+    probe, probed = replica(knee_qps=40.0)         # 40.4 refuses 1 %
+    assert confirm_knee(probe, 40.4, target=0.02, num_runs=3, floor=0.005)[::2] == (40.4, True)
+    assert probed == [40.4]
+
+
+def test_a_knee_refusing_too_few_is_raised_into_the_band():
+    probe, probed = replica(knee_qps=40.0)         # 39.5 refuses nothing, 39.5 × 1.03 = 40.685 refuses 1.7 %
+    capacity, runs, confirmed = confirm_knee(probe, 39.5, target=0.02, num_runs=4, floor=0.005)
+    assert confirmed and probed == pytest.approx([39.5, 40.685]) and capacity == probed[-1]
+
+
+def test_raising_stops_short_of_a_rate_that_refused_too_many():
     probe, probed = replica(knee_qps=40.0)
-    assert confirm_knee(probe, 39.0, target=0.02, num_runs=3)[::2] == (39.0, True) and probed == [39.0]
+    # 41 refuses 2.5 %: down to 38.95 (0 %), then 3 % up would reach 40.12 < 41: tried (0.3 %, under the floor),
+    # then 3 % more would pass 41: stop, with the highest rate that passed
+    capacity, runs, confirmed = confirm_knee(probe, 41.0, target=0.02, num_runs=5, floor=0.005)
+    assert not confirmed and probed == pytest.approx([41.0, 38.95, 40.1185])
+    assert capacity == pytest.approx(40.1185)
 
 
 def test_when_no_confirmation_passes_the_last_rate_tried_is_flagged():
