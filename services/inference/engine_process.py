@@ -132,7 +132,7 @@ def build_engine(spec: EngineSpec, checkpoint: Checkpoint | None = None) -> tupl
         cost = calibrate(engine)
         ready = replace(ready, cost_rows=tuple(cost.rows), cost_row_us=tuple(cost.row_us),
                                     cost_us_per_context_token=cost.us_per_context_token)
-        if spec.pace_tokens:        # its own copy: the engine corrects it with the steps it measures
+        if spec.pace_tokens:        # a copy of the calibration, which the pacer scales by the steps it measures
             engine.pacer = Pacer(CostModel(list(cost.rows), list(cost.row_us), cost.us_per_context_token),
                                  spec.pace_tokens)
     return engine, ready
