@@ -9,7 +9,6 @@ own plus `num_deviations` of their combined spread. Pending prompt tokens add th
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 from .costmodel import CostModel
@@ -174,27 +173,6 @@ class Lateness:
         return start_ns + int((end_ns - start_ns) * self.factor)
 
 
-@dataclass
-class RetryLag:
-    """How late refused calls come back after the time they were told: running mean and mean absolute
-    deviation, in ns. A reservation is held this late (mean + `num_deviations` deviations) past its hint, so a
-    retry that a busy client or network delays still finds it; `max_ns` bounds what a no-show can waste."""
-    alpha: float = 0.05
-    mean_ns: float = 0.0
-    deviation_ns: float = 0.0
-    num_deviations: float = 2.0
-    max_ns: int = 200 * NS_PER_MS
-
-    def observe(self, lag_ns: int) -> None:
-        lag_ns = max(lag_ns, 0)             # early is on time
-        self.mean_ns += self.alpha * (lag_ns - self.mean_ns)
-        self.deviation_ns += self.alpha * (abs(lag_ns - self.mean_ns) - self.deviation_ns)
-
-    @property
-    def grace_ns(self) -> int:
-        return min(int(self.mean_ns + self.num_deviations * self.deviation_ns), self.max_ns)
-
-
 class AdmissionController:
     """Deadline mode: predict at arrival; admit, or reject at once with the time capacity frees for the call
     and a reservation of a slot from then, so the hinted retry finds room. Slots over time form a calendar:
@@ -208,11 +186,7 @@ class AdmissionController:
         self.config = config
         self.commitments: dict[str, Commitment] = {}
         self.lateness = Lateness()
-        self.retry_lag = RetryLag()
         self.reservation_grace_ns = int(reservation_grace_ms * NS_PER_MS)
-        # reservations that lapsed before their retry came, by request id -> reserved_from: a retry that comes
-        # after all still tells how late retries are (bounded: most never come back)
-        self._lapsed: OrderedDict[str, int] = OrderedDict()
         # a rejection storm must not grow the work of every decision: at most this many reservations
         self.max_reservations = config.num_slots if max_reservations is None else max_reservations
 
@@ -230,9 +204,6 @@ class AdmissionController:
         on_time = held is not None and held.is_reservation
         if on_time:
             del self.commitments[new.request_id]            # a retry takes up its own reservation
-            self.retry_lag.observe(now_ns - held.reserved_from_ns)
-        elif new.request_id in self._lapsed:
-            self.retry_lag.observe(now_ns - self._lapsed.pop(new.request_id))
         idle = self.predictor.finish_times([new], now_ns)[new.request_id]
         if idle > new.deadline_ns - self.predictor.margin_for(new, now_ns):
             return Infeasible(min_budget_ms=math.ceil(self.config.min_budget_ns(idle - now_ns) / NS_PER_MS))
@@ -253,7 +224,7 @@ class AdmissionController:
             return Reject(_ms(frees_ns - now_ns), finish_ns, within_budget=False)
         at_ns, until_ns = retry
         if self.num_reserved < self.max_reservations:
-            grace_ns = max(self.reservation_grace_ns, (at_ns - now_ns) // 10, self.retry_lag.grace_ns)
+            grace_ns = max(self.reservation_grace_ns, (at_ns - now_ns) // 10)
             new.reserved_from_ns, new.reserved_until_ns, new.expires_ns = at_ns, until_ns, at_ns + grace_ns
             self.commitments[new.request_id] = new
         return Reject(_ms(at_ns - now_ns), finish_ns)
@@ -336,9 +307,7 @@ class AdmissionController:
 
     def _expire_reservations(self, now_ns: int) -> None:
         for request_id in [r for r, c in self.commitments.items() if c.is_reservation and c.expires_ns <= now_ns]:
-            self._lapsed[request_id] = self.commitments.pop(request_id).reserved_from_ns
-            if len(self._lapsed) > 4 * self.max_reservations:
-                self._lapsed.popitem(last=False)
+            del self.commitments[request_id]
 
 
 def _ms(ns: int) -> int:

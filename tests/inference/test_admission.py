@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.inference.admission import (Admit, AdmissionConfig, AdmissionController, Commitment, FifoAdmission,
-                                          Infeasible, Predictor, Reject, RetryLag)
+                                          Infeasible, Predictor, Reject)
 from services.inference.costmodel import CostModel, fit_context_cost
 
 MS = 1_000_000
@@ -125,46 +125,6 @@ def test_reservation_expires_when_the_retry_never_comes():
     assert isinstance(c.decide(commit("ghost", max_tokens=5), 0), Reject)
     c.release("a")
     assert isinstance(c.decide(commit("late", max_tokens=5, now_ms=100), 100 * MS), Admit)
-
-
-def test_reservations_wait_as_long_as_retries_are_seen_to_be_late():
-    c = AdmissionController(flat_cost(), AdmissionConfig(1, 256, margin_ms=0, margin_fraction=0),
-                            reservation_grace_ms=20)
-
-    def refuse_behind_a_50_ms_call(i):
-        t_ms = i * 1000
-        assert isinstance(c.decide(commit(f"a{i}", max_tokens=5, now_ms=t_ms), t_ms * MS), Admit)
-        reject = c.decide(commit(f"r{i}", max_tokens=5, now_ms=t_ms), t_ms * MS)
-        assert isinstance(reject, Reject) and reject.retry_after_ms == 50
-        c.release(f"a{i}")
-        return t_ms
-
-    for i in range(100):        # every retry comes 60 ms after its hint: at first past the 20-ms grace
-        t_ms = refuse_behind_a_50_ms_call(i)
-        assert isinstance(c.decide(commit(f"r{i}", max_tokens=5, now_ms=t_ms + 110), (t_ms + 110) * MS), Admit)
-        c.release(f"r{i}")
-    assert c.retry_lag.mean_ns == pytest.approx(60 * MS, rel=0.02) and c.retry_lag.grace_ns > 60 * MS
-    t_ms = refuse_behind_a_50_ms_call(100)
-    c.decide(commit("other", max_tokens=5, now_ms=t_ms + 105), (t_ms + 105) * MS)   # expiry runs here
-    assert c.commitments["r100"].is_reservation      # 55 ms past its hint, the reservation still waits
-
-
-def test_the_wait_for_a_late_retry_is_bounded():
-    lag = RetryLag()
-    for _ in range(200):
-        lag.observe(5_000 * MS)                          # a client that never comes back in time
-    assert lag.grace_ns == lag.max_ns == 200 * MS
-    lag.observe(-10 * MS)                                # early counts as on time, not as negative lateness
-    assert lag.mean_ns > 0
-
-
-def test_lapsed_reservations_are_remembered_in_bounded_space():
-    c = AdmissionController(flat_cost(), AdmissionConfig(1, 256, margin_ms=0, margin_fraction=0),
-                            reservation_grace_ms=1, max_reservations=2)
-    c.decide(commit("a", max_tokens=10**6, deadline_ms=10**9), 0)
-    for i in range(50):                                  # each refused, reserves, and never comes back
-        c.decide(commit(f"ghost{i}", max_tokens=5, deadline_ms=10**9, now_ms=i * 10**6), i * 10**12)
-    assert len(c._lapsed) <= 8
 
 
 def test_fifo_admits_everything():
