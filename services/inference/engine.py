@@ -156,12 +156,12 @@ class Engine:
         calls that arrive meanwhile join the next step, on the cadence."""
         if self.pacer is None or report is None or report.result is None:
             return
-        scheduled = report.scheduled
-        self.pacer.observe(scheduled.num_tokens, scheduled.num_tokens - len(scheduled.decodes),
-                           scheduled.context_tokens, report.interval_ns)
+        scheduled, context_tokens = report.scheduled, report.scheduled.context_tokens
+        self.pacer.observe(scheduled.num_tokens, scheduled.num_tokens - len(scheduled.decodes), context_tokens,
+                           report.interval_ns)
         if report.num_unfinished == 0:
             return
-        floor_ns = self.pacer.floor_ns(scheduled.num_seqs, scheduled.context_tokens)
+        floor_ns = self.pacer.floor_ns(scheduled.num_seqs, context_tokens)
         self._paced_ns += self.pacer.idle_out(report.began_ns, floor_ns, self.clock)
         self.last_interval_ns = max(self.last_interval_ns, floor_ns)
 
