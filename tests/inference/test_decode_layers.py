@@ -146,24 +146,19 @@ def test_greedy_tokens_match_transformers_generate_on_the_fused_path(wide_heads_
 def test_a_call_decodes_the_same_alone_and_among_calls_joining_mid_stream(wide_heads_dir, dtype):
     """Steps that mix decodes with other calls' prompt chunks (max_num_batched_tokens 40 chunks the long
     prompts) still give a call the tokens it gets alone, greedy and seeded."""
-    target = dict(max_tokens=16, ignore_eos=True)
-    alone = {}
-    for name, sampling in (("greedy", {}), ("seeded", dict(temperature=0.9, seed=7))):
+    def tokens_of_the_call(sampling: dict, num_neighbours: int) -> list[int]:
         engine = make_engine(wide_heads_dir, dtype=dtype, max_batch=8, max_num_batched_tokens=40)
         sink = Collector()
-        engine.add_request(request("t", PROMPTS[1], **target, **sampling), sink)
-        run_to_completion(engine)
-        alone[name] = sink.tokens("t")
-    for name, sampling in (("greedy", {}), ("seeded", dict(temperature=0.9, seed=7))):
-        engine = make_engine(wide_heads_dir, dtype=dtype, max_batch=8, max_num_batched_tokens=40)
-        sink = Collector()
-        engine.add_request(request("t", PROMPTS[1], **target, **sampling), sink)
-        for i in range(6):                                  # a neighbour joins every other step
+        engine.add_request(request("t", PROMPTS[1], max_tokens=16, ignore_eos=True, **sampling), sink)
+        for i in range(num_neighbours):                     # a neighbour joins every other step
             engine.step()
             engine.step()
             engine.add_request(request(f"n{i}", list(range(50 + i, 50 + 9 * (i + 2))), max_tokens=8), Collector())
         run_to_completion(engine)
-        assert sink.tokens("t") == alone[name], name
+        return sink.tokens("t")
+
+    for name, sampling in (("greedy", {}), ("seeded", dict(temperature=0.9, seed=7))):
+        assert tokens_of_the_call(sampling, 6) == tokens_of_the_call(sampling, 0), name
 
 
 def test_decode_layers_names_a_wrong_weight_count(wide_heads_dir):
