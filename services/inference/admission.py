@@ -9,7 +9,8 @@ own plus `num_deviations` of their combined spread. Pending prompt tokens add th
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from operator import itemgetter
 
 from .costmodel import CostModel
 
@@ -103,34 +104,56 @@ def peak_occupancy(intervals: list[tuple[int, int]], start: int, end: int) -> in
 
 
 class Predictor:
-    def __init__(self, cost: CostModel, config: AdmissionConfig) -> None:
+    def __init__(self, cost: CostModel, config: AdmissionConfig, max_batch: int | None = None) -> None:
         self.cost = cost
         self.config = config
+        self._max_batch = max_batch or 2 * config.num_slots + 1     # most commitments in one prediction
+        self._cheapest_us: float | None = None
 
     def finish_times(self, commitments: list[Commitment], now_ns: int) -> dict[str, int]:
         """Predicted finish (engine clock) of every commitment if all run from now and nothing else joins."""
         if not commitments:
             return {}
-        budget = self.config.max_num_batched_tokens
-        prefill_tokens = sum(c.num_prefill_tokens for c in commitments)
-        # Each request needs one step per token it still generates; its prompt may need extra chunk steps.
-        steps = {c.request_id: c.num_remaining_tokens + max(math.ceil(c.num_prefill_tokens / budget) - 1, 0)
-                 for c in commitments}
-        order = sorted(commitments, key=lambda c: steps[c.request_id])
-        n, pace = len(order), self.config.pace_tokens
+        # Runs on every decision, several times on a refusal: one pass over plain tuples, no properties.
+        budget, pace, cost = self.config.max_num_batched_tokens, self.config.pace_tokens, self.cost
+        prefill_tokens, context_left, order = 0, 0, []
+        for c in commitments:
+            prefill = c.num_prompt_tokens if c.num_generated == 0 else 0
+            final_context = c.num_prompt_tokens + c.max_tokens
+            prefill_tokens, context_left = prefill_tokens + prefill, context_left + final_context
+            # one step per token still to generate; a prompt may need extra chunk steps
+            steps = max(c.max_tokens - c.num_generated, 0) + max(-(-prefill // budget) - 1, 0)
+            order.append((steps, final_context, c.request_id))
+        order.sort(key=itemgetter(0))
+        n = len(order)
         # paced, a step costs at least as much as with `pace` prompt tokens: those come at no extra cost
-        prefill_us = max(prefill_tokens - pace, 0) * self.cost.marginal_row_us(n + pace)
-        context_left = sum(c.final_context for c in order)
-        finish, mean_us, var_us2, done_steps = {}, prefill_us, 0.0, 0
-        for i, c in enumerate(order):
-            phase_steps = steps[c.request_id] - done_steps
-            if phase_steps > 0:
-                phase_us, phase_var = self.cost.steps_us(phase_steps, n - i + pace, context_left)
-                mean_us, var_us2 = mean_us + phase_us, var_us2 + phase_var
-                done_steps = steps[c.request_id]
-            finish[c.request_id] = now_ns + int((mean_us + self.cost.num_deviations * math.sqrt(var_us2)) * 1000)
-            context_left -= c.final_context
+        mean_us = max(prefill_tokens - pace, 0) * cost.marginal_row_us(n + pace)
+        finish, var_us2, done_steps, k = {}, 0.0, 0, cost.num_deviations
+        for i, (steps, final_context, request_id) in enumerate(order):
+            if steps > done_steps:
+                phase_us, phase_var = cost.steps_us(steps - done_steps, n - i + pace, context_left)
+                mean_us, var_us2, done_steps = mean_us + phase_us, var_us2 + phase_var, steps
+            finish[request_id] = now_ns + int((mean_us + k * math.sqrt(var_us2)) * 1000)
+            context_left -= final_context
         return finish
+
+    def earliest_finish(self, c: Commitment, now_ns: int) -> int:
+        """A floor under `c`'s predicted finish from now, however many share its steps: as many steps as
+        alone, each at the cheapest step time of any batch it could be part of, with no context but its own
+        (finish_times never predicts less: every phase up to its finish is at least that)."""
+        budget, cost = self.config.max_num_batched_tokens, self.cost
+        steps = c.num_remaining_tokens + max(-(-c.num_prefill_tokens // budget) - 1, 0)
+        raw_us = self._cheapest_step_us() + c.final_context * cost.us_per_context_token
+        mean_us, var_us2 = steps * raw_us * cost.ratio, steps * (raw_us * cost.deviation) ** 2
+        return now_ns + int((mean_us + cost.num_deviations * math.sqrt(var_us2)) * 1000)
+
+    def _cheapest_step_us(self) -> float:
+        """The least calibrated step time over every batch a prediction can see (1 to all commitments, plus
+        the pace rows): the step time of the smallest batch when the calibration rises with the rows."""
+        if self._cheapest_us is None:
+            pace = self.config.pace_tokens
+            self._cheapest_us = min(self.cost.raw_step_us(n + pace) for n in range(1, self._max_batch + 1))
+        return self._cheapest_us
 
     def meets_deadlines(self, commitments: list[Commitment], new: Commitment, at_ns: int,
                         before: dict[str, int]) -> tuple[bool, int]:
@@ -182,13 +205,13 @@ class AdmissionController:
 
     def __init__(self, cost: CostModel, config: AdmissionConfig, reservation_grace_ms: float = 50.0,
                  max_reservations: int | None = None) -> None:
-        self.predictor = Predictor(cost, config)
+        # a rejection storm must not grow the work of every decision: at most this many reservations
+        self.max_reservations = config.num_slots if max_reservations is None else max_reservations
+        self.predictor = Predictor(cost, config, max_batch=config.num_slots + self.max_reservations + 1)
         self.config = config
         self.commitments: dict[str, Commitment] = {}
         self.lateness = Lateness()
         self.reservation_grace_ns = int(reservation_grace_ms * NS_PER_MS)
-        # a rejection storm must not grow the work of every decision: at most this many reservations
-        self.max_reservations = config.num_slots if max_reservations is None else max_reservations
 
     @property
     def num_admitted(self) -> int:
@@ -230,14 +253,22 @@ class AdmissionController:
         return Reject(_ms(at_ns - now_ns), finish_ns)
 
     def _fits_at(self, new: Commitment, at_ns: int, admitted: list[Commitment], finishes: dict[str, int],
-                 ahead_of_later_reservations: bool = False) -> tuple[bool, int]:
+                 ahead_of_later_reservations: bool = False, finish_unused: bool = False) -> tuple[bool, int]:
         """Whether `new` joining at `at_ns` meets every deadline and finds a free slot for its whole run.
         `admitted` are the running calls as they will be at `at_ns`, `finishes` their finishes from then.
         A retry that comes for its reservation goes ahead of reservations due after it: they were planned
-        behind it, on predictions that have since moved, so they wait (or are refused) rather than it."""
+        behind it, on predictions that have since moved, so they wait (or are refused) rather than it.
+        With `finish_unused`, a no may come with 0 for the finish, before any prediction."""
         reservations = self._reservations()
         if ahead_of_later_reservations:
             reservations = [r for r in reservations if r.reserved_from_ns <= at_ns]
+        # slots free when calls really finish, which is later than predicted
+        intervals = [(at_ns, self.lateness.stretch(at_ns, finishes[c.request_id])) for c in admitted]
+        intervals += [(r.reserved_from_ns, r.reserved_until_ns) for r in reservations]
+        if finish_unused:   # the calendar is full before even the shortest run `new` could have ends: a quick no
+            shortest_ns = self.lateness.stretch(at_ns, self.predictor.earliest_finish(new, at_ns))
+            if peak_occupancy(intervals, at_ns, shortest_ns) >= self.config.num_slots:
+                return False, 0
         if self._full_at(at_ns, sum(1 for f in finishes.values() if f > at_ns), reservations):
             return False, self.predictor.finish_times([*admitted, new], at_ns)[new.request_id]
         ok, finish_ns = self.predictor.meets_deadlines(admitted, new, at_ns, finishes)
@@ -245,9 +276,6 @@ class AdmissionController:
         if ok and due:      # retries arriving during the run share its steps: count them as running too
             ok, finish_ns = self.predictor.meets_deadlines(admitted + due, new, at_ns,
                                                            self.predictor.finish_times(admitted + due, at_ns))
-        # slots free when calls really finish, which is later than predicted
-        intervals = [(at_ns, self.lateness.stretch(at_ns, finishes[c.request_id])) for c in admitted]
-        intervals += [(r.reserved_from_ns, r.reserved_until_ns) for r in reservations]
         holds_until = self.lateness.stretch(at_ns, finish_ns)
         return ok and peak_occupancy(intervals, at_ns, holds_until) < self.config.num_slots, finish_ns
 
@@ -281,12 +309,11 @@ class AdmissionController:
         for at_ns in sorted(frees)[:self.max_retry_candidates]:
             if at_ns >= new.deadline_ns:
                 break
-            running = sum(1 for c in admitted if slot_ends[c.request_id] > at_ns and
-                          _tokens_done(c, slot_ends[c.request_id], now_ns, at_ns) < c.num_remaining_tokens)
-            if self._full_at(at_ns, running, reservations):
-                continue
             later = _progressed(admitted, slot_ends, now_ns, at_ns)
-            ok, finish_ns = self._fits_at(new, at_ns, later, self.predictor.finish_times(later, at_ns))
+            if self._full_at(at_ns, sum(1 for c in later if c.num_generated < c.max_tokens), reservations):
+                continue
+            ok, finish_ns = self._fits_at(new, at_ns, later, self.predictor.finish_times(later, at_ns),
+                                          finish_unused=True)
             if ok:
                 return at_ns, self.lateness.stretch(at_ns, finish_ns)
         return None
@@ -322,7 +349,9 @@ def _progressed(admitted: list[Commitment], finishes: dict[str, int], now_ns: in
         finish_ns = finishes[c.request_id]
         if finish_ns <= at_ns:
             continue
-        later.append(replace(c, num_generated=c.num_generated + _tokens_done(c, finish_ns, now_ns, at_ns)))
+        # a plain copy: dataclasses.replace costs more than the prediction that follows
+        later.append(Commitment(c.request_id, c.num_prompt_tokens, c.max_tokens, c.deadline_ns,
+                                c.num_generated + _tokens_done(c, finish_ns, now_ns, at_ns)))
     return later
 
 

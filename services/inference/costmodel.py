@@ -25,6 +25,8 @@ class CostModel:
     deviation: float = 0.05
     num_observed: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # calibrated time by row count: admission asks for the same few counts thousands of times a second
+    _base_us: dict[int, float] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.rows or len(self.rows) != len(self.row_us) or self.rows != sorted(set(self.rows)):
@@ -32,6 +34,12 @@ class CostModel:
 
     def raw_step_us(self, num_rows: int, context_tokens: int = 0) -> float:
         """Calibrated step time, before the online correction."""
+        base = self._base_us.get(num_rows)
+        if base is None:
+            base = self._base_us[num_rows] = self._interpolate(num_rows)
+        return base + context_tokens * self.us_per_context_token
+
+    def _interpolate(self, num_rows: int) -> float:
         i = bisect.bisect_left(self.rows, num_rows)
         if i < len(self.rows) and self.rows[i] == num_rows:
             base = self.row_us[i]
@@ -41,7 +49,7 @@ class CostModel:
             lo = min(max(i - 1, 0), len(self.rows) - 2)     # extrapolate with the nearest segment
             slope = (self.row_us[lo + 1] - self.row_us[lo]) / (self.rows[lo + 1] - self.rows[lo])
             base = self.row_us[lo] + slope * (num_rows - self.rows[lo])
-        return max(base, self.row_us[0] * 0.5) + context_tokens * self.us_per_context_token
+        return max(base, self.row_us[0] * 0.5)
 
     def step_us(self, num_rows: int, context_tokens: int = 0) -> float:
         """A cautious prediction of one step: calibrated time × (running ratio + num_deviations × deviation)."""

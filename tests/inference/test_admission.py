@@ -1,6 +1,7 @@
 """Admission decisions and the cost model on their own, with a known step-time curve (no torch)."""
 from __future__ import annotations
 
+import collections
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 from services.inference.admission import (Admit, AdmissionConfig, AdmissionController, Commitment, FifoAdmission,
                                           Infeasible, Predictor, Reject)
 from services.inference.costmodel import CostModel, fit_context_cost
+from tests.inference.overload import overload
 
 MS = 1_000_000
 
@@ -206,20 +208,29 @@ def test_the_slot_calendar_is_never_overbooked(arrivals, slots):
 
 
 class NoShortcut(AdmissionController):
-    """The controller without its quick 'no slot free at that instant' answer: every check predicts."""
+    """The controller without its quick answers ('no slot free at that instant', 'the calendar is full before
+    the shortest run could end'): every check predicts."""
 
     def _full_at(self, at_ns, num_running, reservations):
         return False
 
+    def _fits_at(self, new, at_ns, admitted, finishes, ahead_of_later_reservations=False, finish_unused=False):
+        return super()._fits_at(new, at_ns, admitted, finishes, ahead_of_later_reservations)
+
+
+# calibrations that rise with the rows, and one whose noise dips (a floor must hold for it too)
+CALIBRATIONS = [([1, 8, 32], [2000, 4000, 15000]), ([1, 8, 32, 64], [2000, 4000, 3000, 15000]),
+                ([4, 16], [3000, 2500])]
+
 
 @settings(max_examples=100, deadline=None)
-@given(st.integers(1, 12), st.lists(st.tuples(st.sampled_from(["decide", "progress", "release", "late"]),
-                                              st.integers(0, 30), st.integers(1, 64), st.integers(20, 3000),
-                                              st.integers(1, 100)), min_size=1, max_size=60))
-def test_the_quick_full_check_never_changes_a_decision(slots, ops):
-    cost = CostModel(rows=[1, 8, 32], row_us=[2000, 4000, 15000], us_per_context_token=0.5)
-    quick = AdmissionController(cost, AdmissionConfig(slots, 256))
-    slow = NoShortcut(cost, AdmissionConfig(slots, 256))
+@given(st.integers(1, 12), st.sampled_from(CALIBRATIONS), st.sampled_from([0, 16, 64]),
+       st.lists(st.tuples(st.sampled_from(["decide", "progress", "release", "late"]), st.integers(0, 30),
+                          st.integers(1, 64), st.integers(20, 3000), st.integers(1, 100)), min_size=1, max_size=60))
+def test_the_quick_answers_never_change_a_decision(slots, calibration, pace, ops):
+    cost = CostModel(rows=calibration[0], row_us=calibration[1], us_per_context_token=0.5)
+    quick = AdmissionController(cost, AdmissionConfig(slots, 256, pace_tokens=pace))
+    slow = NoShortcut(cost, AdmissionConfig(slots, 256, pace_tokens=pace))
     now, ids = 0, []
     for i, (op, gap_ms, tokens, deadline_ms, pick) in enumerate(ops):
         now += gap_ms * MS
@@ -239,6 +250,23 @@ def test_the_quick_full_check_never_changes_a_decision(slots, ops):
         elif op == "late":
             for c in (quick, slow):
                 c.observe_finish(pick * MS, pick * MS * (100 + tokens) // 100)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(CALIBRATIONS), st.sampled_from([0, 16, 64]), st.integers(1, 8),
+       st.lists(st.tuples(st.integers(1, 300), st.integers(1, 64), st.integers(0, 64)), max_size=16),
+       st.tuples(st.integers(1, 300), st.integers(1, 64), st.integers(0, 64)))
+def test_the_earliest_finish_is_a_floor_under_every_prediction(calibration, pace, slots, others, new):
+    cost = CostModel(rows=calibration[0], row_us=calibration[1], us_per_context_token=0.5, ratio=1.3,
+                     deviation=0.2)
+    predictor = Predictor(cost, AdmissionConfig(slots, 128, pace_tokens=pace), max_batch=len(others) + 1)
+    made = [Commitment(f"o{i}", prompt, max_tokens, 10**12, num_generated=min(done, max_tokens))
+            for i, (prompt, max_tokens, done) in enumerate(others)]
+    mine = Commitment("new", new[0], new[1], 10**12, num_generated=min(new[2], new[1]))
+    floor = predictor.earliest_finish(mine, 5 * MS)
+    assert floor <= predictor.finish_times([*made, mine], 5 * MS)["new"]
+    if calibration == CALIBRATIONS[0] and mine.num_prefill_tokens <= pace:    # rising steps, no prompt cost:
+        assert floor == predictor.finish_times([mine], 5 * MS)["new"]           # the floor is the run alone
 
 
 def test_a_run_of_k_steps_spreads_by_root_k_step_deviations():
@@ -284,3 +312,16 @@ def test_the_wait_for_room_counts_the_steps_the_prompts_ahead_need():
     refused = c.decide(commit("late", prompt=8), 0)
     # after k steps 960 - 256k tokens are still ahead; below 256 from k = 3, so it joins the fourth step
     assert isinstance(refused, Reject) and refused.retry_after_ms == 30
+
+
+@pytest.mark.parametrize("pace", [0, 64])
+def test_under_overload_the_quick_answers_give_every_call_the_same_decision_and_hint(pace):
+    cost = CostModel(rows=[1, 8, 32, 96, 256], row_us=[2000, 2300, 3000, 4500, 8000], us_per_context_token=0.01)
+    config = AdmissionConfig(32, 256, pace_tokens=pace)
+    quick, slow = AdmissionController(cost, config), NoShortcut(cost, config)
+    kinds = collections.Counter()
+    for a, b in overload([quick, slow], load=3.0, seconds=4.0):
+        assert type(a) is type(b) and {**a.__dict__, "predicted_finish_ns": 0} == \
+            {**b.__dict__, "predicted_finish_ns": 0}
+        kinds[type(a).__name__, getattr(a, "within_budget", None)] += 1
+    assert kinds["Admit", None] > 100 and kinds["Reject", True] > 300      # the overload it claims to be
