@@ -84,6 +84,16 @@ class Infeasible:
 Decision = Admit | Reject | Infeasible
 
 
+def _steps_left(num_remaining_tokens: int, num_prefill_tokens: int, budget: int) -> int:
+    """One step per token still to generate; a prompt longer than the step's token budget needs extra chunk
+    steps before its first token."""
+    return num_remaining_tokens + max(-(-num_prefill_tokens // budget) - 1, 0)
+
+
+def _finish_ns(now_ns: int, mean_us: float, var_us2: float, num_deviations: float) -> int:
+    return now_ns + int((mean_us + num_deviations * math.sqrt(var_us2)) * 1000)
+
+
 def peak_occupancy(intervals: list[tuple[int, int]], start: int, end: int) -> int:
     """The most half-open intervals [s, e) open at once at any instant of [start, end)."""
     open_at_start, events = 0, []
@@ -121,9 +131,8 @@ class Predictor:
             prefill = c.num_prompt_tokens if c.num_generated == 0 else 0
             final_context = c.num_prompt_tokens + c.max_tokens
             prefill_tokens, context_left = prefill_tokens + prefill, context_left + final_context
-            # one step per token still to generate; a prompt may need extra chunk steps
-            steps = max(c.max_tokens - c.num_generated, 0) + max(-(-prefill // budget) - 1, 0)
-            order.append((steps, final_context, c.request_id))
+            order.append((_steps_left(max(c.max_tokens - c.num_generated, 0), prefill, budget), final_context,
+                          c.request_id))
         order.sort(key=itemgetter(0))
         n = len(order)
         # paced, a step costs at least as much as with `pace` prompt tokens: those come at no extra cost
@@ -133,7 +142,7 @@ class Predictor:
             if steps > done_steps:
                 phase_us, phase_var = cost.steps_us(steps - done_steps, n - i + pace, context_left)
                 mean_us, var_us2, done_steps = mean_us + phase_us, var_us2 + phase_var, steps
-            finish[request_id] = now_ns + int((mean_us + k * math.sqrt(var_us2)) * 1000)
+            finish[request_id] = _finish_ns(now_ns, mean_us, var_us2, k)
             context_left -= final_context
         return finish
 
@@ -141,11 +150,11 @@ class Predictor:
         """A floor under `c`'s predicted finish from now, however many share its steps: as many steps as
         alone, each at the cheapest step time of any batch it could be part of, with no context but its own
         (finish_times never predicts less: every phase up to its finish is at least that)."""
-        budget, cost = self.config.max_num_batched_tokens, self.cost
-        steps = c.num_remaining_tokens + max(-(-c.num_prefill_tokens // budget) - 1, 0)
+        cost = self.cost
+        steps = _steps_left(c.num_remaining_tokens, c.num_prefill_tokens, self.config.max_num_batched_tokens)
         raw_us = self._cheapest_step_us() + c.final_context * cost.us_per_context_token
         mean_us, var_us2 = steps * raw_us * cost.ratio, steps * (raw_us * cost.deviation) ** 2
-        return now_ns + int((mean_us + cost.num_deviations * math.sqrt(var_us2)) * 1000)
+        return _finish_ns(now_ns, mean_us, var_us2, cost.num_deviations)
 
     def _cheapest_step_us(self) -> float:
         """The least calibrated step time over every batch a prediction can see (1 to all commitments, plus
