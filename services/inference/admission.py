@@ -243,16 +243,10 @@ class AdmissionController:
         finishes = self.predictor.finish_times(admitted, now_ns)
         ok, finish_ns = self._fits_at(new, now_ns, admitted, finishes, ahead_of_later_reservations=on_time)
         if ok:
-            step_ns = int(self.predictor.cost.step_us(self.config.max_num_batched_tokens) * 1000)
-            # prompts of retries due before this one could start count as ahead of it; an on-time retry
-            # goes ahead of all but those due before it
-            due_ns = now_ns if on_time else now_ns + step_ns
-            wait_steps = self._steps_until_room(admitted, sum(r.num_prompt_tokens for r in self._reservations()
-                                                              if r.reserved_from_ns <= due_ns))
-            if wait_steps:      # it would not join the very next step: refused for whole steps, its turn held
-                at_ns = now_ns + wait_steps * step_ns
-                self._reserve(new, now_ns, at_ns, self.lateness.stretch(now_ns, finish_ns) + (at_ns - now_ns))
-                return Reject(_ms(at_ns - now_ns), finish_ns)
+            wait_steps = self._steps_until_room(admitted)
+            if wait_steps:      # it would not join the very next step: a short refusal, no reservation
+                return Reject(_ms(wait_steps * int(self.predictor.cost.step_us(self.config.max_num_batched_tokens)
+                                                   * 1000)), finish_ns)
             self.commitments[new.request_id] = new
             return Admit(finish_ns)
         retry = self._earliest_retry(new, now_ns, admitted, finishes)
@@ -260,16 +254,12 @@ class AdmissionController:
             frees_ns = min((self.lateness.stretch(now_ns, f) for f in finishes.values() if f > now_ns),
                            default=now_ns)
             return Reject(_ms(frees_ns - now_ns), finish_ns, within_budget=False)
-        self._reserve(new, now_ns, *retry)
-        return Reject(_ms(retry[0] - now_ns), finish_ns)
-
-    def _reserve(self, new: Commitment, now_ns: int, at_ns: int, until_ns: int) -> None:
-        """Holds a slot over [at, until) for the refused call's hinted retry, and its prompt's turn in the
-        steps from `at`; lapses a grace after `at` if the retry has not come."""
+        at_ns, until_ns = retry
         if self.num_reserved < self.max_reservations:
             grace_ns = max(self.reservation_grace_ns, (at_ns - now_ns) // 10)
             new.reserved_from_ns, new.reserved_until_ns, new.expires_ns = at_ns, until_ns, at_ns + grace_ns
             self.commitments[new.request_id] = new
+        return Reject(_ms(at_ns - now_ns), finish_ns)
 
     def _fits_at(self, new: Commitment, at_ns: int, admitted: list[Commitment], finishes: dict[str, int],
                  ahead_of_later_reservations: bool = False, finish_unused: bool = False) -> tuple[bool, int]:
@@ -298,15 +288,14 @@ class AdmissionController:
         holds_until = self.lateness.stretch(at_ns, finish_ns)
         return ok and peak_occupancy(intervals, at_ns, holds_until) < self.config.num_slots, finish_ns
 
-    def _steps_until_room(self, admitted: list[Commitment], reserved_prompt_tokens: int = 0) -> int:
+    def _steps_until_room(self, admitted: list[Commitment]) -> int:
         """Steps before the engine's step token budget has room for one more prompt: 0 when a call admitted
         now gets at least its first prompt chunk into the very next step. Every decoding call takes a token of
-        each step first; prompts admitted but not yet begun, then those of retries whose turn is held, are
-        prefilled in order, in chunks. (A call whose prompt runs in the current step counts as pending until
-        its first token comes back: cautious.)"""
+        each step first; prompts admitted but not yet begun are prefilled in order, in chunks. (A call whose
+        prompt runs in the current step counts as pending until its first token comes back: cautious.)"""
         budget = self.config.max_num_batched_tokens
         decoding = sum(1 for c in admitted if c.num_generated > 0)
-        pending = sum(c.num_prompt_tokens for c in admitted if c.num_generated == 0) + reserved_prompt_tokens
+        pending = sum(c.num_prompt_tokens for c in admitted if c.num_generated == 0)
         excess = decoding + pending - budget        # tokens ahead of the new call that the next step cannot take
         return 0 if excess < 0 else excess // max(budget - decoding, 1) + 1
 
