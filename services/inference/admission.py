@@ -208,12 +208,18 @@ class Lateness:
 class AdmissionController:
     """Deadline mode: predict at arrival; admit, or reject at once with the time capacity frees for the call
     and a reservation of a slot from then, so the hinted retry finds room. Slots over time form a calendar:
-    a running call holds one until its predicted finish, a reservation over its reserved interval."""
+    a running call holds one until its predicted finish, a reservation over its reserved interval.
+
+    A reservation is a promise both ways: it waits `reservation_grace_ms` past its time for a retry that
+    comes late, and a retry that comes on time while its slot (or the step's room for its prompt) is still
+    taken, because the device ran slower than predicted, is admitted if that frees within `retry_hold_ms`
+    and its deadline still holds: it joins the engine when the slot frees rather than being sent away
+    again. The calendar counts it from its admission, so it is the one that takes that slot."""
 
     max_retry_candidates = 8
 
     def __init__(self, cost: CostModel, config: AdmissionConfig, reservation_grace_ms: float = 50.0,
-                 max_reservations: int | None = None) -> None:
+                 max_reservations: int | None = None, retry_hold_ms: float = 50.0) -> None:
         # a rejection storm must not grow the work of every decision: at most this many reservations
         self.max_reservations = config.num_slots if max_reservations is None else max_reservations
         self.predictor = Predictor(cost, config, max_batch=config.num_slots + self.max_reservations + 1)
@@ -221,6 +227,7 @@ class AdmissionController:
         self.commitments: dict[str, Commitment] = {}
         self.lateness = Lateness()
         self.reservation_grace_ns = int(reservation_grace_ms * NS_PER_MS)
+        self.retry_hold_ns = int(retry_hold_ms * NS_PER_MS)
 
     @property
     def num_admitted(self) -> int:
@@ -243,18 +250,23 @@ class AdmissionController:
         finishes = self.predictor.finish_times(admitted, now_ns)
         ok, finish_ns = self._fits_at(new, now_ns, admitted, finishes, ahead_of_later_reservations=on_time)
         if ok:
-            wait_steps = self._steps_until_room(admitted)
-            if wait_steps:      # it would not join the very next step: a short refusal, no reservation
-                return Reject(_ms(wait_steps * int(self.predictor.cost.step_us(self.config.max_num_batched_tokens)
-                                                   * 1000)), finish_ns)
+            wait_ns = self._steps_until_room(admitted) * int(
+                self.predictor.cost.step_us(self.config.max_num_batched_tokens) * 1000)
+            if wait_ns and not (on_time and wait_ns <= self.retry_hold_ns):
+                # it would not join the very next step: a short refusal, no reservation
+                return Reject(_ms(wait_ns), finish_ns)
             self.commitments[new.request_id] = new
-            return Admit(finish_ns)
+            return Admit(finish_ns + wait_ns)
         retry = self._earliest_retry(new, now_ns, admitted, finishes)
         if retry is None:
             frees_ns = min((self.lateness.stretch(now_ns, f) for f in finishes.values() if f > now_ns),
                            default=now_ns)
             return Reject(_ms(frees_ns - now_ns), finish_ns, within_budget=False)
-        at_ns, until_ns = retry
+        at_ns, retry_finish_ns = retry
+        if on_time and at_ns - now_ns <= self.retry_hold_ns:     # its slot frees a little late: held for it
+            self.commitments[new.request_id] = new
+            return Admit(retry_finish_ns)
+        until_ns = self.lateness.stretch(at_ns, retry_finish_ns)
         if self.num_reserved < self.max_reservations:
             grace_ns = max(self.reservation_grace_ns, (at_ns - now_ns) // 10)
             new.reserved_from_ns, new.reserved_until_ns, new.expires_ns = at_ns, until_ns, at_ns + grace_ns
@@ -311,7 +323,7 @@ class AdmissionController:
     def _earliest_retry(self, new: Commitment, now_ns: int, admitted: list[Commitment],
                         finishes: dict[str, int]) -> tuple[int, int] | None:
         """The first moment a slot frees (a call finishes or a reservation ends) from which `new` would be
-        admitted inside its own deadline, with the end of its predicted run; None if there is none."""
+        admitted inside its own deadline, with its predicted finish from then; None if there is none."""
         slot_ends = {rid: self.lateness.stretch(now_ns, f) for rid, f in finishes.items()}
         reservations = self._reservations()
         frees = {f for f in slot_ends.values() if f > now_ns} | {r.reserved_until_ns for r in reservations}
@@ -324,7 +336,7 @@ class AdmissionController:
             ok, finish_ns = self._fits_at(new, at_ns, later, self.predictor.finish_times(later, at_ns),
                                           finish_unused=True)
             if ok:
-                return at_ns, self.lateness.stretch(at_ns, finish_ns)
+                return at_ns, finish_ns
         return None
 
     def observe_finish(self, predicted_ns: int, actual_ns: int) -> None:

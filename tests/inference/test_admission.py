@@ -292,6 +292,42 @@ def test_a_retry_on_time_goes_ahead_of_reservations_planned_behind_it():
     assert isinstance(c.decide(commit("q", max_tokens=10, deadline_ms=4800, now_ms=200), 200 * MS), Reject)
 
 
+def test_a_retry_on_time_is_held_for_a_slot_that_frees_a_little_late():
+    c = controller(slots=1)                                   # 10 ms steps, retries held up to 50 ms
+    assert isinstance(c.decide(commit("a", max_tokens=5), 0), Admit)                 # predicted 0-50 ms
+    assert c.decide(commit("b", max_tokens=5), 0).retry_after_ms == 50              # b reserved from 50 ms
+    c.on_progress("a", 3)                        # the device ran slower: at 50 ms a still needs 2 steps
+    retry = c.decide(commit("b", max_tokens=5, deadline_ms=950, now_ms=50), 50 * MS)
+    assert retry == Admit(120 * MS)                 # joins when a's slot frees at 70 ms, then 5 steps
+    stranger = c.decide(commit("s", max_tokens=5, now_ms=50), 50 * MS)
+    assert isinstance(stranger, Reject), "the slot that frees at 70 ms is b's"
+
+
+def test_a_retry_whose_slot_frees_later_than_the_hold_is_refused_again():
+    c = controller(slots=1)
+    c.decide(commit("a", max_tokens=10), 0)                                          # predicted 0-100 ms
+    assert c.decide(commit("b", max_tokens=5), 0).retry_after_ms == 100
+    c.on_progress("a", 3)                        # at 100 ms a still needs 7 steps: its slot frees at 170 ms
+    again = c.decide(commit("b", max_tokens=5, deadline_ms=900, now_ms=100), 100 * MS)
+    assert isinstance(again, Reject) and again.retry_after_ms == 70
+    assert c.num_reserved == 1 and c.num_admitted == 1           # a new reservation, from 170 ms
+
+
+def test_a_retry_on_time_is_held_for_the_step_room_its_prompt_needs():
+    c = controller(slots=5)                                   # step budget 256 tokens, 10 ms steps
+    for rid in "vwxyz":
+        c.decide(commit(rid, max_tokens=5), 0)
+    assert c.decide(commit("r", max_tokens=5), 0).retry_after_ms == 50              # r reserved from 50 ms
+    for rid in "vwxyz":
+        c.release(rid)
+    for rid in "pqs":                 # three 90-token prompts admitted since, none begun: 270 > 256 tokens
+        c.commitments[rid] = commit(rid, prompt=90, now_ms=50)
+    newcomer = c.decide(commit("n", max_tokens=5, now_ms=50), 50 * MS)
+    assert isinstance(newcomer, Reject) and newcomer.retry_after_ms == 10           # a step to wait
+    retry = c.decide(commit("r", max_tokens=5, deadline_ms=950, now_ms=50), 50 * MS)
+    assert retry == Admit(110 * MS)                      # its 5 steps from 50 ms, one step later
+
+
 def test_a_prompt_that_would_not_join_the_very_next_step_is_refused_for_whole_steps():
     c = controller(slots=8)                          # step budget 256 tokens, 10 ms steps
     for rid in "abc":                                # three 80-token prompts not yet begun: 240 of 256 tokens
