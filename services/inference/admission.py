@@ -214,7 +214,9 @@ class AdmissionController:
     comes late, and a retry that comes on time while its slot (or the step's room for its prompt) is still
     taken, because the device ran slower than predicted, is admitted if that frees within `retry_hold_ms`
     and its deadline still holds: it joins the engine when the slot frees rather than being sent away
-    again. The calendar counts it from its admission, so it is the one that takes that slot."""
+    again. The calendar counts it from its admission, so it is the one that takes that slot. A call refused
+    only because the next step's token budget was taken holds no slot, but keeps its turn: its retry, on
+    time, may wait up to `retry_hold_ms` for that room, where a newcomer would be refused."""
 
     max_retry_candidates = 8
 
@@ -228,6 +230,7 @@ class AdmissionController:
         self.lateness = Lateness()
         self.reservation_grace_ns = int(reservation_grace_ms * NS_PER_MS)
         self.retry_hold_ns = int(retry_hold_ms * NS_PER_MS)
+        self.turns: dict[str, int] = {}     # refused for the step budget: request_id -> when its turn lapses
 
     @property
     def num_admitted(self) -> int:
@@ -243,6 +246,7 @@ class AdmissionController:
         on_time = held is not None and held.is_reservation
         if on_time:
             del self.commitments[new.request_id]            # a retry takes up its own reservation
+        has_turn = on_time or self.turns.pop(new.request_id, None) is not None
         idle = self.predictor.finish_times([new], now_ns)[new.request_id]
         if idle > new.deadline_ns - self.predictor.margin_for(new, now_ns):
             return Infeasible(min_budget_ms=math.ceil(self.config.min_budget_ns(idle - now_ns) / NS_PER_MS))
@@ -252,8 +256,10 @@ class AdmissionController:
         if ok:
             wait_ns = self._steps_until_room(admitted) * int(
                 self.predictor.cost.step_us(self.config.max_num_batched_tokens) * 1000)
-            if wait_ns and not (on_time and wait_ns <= self.retry_hold_ns):
-                # it would not join the very next step: a short refusal, no reservation
+            if wait_ns and not (has_turn and wait_ns <= self.retry_hold_ns):
+                # it would not join the very next step: a short refusal that holds no slot, only its turn
+                if len(self.turns) < self.max_reservations:
+                    self.turns[new.request_id] = now_ns + wait_ns + max(self.reservation_grace_ns, wait_ns // 10)
                 return Reject(_ms(wait_ns), finish_ns)
             self.commitments[new.request_id] = new
             return Admit(finish_ns + wait_ns)
@@ -356,6 +362,8 @@ class AdmissionController:
     def _expire_reservations(self, now_ns: int) -> None:
         for request_id in [r for r, c in self.commitments.items() if c.is_reservation and c.expires_ns <= now_ns]:
             del self.commitments[request_id]
+        for request_id in [r for r, expires_ns in self.turns.items() if expires_ns <= now_ns]:
+            del self.turns[request_id]
 
 
 def _ms(ns: int) -> int:

@@ -341,6 +341,29 @@ def test_a_prompt_that_would_not_join_the_very_next_step_is_refused_for_whole_st
     assert isinstance(c.decide(commit("e", prompt=80), 10 * MS), Admit)
 
 
+def test_a_call_refused_for_the_step_budget_keeps_its_turn_but_no_slot():
+    c = controller(slots=8)                          # step budget 256 tokens, 10 ms steps, 50 ms hold
+    for rid in "abcd":                               # four 80-token prompts not yet begun: 320 tokens
+        c.commitments[rid] = commit(rid, prompt=80)
+    refused = c.decide(commit("e", prompt=80), 0)
+    assert isinstance(refused, Reject) and refused.retry_after_ms == 10 and c.num_reserved == 0
+    for rid in "fgh":                                # more prompts came in the meantime: 560 ahead at 10 ms
+        c.commitments[rid] = commit(rid, prompt=80)
+    newcomer = c.decide(commit("n", prompt=80, now_ms=10), 10 * MS)
+    assert isinstance(newcomer, Reject) and newcomer.retry_after_ms == 20
+    retry = c.decide(commit("e", prompt=80, deadline_ms=990, now_ms=10), 10 * MS)
+    assert retry == Admit((10 + 20 + 100) * MS)     # waits its 2 steps for room, then its 10 tokens
+
+
+def test_a_turn_lapses_when_the_retry_comes_too_late():
+    c = controller(slots=8)
+    for rid in "abcd":
+        c.commitments[rid] = commit(rid, prompt=80)
+    assert isinstance(c.decide(commit("e", prompt=80), 0), Reject)               # its turn lapses at 60 ms
+    late = c.decide(commit("e", prompt=80, deadline_ms=900, now_ms=100), 100 * MS)
+    assert isinstance(late, Reject) and late.retry_after_ms == 10
+
+
 def test_the_wait_for_room_counts_the_steps_the_prompts_ahead_need():
     c = controller(slots=16)
     for i in range(12):                              # 12 × 80 = 960 prompt tokens ahead, 256 a step
