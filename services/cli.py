@@ -65,9 +65,6 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pin-cpus", action="store_true",
                    help="CPU engine process on the last --threads cores, the server on the others (on 2 cores it "
                         "starved the server under overload: see BENCHMARKS.md)")
-    p.add_argument("--server-nice", type=_niceness, default=None, metavar="N",
-                   help="run the server's threads N nicer than the engine process, so engine steps win the cores "
-                        "under overload (default: 10 with a CPU engine process, else 0)")
     p.add_argument("--json-logs", action=argparse.BooleanOptionalAction, default=True)
     p.set_defaults(run=fails_cleanly(run_serve))
 
@@ -76,13 +73,6 @@ def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-def _niceness(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 19:
-        raise argparse.ArgumentTypeError(f"must be 0 to 19, got {value}")
     return value
 
 
@@ -99,8 +89,8 @@ def run_serve(args: argparse.Namespace) -> int:
         margin_fraction=args.safety_margin_pct / 100, data_dir=args.data_dir, ledger_url=args.ledger,
         metering_address=args.metering, metering_key=args.metering_key, metering_ca=args.metering_ca,
         tls_cert=args.tls_cert, tls_key=args.tls_key, health_port=args.health_port,
-        engine_process=not args.engine_thread, pin_cpus=args.pin_cpus, server_nice=args.server_nice,
-        json_logs=args.json_logs, pace_tokens=args.pace_tokens)
+        engine_process=not args.engine_thread, pin_cpus=args.pin_cpus, json_logs=args.json_logs,
+        pace_tokens=args.pace_tokens)
     if args.demo_tenant and not args.metering:
         ensure_demo_tenant(args.ledger, args.demo_tenant, args.data_dir)
     return asyncio.run(_serve(lambda: InferenceApp(config)))

@@ -23,7 +23,7 @@ from zeroqueue.inference.v1 import inference_pb2, inference_pb2_grpc
 from .admission import AdmissionConfig, AdmissionController, FifoAdmission
 from .clock import Clock
 from .costmodel import CostModel
-from .cpus import allowed_cpus, engine_threads, lower_priority, pin, server_niceness, split_cpus
+from .cpus import allowed_cpus, engine_threads, pin, split_cpus
 from .digest import StepDigest
 from .engine import Engine
 from .engine_process import EngineClient, EngineSpec, build_engine
@@ -60,7 +60,6 @@ class ServeConfig:
     executor: ExecutorConfig = ExecutorConfig()
     engine_process: bool = True             # the engine in a child process (False: a thread of this one)
     pin_cpus: bool = False                  # engine process on cores of its own, this process on the rest (CPU)
-    server_nice: int | None = 0             # this process's niceness above the engine's; None: cpus.server_niceness
     json_logs: bool | None = None           # the engine process logs like this one (None: structlog's default)
     max_num_batched_tokens: int = 256
     pace_tokens: int = 0                    # paced steps with room for this prompt chunk (pacing.py); 0: unpaced
@@ -194,10 +193,6 @@ class InferenceApp:
             if split is not None:
                 pin(split[1])
                 log.info("cpus_pinned", engine=list(split[0]), server=list(split[1]))
-            niceness = server_niceness(self.config.server_nice, True, runs_on_cpu(self.config.executor))
-            if niceness:        # after the engine started: the child keeps the priority it was spawned with
-                lower_priority(niceness)
-                log.info("server_yields_to_engine", niceness=niceness)
             # the weights live in the engine process; this one keeps the tokenizer and the config
             self.checkpoint = dataclasses.replace(self.checkpoint, state_dict={})
         else:

@@ -1,5 +1,4 @@
-"""Which cores the engine process and the server process run on (`zeroqueue serve --pin-cpus`), and how the
-server yields the CPU to the engine (`--server-nice`). No torch here.
+"""Which cores the engine process and the server process run on (`zeroqueue serve --pin-cpus`). No torch here.
 
 Pinned, the engine's threads have cores of their own and the server's threads share the rest, so no server
 thread is ever scheduled into the middle of an engine step. Off by default: on the 2-core machine the server
@@ -40,35 +39,5 @@ def pin(cpus: Sequence[int]) -> None:
     for tid in threads:
         try:
             os.sched_setaffinity(tid, cpus)
-        except ProcessLookupError:          # a thread that ended meanwhile
-            pass
-
-
-# The server's niceness above its CPU engine's when `zeroqueue serve` is not told: under 4x overload on the
-# 2-core VM it raised goodput from 88 to 101 req/s in the same schedule (BENCHMARKS.md, "Pulse").
-CPU_SERVER_NICENESS = 10
-
-
-def server_niceness(requested: int | None, engine_process: bool, engine_on_cpu: bool) -> int:
-    """How much lower than the engine's this process's priority is: as requested, else CPU_SERVER_NICENESS
-    when a CPU engine runs in its own process (its steps compete with this process's gRPC threads for the
-    same cores), else 0 (in one process they are the same threads' priority; a GPU step is not CPU-bound)."""
-    if requested is not None:
-        return requested
-    return CPU_SERVER_NICENESS if engine_process and engine_on_cpu else 0
-
-
-def lower_priority(niceness: int) -> None:
-    """Every thread of this process becomes `niceness` nicer (threads started later inherit it from the
-    thread that starts them). Linux sets niceness per thread, so each existing thread is set, as pin does."""
-    if niceness <= 0:
-        return
-    try:
-        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
-    except OSError:
-        threads = [0]
-    for tid in threads:
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, min(os.getpriority(os.PRIO_PROCESS, tid) + niceness, 19))
         except ProcessLookupError:          # a thread that ended meanwhile
             pass

@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-import subprocess
-import sys
 import time
 
 import grpc
@@ -15,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import errors
 from services.inference.app import ServeConfig
-from services.inference.cpus import CPU_SERVER_NICENESS, engine_threads, pin, server_niceness, split_cpus
+from services.inference.cpus import engine_threads, pin, split_cpus
 from services.inference.digest import StepDigest
 from services.inference.engine import Engine
 from services.inference.engine_process import EngineClient, EngineFailed, EngineSpec, RelayedEngine, _Relay
@@ -197,48 +195,3 @@ def test_a_pinned_engine_process_runs_on_its_own_cores_and_the_server_on_the_oth
     finally:
         server.stop()
         pin(mask)                           # this test process hosted the server
-
-
-def test_the_server_yields_to_a_cpu_engine_process_unless_told_otherwise():
-    assert server_niceness(None, engine_process=True, engine_on_cpu=True) == CPU_SERVER_NICENESS
-    assert server_niceness(None, engine_process=False, engine_on_cpu=True) == 0
-    assert server_niceness(None, engine_process=True, engine_on_cpu=False) == 0
-    assert server_niceness(3, engine_process=True, engine_on_cpu=True) == 3
-    assert ServeConfig(".").server_nice == 0, "a replica built in code leaves its host process's priority alone"
-
-
-# Run in a child process: niceness cannot be lowered back without privilege, so the test runner keeps its own.
-YIELDING_SERVER = """
-import os, sys
-from services.inference.app import ServeConfig
-from services.inference.executor import ExecutorConfig
-from services.inference.inprocess import ServerThread
-base = os.getpriority(os.PRIO_PROCESS, 0)
-server = ServerThread(ServeConfig(sys.argv[1], port=0, engine_process=True, server_nice=5,
-                                  executor=ExecutorConfig(max_batch=2, max_seq_len=64))).start()
-try:
-    niceness = set()
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            niceness.add(os.getpriority(os.PRIO_PROCESS, int(tid)) - base)
-        except ProcessLookupError:
-            pass
-    print("niceness:", sorted(niceness), os.getpriority(os.PRIO_PROCESS, server.app.engine.pid) - base)
-finally:
-    server.stop()
-"""
-
-
-def test_a_yielding_server_runs_every_thread_nicer_than_its_engine_process(llama_dir):
-    out = subprocess.run([sys.executable, "-c", YIELDING_SERVER, str(llama_dir)], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    (line,) = [x for x in out.stdout.splitlines() if x.startswith("niceness:")]
-    assert line == "niceness: [5] 0"            # every server thread 5 nicer; the engine as it started
-
-
-@pytest.mark.parametrize("value", ["-1", "20"])
-def test_serve_refuses_a_niceness_outside_0_to_19(value):
-    result = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--server-nice", value],
-                            capture_output=True, text=True)
-    assert result.returncode == 2 and f"--server-nice: must be 0 to 19, got {value}" in result.stderr
