@@ -20,7 +20,7 @@ from prometheus_client import start_http_server
 from billing.db import data_dir
 from services.metering.app import server_credentials
 from zeroqueue.inference.v1 import inference_pb2, inference_pb2_grpc
-from .admission import AdmissionConfig, AdmissionController, FifoAdmission
+from .admission import AdmissionConfig, AdmissionController
 from .clock import Clock
 from .costmodel import CostModel
 from .cpus import allowed_cpus, engine_threads, pin, split_cpus
@@ -28,6 +28,7 @@ from .digest import StepDigest
 from .engine import Engine
 from .engine_process import EngineClient, EngineSpec, build_engine
 from .executor import Executor, ExecutorConfig, runs_on_cpu
+from .fifo import FifoAdmission
 from .loader import load_checkpoint
 from .meter import Device, Meter
 from .metering_link import MeteringLink

@@ -17,11 +17,12 @@ import structlog
 from billing.records import UsageRecord
 from services import errors
 from services.metering.outbox import Outbox
-from .admission import Admit, AdmissionController, Commitment, FifoAdmission, Infeasible, Reject
+from .admission import Admit, AdmissionController, Commitment, Infeasible, Reject
 from .clock import Clock
 from .engine import Engine, RequestOutput
 from .engine_process import EngineClient
 from .executor import DeviceInfo
+from .fifo import FifoAdmission
 from .meter import Meter, RecordContext
 from .metrics import ServiceMetrics
 from .request import Request, SamplingParams

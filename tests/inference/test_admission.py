@@ -9,9 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.inference.admission import (Admit, AdmissionConfig, AdmissionController, Commitment, FifoAdmission,
+from services.inference.admission import (Admit, AdmissionConfig, AdmissionController, Commitment,
                                           Infeasible, Predictor, Reject)
 from services.inference.costmodel import CostModel, fit_context_cost
+from services.inference.fifo import FifoAdmission
 from tests.inference.overload import overload
 
 MS = 1_000_000
