@@ -259,7 +259,7 @@ class AdmissionController:
             if wait_ns and not (has_turn and wait_ns <= self.retry_hold_ns):
                 # it would not join the very next step: a short refusal that holds no slot, only its turn
                 if len(self.turns) < self.max_reservations:
-                    self.turns[new.request_id] = now_ns + wait_ns + max(self.reservation_grace_ns, wait_ns // 10)
+                    self.turns[new.request_id] = now_ns + wait_ns + self._grace_ns(wait_ns)
                 return Reject(_ms(wait_ns), finish_ns)
             self.commitments[new.request_id] = new
             return Admit(finish_ns + wait_ns)
@@ -274,10 +274,14 @@ class AdmissionController:
             return Admit(retry_finish_ns)
         until_ns = self.lateness.stretch(at_ns, retry_finish_ns)
         if self.num_reserved < self.max_reservations:
-            grace_ns = max(self.reservation_grace_ns, (at_ns - now_ns) // 10)
-            new.reserved_from_ns, new.reserved_until_ns, new.expires_ns = at_ns, until_ns, at_ns + grace_ns
+            new.reserved_from_ns, new.reserved_until_ns = at_ns, until_ns
+            new.expires_ns = at_ns + self._grace_ns(at_ns - now_ns)
             self.commitments[new.request_id] = new
         return Reject(_ms(at_ns - now_ns), finish_ns)
+
+    def _grace_ns(self, wait_ns: int) -> int:
+        """How long past its hinted time a refused call's reservation or turn waits for its retry."""
+        return max(self.reservation_grace_ns, wait_ns // 10)
 
     def _fits_at(self, new: Commitment, at_ns: int, admitted: list[Commitment], finishes: dict[str, int],
                  ahead_of_later_reservations: bool = False, finish_unused: bool = False) -> tuple[bool, int]:
