@@ -45,6 +45,13 @@ class ServiceMetrics:
         self.admission_time = Histogram("zeroqueue_admission_seconds", "Arrival to admission decision",
                                         buckets=ADMISSION_BUCKETS_S,
                                         registry=r)
+        self.relay_lag = Histogram("zeroqueue_relay_lag_seconds",
+                                   "Engine step end to its output taken up by the call's stream on the event loop "
+                                   "(the oldest output of each message): how far the server runs behind the engine",
+                                   buckets=LATENCY_BUCKETS_S, registry=r)
+        self.usage_durable = Histogram("zeroqueue_usage_durable_seconds",
+                                       "Engine finish to the call's usage record durable in the outbox, which the "
+                                       "final message waits for", buckets=LATENCY_BUCKETS_S, registry=r)
         self.refusal_reply_time = Histogram("zeroqueue_refusal_reply_seconds",
                                             "Arrival to a refusal (RESOURCE_EXHAUSTED) handed to gRPC: the decision "
                                             "and the status details", buckets=ADMISSION_BUCKETS_S,

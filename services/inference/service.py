@@ -31,6 +31,13 @@ from .steplog import StepLog
 log = structlog.get_logger(__name__)
 
 
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 class WarmupState(enum.Enum):
     WARMING_UP = "warming_up"
     READY = "ready"
@@ -95,7 +102,19 @@ class _LoopSink:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
     def put(self, output: RequestOutput) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, output)
+        if _running_loop() is self.loop:        # the engine process's relay: no wake-up through the self-pipe
+            self.queue.put_nowait(output)
+        else:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, output)
+
+
+def _merged(outputs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one call as one: their tokens and text in order, the time of the first (when
+    the message's first token was produced), the state of the last."""
+    first = outputs[0]
+    return outputs[-1]._replace(token_ids=tuple(t for o in outputs for t in o.token_ids),
+                                text="".join(o.text for o in outputs), time_ns=first.time_ns,
+                                first_scheduled_ns=first.first_scheduled_ns)
 
 
 def _attempt_label(attempt: int) -> str:
@@ -193,29 +212,42 @@ class InferenceService:
             self.metrics.rejections.labels(result).inc()
 
     async def stream(self, ticket: Ticket) -> AsyncIterator[RequestOutput]:
-        """Relays the engine's outputs; the last one carries the finish reason."""
+        """Relays the engine's outputs; the last one carries the finish reason. Outputs that queued up while
+        this call's relay waited for the loop go out as one message: a loop that falls behind sends fewer,
+        larger messages instead of falling further behind (one output per step otherwise)."""
         last_ns = ticket.received_ns
         while ticket.finish_reason is None:
-            output: RequestOutput = await ticket.outputs.get()
-            if ticket.first_scheduled_ns is None:
-                ticket.first_scheduled_ns = output.first_scheduled_ns
-            if output.token_ids:
-                if ticket.first_token_ns is None:
-                    ticket.first_token_ns = output.time_ns
-                    self.metrics.ttft.observe((output.time_ns - ticket.received_ns) / 1e9)
-                    first_step_ns = ticket.first_scheduled_ns or output.time_ns
-                    self.metrics.queue_time.observe((first_step_ns - ticket.received_ns) / 1e9)
-                    self.metrics.steps_waited.observe(self.steps.steps_began_between(ticket.dispatched_ns,
-                                                                                     first_step_ns))
-                else:
-                    self.metrics.inter_token.observe((output.time_ns - last_ns) / 1e9)
-                last_ns = output.time_ns
-            ticket.num_output_tokens = output.num_output_tokens
-            self.admission.on_progress(ticket.spec.request_id, output.num_output_tokens)
-            if output.finish_reason is not None:
-                ticket.finish_reason, ticket.finished_ns = output.finish_reason, output.time_ns
+            outputs: list[RequestOutput] = [await ticket.outputs.get()]
+            while outputs[-1].finish_reason is None and not ticket.outputs.empty():
+                outputs.append(ticket.outputs.get_nowait())
+            self.metrics.relay_lag.observe((self.clock.now_ns() - outputs[0].time_ns) / 1e9)
+            for output in outputs:
+                last_ns = self._account(ticket, output, last_ns)
+            last = outputs[-1]
+            if last.finish_reason is not None:
+                ticket.finish_reason, ticket.finished_ns = last.finish_reason, last.time_ns
                 await self._usage_on_disk(ticket)
-            yield output
+                self.metrics.usage_durable.observe((self.clock.now_ns() - last.time_ns) / 1e9)
+            yield last if len(outputs) == 1 else _merged(outputs)
+
+    def _account(self, ticket: Ticket, output: RequestOutput, last_ns: int) -> int:
+        """One engine output's bookkeeping; returns the time of the call's latest token."""
+        if ticket.first_scheduled_ns is None:
+            ticket.first_scheduled_ns = output.first_scheduled_ns
+        if output.token_ids:
+            if ticket.first_token_ns is None:
+                ticket.first_token_ns = output.time_ns
+                self.metrics.ttft.observe((output.time_ns - ticket.received_ns) / 1e9)
+                first_step_ns = ticket.first_scheduled_ns or output.time_ns
+                self.metrics.queue_time.observe((first_step_ns - ticket.received_ns) / 1e9)
+                self.metrics.steps_waited.observe(self.steps.steps_began_between(ticket.dispatched_ns,
+                                                                                 first_step_ns))
+            else:
+                self.metrics.inter_token.observe((output.time_ns - last_ns) / 1e9)
+            last_ns = output.time_ns
+        ticket.num_output_tokens = output.num_output_tokens
+        self.admission.on_progress(ticket.spec.request_id, output.num_output_tokens)
+        return last_ns
 
     async def _usage_on_disk(self, ticket: Ticket) -> None:
         """Waits until the call's usage record is durable in the outbox: only then may its end be told."""

@@ -1,0 +1,110 @@
+"""The service's relay of engine outputs to a call's stream: one message per output while it keeps up, and
+the outputs that queued up while it fell behind in one message, with nothing lost, reordered or re-counted."""
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Future
+from types import MappingProxyType
+
+from services.inference.clock import Clock
+from services.inference.engine import RequestOutput
+from services.inference.metrics import ServiceMetrics
+from services.inference.request import SamplingParams
+from services.inference.service import BudgetSource, GenerateSpec, InferenceService, Ticket, _LoopSink
+from services.inference.steplog import StepLog
+
+
+class Progress:
+    """The admission controller as the relay sees it: told each call's token count."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def on_progress(self, request_id: str, num_generated: int) -> None:
+        self.seen.append(num_generated)
+
+
+def _service(metrics: ServiceMetrics, progress: Progress) -> InferenceService:
+    return InferenceService(engine=None, card=None, admission=progress, metrics=metrics, clock=Clock(), meter=None,
+                            outbox=None, steps=StepLog())
+
+
+def _ticket(queue: asyncio.Queue, received_ns: int) -> Ticket:
+    spec = GenerateSpec("r1", (1, 2, 3), SamplingParams(max_tokens=4), MappingProxyType({}))
+    done: Future = Future()
+    done.set_result(None)
+    return Ticket(spec, "tenant", None, queue, received_ns, received_ns, received_ns + 10**10, 10_000,
+                  BudgetSource.CLIENT_DEADLINE, received_ns + 10**9, usage_on_disk=done)
+
+
+def _outputs(t0_ns: int) -> list[RequestOutput]:
+    step_ns = 3_000_000
+    return [RequestOutput("r1", (10 + i,), f"t{i}", t0_ns + (i + 1) * step_ns, i + 1,
+                          "length" if i == 3 else None, t0_ns + 1_000) for i in range(4)]
+
+
+def _count(metrics: ServiceMetrics, name: str) -> float:
+    return metrics.registry.get_sample_value(f"{name}_count")
+
+
+async def _relay(queued_before_reading: int) -> tuple[list[RequestOutput], ServiceMetrics, Progress, Ticket]:
+    metrics, progress = ServiceMetrics(), Progress()
+    service, t0 = _service(metrics, progress), Clock().now_ns()
+    ticket = _ticket(asyncio.Queue(), t0)
+    outputs = _outputs(t0)
+    for output in outputs[:queued_before_reading]:
+        ticket.outputs.put_nowait(output)
+    got, stream = [], service.stream(ticket)
+    async for message in stream:
+        got.append(message)
+        if len(got) == 1:       # the rest arrive one at a time, each read before the next comes
+            for output in outputs[queued_before_reading:]:
+                ticket.outputs.put_nowait(output)
+                got.append(await anext(stream))
+            break
+    return got, metrics, progress, ticket
+
+
+def test_a_relay_that_keeps_up_sends_one_message_per_output():
+    got, metrics, progress, ticket = asyncio.run(_relay(queued_before_reading=1))
+    assert [m.token_ids for m in got] == [(10,), (11,), (12,), (13,)]
+    assert _count(metrics, "zeroqueue_relay_lag_seconds") == 4
+    assert ticket.finish_reason == "length" and ticket.num_output_tokens == 4
+
+
+def test_outputs_that_queued_up_go_out_as_one_message_in_order():
+    got, metrics, progress, ticket = asyncio.run(_relay(queued_before_reading=3))
+    outputs = _outputs(ticket.received_ns)
+    assert [m.token_ids for m in got] == [(10, 11, 12), (13,)]
+    assert got[0].text == "t0t1t2" and got[0].time_ns == outputs[0].time_ns     # when its first token came
+    assert got[0].num_output_tokens == 3 and got[0].finish_reason is None
+    assert got[-1].finish_reason == "length" and ticket.finished_ns == outputs[3].time_ns
+    # every output is still accounted one by one: TTFT once, an inter-token gap per later token, progress
+    assert ticket.first_token_ns == outputs[0].time_ns and progress.seen == [1, 2, 3, 4]
+    assert _count(metrics, "zeroqueue_ttft_seconds") == 1 and _count(metrics, "zeroqueue_inter_token_seconds") == 3
+    assert _count(metrics, "zeroqueue_relay_lag_seconds") == 2
+
+
+def test_the_final_output_ends_the_message_it_is_in():
+    async def relay():
+        metrics, progress = ServiceMetrics(), Progress()
+        t0 = Clock().now_ns()
+        ticket = _ticket(asyncio.Queue(), t0)
+        for output in _outputs(t0):
+            ticket.outputs.put_nowait(output)
+        return [m async for m in _service(metrics, progress).stream(ticket)]
+
+    got = asyncio.run(relay())
+    assert len(got) == 1 and got[0].token_ids == (10, 11, 12, 13) and got[0].finish_reason == "length"
+
+
+def test_the_sink_puts_directly_on_its_own_loop_and_through_the_loop_from_another_thread():
+    async def put_both_ways():
+        sink = _LoopSink(asyncio.get_running_loop())
+        first = _outputs(0)[0]
+        sink.put(first)
+        assert sink.queue.qsize() == 1          # on the loop: put at once, no wake-up through the self-pipe
+        await asyncio.to_thread(sink.put, first._replace(token_ids=(99,)))     # handed over through the loop
+        return [sink.queue.get_nowait().token_ids for _ in range(sink.queue.qsize())]
+
+    assert asyncio.run(put_both_ways()) == [(10,), (99,)]
