@@ -46,6 +46,8 @@ def rows(run: RunReport) -> list[tuple[str, str]]:
         ("P99 / P50 (admitted latency)", _f(s.p99_over_p50, "{:.2f}")),
         ("at the replica: latency P50 / P99, ms; P99 / P50",
          f"{_p(s.server_latency_ms, 'p50')} / {_p(s.server_latency_ms, 'p99')}; {_f(s.server_p99_over_p50, '{:.2f}')}"),
+        ("engine finish → final read by the client, P50 / P99, ms",
+         f"{_p(s.final_lag_ms, 'p50')} / {_p(s.final_lag_ms, 'p99')}"),
         ("rejection rate (first attempt)", _pct(s.rejection_rate)),
         ("refused attempts / attempts", _pct(s.attempt_rejection_rate)),
         ("avg retries per rejected request", _f(s.avg_retries_per_rejected, "{:.2f}")),

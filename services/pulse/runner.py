@@ -33,6 +33,7 @@ async def _one(client: AsyncClient, request: PlannedRequest, trace: RequestTrace
                 trace.first_token_s = time.monotonic() - t0
         trace.finished_s = time.monotonic() - t0
         result = generation.result
+        trace.final_lag_us = time.time_ns() // 1000 - result.timings.finished_at_us
         trace.outcome, trace.completion_tokens = "ok", result.usage.completion_tokens
         trace.device_us = result.usage.device_us
         trace.server_deadline_met, trace.server_queue_us = result.timings.deadline_met, result.timings.queue_us

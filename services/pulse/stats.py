@@ -40,6 +40,8 @@ class RequestTrace:
     server_deadline_met: bool | None = None
     server_queue_us: int | None = None
     server_total_us: int | None = None               # the replica's own received -> finished (Final.timings)
+    final_lag_us: int | None = None                  # engine finish -> this client read the final message
+                                                     # (epoch clocks of both hosts: exact on one host)
     endpoint: str = ""
 
     @property
@@ -98,6 +100,8 @@ class Summary:
     p99_over_p50: float | None                  # admitted latency
     server_latency_ms: Percentiles              # the replica's received -> finished of completed calls: the
     server_p99_over_p50: float | None           # spread without the load generator's own delays on shared cores
+    final_lag_ms: Percentiles                   # engine finish -> final read: the usage commit, the relay,
+                                                # gRPC and the load generator's own loop
     rejection_rate: float | None
     attempt_rejection_rate: float | None        # refused attempts / attempts
     avg_retries_per_rejected: float | None
@@ -141,6 +145,7 @@ def summarize(traces: Sequence[RequestTrace], duration_s: float) -> Summary:
         admitted_ttft_ms=percentiles(admitted_ttft),
         p99_over_p50=_ratio(admitted_pct.p99, admitted_pct.p50) if admitted_pct.count else None,
         server_latency_ms=server_pct,
+        final_lag_ms=percentiles([t.final_lag_us / 1000 for t in done if t.final_lag_us is not None]),
         server_p99_over_p50=_ratio(server_pct.p99, server_pct.p50) if server_pct.count else None,
         rejection_rate=_ratio(len(refused_first), len(sent)),
         attempt_rejection_rate=_ratio(sum(t.num_rejections for t in sent), num_attempts),

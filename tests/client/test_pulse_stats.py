@@ -82,6 +82,16 @@ def test_the_replicas_own_latency_spread_is_reported_beside_the_clients():
     assert summarize([unknown], duration_s=1.0).server_p99_over_p50 is None
 
 
+def test_the_lag_from_engine_finish_to_the_clients_read_is_summarized():
+    done = [trace(i, [(0.0, "admitted")], "ok", 0.2) for i in range(3)]
+    for t, lag_us in zip(done, (4_000, 9_000, 150_000)):
+        t.final_lag_us = lag_us
+    refused = trace(3, [(0.0, "RESOURCE_EXHAUSTED")], "rejected", 0.01)
+    refused.final_lag_us = 1                                     # only completed calls read a final message
+    s = summarize([*done, refused], duration_s=1.0)
+    assert (s.final_lag_ms.p50, s.final_lag_ms.p99, s.final_lag_ms.count) == (9, 150, 3)
+
+
 def test_empty_and_rejection_free_runs_have_no_ratios_to_report():
     s = summarize([trace(0, [(0.0, "admitted")], "ok", 0.2)], duration_s=1.0)
     assert s.rejection_rate == 0 and s.avg_retries_per_rejected is None and s.first_retry_success_rate is None
