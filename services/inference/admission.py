@@ -8,6 +8,7 @@ own plus `num_deviations` of their combined spread. Pending prompt tokens add th
 """
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from operator import itemgetter
@@ -17,7 +18,7 @@ from .costmodel import CostModel
 NS_PER_MS = 1_000_000
 
 
-@dataclass
+@dataclass(slots=True)
 class Commitment:
     request_id: str
     num_prompt_tokens: int
@@ -124,25 +125,31 @@ class Predictor:
         """Predicted finish (engine clock) of every commitment if all run from now and nothing else joins."""
         if not commitments:
             return {}
-        # Runs on every decision, several times on a refusal: one pass over plain tuples, no properties.
+        # Runs on every decision, several times on a refusal: one pass over plain tuples, no properties, no
+        # calls per commitment; the same arithmetic as _steps_left and _finish_ns.
         budget, pace, cost = self.config.max_num_batched_tokens, self.config.pace_tokens, self.cost
         prefill_tokens, context_left, order = 0, 0, []
         for c in commitments:
-            prefill = c.num_prompt_tokens if c.num_generated == 0 else 0
-            final_context = c.num_prompt_tokens + c.max_tokens
-            prefill_tokens, context_left = prefill_tokens + prefill, context_left + final_context
-            order.append((_steps_left(max(c.max_tokens - c.num_generated, 0), prefill, budget), final_context,
-                          c.request_id))
+            generated, prompt, max_tokens = c.num_generated, c.num_prompt_tokens, c.max_tokens
+            remaining = max_tokens - generated if max_tokens > generated else 0
+            if generated == 0:
+                prefill_tokens += prompt
+                if prompt > budget:
+                    remaining += (prompt - 1) // budget       # chunk steps before the first token
+            context_left += prompt + max_tokens
+            order.append((remaining, prompt + max_tokens, c.request_id))
         order.sort(key=itemgetter(0))
         n = len(order)
         # paced, a step costs at least as much as with `pace` prompt tokens: those come at no extra cost
         mean_us = max(prefill_tokens - pace, 0) * cost.marginal_row_us(n + pace)
-        finish, var_us2, done_steps, k = {}, 0.0, 0, cost.num_deviations
+        finish, var_us2, done_steps, k, steps_us, sqrt = {}, 0.0, 0, cost.num_deviations, cost.steps_us, math.sqrt
+        finish_ns = _finish_ns(now_ns, mean_us, var_us2, k)
         for i, (steps, final_context, request_id) in enumerate(order):
             if steps > done_steps:
-                phase_us, phase_var = cost.steps_us(steps - done_steps, n - i + pace, context_left)
+                phase_us, phase_var = steps_us(steps - done_steps, n - i + pace, context_left)
                 mean_us, var_us2, done_steps = mean_us + phase_us, var_us2 + phase_var, steps
-            finish[request_id] = _finish_ns(now_ns, mean_us, var_us2, k)
+                finish_ns = now_ns + int((mean_us + k * sqrt(var_us2)) * 1000)     # _finish_ns
+            finish[request_id] = finish_ns
             context_left -= final_context
         return finish
 
@@ -250,7 +257,7 @@ class AdmissionController:
         idle = self.predictor.finish_times([new], now_ns)[new.request_id]
         if idle > new.deadline_ns - self.predictor.margin_for(new, now_ns):
             return Infeasible(min_budget_ms=math.ceil(self.config.min_budget_ns(idle - now_ns) / NS_PER_MS))
-        admitted = [c for c in self.commitments.values() if not c.is_reservation]
+        admitted = [c for c in self.commitments.values() if c.reserved_from_ns is None]
         finishes = self.predictor.finish_times(admitted, now_ns)
         ok, finish_ns = self._fits_at(new, now_ns, admitted, finishes, ahead_of_later_reservations=on_time)
         if ok:
@@ -294,14 +301,15 @@ class AdmissionController:
         if ahead_of_later_reservations:
             reservations = [r for r in reservations if r.reserved_from_ns <= at_ns]
         # slots free when calls really finish, which is later than predicted
-        intervals = [(at_ns, self.lateness.stretch(at_ns, finishes[c.request_id])) for c in admitted]
+        factor = self.lateness.factor
+        intervals = [(at_ns, at_ns + int((finishes[c.request_id] - at_ns) * factor)) for c in admitted]
         intervals += [(r.reserved_from_ns, r.reserved_until_ns) for r in reservations]
         if finish_unused:   # the calendar is full before even the shortest run `new` could have ends: a quick no
             shortest_ns = self.lateness.stretch(at_ns, self.predictor.earliest_finish(new, at_ns))
             if peak_occupancy(intervals, at_ns, shortest_ns) >= self.config.num_slots:
                 return False, 0
         if self._full_at(at_ns, sum(1 for f in finishes.values() if f > at_ns), reservations):
-            return False, self.predictor.finish_times([*admitted, new], at_ns)[new.request_id]
+            return False, 0 if finish_unused else self.predictor.finish_times([*admitted, new], at_ns)[new.request_id]
         ok, finish_ns = self.predictor.meets_deadlines(admitted, new, at_ns, finishes)
         due = [r for r in reservations if r.reserved_from_ns < finish_ns and r.reserved_until_ns > at_ns]
         if ok and due:      # retries arriving during the run share its steps: count them as running too
@@ -322,7 +330,7 @@ class AdmissionController:
         return 0 if excess < 0 else excess // max(budget - decoding, 1) + 1
 
     def _reservations(self) -> list[Commitment]:
-        return [c for c in self.commitments.values() if c.is_reservation]
+        return [c for c in self.commitments.values() if c.reserved_from_ns is not None]
 
     def _full_at(self, at_ns: int, num_running: int, reservations: list[Commitment]) -> bool:
         """No slot free at the instant `at_ns`: a quick no, before the cost of any prediction (the calendar's
@@ -334,15 +342,19 @@ class AdmissionController:
                         finishes: dict[str, int]) -> tuple[int, int] | None:
         """The first moment a slot frees (a call finishes or a reservation ends) from which `new` would be
         admitted inside its own deadline, with its predicted finish from then; None if there is none."""
-        slot_ends = {rid: self.lateness.stretch(now_ns, f) for rid, f in finishes.items()}
+        factor = self.lateness.factor
+        slot_ends = {rid: now_ns + int((f - now_ns) * factor) for rid, f in finishes.items()}   # stretched
         reservations = self._reservations()
         frees = {f for f in slot_ends.values() if f > now_ns} | {r.reserved_until_ns for r in reservations}
+        # a running call still holds its slot at a candidate time iff it is predicted to end after it and has
+        # tokens left (_progressed leaves it short of max_tokens then): counted before copying anything
+        holding = sorted(slot_ends[c.request_id] for c in admitted if c.num_generated < c.max_tokens)
         for at_ns in sorted(frees)[:self.max_retry_candidates]:
             if at_ns >= new.deadline_ns:
                 break
-            later = _progressed(admitted, slot_ends, now_ns, at_ns)
-            if self._full_at(at_ns, sum(1 for c in later if c.num_generated < c.max_tokens), reservations):
+            if self._full_at(at_ns, len(holding) - bisect.bisect_right(holding, at_ns), reservations):
                 continue
+            later = _progressed(admitted, slot_ends, now_ns, at_ns)
             ok, finish_ns = self._fits_at(new, at_ns, later, self.predictor.finish_times(later, at_ns),
                                           finish_unused=True)
             if ok:
@@ -383,12 +395,9 @@ def _progressed(admitted: list[Commitment], finishes: dict[str, int], now_ns: in
         if finish_ns <= at_ns:
             continue
         # a plain copy: dataclasses.replace costs more than the prediction that follows
-        later.append(Commitment(c.request_id, c.num_prompt_tokens, c.max_tokens, c.deadline_ns,
-                                c.num_generated + _tokens_done(c, finish_ns, now_ns, at_ns)))
+        generated, max_tokens = c.num_generated, c.max_tokens
+        remaining = max_tokens - generated if max_tokens > generated else 0
+        later.append(Commitment(c.request_id, c.num_prompt_tokens, max_tokens, c.deadline_ns,
+                                generated + remaining * (at_ns - now_ns) // max(finish_ns - now_ns, 1)))
     return later
-
-
-def _tokens_done(c: Commitment, finish_ns: int, now_ns: int, at_ns: int) -> int:
-    """Tokens `c` will have generated between now and `at_ns`, in proportion to the time towards its finish."""
-    return c.num_remaining_tokens * (at_ns - now_ns) // max(finish_ns - now_ns, 1)
 
