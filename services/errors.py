@@ -211,9 +211,12 @@ async def rpc_errors(context: grpc.aio.ServicerContext, method: str, request_id:
         if before_abort is not None:
             before_abort(status.code)
         # the log line runs on the loop's next turn, once the reply is on its way: rendering it (~20 µs in a
-        # tight loop, several times that under load) is not part of the caller's wait for "no"
+        # tight loop, several times that under load) is not part of the caller's wait for "no". A refusal
+        # for load is a debug line (zeroqueue_rejections counts them): an overload refuses hundreds a second,
+        # and the log must not be what takes the engine's CPU
+        emit = log.debug if status.code is grpc.StatusCode.RESOURCE_EXHAUSTED else log.info
         asyncio.get_running_loop().call_soon(functools.partial(
-            log.info, "rpc_error", method=method, request_id=request_id, code=status.code.name,
+            emit, "rpc_error", method=method, request_id=request_id, code=status.code.name,
             reason=error.reason))
         await context.abort_with_status(grpc_status)
     except Exception as error:  # noqa: BLE001 - last resort: a bug, answered INTERNAL with an ErrorInfo
