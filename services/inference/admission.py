@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from operator import itemgetter
 
 from .costmodel import CostModel
+from .lateness import Lateness
 
 NS_PER_MS = 1_000_000
 
@@ -188,30 +189,6 @@ class Predictor:
         return self.config.margin_ns(max(c.deadline_ns - now_ns, 0))
 
 
-@dataclass
-class Lateness:
-    """How much later than predicted admitted calls really finish: a prediction assumes nothing else joins,
-    but later arrivals share the steps. Running mean and mean absolute deviation of actual/predicted time
-    to finish; slots are expected to free `factor` times later than predicted."""
-    alpha: float = 0.05
-    mean: float = 1.0
-    deviation: float = 0.0
-    num_deviations: float = 2.0
-
-    def observe(self, predicted_ns: int, actual_ns: int) -> None:
-        if predicted_ns > 0:
-            ratio = actual_ns / predicted_ns
-            self.mean += self.alpha * (ratio - self.mean)
-            self.deviation += self.alpha * (abs(ratio - self.mean) - self.deviation)
-
-    @property
-    def factor(self) -> float:
-        return max(1.0, self.mean + self.num_deviations * self.deviation)
-
-    def stretch(self, start_ns: int, end_ns: int) -> int:
-        return start_ns + int((end_ns - start_ns) * self.factor)
-
-
 class AdmissionController:
     """Deadline mode: predict at arrival; admit, or reject at once with the time capacity frees for the call
     and a reservation of a slot from then, so the hinted retry finds room. Slots over time form a calendar:
@@ -301,15 +278,17 @@ class AdmissionController:
         if ahead_of_later_reservations:
             reservations = [r for r in reservations if r.reserved_from_ns <= at_ns]
         # slots free when calls really finish, which is later than predicted
-        factor = self.lateness.factor
-        intervals = [(at_ns, at_ns + int((finishes[c.request_id] - at_ns) * factor)) for c in admitted]
+        stretch = self.lateness.stretch
+        intervals = [(at_ns, stretch(at_ns, finishes[c.request_id])) for c in admitted]
         intervals += [(r.reserved_from_ns, r.reserved_until_ns) for r in reservations]
         if finish_unused:   # the calendar is full before even the shortest run `new` could have ends: a quick no
             shortest_ns = self.lateness.stretch(at_ns, self.predictor.earliest_finish(new, at_ns))
             if peak_occupancy(intervals, at_ns, shortest_ns) >= self.config.num_slots:
                 return False, 0
         if self._full_at(at_ns, sum(1 for f in finishes.values() if f > at_ns), reservations):
-            return False, 0 if finish_unused else self.predictor.finish_times([*admitted, new], at_ns)[new.request_id]
+            if finish_unused:
+                return False, 0
+            return False, self.predictor.finish_times([*admitted, new], at_ns)[new.request_id]
         ok, finish_ns = self.predictor.meets_deadlines(admitted, new, at_ns, finishes)
         due = [r for r in reservations if r.reserved_from_ns < finish_ns and r.reserved_until_ns > at_ns]
         if ok and due:      # retries arriving during the run share its steps: count them as running too
@@ -342,8 +321,7 @@ class AdmissionController:
                         finishes: dict[str, int]) -> tuple[int, int] | None:
         """The first moment a slot frees (a call finishes or a reservation ends) from which `new` would be
         admitted inside its own deadline, with its predicted finish from then; None if there is none."""
-        factor = self.lateness.factor
-        slot_ends = {rid: now_ns + int((f - now_ns) * factor) for rid, f in finishes.items()}   # stretched
+        slot_ends = {rid: self.lateness.stretch(now_ns, f) for rid, f in finishes.items()}
         reservations = self._reservations()
         frees = {f for f in slot_ends.values() if f > now_ns} | {r.reserved_until_ns for r in reservations}
         # a running call still holds its slot at a candidate time iff it is predicted to end after it and has
