@@ -42,6 +42,10 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                    help="paced steps: each step lasts at least as long as it would with N more prompt tokens, so "
                         "arrivals do not lengthen running calls (tighter latency spread, higher median at low "
                         "load); 0: unpaced")
+    p.add_argument("--stream-interval-ms", type=_non_negative_int, default=0, metavar="MS",
+                   help="least time between a call's token messages after its first: tokens in between go in the "
+                        "next message (first token and end never wait); fewer messages, less CPU on both ends. "
+                        "0: a message per engine step")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: all cores but one)")
@@ -90,7 +94,7 @@ def run_serve(args: argparse.Namespace) -> int:
         metering_address=args.metering, metering_key=args.metering_key, metering_ca=args.metering_ca,
         tls_cert=args.tls_cert, tls_key=args.tls_key, health_port=args.health_port,
         engine_process=not args.engine_thread, pin_cpus=args.pin_cpus, json_logs=args.json_logs,
-        pace_tokens=args.pace_tokens)
+        pace_tokens=args.pace_tokens, stream_interval_ms=args.stream_interval_ms)
     if args.demo_tenant and not args.metering:
         ensure_demo_tenant(args.ledger, args.demo_tenant, args.data_dir)
     return asyncio.run(_serve(lambda: InferenceApp(config)))

@@ -64,6 +64,7 @@ class ServeConfig:
     json_logs: bool | None = None           # the engine process logs like this one (None: structlog's default)
     max_num_batched_tokens: int = 256
     pace_tokens: int = 0                    # paced steps with room for this prompt chunk (pacing.py); 0: unpaced
+    stream_interval_ms: int = 0             # least time between a call's token messages after its first; 0: each step
     margin_ms: float = 20.0
     margin_fraction: float = 0.05
     data_dir: str | None = None             # the outbox (and the default ledger); $ZEROQUEUE_HOME or ~/.zeroqueue
@@ -220,7 +221,7 @@ class InferenceApp:
         card = ModelCard(self.checkpoint.name, ready.max_seq_len, str(self.checkpoint.dtype).removeprefix("torch."),
                          self.checkpoint.args.vocab_size, ready.num_slots, info)
         return InferenceService(engine, card, admission, self.metrics, self.clock, self.meter, self.link.outbox,
-                                steps, self.config.default_deadline_ms)
+                                steps, self.config.default_deadline_ms, self.config.stream_interval_ms)
 
     def _cpu_split(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         """The engine's cores and this process's, when pinning applies: a CPU engine with a core to spare."""

@@ -124,7 +124,7 @@ def _attempt_label(attempt: int) -> str:
 class InferenceService:
     def __init__(self, engine: Engine | EngineClient, card: ModelCard, admission: AdmissionController | FifoAdmission,
                  metrics: ServiceMetrics, clock: Clock, meter: Meter, outbox: Outbox, steps: StepLog,
-                 default_budget_ms: int = 30_000) -> None:
+                 default_budget_ms: int = 30_000, stream_interval_ms: int = 0) -> None:
         self.engine = engine
         self.meter = meter
         self.outbox = outbox
@@ -134,6 +134,7 @@ class InferenceService:
         self.clock = clock
         self.steps = steps
         self.default_budget_ms = default_budget_ms
+        self.stream_interval_ns = stream_interval_ms * 1_000_000     # 0: a message per engine step
         self.state = WarmupState.WARMING_UP
         self.in_flight: dict[str, Ticket] = {}
         self.drained = asyncio.Event()
@@ -214,21 +215,30 @@ class InferenceService:
     async def stream(self, ticket: Ticket) -> AsyncIterator[RequestOutput]:
         """Relays the engine's outputs; the last one carries the finish reason. Outputs that queued up while
         this call's relay waited for the loop go out as one message: a loop that falls behind sends fewer,
-        larger messages instead of falling further behind (one output per step otherwise)."""
-        last_ns = ticket.received_ns
+        larger messages instead of falling further behind (one output per step otherwise). With a stream
+        interval, tokens after the first wait for the next output at least that long after the previous
+        message, and go with it: the first token and the end are never held back."""
+        last_ns, sent_ns, held = ticket.received_ns, None, []
         while ticket.finish_reason is None:
             outputs: list[RequestOutput] = [await ticket.outputs.get()]
             while outputs[-1].finish_reason is None and not ticket.outputs.empty():
                 outputs.append(ticket.outputs.get_nowait())
-            self.metrics.relay_lag.observe((self.clock.now_ns() - outputs[0].time_ns) / 1e9)
+            now_ns = self.clock.now_ns()
+            self.metrics.relay_lag.observe((now_ns - outputs[0].time_ns) / 1e9)
             for output in outputs:
                 last_ns = self._account(ticket, output, last_ns)
+            held += outputs
             last = outputs[-1]
             if last.finish_reason is not None:
                 ticket.finish_reason, ticket.finished_ns = last.finish_reason, last.time_ns
                 await self._usage_on_disk(ticket)
                 self.metrics.usage_durable.observe((self.clock.now_ns() - last.time_ns) / 1e9)
-            yield last if len(outputs) == 1 else _merged(outputs)
+            elif sent_ns is not None and now_ns - sent_ns < self.stream_interval_ns:
+                continue
+            if ticket.first_token_ns is not None:
+                sent_ns = now_ns
+            yield held[0] if len(held) == 1 else _merged(held)
+            held = []
 
     def _account(self, ticket: Ticket, output: RequestOutput, last_ns: int) -> int:
         """One engine output's bookkeeping; returns the time of the call's latest token."""

@@ -108,3 +108,44 @@ def test_the_sink_puts_directly_on_its_own_loop_and_through_the_loop_from_anothe
         return [sink.queue.get_nowait().token_ids for _ in range(sink.queue.qsize())]
 
     assert asyncio.run(put_both_ways()) == [(10,), (99,)]
+
+
+class FakeClock(Clock):
+    """The relay's clock, moved by the test."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        object.__setattr__(self, "now", 0)
+
+    def now_ns(self) -> int:
+        return self.now
+
+
+def test_a_stream_interval_holds_later_tokens_but_never_the_first_or_the_end():
+    MS = 1_000_000
+
+    async def relay():
+        metrics, progress, clock = ServiceMetrics(), Progress(), FakeClock()
+        service = InferenceService(engine=None, card=None, admission=progress, metrics=metrics, clock=clock,
+                                   meter=None, outbox=None, steps=StepLog(), stream_interval_ms=20)
+        ticket = _ticket(asyncio.Queue(), 0)
+        outputs = [RequestOutput("r1", (10 + i,), f"t{i}", 0, i + 1, "length" if i == 4 else None, 0)
+                   for i in range(5)]
+        stream, sent = service.stream(ticket), []
+        pending = asyncio.ensure_future(anext(stream))
+        for now_ms, output in zip((0, 5, 10, 25, 27), outputs):
+            clock.now = now_ms * MS
+            ticket.outputs.put_nowait(output)
+            for _ in range(3):
+                await asyncio.sleep(0)
+            if pending.done():
+                sent.append((now_ms, pending.result().token_ids))
+                if output.finish_reason is None:
+                    pending = asyncio.ensure_future(anext(stream))
+        return sent, progress.seen
+
+    sent, progress = asyncio.run(relay())
+    # the first token at once; 5 and 10 ms are within 20 ms of it, so they wait; at 25 ms the three go together;
+    # the end at 27 ms goes at once although the last message was 2 ms before
+    assert sent == [(0, (10,)), (25, (11, 12, 13)), (27, (14,))]
+    assert progress == [1, 2, 3, 4, 5]          # held tokens still count as generated when they come
