@@ -149,3 +149,33 @@ def test_a_stream_interval_holds_later_tokens_but_never_the_first_or_the_end():
     # the end at 27 ms goes at once although the last message was 2 ms before
     assert sent == [(0, (10,)), (25, (11, 12, 13)), (27, (14,))]
     assert progress == [1, 2, 3, 4, 5]          # held tokens still count as generated when they come
+
+
+def test_a_replica_with_a_stream_interval_sends_the_same_tokens_in_fewer_messages(llama_dir):
+    from services.inference.app import ServeConfig
+    from services.inference.executor import ExecutorConfig
+    from services.inference.inprocess import ServerThread
+    from tests.inference.conftest import Collector, make_engine, request, run_to_completion
+    from tests.inference.test_server import PROMPT, generate
+
+    replica = ServerThread(ServeConfig(str(llama_dir), port=0, executor=ExecutorConfig(max_batch=2, max_seq_len=256),
+                                       stream_interval_ms=60_000)).start()
+    try:
+        messages = generate(replica.stub(), max_tokens=12, temperature=0.0)
+    finally:
+        replica.stop()
+    chunks = [tuple(m.chunk.token_ids) for m in messages if m.WhichOneof("kind") == "chunk"]
+    # within a minute of the first token nothing else goes until the end, which takes the other eleven
+    assert [len(c) for c in chunks] == [1, 11] and messages[-1].final.usage.completion_tokens == 12
+    engine, sink = make_engine(llama_dir), Collector()
+    engine.add_request(request("ref", engine.tokenizer.encode(PROMPT).ids, max_tokens=12), sink)
+    run_to_completion(engine)
+    assert sum(chunks, ()) == tuple(sink.tokens("ref"))
+
+
+def test_serve_refuses_a_negative_stream_interval():
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--stream-interval-ms", "-5"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "--stream-interval-ms: must be 0 or more" in result.stderr
