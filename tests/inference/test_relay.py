@@ -165,8 +165,9 @@ def test_a_replica_with_a_stream_interval_sends_the_same_tokens_in_fewer_message
     finally:
         replica.stop()
     chunks = [tuple(m.chunk.token_ids) for m in messages if m.WhichOneof("kind") == "chunk"]
-    # within a minute of the first token nothing else goes until the end, which takes the other eleven
-    assert [len(c) for c in chunks] == [1, 11] and messages[-1].final.usage.completion_tokens == 12
+    # within a minute of the first chunk nothing else goes until the end, which takes the rest (the first may
+    # carry more than one token when the relay fell a step behind on a busy machine: they queued up)
+    assert len(chunks) <= 2 and messages[-1].final.usage.completion_tokens == 12
     engine, sink = make_engine(llama_dir), Collector()
     engine.add_request(request("ref", engine.tokenizer.encode(PROMPT).ids, max_tokens=12), sink)
     run_to_completion(engine)
