@@ -127,7 +127,7 @@ class Predictor:
         if not commitments:
             return {}
         # Runs on every decision, several times on a refusal: one pass over plain tuples, no properties, no
-        # calls per commitment; the same arithmetic as _steps_left and _finish_ns.
+        # calls per commitment (the step count is _steps_left's, inline); a finish per phase, not per call.
         budget, pace, cost = self.config.max_num_batched_tokens, self.config.pace_tokens, self.cost
         prefill_tokens, context_left, order = 0, 0, []
         for c in commitments:
@@ -143,13 +143,13 @@ class Predictor:
         n = len(order)
         # paced, a step costs at least as much as with `pace` prompt tokens: those come at no extra cost
         mean_us = max(prefill_tokens - pace, 0) * cost.marginal_row_us(n + pace)
-        finish, var_us2, done_steps, k, steps_us, sqrt = {}, 0.0, 0, cost.num_deviations, cost.steps_us, math.sqrt
+        finish, var_us2, done_steps, k, steps_us = {}, 0.0, 0, cost.num_deviations, cost.steps_us
         finish_ns = _finish_ns(now_ns, mean_us, var_us2, k)
         for i, (steps, final_context, request_id) in enumerate(order):
             if steps > done_steps:
                 phase_us, phase_var = steps_us(steps - done_steps, n - i + pace, context_left)
                 mean_us, var_us2, done_steps = mean_us + phase_us, var_us2 + phase_var, steps
-                finish_ns = now_ns + int((mean_us + k * sqrt(var_us2)) * 1000)     # _finish_ns
+                finish_ns = _finish_ns(now_ns, mean_us, var_us2, k)
             finish[request_id] = finish_ns
             context_left -= final_context
         return finish

@@ -59,10 +59,7 @@ class CostModel:
         """`num_steps` steps of one shape: (expected time, variance), in µs and µs². Step noise adds up like
         independent noise, so k steps spread by √k deviations, not k: a prediction over many steps that is
         inflated per step would refuse calls that fit."""
-        base = self._base_us.get(num_rows)      # raw_step_us inline: admission calls this ~10^5 times a second
-        if base is None:
-            base = self._base_us[num_rows] = self._interpolate(num_rows)
-        raw = base + context_tokens * self.us_per_context_token
+        raw = self.raw_step_us(num_rows, context_tokens)
         return num_steps * raw * self.ratio, num_steps * (raw * self.deviation) ** 2
 
     def marginal_row_us(self, num_rows: int) -> float:

@@ -13,6 +13,7 @@ from services.inference.admission import (Admit, AdmissionConfig, AdmissionContr
                                           Infeasible, Predictor, Reject)
 from services.inference.costmodel import CostModel, fit_context_cost
 from services.inference.fifo import FifoAdmission
+from services.inference.lateness import Lateness
 from tests.inference.overload import overload
 
 MS = 1_000_000
@@ -388,13 +389,12 @@ def test_under_overload_the_quick_answers_give_every_call_the_same_decision_and_
 
 
 def test_slots_are_expected_to_free_as_late_as_calls_have_been_finishing():
-    from services.inference.lateness import Lateness
     late = Lateness(alpha=0.5, num_deviations=0.0)
     assert late.factor == 1.0 and late.stretch(100, 300) == 300          # no history: as predicted
     late.observe(predicted_ns=100, actual_ns=200)                         # took twice as long
     assert late.factor == 1.5 and late.stretch(100, 300) == 400          # mean ratio 1.5: 200 ns × 1.5
     for _ in range(20):
-        late.observe(predicted_ns=100, actual_ns=50)                      # early finishes never shrink it
+        late.observe(predicted_ns=100, actual_ns=50)                      # early finishes: never under 1
     assert late.factor == 1.0
     spread = Lateness(alpha=0.5, num_deviations=2.0, mean=1.2, deviation=0.1)
     assert spread.factor == 1.2 + 2 * 0.1                                 # the constructor's values count
