@@ -19,6 +19,7 @@
 #include "simd.h"
 
 namespace zq {
+#ifndef ZQ_AVX2
 namespace {
 
 constexpr int kTileRows = 16;
@@ -156,5 +157,14 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, const at::T
   });
   return y;
 }
+#else
+// The AVX2 build has no tiles: linear never takes this path there (it rejects bf16_path 2).
+bool amx_request() { return false; }
+bool amx_fits(int64_t) { return false; }
+at::Tensor linear_amx(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
+  TORCH_CHECK(false, "linear: AMX needs the AVX-512 build of the kernels");
+  return at::Tensor();
+}
+#endif
 
 }  // namespace zq

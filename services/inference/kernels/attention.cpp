@@ -19,27 +19,18 @@ namespace {
 
 constexpr int64_t kPrefetchRows = 64;  // how far ahead of the score loop K rows are prefetched
 
-// Swap the two halves of every block of 2*S lanes.
-template <int S>
-inline __m512 swap_halves(__m512 x) {
-  if constexpr (S == 8) return _mm512_shuffle_f32x4(x, x, 0x4E);
-  if constexpr (S == 4) return _mm512_shuffle_f32x4(x, x, 0xB1);
-  if constexpr (S == 2) return _mm512_permute_ps(x, 0x4E);
-  if constexpr (S == 1) return _mm512_permute_ps(x, 0xB1);
-}
-
 // v[i] <- lower halves of 2S-blocks: x's half-sums, upper halves: y's half-sums (i < S).
 template <int S>
-inline void fold(__m512 (&v)[kLanes]) {
-  constexpr __mmask16 upper = S == 8 ? 0xFF00 : S == 4 ? 0xF0F0 : S == 2 ? 0xCCCC : 0xAAAA;
+inline void fold(vf (&v)[kLanes]) {
+  constexpr unsigned upper = S == 8 ? 0xFF00 : S == 4 ? 0xF0F0 : S == 2 ? 0xCCCC : 0xAAAA;
   for (int i = 0; i < S; ++i) {
-    const __m512 x = v[i], y = v[i + S];
-    v[i] = _mm512_add_ps(_mm512_mask_blend_ps(upper, x, y), swap_halves<S>(_mm512_mask_blend_ps(upper, y, x)));
+    const vf x = v[i], y = v[i + S];
+    v[i] = vadd(blend<upper>(x, y), swap_halves<S>(blend<upper>(y, x)));
   }
 }
 
 // Lane i of the result = the sum of the 16 lanes of v[i]: a transpose-and-add tree in 4 levels.
-inline __m512 sum_lanes16(__m512 (&v)[kLanes]) {
+inline vf sum_lanes16(vf (&v)[kLanes]) {
   fold<8>(v);
   fold<4>(v);
   fold<2>(v);
@@ -64,36 +55,38 @@ struct Group {
 
 // One query head in registers, as its dot products with cached rows need it: 16 lanes of partial sums.
 template <typename T, int NV>
-struct Query {  // fp32: FMAs
-  __m512 v[NV];
+struct Query {  // fp32 (and bf16 in the AVX2 build, widened): FMAs
+  vf v[NV];
   explicit Query(const T* q) {
     for (int c = 0; c < NV; c += 2) load32(q + c * kLanes, v + c);
   }
-  __m512 dot(const T* k) const {
-    __m512 acc = _mm512_setzero_ps();
+  vf dot(const T* k) const {
+    vf acc = vzero();
     for (int c = 0; c < NV; c += 2) {
-      __m512 kv[2];
+      vf kv[2];
       load32(k + c * kLanes, kv);
-      acc = _mm512_fmadd_ps(v[c + 1], kv[1], _mm512_fmadd_ps(v[c], kv[0], acc));
+      acc = vfmadd(v[c + 1], kv[1], vfmadd(v[c], kv[0], acc));
     }
     return acc;
   }
 };
 
+#ifndef ZQ_AVX2
 template <int NV>
 struct Query<BFloat16, NV> {  // bf16: VDPBF16PS on the raw pairs, half the instructions of widening
   __m512i v[NV / 2];
   explicit Query(const BFloat16* q) {
     for (int c = 0; c < NV / 2; ++c) v[c] = _mm512_loadu_si512(q + 2 * c * kLanes);
   }
-  __m512 dot(const BFloat16* k) const {
-    __m512 acc = _mm512_setzero_ps();
+  vf dot(const BFloat16* k) const {
+    vf acc = vzero();
     for (int c = 0; c < NV / 2; ++c)
       acc = _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(v[c]),
                              reinterpret_cast<__m512bh>(_mm512_loadu_si512(k + 2 * c * kLanes)));
     return acc;
   }
 };
+#endif
 
 // Keeps two streams in flight: K rows kPrefetchRows ahead into L1, and this block's V rows into L2 for
 // the V pass after the softmax (measured: -20 to -25% time at 32 sequences x 512 or 2048 positions).
@@ -118,47 +111,46 @@ void group_scores(const Group<T>& g) {
     prefetch_block<T, NV>(g, t0);
     for (int64_t h = 0; h < g.heads; ++h) {
       const Query<T, NV> q(g.q + h * NV * kLanes);
-      __m512 part[kLanes];
-      for (int i = 0; i < kLanes; ++i) part[i] = i < n ? q.dot(g.k + (t0 + i) * g.ldk) : _mm512_setzero_ps();
-      store16(g.scores + h * g.len + t0, _mm512_mul_ps(sum_lanes16(part), _mm512_set1_ps(g.scale)), first_n(n));
+      vf part[kLanes];
+      for (int i = 0; i < kLanes; ++i) part[i] = i < n ? q.dot(g.k + (t0 + i) * g.ldk) : vzero();
+      store16(g.scores + h * g.len + t0, vmul(sum_lanes16(part), vset1(g.scale)), first_n(n));
     }
   }
 }
 
 // scores[0:len] <- exp(scores - max); returns their sum.
 inline float softmax_numerator(float* scores, int64_t len) {
-  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t t0 = 0; t0 < len; t0 += kLanes)
-    vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, first_n(len - t0), scores + t0));
-  const __m512 smax = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-  __m512 vsum = _mm512_setzero_ps();
+  vf best = vset1(-std::numeric_limits<float>::infinity());
+  for (int64_t t0 = 0; t0 < len; t0 += kLanes) best = vmax(best, load16_or(best, first_n(len - t0), scores + t0));
+  const vf smax = vset1(reduce_max(best));
+  vf vsum = vzero();
   for (int64_t t0 = 0; t0 < len; t0 += kLanes) {
-    const __mmask16 m = first_n(len - t0);
-    const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + t0), smax)));
-    _mm512_mask_storeu_ps(scores + t0, m, e);
-    vsum = _mm512_add_ps(vsum, e);
+    const mask16 m = first_n(len - t0);
+    const vf e = keep(m, exp16(vsub(load16(scores + t0, m), smax)));
+    store16(scores + t0, e, m);
+    vsum = vadd(vsum, e);
   }
-  return _mm512_reduce_add_ps(vsum);
+  return reduce_add(vsum);
 }
 
 // out[h] = sum_t p[h][t] v[t] / sums[h] for heads h0..h0+NH: each V row is loaded and widened once for
 // the NH heads, whose accumulators stay in registers.
 template <typename T, int NV, int NH>
 void group_values(const Group<T>& g, int64_t h0) {
-  __m512 acc[NH][NV];
+  vf acc[NH][NV];
   for (int h = 0; h < NH; ++h)
-    for (int c = 0; c < NV; ++c) acc[h][c] = _mm512_setzero_ps();
+    for (int c = 0; c < NV; ++c) acc[h][c] = vzero();
   for (int64_t t = 0; t < g.len; ++t) {
-    __m512 vv[NV];
+    vf vv[NV];
     for (int c = 0; c < NV; c += 2) load32(g.v + t * g.ldv + c * kLanes, vv + c);
     for (int h = 0; h < NH; ++h) {
-      const __m512 p = _mm512_set1_ps(g.scores[(h0 + h) * g.len + t]);
-      for (int c = 0; c < NV; ++c) acc[h][c] = _mm512_fmadd_ps(p, vv[c], acc[h][c]);
+      const vf p = vset1(g.scores[(h0 + h) * g.len + t]);
+      for (int c = 0; c < NV; ++c) acc[h][c] = vfmadd(p, vv[c], acc[h][c]);
     }
   }
   for (int h = 0; h < NH; ++h) {
-    const __m512 denom = _mm512_set1_ps(g.sums[h0 + h]);
-    for (int c = 0; c < NV; ++c) acc[h][c] = _mm512_div_ps(acc[h][c], denom);
+    const vf denom = vset1(g.sums[h0 + h]);
+    for (int c = 0; c < NV; ++c) acc[h][c] = vdiv(acc[h][c], denom);
     for (int c = 0; c < NV; c += 2) store32(g.out + ((h0 + h) * NV + c) * kLanes, acc[h] + c);
   }
 }
@@ -175,7 +167,7 @@ void values_from(const Group<T>& g, int64_t h0) {
 template <typename T, int NV>
 void attend_group(const Group<T>& g) {
   if (g.len == 0) {  // nothing to attend to: zeros
-    const __m512 zero[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    const vf zero[2] = {vzero(), vzero()};
     for (int64_t c = 0; c < g.heads * NV; c += 2) store32(g.out + c * kLanes, zero);
     return;
   }

@@ -1,6 +1,7 @@
 // The zeroqueue CPU ops: schemas only; each kernel registers its CPU implementation in its own file.
-// Built with explicit AVX-512 + BF16 flags (never -march=native) by __init__.py, which checks the CPU
-// before loading. Shape-only (fake) implementations are registered in __init__.py for torch.compile.
+// Built twice from the same sources with explicit flags (never -march=native) by __init__.py, for AVX-512 +
+// BF16 and for AVX2 + FMA + F16C (-DZQ_AVX2, see simd.h); it loads the one this CPU can run. Shape-only
+// (fake) implementations are registered in __init__.py for torch.compile.
 #include <torch/library.h>
 
 TORCH_LIBRARY(zeroqueue, m) {

@@ -28,16 +28,16 @@ void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t cols, f
   at::parallel_for(0, rows, std::max<int64_t>(1, kParallelElems / cols), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * cols;
-      __m512 squares = _mm512_setzero_ps();
+      vf squares = vzero();
       for (int64_t c = 0; c < cols; c += kLanes) {
-        const __m512 v = load16(xr + c, first_n(cols - c));
-        squares = _mm512_fmadd_ps(v, v, squares);
+        const vf v = load16(xr + c, first_n(cols - c));
+        squares = vfmadd(v, v, squares);
       }
-      const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / cols + eps));
+      const vf inv = vset1(1.0f / std::sqrt(reduce_add(squares) / cols + eps));
       for (int64_t c = 0; c < cols; c += kLanes) {
-        const __mmask16 m = first_n(cols - c);
-        const __m512 normed = round_as<T>(_mm512_mul_ps(load16(xr + c, m), inv));
-        store16(out + r * cols + c, _mm512_mul_ps(load16(w + c, m), normed), m);
+        const mask16 m = first_n(cols - c);
+        const vf normed = round_as<T>(vmul(load16(xr + c, m), inv));
+        store16(out + r * cols + c, vmul(load16(w + c, m), normed), m);
       }
     }
   });
@@ -51,18 +51,18 @@ void add_rms_norm_rows(const T* x, const T* residual, const T* w, T* sum, T* out
   at::parallel_for(0, rows, std::max<int64_t>(1, kParallelElems / cols), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t base = r * cols;
-      __m512 squares = _mm512_setzero_ps();
+      vf squares = vzero();
       for (int64_t c = 0; c < cols; c += kLanes) {
-        const __mmask16 m = first_n(cols - c);
-        const __m512 v = round_as<T>(_mm512_add_ps(load16(x + base + c, m), load16(residual + base + c, m)));
+        const mask16 m = first_n(cols - c);
+        const vf v = round_as<T>(vadd(load16(x + base + c, m), load16(residual + base + c, m)));
         store16(sum + base + c, v, m);
-        squares = _mm512_fmadd_ps(v, v, squares);
+        squares = vfmadd(v, v, squares);
       }
-      const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / cols + eps));
+      const vf inv = vset1(1.0f / std::sqrt(reduce_add(squares) / cols + eps));
       for (int64_t c = 0; c < cols; c += kLanes) {
-        const __mmask16 m = first_n(cols - c);
-        const __m512 normed = round_as<T>(_mm512_mul_ps(load16(sum + base + c, m), inv));
-        store16(out + base + c, _mm512_mul_ps(load16(w + c, m), normed), m);
+        const mask16 m = first_n(cols - c);
+        const vf normed = round_as<T>(vmul(load16(sum + base + c, m), inv));
+        store16(out + base + c, vmul(load16(w + c, m), normed), m);
       }
     }
   });
@@ -76,11 +76,11 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t inter) {
       const T* gate = gate_up + r * 2 * inter;
       const T* up = gate + inter;
       for (int64_t c = 0; c < inter; c += kLanes) {
-        const __mmask16 m = first_n(inter - c);
-        const __m512 g = load16(gate + c, m);
-        const __m512 neg_exp = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), neg_exp));  // g * sigmoid(g)
-        store16(out + r * inter + c, _mm512_mul_ps(round_as<T>(silu), load16(up + c, m)), m);
+        const mask16 m = first_n(inter - c);
+        const vf g = load16(gate + c, m);
+        const vf neg_exp = exp16(vsub(vzero(), g));
+        const vf silu = vdiv(g, vadd(vset1(1.0f), neg_exp));  // g * sigmoid(g)
+        store16(out + r * inter + c, vmul(round_as<T>(silu), load16(up + c, m)), m);
       }
     }
   });

@@ -23,9 +23,14 @@
 namespace zq {
 namespace {
 
-// A tile keeps kMaxRows x kMaxPanels accumulators (24 of the 32 zmm) in registers, leaving room for the
-// widened weights and a broadcast. 3 panels also divide the per-thread share of 960, 576, 3072 and 49152.
+// A tile keeps kMaxRows x kMaxPanels accumulators in registers, leaving room for the widened weights and a
+// broadcast. AVX-512: 24 of the 32 zmm; 3 panels also divide the per-thread share of 960, 576, 3072 and
+// 49152. AVX2: an accumulator is two of the 16 ymm, so 2 x 3 tiles (12 ymm; the weights are loaded as used).
+#ifndef ZQ_AVX2
 constexpr int kMaxRows = 8;
+#else
+constexpr int kMaxRows = 2;
+#endif
 constexpr int kMaxPanels = 3;
 constexpr int64_t kPrefetchBytes = 1024;  // how far ahead of its loads each panel's stream is prefetched
 
@@ -42,14 +47,15 @@ constexpr int64_t kPrefetchBytes = 1024;  // how far ahead of its loads each pan
 // a mask) and two fp32 FMAs. Which is faster depends on the core: on the Zen 4 VM of 2026-12-01 both
 // instructions issued at 3.6 G/s per core, so the dot product does twice the work; an earlier host issued
 // VDPBF16PS at a quarter of the FMA rate. `linear` takes the path kernels/__init__.py measured faster
-// on this CPU at load time (ZQ_LINEAR_BF16 overrides it).
+// on this CPU at load time (ZQ_LINEAR_BF16 overrides it). The AVX2 build has only Bf16Widen.
+#ifndef ZQ_AVX2
 struct Bf16Dot {
   using T = BFloat16;
   using X = int32_t;                          // x as bf16 pairs, one 32-bit broadcast per step
   static constexpr int64_t kStepElems = 32;   // weight elements per panel per step (64 bytes)
   static constexpr int64_t kXPerStep = 1;
   template <int MR, int NR>
-  static void step(__m512 (&acc)[MR][NR], const X* x, int64_t ldx, int64_t s, const T* ws, int64_t panel_stride) {
+  static void step(vf (&acc)[MR][NR], const X* x, int64_t ldx, int64_t s, const T* ws, int64_t panel_stride) {
     __m512bh b[NR];
     for (int j = 0; j < NR; ++j) b[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(ws + j * panel_stride));
     for (int i = 0; i < MR; ++i) {
@@ -58,6 +64,7 @@ struct Bf16Dot {
     }
   }
 };
+#endif
 
 struct Bf16Widen {
   using T = BFloat16;
@@ -65,17 +72,13 @@ struct Bf16Widen {
   static constexpr int64_t kStepElems = 32;
   static constexpr int64_t kXPerStep = 2;
   template <int MR, int NR>
-  static void step(__m512 (&acc)[MR][NR], const X* x, int64_t ldx, int64_t s, const T* ws, int64_t panel_stride) {
+  static void step(vf (&acc)[MR][NR], const X* x, int64_t ldx, int64_t s, const T* ws, int64_t panel_stride) {
     for (int u = 0; u < 2; ++u) {  // one k at a time: the MR x NR accumulators stay in registers
-      __m512 b[NR];
-      for (int j = 0; j < NR; ++j) {
-        const __m512i w = _mm512_loadu_si512(ws + j * panel_stride);
-        b[j] = _mm512_castsi512_ps(u == 0 ? _mm512_slli_epi32(w, 16)
-                                          : _mm512_and_si512(w, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
-      }
+      vf b[NR];
+      for (int j = 0; j < NR; ++j) b[j] = pair_half(ws + j * panel_stride, u);
       for (int i = 0; i < MR; ++i) {
-        const __m512 a = _mm512_set1_ps(x[i * ldx + s * 2 + u]);
-        for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(a, b[j], acc[i][j]);
+        const vf a = vset1(x[i * ldx + s * 2 + u]);
+        for (int j = 0; j < NR; ++j) acc[i][j] = vfmadd(a, b[j], acc[i][j]);
       }
     }
   }
@@ -88,12 +91,12 @@ struct F32Weights {
   static constexpr int64_t kStepElems = 16;
   static constexpr int64_t kXPerStep = 1;
   template <int MR, int NR>
-  static void step(__m512 (&acc)[MR][NR], const X* x, int64_t ldx, int64_t s, const T* ws, int64_t panel_stride) {
-    __m512 b[NR];
-    for (int j = 0; j < NR; ++j) b[j] = _mm512_loadu_ps(ws + j * panel_stride);
+  static void step(vf (&acc)[MR][NR], const X* x, int64_t ldx, int64_t s, const T* ws, int64_t panel_stride) {
+    vf b[NR];
+    for (int j = 0; j < NR; ++j) b[j] = load16(ws + j * panel_stride);
     for (int i = 0; i < MR; ++i) {
-      const __m512 a = _mm512_set1_ps(x[i * ldx + s]);
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(a, b[j], acc[i][j]);
+      const vf a = vset1(x[i * ldx + s]);
+      for (int j = 0; j < NR; ++j) acc[i][j] = vfmadd(a, b[j], acc[i][j]);
     }
   }
 };
@@ -114,9 +117,9 @@ struct Tile {
 // once per step and reused by all MR rows; x is broadcast straight from memory.
 template <class Kn, int MR, int NR>
 void run_tile(const Tile<Kn>& t) {
-  __m512 acc[MR][NR];
+  vf acc[MR][NR];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NR; ++j) acc[i][j] = vzero();
   constexpr int64_t kAhead = kPrefetchBytes / 64 * Kn::kStepElems;
   for (int64_t s = 0; s < t.steps; ++s) {
     const typename Kn::T* ws = t.w + s * Kn::kStepElems;
@@ -125,9 +128,9 @@ void run_tile(const Tile<Kn>& t) {
     Kn::template step<MR, NR>(acc, t.x, t.ldx, s, ws, t.panel_stride);
   }
   for (int j = 0; j < NR; ++j) {
-    const __mmask16 m = first_n(t.n_left - j * kLanes);
-    const __m512 b = t.bias ? load16(t.bias + j * kLanes, m) : _mm512_setzero_ps();
-    for (int i = 0; i < MR; ++i) store16(t.y + i * t.ldy + j * kLanes, _mm512_add_ps(acc[i][j], b), m);
+    const mask16 m = first_n(t.n_left - j * kLanes);
+    const vf b = t.bias ? load16(t.bias + j * kLanes, m) : vzero();
+    for (int i = 0; i < MR; ++i) store16(t.y + i * t.ldy + j * kLanes, vadd(acc[i][j], b), m);
   }
 }
 
@@ -150,14 +153,14 @@ std::vector<float> widen_rows(const BFloat16* x, int64_t m, int64_t k, int64_t l
   std::vector<float> out(m * ld, 0.0f);
   for (int64_t r = 0; r < m; ++r)
     for (int64_t c = 0; c < k; c += kLanes) {
-      const __mmask16 mask = first_n(k - c);
+      const mask16 mask = first_n(k - c);
       store16(out.data() + r * ld + c, load16(x + r * k + c, mask), mask);
     }
   return out;
 }
 
 // x [M, K] bf16 -> [M, ld] bf16 pairs as 32-bit words, a zero after an odd K.
-std::vector<int32_t> pair_rows(const BFloat16* x, int64_t m, int64_t k, int64_t ld) {
+[[maybe_unused]] std::vector<int32_t> pair_rows(const BFloat16* x, int64_t m, int64_t k, int64_t ld) {
   std::vector<int32_t> out(m * ld, 0);
   for (int64_t r = 0; r < m; ++r) std::memcpy(out.data() + r * ld, x + r * k, k * sizeof(BFloat16));
   return out;
@@ -174,8 +177,12 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::
   if constexpr (std::is_same_v<Kn, F32Weights>) {
     xf = x.data_ptr<float>();
   } else {
+#ifndef ZQ_AVX2
     if constexpr (std::is_same_v<Kn, Bf16Dot>) prepared = pair_rows(x.data_ptr<T>(), m, k, ldx);
     else prepared = widen_rows(x.data_ptr<T>(), m, k, ldx);
+#else
+    prepared = widen_rows(x.data_ptr<T>(), m, k, ldx);
+#endif
     xf = prepared.data();
   }
   at::Tensor y = at::empty({m, n}, x.options());
@@ -243,21 +250,28 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
   if (!bf16) return linear_impl<F32Weights>(xc, packed, bias_x, n);
   TORCH_CHECK(bf16_path >= kBf16Widen && bf16_path <= kBf16Amx, "linear: bf16_path must be 0 (widen), 1 (dot) or 2 "
               "(amx), got ", bf16_path);
+  TORCH_CHECK(kHasBf16Dot || bf16_path == kBf16Widen, "linear: bf16_path ", bf16_path, " (dot or amx) needs the "
+              "AVX-512 build of the kernels; this AVX2 build has only 0 (widen)");
   // AMX takes k in whole tiles; other shapes take the widening path, whatever M (one path per shape)
   if (bf16_path == kBf16Amx && amx_fits(k)) {
     static const bool amx_ok = amx_request();
     TORCH_CHECK(amx_ok, "linear: this CPU or kernel does not give the process AMX tiles");
     return linear_amx(xc, packed, bias_x, n);
   }
+#ifndef ZQ_AVX2
   return bf16_path == kBf16Dot ? linear_impl<Bf16Dot>(xc, packed, bias_x, n)
                                : linear_impl<Bf16Widen>(xc, packed, bias_x, n);
+#else
+  return linear_impl<Bf16Widen>(xc, packed, bias_x, n);
+#endif
 }
 
 namespace {
 
 // Issue rate of VDPBF16PS over that of VFMADD231PS on this core (12 independent accumulators each, ~1 ms):
 // above 0.5 the dot product does more multiply-adds per second. Rates seen: 1.0 (Zen 4), ~0.25 (an earlier
-// host), far enough apart that timing noise does not flip the choice.
+// host), far enough apart that timing noise does not flip the choice. 0 in the AVX2 build: no VDPBF16PS.
+#ifndef ZQ_AVX2
 template <class Op>
 double issue_seconds(Op op, int64_t iterations) {
   __m512 acc[12];
@@ -285,6 +299,9 @@ double bf16_dot_rate() {
   }
   return best_fma / best_dot;
 }
+#else
+double bf16_dot_rate() { return 0.0; }
+#endif
 
 }  // namespace
 }  // namespace zq

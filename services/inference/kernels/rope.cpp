@@ -29,12 +29,11 @@ struct RopeShape {
 template <typename T>
 inline void rotate(const T* x, const T* cos, const T* sin, T* out, int64_t half) {
   for (int64_t i = 0; i < half; i += kLanes) {
-    const __mmask16 m = first_n(half - i);
-    const __m512 x1 = load16(x + i, m), x2 = load16(x + half + i, m);
-    const __m512 lo = _mm512_add_ps(round_as<T>(_mm512_mul_ps(x1, load16(cos + i, m))),
-                                    round_as<T>(_mm512_mul_ps(x2, load16(sin + i, m))));
-    const __m512 hi = _mm512_add_ps(round_as<T>(_mm512_mul_ps(x2, load16(cos + half + i, m))),
-                                    round_as<T>(_mm512_mul_ps(x1, load16(sin + half + i, m))));
+    const mask16 m = first_n(half - i);
+    const vf x1 = load16(x + i, m), x2 = load16(x + half + i, m);
+    const vf lo = vadd(round_as<T>(vmul(x1, load16(cos + i, m))), round_as<T>(vmul(x2, load16(sin + i, m))));
+    const vf hi = vadd(round_as<T>(vmul(x2, load16(cos + half + i, m))),
+                       round_as<T>(vmul(x1, load16(sin + half + i, m))));
     store16(out + i, lo, m);
     store16(out + half + i, hi, m);
   }
