@@ -28,7 +28,8 @@ tests/node/node_modules/.installed: tests/node/package.json tests/node/package-l
 install: $(VENV)/.installed kernels
 install-dev: $(VENV)/.installed-dev kernels tests/node/node_modules/.installed
 
-# Compiles the CPU kernels once (about a minute); the engine falls back to plain torch when they are missing.
+# Compiles the CPU kernels once, for this CPU's ISA (AVX-512 or AVX2; about a minute); the engine falls
+# back to plain torch when they are missing.
 kernels: $(VENV)/.installed
 	$(PY) -m services.inference.kernels build
 

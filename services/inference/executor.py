@@ -109,6 +109,7 @@ class Executor:
             self.graphs = GraphRunner(self.model, self.backend, self.num_slots, self.max_seq_len, self.device)
         log.info("executor_ready", device=self.info.name, slots=self.num_slots, max_seq_len=self.max_seq_len,
                  kv_mib=self.kv_cache.num_bytes >> 20, kernels=self.cpu_ops is not None,
+                 kernels_isa=self.cpu_ops.isa if self.cpu_ops is not None else None,
                  bf16_linears=self.cpu_ops.bf16_path_name if self.cpu_ops is not None else None,
                  graph_buckets=self.graphs.buckets if self.graphs else [])
 

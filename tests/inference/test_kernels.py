@@ -25,7 +25,7 @@ def ops() -> kernels.CpuOps:
         return loaded
     reason = kernels.reason_unavailable()
     # A CPU that has the ISA must get working kernels: a build failure there is a defect, not a skip.
-    capable = not kernels.missing_cpu_flags() and os.environ.get(kernels.DISABLE_ENV) != "1"
+    capable = kernels.choose_isa()[0] is not None and os.environ.get(kernels.DISABLE_ENV) != "1"
     if os.environ.get("ZQ_REQUIRE_KERNELS") == "1" or capable:
         pytest.fail(f"CPU kernels unavailable: {reason}")
     pytest.skip(f"CPU kernels unavailable: {reason}")
@@ -34,6 +34,8 @@ def ops() -> kernels.CpuOps:
 @pytest.fixture(scope="module", params=kernels.BF16_PATHS)
 def linear_ops(ops, request) -> kernels.CpuOps:
     """Every bf16 path of the linear kernel this CPU runs, whichever it picked: each must be right on its own."""
+    if request.param not in ops.bf16_paths:
+        pytest.skip(f"the {ops.isa} build has no {request.param} path")
     if request.param == "amx" and not kernels.amx_available():
         pytest.skip("this CPU has no AMX tiles")
     return dataclasses.replace(ops, bf16_path=kernels.BF16_PATHS.index(request.param))
@@ -80,6 +82,32 @@ def test_linear_bias_lands_on_its_own_column(linear_ops, dtype, k, m):
     assert torch.equal(y, bias.expand(m, -1))
 
 
+BF16_EDGES = [0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), float("nan"), 3.3895e38, -3.3895e38,
+              1.1755e-38, 9.1835e-41, -9.1835e-41, 1.00390625, 1.01171875, 2.0**-126, 2.0**100, 2.0**-100]
+
+
+def test_linear_rounds_to_bf16_as_torch_does(ops):
+    """k = 1: y[m, n] = x[m] * w[n] exactly in fp32 (bf16 products have at most 16 significant bits), then one
+    rounding to bf16: nearest even on ties, overflow to inf, NaN kept NaN; denormals kept in the AVX2 build,
+    flushed to zero by the AVX-512 build's VCVTNEPS2BF16 (as the SDM specifies it)."""
+    edges = torch.tensor(BF16_EDGES).to(torch.bfloat16)
+    x = torch.cat([edges, randn(200, dtype=torch.bfloat16, seed=30) * 8]).unsqueeze(1)
+    w = torch.cat([edges, randn(90, dtype=torch.bfloat16, seed=31)]).unsqueeze(1)
+    widen = dataclasses.replace(ops, bf16_path=0)   # VDPBF16PS and AMX take denormal inputs as zero
+    y = widen.linear(x, widen.pack_linear(w), None, w.shape[0])
+    exact = x.float() * w.float().T
+    denormal = (exact.abs() < 2.0**-126) & (exact != 0)
+    assert denormal.any()
+    ref = exact.to(torch.bfloat16)
+    if ops.isa == "avx512":
+        ref = ref.masked_fill(denormal, 0.0)
+    assert torch.equal(y.isnan(), ref.isnan())
+    finite = dict(nan=0.0, posinf=math.inf, neginf=-math.inf)
+    assert torch.equal(y.nan_to_num(**finite), ref.nan_to_num(**finite))  # +0 == -0: a sum's sign of zero
+    ties = exact.view(torch.int32) & 0xFFFF == 0x8000
+    assert ties.sum() > 100                                     # the random products hit round-half-even
+
+
 def test_linear_keeps_leading_dims(ops):
     x, w = randn(2, 5, 24, dtype=torch.float32, seed=4), randn(40, 24, dtype=torch.float32, seed=5)
     y = ops.linear(x, ops.pack_linear(w), None, 40)
@@ -115,20 +143,38 @@ def test_the_bf16_paths_agree_to_fp32_rounding(linear_ops, ops):
 
 
 def test_the_bf16_path_is_measured_or_forced(ops, monkeypatch):
+    if "dot" not in ops.bf16_paths:
+        pytest.skip(f"the {ops.isa} build has only the widening path: test_avx2_build_widens_whatever_is_asked")
     rate = torch.ops.zeroqueue.bf16_dot_rate.default()
     assert 0.05 < rate < 20                                     # an issue-rate ratio, not a failed timing
     for name in ("widen", "dot"):
         monkeypatch.setenv(kernels.BF16_PATH_ENV, name)
-        assert kernels.BF16_PATHS[kernels.choose_bf16_path()] == name
+        assert kernels.BF16_PATHS[kernels.choose_bf16_path(kernels.AVX512)] == name
     monkeypatch.setenv(kernels.BF16_PATH_ENV, "amx")            # forced, but only where the CPU has it
-    assert kernels.BF16_PATHS[kernels.choose_bf16_path()] == "amx" or not kernels.amx_available()
+    assert kernels.BF16_PATHS[kernels.choose_bf16_path(kernels.AVX512)] == "amx" or not kernels.amx_available()
     monkeypatch.delenv(kernels.BF16_PATH_ENV)
-    chosen = kernels.BF16_PATHS[kernels.choose_bf16_path()]
+    chosen = kernels.BF16_PATHS[kernels.choose_bf16_path(kernels.AVX512)]
     if kernels.amx_available():
         assert chosen == "amx"
     else:
         dot = torch.ops.zeroqueue.bf16_dot_rate.default() > kernels.DOT_RATE_THRESHOLD
         assert chosen == ("dot" if dot else "widen") or abs(rate - kernels.DOT_RATE_THRESHOLD) < 0.1
+
+
+def test_avx2_build_widens_whatever_is_asked(ops, monkeypatch):
+    """No VDPBF16PS, no AMX: the choice is the widening path even when forced, and linear refuses the others."""
+    if ops.isa != "avx2":
+        pytest.skip(f"the {ops.isa} build has every path")
+    assert ops.bf16_paths == ("widen",) and ops.bf16_path_name == "widen"
+    assert torch.ops.zeroqueue.bf16_dot_rate.default() == 0.0
+    assert not torch.ops.zeroqueue.amx_request.default() and not kernels.amx_available()
+    for name in kernels.BF16_PATHS:
+        monkeypatch.setenv(kernels.BF16_PATH_ENV, name)
+        assert kernels.choose_bf16_path(kernels.AVX2) == kernels.BF16_PATHS.index("widen")
+    x, w = randn(2, 64, dtype=torch.bfloat16, seed=10), randn(16, 64, dtype=torch.bfloat16, seed=11)
+    for path in (1, 2):
+        with pytest.raises(RuntimeError, match="needs the AVX-512 build"):
+            torch.ops.zeroqueue.linear.default(x, ops.pack_linear(w), None, 16, path)
 
 
 def test_amx_is_offered_only_with_the_cpu_flags(tmp_path):
@@ -306,7 +352,7 @@ def test_ops_have_fake_implementations_for_torch_compile(ops):
     checks = ("test_schema", "test_faketensor")
     torch.library.opcheck(torch.ops.zeroqueue.pack_linear.default, (w,), test_utils=checks)
     torch.library.opcheck(torch.ops.zeroqueue.linear.default, (x, packed, None, 20), test_utils=checks)
-    torch.library.opcheck(torch.ops.zeroqueue.linear.default, (x, packed, None, 20, True), test_utils=checks)
+    torch.library.opcheck(torch.ops.zeroqueue.linear.default, (x, packed, None, 20, ops.bf16_path), test_utils=checks)
     torch.library.opcheck(torch.ops.zeroqueue.decode_attention.default,
                           (q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0), slots, lengths, 0.5),
                           test_utils=checks)
@@ -320,4 +366,42 @@ def test_missing_cpu_flags_reads_cpuinfo(tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512bw avx512vl avx512dq fma avx2\n")
     assert kernels.missing_cpu_flags(cpuinfo) == ("avx512_bf16",)
-    assert kernels.missing_cpu_flags(tmp_path / "absent") == kernels.REQUIRED_CPU_FLAGS
+    assert kernels.missing_cpu_flags(tmp_path / "absent") == kernels.AVX512.cpu_flags
+
+
+ZEN3_FLAGS = "fpu sse2 avx avx2 fma f16c bmi2"
+CPUINFO_CASES = [
+    ("avx512f avx512bw avx512vl avx512dq avx512_bf16 " + ZEN3_FLAGS, "avx512"),   # Zen 4, Sapphire Rapids
+    ("avx512f avx512bw avx512vl avx512dq " + ZEN3_FLAGS, "avx2"),                # Skylake-X: no avx512_bf16
+    (ZEN3_FLAGS, "avx2"),                                                        # Zen 2/3
+    ("fpu sse2 avx avx2 fma", None),                                             # no f16c
+    ("fpu sse2 avx", None),
+]
+
+
+@pytest.mark.parametrize("flags,expected", CPUINFO_CASES)
+def test_load_takes_the_best_isa_the_cpu_runs(tmp_path, flags, expected):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    isa, reason = kernels.choose_isa(cpuinfo)
+    assert (isa.name if isa else None) == expected
+    assert (reason is None) == (expected is not None)
+    if expected is None:
+        assert "avx512_bf16" in reason and "(avx2)" in reason
+
+
+def test_an_isa_can_be_asked_for_by_name(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"flags\t\t: avx512f avx512bw avx512vl avx512dq avx512_bf16 {ZEN3_FLAGS}\n")
+    assert kernels.choose_isa(cpuinfo, wanted="avx2")[0] is kernels.AVX2
+    cpuinfo.write_text(f"flags\t\t: {ZEN3_FLAGS}\n")
+    assert kernels.choose_isa(cpuinfo, wanted="avx512") == (None, "this CPU lacks avx512f, avx512bw, avx512vl, "
+                                                                   "avx512dq, avx512_bf16 (avx512)")
+    assert "no kernel build is named 'sse'" in kernels.choose_isa(cpuinfo, wanted="sse")[1]
+
+
+def test_the_two_builds_differ_only_in_isa():
+    assert kernels.AVX2.extension_name != kernels.AVX512.extension_name
+    assert kernels.AVX2.build_dir != kernels.AVX512.build_dir
+    assert "-DZQ_AVX2" in kernels.AVX2.compile_flags and "-DZQ_AVX2" not in kernels.AVX512.compile_flags
+    assert not any("native" in flag for isa in kernels.ISAS for flag in isa.compile_flags)

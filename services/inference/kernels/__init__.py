@@ -1,7 +1,9 @@
-"""Fast CPU kernels for the decode path (AVX-512 + BF16), as `torch.ops.zeroqueue.*`.
+"""Fast CPU kernels for the decode path, as `torch.ops.zeroqueue.*`.
 
-`load_cpu_ops()` builds (once, into `_build/`) and loads the extension, or returns None when this CPU
-cannot run it; `reason_unavailable()` then says why, so the engine can log its fallback to plain torch.
+One set of sources builds for two ISAs (see simd.h): AVX-512 + BF16 (with the VDPBF16PS and AMX linears) and
+AVX2 + FMA + F16C (bf16 widened to fp32 FMAs only), each its own extension under `_build/<isa>/` registering
+the same schemas. `load_cpu_ops()` builds (once) and loads the first of them this CPU runs, or returns None;
+`reason_unavailable()` then says why, so the engine can log its fallback to plain torch.
 """
 
 from __future__ import annotations
@@ -20,33 +22,66 @@ SOURCES = tuple(SOURCE_DIR / name for name in ("cpu_ops.cpp", "linear.cpp", "att
                                                  "rope.cpp", "layer.cpp", "amx.cpp"))
 BUILD_DIR = Path(__file__).with_name("_build")
 EXTENSION_NAME = "zeroqueue_cpu_ops"
-# Explicit ISA, never -march=native: images are built on one machine and run on another.
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma")
-COMPILE_FLAGS = (
-    "-O3",
-    "-mavx512f",
-    "-mavx512bw",
-    "-mavx512vl",
-    "-mavx512dq",
-    "-mavx512bf16",
-    "-mamx-tile",     # AMX instructions come only from amx.cpp's intrinsics, run only where the CPU has them
-    "-mamx-bf16",
-    "-mfma",
-    "-fopenmp",
-    "-fvisibility-inlines-hidden",
-)
 LANES = 16  # output columns per packed weight panel
 DECODE_HEAD_DIMS = (32, 64, 128)  # head sizes decode_attention is compiled for
 DISABLE_ENV = "ZQ_DISABLE_KERNELS"
 BF16_PATH_ENV = "ZQ_LINEAR_BF16"  # "widen", "dot" or "amx": overrides the measured choice
 BF16_PATHS = ("widen", "dot", "amx")  # the kernels' bf16_path codes 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Isa:
+    """One build of the kernels: the CPU flags it needs, how it is compiled, the bf16 paths it has."""
+
+    name: str
+    cpu_flags: tuple[str, ...]
+    compile_flags: tuple[str, ...]
+    bf16_paths: tuple[str, ...]
+
+    @property
+    def extension_name(self) -> str:
+        return f"{EXTENSION_NAME}_{self.name}"
+
+    @property
+    def build_dir(self) -> Path:
+        return BUILD_DIR / self.name
+
+
+# Explicit ISA, never -march=native: images are built on one machine and run on another.
+AVX512 = Isa(
+    name="avx512",
+    cpu_flags=("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma"),
+    compile_flags=(
+        "-O3",
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mavx512bf16",
+        "-mamx-tile",     # AMX instructions come only from amx.cpp's intrinsics, run only where the CPU has them
+        "-mamx-bf16",
+        "-mfma",
+        "-fopenmp",
+        "-fvisibility-inlines-hidden",
+    ),
+    bf16_paths=BF16_PATHS,
+)
+# Zen 2/3 and the Intel cores without AVX-512: 16 lanes as two ymm, no VDPBF16PS, no AMX.
+AVX2 = Isa(
+    name="avx2",
+    cpu_flags=("avx2", "fma", "f16c"),
+    compile_flags=("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fvisibility-inlines-hidden", "-DZQ_AVX2"),
+    bf16_paths=("widen",),
+)
+ISAS = (AVX512, AVX2)  # in order of preference
+ISA_ENV = "ZQ_KERNELS_ISA"  # "avx2": take that build even where the CPU runs a better one
 AMX_CPU_FLAGS = ("amx_tile", "amx_bf16")
 # VDPBF16PS does two multiply-adds a lane to VFMADD231PS's one: it wins when it issues at over half the rate
 DOT_RATE_THRESHOLD = 0.5
 
 
 def missing_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo"),
-                      required: tuple[str, ...] = REQUIRED_CPU_FLAGS) -> tuple[str, ...]:
+                      required: tuple[str, ...] = AVX512.cpu_flags) -> tuple[str, ...]:
     """The ISA flags of `required` this CPU lacks (all of them when cpuinfo cannot be read)."""
     try:
         text = cpuinfo.read_text()
@@ -60,16 +95,41 @@ def missing_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo"),
     return tuple(f for f in required if f not in flags)
 
 
+def isa_named(name: str) -> Isa:
+    return next(isa for isa in ISAS if isa.name == name)
+
+
+def choose_isa(cpuinfo: Path = Path("/proc/cpuinfo"), wanted: str | None = None) -> tuple[Isa | None, str | None]:
+    """The first build of ISAS (or the one named `wanted`) this CPU runs, else None and why not."""
+    lacks = []
+    for isa in ISAS:
+        if wanted is not None and isa.name != wanted:
+            continue
+        missing = missing_cpu_flags(cpuinfo, isa.cpu_flags)
+        if not missing:
+            return isa, None
+        lacks.append(f"{', '.join(missing)} ({isa.name})")
+    if not lacks:
+        return None, f"no kernel build is named {wanted!r}; there are {', '.join(isa.name for isa in ISAS)}"
+    return None, f"this CPU lacks {' and '.join(lacks)}"
+
+
 @dataclasses.dataclass(frozen=True)
 class CpuOps:
     """The loaded kernels. Tensors stay on the CPU; x and weights are both bf16 or both fp32."""
 
     library_path: str
     bf16_path: int = 0          # bf16 linears: 0 widened to fp32 FMAs, 1 VDPBF16PS, 2 AMX (see choose_bf16_path)
+    isa: str = AVX512.name      # the build loaded: "avx512" or "avx2"
 
     @property
     def bf16_path_name(self) -> str:
         return BF16_PATHS[self.bf16_path]
+
+    @property
+    def bf16_paths(self) -> tuple[str, ...]:
+        """The bf16 paths this build has (the CPU may still lack AMX: see amx_available)."""
+        return isa_named(self.isa).bf16_paths
 
     def pack_linear(self, w: torch.Tensor) -> torch.Tensor:
         """w [N, K] -> packed weights (bf16 [ceil(N/16), ceil(K/2), 16, 2]; fp32 [ceil(N/16), K, 16])."""
@@ -169,21 +229,22 @@ def _register_fakes() -> None:
         return torch.empty_like(q)
 
 
-def build(verbose: bool = False) -> str:
-    """Compile (or reuse) the extension and load it into torch.ops; returns the library's path."""
+def build(isa: Isa, verbose: bool = False) -> str:
+    """Compile (or reuse) `isa`'s extension and load it into torch.ops; returns the library's path. Only one
+    build may be loaded in a process: both register the same schemas."""
     from torch.utils import cpp_extension
 
     # ninja comes with the venv; put its bin dir first so the build finds it without an activated venv.
     bin_dir = os.path.dirname(sys.executable)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    BUILD_DIR.mkdir(exist_ok=True)
+    isa.build_dir.mkdir(parents=True, exist_ok=True)
     return cpp_extension.load(
-        name=EXTENSION_NAME,
+        name=isa.extension_name,
         sources=[str(path) for path in SOURCES],
-        extra_cflags=list(COMPILE_FLAGS),
+        extra_cflags=list(isa.compile_flags),
         extra_ldflags=["-fopenmp"],
-        build_directory=str(BUILD_DIR),
+        build_directory=str(isa.build_dir),
         is_python_module=False,
         verbose=verbose,
     )
@@ -193,15 +254,15 @@ def build(verbose: bool = False) -> str:
 def _load() -> tuple[CpuOps | None, str | None]:
     if os.environ.get(DISABLE_ENV) == "1":
         return None, f"disabled by {DISABLE_ENV}=1"
-    missing = missing_cpu_flags()
-    if missing:
-        return None, f"this CPU lacks {', '.join(missing)}"
+    isa, reason = choose_isa(wanted=os.environ.get(ISA_ENV) or None)
+    if isa is None:
+        return None, reason
     try:
-        path = build()
+        path = build(isa)
     except (RuntimeError, OSError, ImportError) as exc:  # compiler or ninja missing, build failed
-        return None, f"building the CPU kernels failed: {exc}"
+        return None, f"building the {isa.name} CPU kernels failed: {exc}"
     _register_fakes()
-    return CpuOps(library_path=path, bf16_path=choose_bf16_path()), None
+    return CpuOps(library_path=path, bf16_path=choose_bf16_path(isa), isa=isa.name), None
 
 
 def amx_available() -> bool:
@@ -209,16 +270,17 @@ def amx_available() -> bool:
     return not missing_cpu_flags(required=AMX_CPU_FLAGS) and torch.ops.zeroqueue.amx_request.default()
 
 
-def choose_bf16_path() -> int:
+def choose_bf16_path(isa: Isa) -> int:
     """How bf16 linears multiply on this CPU, once per process: AMX tiles where the CPU has them, else
     VDPBF16PS if it issues at over half the FMA's rate (measured, ~1 ms), else bf16 widened to fp32 FMAs;
-    $ZQ_LINEAR_BF16 forces one. One choice for the process keeps every batch on one rounding."""
+    $ZQ_LINEAR_BF16 forces one that `isa`'s build has. One choice for the process keeps every batch on one
+    rounding. The AVX2 build has only the widening path."""
     forced = os.environ.get(BF16_PATH_ENV)
-    if forced in BF16_PATHS and (forced != "amx" or amx_available()):
+    if forced in isa.bf16_paths and (forced != "amx" or amx_available()):
         return BF16_PATHS.index(forced)
-    if amx_available():
+    if "amx" in isa.bf16_paths and amx_available():
         return BF16_PATHS.index("amx")
-    dot = torch.ops.zeroqueue.bf16_dot_rate.default() > DOT_RATE_THRESHOLD
+    dot = "dot" in isa.bf16_paths and torch.ops.zeroqueue.bf16_dot_rate.default() > DOT_RATE_THRESHOLD
     return BF16_PATHS.index("dot" if dot else "widen")
 
 
