@@ -25,13 +25,15 @@ namespace {
 
 // A tile keeps kMaxRows x kMaxPanels accumulators in registers, leaving room for the widened weights and a
 // broadcast. AVX-512: 24 of the 32 zmm; 3 panels also divide the per-thread share of 960, 576, 3072 and
-// 49152. AVX2: an accumulator is two of the 16 ymm, so 2 x 3 tiles (12 ymm; the weights are loaded as used).
+// 49152. AVX2: an accumulator is two of the 16 ymm; 2 x 2 keeps 8 of them, 4 weights, a broadcast and the
+// pair mask in registers (2 x 3 spilled, 2x slower at M = 8 on Zen 3; 4 x 1 and 6 x 1 lose at M = 1).
 #ifndef ZQ_AVX2
 constexpr int kMaxRows = 8;
+constexpr int kMaxPanels = 3;
 #else
 constexpr int kMaxRows = 2;
+constexpr int kMaxPanels = 2;
 #endif
-constexpr int kMaxPanels = 3;
 constexpr int64_t kPrefetchBytes = 1024;  // how far ahead of its loads each panel's stream is prefetched
 
 // ---- weight layouts (see pack_linear) and how a tile multiplies one step of them ----
