@@ -26,13 +26,16 @@ namespace {
 // A tile keeps kMaxRows x kMaxPanels accumulators in registers, leaving room for the widened weights and a
 // broadcast. AVX-512: 24 of the 32 zmm; 3 panels also divide the per-thread share of 960, 576, 3072 and
 // 49152. AVX2: an accumulator is two of the 16 ymm; 2 x 2 keeps 8 of them, 4 weights, a broadcast and the
-// pair mask in registers (2 x 3 spilled, 2x slower at M = 8 on Zen 3; 4 x 1 and 6 x 1 lose at M = 1).
+// pair mask in registers (2 x 3 spilled, 2x slower at M = 8 on Zen 3; 4 x 1 and 6 x 1 lose at M = 1), and
+// a single row takes 1 x 3, whose 6 accumulators hide more FMA latency than 1 x 2's 4.
 #ifndef ZQ_AVX2
 constexpr int kMaxRows = 8;
 constexpr int kMaxPanels = 3;
+constexpr int kRowsPanels = kMaxPanels;  // panels per tile when M > 1
 #else
 constexpr int kMaxRows = 2;
-constexpr int kMaxPanels = 2;
+constexpr int kMaxPanels = 3;
+constexpr int kRowsPanels = 2;  // panels per tile when M > 1
 #endif
 constexpr int64_t kPrefetchBytes = 1024;  // how far ahead of its loads each panel's stream is prefetched
 
@@ -194,8 +197,9 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::
   // Threads split the panels (so each streams its own contiguous part of the weights once); inside a
   // panel group all row blocks run while that group's weights are still in L1/L2.
   at::parallel_for(0, np, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; p += kMaxPanels) {
-      const int64_t nr = std::min<int64_t>(kMaxPanels, p1 - p);
+    const int64_t group = m == 1 ? kMaxPanels : kRowsPanels;
+    for (int64_t p = p0; p < p1; p += group) {
+      const int64_t nr = std::min<int64_t>(group, p1 - p);
       for (int64_t r = 0; r < m; r += kMaxRows) {
         const int64_t mr = std::min<int64_t>(kMaxRows, m - r);
         const Tile<Kn> t{xf + r * ldx, ldx, steps, wp + p * panel_stride, panel_stride,
