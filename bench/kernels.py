@@ -197,7 +197,7 @@ def bench_small_ops(ops: kernels.CpuOps, dtype: torch.dtype, reps: int) -> None:
 def bench_bf16_paths(ops: kernels.CpuOps, reps: int, probe: BandwidthProbe) -> None:
     """The bf16 weight stream on every linear path this CPU runs, taking turns with each other and the probe:
     which path a process should take (kernels/__init__.py chooses once a process)."""
-    names = [name for name in kernels.BF16_PATHS if name != "amx" or kernels.amx_available()]
+    names = [name for name in ops.bf16_paths if name != "amx" or kernels.amx_available()]
     variants = [dataclasses.replace(ops, bf16_path=kernels.BF16_PATHS.index(name)) for name in names]
     gen = torch.Generator().manual_seed(2)
     packed = [(ops.pack_linear(torch.randn(n, k, generator=gen).to(torch.bfloat16)), n, k)
@@ -239,7 +239,7 @@ def main() -> None:
     if ops is None:
         sys.exit(f"CPU kernels unavailable: {kernels.reason_unavailable()}")
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    print(f"{now}; {machine()}; {torch.get_num_threads()} threads; load average "
+    print(f"{now}; {machine()}; {ops.isa} kernels; {torch.get_num_threads()} threads; load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     probe = BandwidthProbe()
     best = max(probe.gbs(t) for t in time_interleaved([probe], 8)[0])
