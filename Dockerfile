@@ -41,12 +41,12 @@ RUN pip install --no-cache-dir /src
 # The bundled model, readable by the service user whatever modes the build context gave its files.
 COPY services/inference/bundled/zq-python-tiny/ /opt/zeroqueue/models/zq-python-tiny/
 RUN chmod -R a+rX /opt/zeroqueue/models
-# From outside /src, so `services` is the installed package: the kernels land in its kernels/_build. A build
-# failure fails the image, except on a builder CPU without AVX-512 BF16, which cannot check the kernels: that
-# image runs on plain torch (the replica logs why at start).
+# From outside /src, so `services` is the installed package: the kernels land in its kernels/_build, built for
+# this builder's CPU (AVX-512 or AVX2; docs/OPERATIONS.md). A build failure fails the image, except on a builder
+# CPU with neither ISA, which cannot check the kernels: that image runs on plain torch (the replica logs why).
 WORKDIR /opt
 RUN python -m services.inference.kernels build --strict \
- || python -c "import sys; from services.inference.kernels import missing_cpu_flags; sys.exit(not missing_cpu_flags())"
+ || python -c "import sys; from services.inference.kernels import runnable_isas; sys.exit(bool(runnable_isas()[0]))"
 RUN mkdir -p /opt/venv/lib/python3.11/site-packages/services/inference/kernels/_build
 
 # ---- runtime: no compiler, non-root ------------------------------------------------------------------------------

@@ -42,3 +42,38 @@ def test_the_two_builds_differ_only_in_isa():
     assert kernels.AVX2.build_dir != kernels.AVX512.build_dir
     assert "-DZQ_AVX2" in kernels.AVX2.compile_flags and "-DZQ_AVX2" not in kernels.AVX512.compile_flags
     assert not any("native" in flag for isa in kernels.ISAS for flag in isa.compile_flags)
+
+
+def test_every_build_the_cpu_runs_is_offered_best_first(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"flags\t\t: avx512f avx512bw avx512vl avx512dq avx512_bf16 {ZEN3_FLAGS}\n")
+    assert kernels.runnable_isas(cpuinfo) == ((kernels.AVX512, kernels.AVX2), None)
+    assert kernels.runnable_isas(cpuinfo, wanted="avx2") == ((kernels.AVX2,), None)
+    cpuinfo.write_text("flags\t\t: fpu sse2 avx\n")
+    isas, reason = kernels.runnable_isas(cpuinfo)
+    assert isas == () and "(avx512)" in reason and "(avx2)" in reason
+
+
+def test_a_build_that_fails_falls_back_to_the_next_the_cpu_runs():
+    # an image compiled on an AVX2 machine, run on an AVX-512 one: no compiler for AVX-512, the AVX2 build is there
+    tried = []
+
+    def build(isa):
+        tried.append(isa.name)
+        if isa is kernels.AVX512:
+            raise RuntimeError("Ninja is required to load C++ extensions")
+        return f"/opt/_build/{isa.name}/lib.so"
+
+    assert kernels.first_built(((kernels.AVX512, kernels.AVX2), None), build) == (kernels.AVX2,
+                                                                                 "/opt/_build/avx2/lib.so")
+    assert tried == ["avx512", "avx2"]
+
+
+def test_when_every_build_fails_the_reason_names_each():
+    def build(isa):
+        raise OSError(f"no compiler for {isa.name}")
+
+    isa, reason = kernels.first_built(((kernels.AVX512, kernels.AVX2), None), build)
+    assert isa is None
+    assert "avx512 CPU kernels failed: no compiler for avx512" in reason and "no compiler for avx2" in reason
+    assert kernels.first_built(((), "this CPU lacks avx2 (avx2)"), build) == (None, "this CPU lacks avx2 (avx2)")

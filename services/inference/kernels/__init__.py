@@ -2,8 +2,8 @@
 
 One set of sources builds for two ISAs (see simd.h): AVX-512 + BF16 (with the VDPBF16PS and AMX linears) and
 AVX2 + FMA + F16C (bf16 widened to fp32 FMAs only), each its own extension under `_build/<isa>/` registering
-the same schemas. `load_cpu_ops()` builds (once) and loads the first of them this CPU runs, or returns None;
-`reason_unavailable()` then says why, so the engine can log its fallback to plain torch.
+the same schemas. `load_cpu_ops()` builds (once) and loads the best of them this CPU runs and that builds here,
+or returns None; `reason_unavailable()` then says why, so the engine can log its fallback to plain torch.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -99,19 +100,29 @@ def isa_named(name: str) -> Isa:
     return next(isa for isa in ISAS if isa.name == name)
 
 
-def choose_isa(cpuinfo: Path = Path("/proc/cpuinfo"), wanted: str | None = None) -> tuple[Isa | None, str | None]:
-    """The first build of ISAS (or the one named `wanted`) this CPU runs, else None and why not."""
-    lacks = []
+def runnable_isas(cpuinfo: Path = Path("/proc/cpuinfo"),
+                  wanted: str | None = None) -> tuple[tuple[Isa, ...], str | None]:
+    """The builds of ISAS (or the one named `wanted`) this CPU runs, best first; when none, why not."""
+    runnable, lacks = [], []
     for isa in ISAS:
         if wanted is not None and isa.name != wanted:
             continue
         missing = missing_cpu_flags(cpuinfo, isa.cpu_flags)
-        if not missing:
-            return isa, None
-        lacks.append(f"{', '.join(missing)} ({isa.name})")
+        if missing:
+            lacks.append(f"{', '.join(missing)} ({isa.name})")
+        else:
+            runnable.append(isa)
+    if runnable:
+        return tuple(runnable), None
     if not lacks:
-        return None, f"no kernel build is named {wanted!r}; there are {', '.join(isa.name for isa in ISAS)}"
-    return None, f"this CPU lacks {' and '.join(lacks)}"
+        return (), f"no kernel build is named {wanted!r}; there are {', '.join(isa.name for isa in ISAS)}"
+    return (), f"this CPU lacks {' and '.join(lacks)}"
+
+
+def choose_isa(cpuinfo: Path = Path("/proc/cpuinfo"), wanted: str | None = None) -> tuple[Isa | None, str | None]:
+    """The first build of ISAS (or the one named `wanted`) this CPU runs, else None and why not."""
+    runnable, reason = runnable_isas(cpuinfo, wanted)
+    return (runnable[0] if runnable else None), reason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,15 +265,26 @@ def build(isa: Isa, verbose: bool = False) -> str:
 def _load() -> tuple[CpuOps | None, str | None]:
     if os.environ.get(DISABLE_ENV) == "1":
         return None, f"disabled by {DISABLE_ENV}=1"
-    isa, reason = choose_isa(wanted=os.environ.get(ISA_ENV) or None)
+    isa, found = first_built(runnable_isas(wanted=os.environ.get(ISA_ENV) or None), build)
     if isa is None:
-        return None, reason
-    try:
-        path = build(isa)
-    except (RuntimeError, OSError, ImportError) as exc:  # compiler or ninja missing, build failed
-        return None, f"building the {isa.name} CPU kernels failed: {exc}"
+        return None, found
     _register_fakes()
-    return CpuOps(library_path=path, bf16_path=choose_bf16_path(isa), isa=isa.name), None
+    return CpuOps(library_path=found, bf16_path=choose_bf16_path(isa), isa=isa.name), None
+
+
+def first_built(runnable: tuple[tuple[Isa, ...], str | None],
+                build_isa: Callable[[Isa], str]) -> tuple[Isa | None, str]:
+    """(the first runnable build that builds or is already built, its library's path), else (None, why not).
+    A build that fails goes on to the next: an image compiled on an AVX2 machine has no compiler to build
+    AVX-512 on the machine it runs on, and its AVX2 build runs there too."""
+    isas, reason = runnable
+    failures = []
+    for isa in isas:
+        try:
+            return isa, build_isa(isa)
+        except (RuntimeError, OSError, ImportError) as exc:  # compiler or ninja missing, build failed
+            failures.append(f"building the {isa.name} CPU kernels failed: {exc}")
+    return None, "; ".join(failures) or reason or "no kernel build"
 
 
 def amx_available() -> bool:
