@@ -7,7 +7,7 @@ Two figures, on one deadline-mode replica, for the fixed request shape:
               retry), so it is not a load the replica "serves".
   capacity    the knee: the highest open-loop Poisson rate at which at most `knee_rejection` (default 2 %) of
               calls are refused at their first attempt, found by bisection between half the saturation and the
-              saturation, one probe run per step, then confirmed by runs as long as a matrix run (a 20-s
+              saturation (raised while the saturation itself passes), one probe run per step, then confirmed by runs as long as a matrix run (a 20-s
               probe passed at 68 req/s where the 60-s run at that rate refused 8 %: the knee is steep and the
               host drifts): 5 % lower after a run that refuses too many, 3 % higher after one that refuses
               under --knee-min-rejection. Issue 5 asks 1x to show a rejection rate of 0.5-3 %; this is the
@@ -35,30 +35,38 @@ class Probe:
 
 def find_knee(probe: Callable[[float], Probe], lo_qps: float, hi_qps: float, target: float,
               num_probes: int) -> tuple[float, list[Probe]]:
-    """The highest probed rate whose first-attempt rejection rate is at most `target`, by bisection on
-    [lo, hi]; if `lo` itself refuses more, it is halved until a rate passes (at most `num_probes` probes
-    in all). Assumes rejections grow with the rate, which a noisy probe may break: the answer is always a
-    rate that was measured to pass."""
+    """The highest probed rate whose first-attempt rejection rate is at most `target` (at most `num_probes`
+    probes in all): `lo` first, halved until a rate passes; then `hi`, doubled while it passes too (the
+    closed-loop saturation that `hi` usually is can fall below the knee: on a host whose steps are long, a
+    closed loop of one caller per slot runs them fuller, and so slower, than open-loop arrivals at the knee);
+    then bisection between the highest rate that passed and the lowest that did not. Assumes rejections grow
+    with the rate, which a noisy probe may break: the answer is always a rate that was measured to pass."""
     probes: list[Probe] = []
-    best = None
-    while len(probes) < num_probes:
-        result = probe(lo_qps)
-        probes.append(result)
-        if result.rejection_rate <= target:
+
+    def passes(qps: float) -> bool:
+        probes.append(probe(qps))
+        return probes[-1].rejection_rate <= target
+
+    best, hi_failed = None, False
+    while best is None and len(probes) < num_probes:
+        if passes(lo_qps):
             best = lo_qps
-            break
-        hi_qps, lo_qps = lo_qps, lo_qps / 2
-    while best is not None and len(probes) < num_probes:
-        mid = (lo_qps + hi_qps) / 2
-        result = probe(mid)
-        probes.append(result)
-        if result.rejection_rate <= target:
-            lo_qps = best = mid
         else:
-            hi_qps = mid
+            hi_qps, lo_qps, hi_failed = lo_qps, lo_qps / 2, True
     if best is None:
         raise RuntimeError(f"no probed rate kept rejections at or below {target:.1%}: "
                            + ", ".join(f"{p.qps:.2f} req/s refused {p.rejection_rate:.1%}" for p in probes))
+    while not hi_failed and len(probes) < num_probes:
+        if not passes(hi_qps):
+            break
+        lo_qps = best = hi_qps
+        hi_qps *= 2
+    while len(probes) < num_probes:
+        mid = (lo_qps + hi_qps) / 2
+        if passes(mid):
+            lo_qps = best = mid
+        else:
+            hi_qps = mid
     return best, probes
 
 

@@ -84,7 +84,7 @@ def add_pulse(sub: argparse._SubParsersAction) -> None:
                         "highest Poisson rate refusing at most --knee-rejection of first attempts")
     c.add_argument("--concurrency", type=int, default=0, help="closed-loop callers (default: the replica's slots)")
     c.add_argument("--knee-rejection", type=float, default=0.02, help="share of first attempts refused at the knee")
-    c.add_argument("--knee-probes", type=int, default=5, help="probe runs of the bisection for the knee")
+    c.add_argument("--knee-probes", type=int, default=6, help="probe runs of the search for the knee")
     c.add_argument("--probe-duration", type=float, default=20.0, help="seconds of arrivals per probe")
     c.add_argument("--confirm-duration", type=float, default=60.0,
                    help="seconds of each run confirming the knee (as long as the runs at 1x; 0: no confirmation)")

@@ -21,16 +21,26 @@ def replica(knee_qps: float):
 def test_bisection_lands_on_the_highest_probed_rate_that_passes():
     probe, probed = replica(knee_qps=41.0)
     capacity, probes = find_knee(probe, 30.0, 60.0, target=0.02, num_probes=6)
-    assert len(probes) == 6 and probed[0] == 30.0
+    assert len(probes) == 6 and probed[:2] == [30.0, 60.0]
     rate_at_target = 41.0 * 1.02                    # refuses exactly 2 %
-    assert rate_at_target - 30.0 / 2 ** 5 <= capacity <= rate_at_target   # five halvings of [30, 60] after the first
+    assert rate_at_target - 30.0 / 2 ** 4 <= capacity <= rate_at_target   # four halvings of [30, 60] after both ends
+    assert capacity == max(p.qps for p in probes if p.rejection_rate <= 0.02)
+
+
+def test_an_upper_bound_that_passes_is_doubled_until_one_refuses_too_many():
+    # a closed-loop saturation below the knee (a host with long steps): the search must not stop under it
+    probe, probed = replica(knee_qps=25.0)
+    capacity, probes = find_knee(probe, 5.0, 10.0, target=0.02, num_probes=7)
+    assert probed[:4] == [5.0, 10.0, 20.0, 40.0]          # 40 refuses 60 %: the bisection is on [20, 40]
+    assert 25.5 - 20.0 / 2 ** 3 <= capacity <= 25.5
     assert capacity == max(p.qps for p in probes if p.rejection_rate <= 0.02)
 
 
 def test_a_lower_bound_that_already_refuses_too_much_is_halved_first():
     probe, probed = replica(knee_qps=10.0)
     capacity, probes = find_knee(probe, 30.0, 60.0, target=0.02, num_probes=6)
-    assert probed[:2] == [30.0, 15.0] and probed[2] == 7.5
+    assert probed[:3] == [30.0, 15.0, 7.5]                # 15 refused too many: it is not probed again
+    assert probed[3] == (7.5 + 15.0) / 2
     assert 7.5 <= capacity <= 10.2
 
 
@@ -83,3 +93,46 @@ def test_the_server_view_reports_how_many_calls_joined_the_very_next_step():
     waited = server_view(before, after)["steps_waited"]
     assert waited["count"] == 100 and waited["next_step_share"] == pytest.approx(0.97)
     assert waited["mean"] == pytest.approx(0.03) and waited["max_at_most"] == float("inf")
+
+
+class _Refusing:
+    """An AsyncClient whose every call is refused OVERLOADED with a 300-ms hint; counts the calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def generate(self, prompt, deadline_ms, **options):
+        import grpc
+
+        from services.client import Rejected
+        from services.client.results import AttemptRecord, CallReport
+        from services.client.status import Failure
+        self.calls += 1
+        attempt = AttemptRecord(0, "fake:1", "", 0.0, deadline_ms / 1000, 0.0, "", "RESOURCE_EXHAUSTED", "OVERLOADED",
+                                retry_after_ms=300)
+        error = Rejected(Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", "OVERLOADED", retry_after_ms=300),
+                         CallReport(options["request_id"], (attempt,), 0.001, "deadline"))
+
+        class Generation:
+            report = error.report
+
+            def __aiter__(self):
+                return self
+
+            async def __anext__(self):
+                raise error
+        return Generation()
+
+
+def test_a_closed_loop_caller_waits_out_a_refusal_hint_before_its_next_call():
+    import asyncio
+
+    from services.pulse.runner import run_closed_loop
+    from services.pulse.schedule import PlannedRequest
+    client = _Refusing()
+    traces = asyncio.run(run_closed_loop(client, lambda i: PlannedRequest(i, 0.0, (5, 6), 4, 2_000.0),
+                                         concurrency=2, duration_s=0.75, id_prefix="cap"))
+    # two callers, each refused every 300 ms for 0.75 s: 3 calls each (at 0, 0.3, 0.6 s; 2 if the sleeps ran
+    # long), where callers that resent at once would have made thousands
+    assert 4 <= client.calls == len(traces) <= 6
+    assert all(t.outcome == "rejected" and t.retry_after_ms == 300 for t in traces)
