@@ -42,6 +42,7 @@ async def _one(client: AsyncClient, request: PlannedRequest, trace: RequestTrace
     except ZeroQueueError as error:
         trace.finished_s = time.monotonic() - t0
         trace.outcome, trace.error, report = outcome_of(error), f"{error.code.name}/{error.reason}", error.report
+        trace.retry_after_ms = error.failure.retry_after_ms
     except Exception as error:  # noqa: BLE001 - a load generator records a client-side failure and goes on
         trace.finished_s = time.monotonic() - t0
         trace.outcome, trace.error, report = "error", f"client:{type(error).__name__}: {error}", generation.report
@@ -50,8 +51,6 @@ async def _one(client: AsyncClient, request: PlannedRequest, trace: RequestTrace
         trace.attempts = [(start + a.started_s, a.outcome) for a in report.attempts]
         trace.attempt_endpoints = [a.endpoint for a in report.attempts]
         trace.endpoint = report.endpoint
-        trace.retry_after_ms = next((a.retry_after_ms for a in reversed(report.attempts)
-                                     if a.retry_after_ms is not None), None)
     on_done(trace)
 
 

@@ -43,7 +43,7 @@ class RequestTrace:
     final_lag_us: int | None = None                  # engine finish -> this client read the final message
                                                      # (epoch clocks of both hosts: exact on one host)
     endpoint: str = ""
-    retry_after_ms: int | None = None                # the hint of the call's last refusal
+    retry_after_ms: int | None = None                # a failed call's last hint (Rejected: when to come back)
 
     @property
     def admitted_s(self) -> float | None:

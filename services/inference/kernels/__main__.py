@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from . import ISAS, SOURCES, choose_isa, load_cpu_ops, missing_cpu_flags, reason_unavailable
+from . import ISAS, SOURCES, isa_named, load_cpu_ops, missing_cpu_flags, reason_unavailable
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
         # Not an install failure: the engine falls back to plain torch and logs the same reason.
         print(f"kernels unavailable: {reason_unavailable()}")
         return 1 if args.strict else 0
-    isa = choose_isa(wanted=ops.isa)[0]
+    isa = isa_named(ops.isa)
     print(f"built {', '.join(path.name for path in SOURCES)} -> {ops.library_path} "
           f"in {time.monotonic() - started:.1f} s")
     print(f"isa {ops.isa}, flags: {' '.join(isa.compile_flags)}; build dir {isa.build_dir}")
