@@ -2,6 +2,10 @@
 
 Randomness is a pure function of (request seed, index of the token being drawn): one uniform number drawn
 by inverse CDF. A request's tokens therefore do not depend on which other requests share its batch.
+
+Whatever the device, the device computes the argmax and picks out the rows to sample, one copy brings them to
+the host, and every draw is made there on fp32: one host sync per step, and the same logits draw the same
+token on a CPU and on a GPU.
 """
 from __future__ import annotations
 
@@ -51,19 +55,37 @@ def _nucleus(probs: torch.Tensor, ids: torch.Tensor, top_p: float) -> tuple[torc
     return probs[:keep], ids[:keep]
 
 
+def to_host(logits: torch.Tensor,
+            params: Sequence[SamplingParams]) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+    """logits [N, V] fp32 on the step's device -> (argmax [N] on the host, the rows to sample, their logits
+    [len(rows), V] on the host, or None when every row is greedy). The only part that touches the device."""
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    argmax = torch.argmax(logits, dim=-1)
+    if not rows:
+        return argmax.cpu(), rows, None
+    argmax = argmax.to("cpu", non_blocking=True)
+    picked = logits if len(rows) == len(params) else logits.index_select(0, torch.tensor(rows).to(logits.device))
+    # a blocking copy on the same stream: once it is back, the argmax copy queued before it is back too
+    return argmax, rows, picked.to("cpu")
+
+
+def draw(scaled: torch.Tensor, params: SamplingParams, index: int) -> int:
+    """Temperature-scaled logits [V] fp32 on the host -> the token drawn by the index-th number of the seed."""
+    if not 0 < params.top_k < scaled.shape[0] and params.top_p >= 1.0:    # no filter: vocabulary order, no sort
+        probs, ids = torch.softmax(scaled, dim=-1), None
+    else:
+        probs, ids = _filtered_probs(scaled, params)
+    cdf = torch.cumsum(probs, dim=-1)
+    target = uniform(params.seed, index) * float(cdf[-1])
+    pick = min(int(torch.searchsorted(cdf, torch.tensor([target], dtype=cdf.dtype), right=True)), len(cdf) - 1)
+    return pick if ids is None else int(ids[pick])
+
+
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], draw_index: Sequence[int]) -> list[int]:
-    """logits [N, V] fp32 -> one token per row; row i draws its draw_index[i]-th random number."""
-    tokens = torch.argmax(logits, dim=-1).tolist()
-    for row, p in enumerate(params):
-        if p.greedy:
-            continue
-        scaled = logits[row] / p.temperature
-        if not 0 < p.top_k < scaled.shape[0] and p.top_p >= 1.0:    # no filter: draw in vocabulary order, no sort
-            probs, ids = torch.softmax(scaled, dim=-1), None
-        else:
-            probs, ids = _filtered_probs(scaled, p)
-        cdf = torch.cumsum(probs, dim=-1)
-        target = uniform(p.seed, draw_index[row]) * float(cdf[-1])
-        pick = min(int(torch.searchsorted(cdf, torch.tensor([target], dtype=cdf.dtype), right=True)), len(cdf) - 1)
-        tokens[row] = pick if ids is None else int(ids[pick])
+    """logits [N, V] fp32 on any device -> one token per row; row i draws its draw_index[i]-th random number."""
+    argmax, rows, host = to_host(logits, params)
+    tokens = argmax.tolist()
+    for k, row in enumerate(rows):
+        p = params[row]
+        tokens[row] = draw(host[k] / p.temperature, p, draw_index[row])
     return tokens

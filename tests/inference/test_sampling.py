@@ -5,12 +5,15 @@ import collections
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.inference.detokenizer import Detokenizer
 from services.inference.request import SamplingParams
-from services.inference.sampler import _filtered_probs, sample, uniform
+from services.inference.sampler import _filtered_probs, sample, to_host, uniform
 from tests.checkpoints import build_tokenizer
 
 
@@ -50,6 +53,63 @@ def test_draws_depend_only_on_seed_and_index():
     params = [SamplingParams(temperature=0.8, seed=11)] * 4
     batch = sample(logits, params, [5, 5, 5, 5])
     assert batch == [sample(logits[i:i + 1], params[:1], [5])[0] for i in range(4)]
+
+
+MIXED = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=1),
+         SamplingParams(temperature=1.0, top_p=0.9, seed=2), SamplingParams(temperature=1.3, top_k=40, seed=3),
+         SamplingParams(temperature=0.5, top_k=10, top_p=0.8, seed=4), SamplingParams(temperature=2.0, seed=5)]
+
+
+def test_a_seed_draws_the_tokens_it_drew_before_sampling_moved_to_the_host():
+    # drawn by the sampler of 3a05106, which sampled each row where its logits were (on the CPU: here)
+    before = [[393, 1690, 947, 1419, 1770, 569], [393, 1441, 1810, 1610, 1770, 1070],
+              [393, 3934, 2041, 1388, 1770, 3957], [393, 1006, 3835, 1388, 1770, 1848],
+              [393, 1006, 1878, 4953, 2895, 3376]]
+    torch.manual_seed(0)
+    logits = torch.randn(6, 5000) * 3
+    assert [sample(logits, MIXED, [i] * 6) for i in range(5)] == before
+
+
+class DeviceCopies(TorchDispatchMode):
+    """Records every op that reads a tensor on a device other than the CPU, and every copy to the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.device_ops: list[str] = []
+        self.to_host: int = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        devices = {t.device.type for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        out = func(*args, **kwargs)
+        if devices - {"cpu"}:
+            self.device_ops.append(str(func.overloadpacket))
+            outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            self.to_host += any(t.device.type == "cpu" for t in outs)
+            assert len(devices) == 1 or all(t.numel() <= 1 for t in outs), f"{func} mixes devices {devices}"
+        return out
+
+
+@pytest.mark.parametrize("params, copies", [(MIXED, 2), (MIXED[:1] * 3, 1), (MIXED[1:], 2)])
+def test_logits_on_a_cuda_device_come_to_the_host_in_one_sync(params, copies):
+    with FakeTensorMode(), DeviceCopies() as seen:       # fake CUDA tensors: shapes and devices, no GPU needed
+        logits = torch.empty(len(params), 5000, device="cuda")
+        argmax, rows, host = to_host(logits, params)
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    assert argmax.device.type == "cpu" and argmax.shape == (len(params),)
+    assert rows == sampled
+    assert (host is None) if not sampled else (host.device.type == "cpu" and host.shape == (len(sampled), 5000))
+    # the argmax and the sampled rows, each copied once; with no sampled row, the argmax alone
+    assert seen.to_host == copies, seen.device_ops
+
+
+def test_the_host_draws_what_sample_draws_from_the_same_logits():
+    torch.manual_seed(1)
+    logits = torch.randn(len(MIXED), 3000) * 2
+    argmax, rows, host = to_host(logits, MIXED)
+    assert argmax.tolist() == torch.argmax(logits, -1).tolist() and rows == [1, 2, 3, 4, 5]
+    assert torch.equal(host, logits[1:])
+    assert sample(logits, MIXED, [3] * 6) == [sample(logits[i:i + 1], MIXED[i:i + 1], [3])[0] for i in range(6)]
 
 
 TOKENIZER = build_tokenizer()
