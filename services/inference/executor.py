@@ -75,7 +75,12 @@ def describe_device(device: torch.device) -> DeviceInfo:
         props = torch.cuda.get_device_properties(device)       # SMs of the device or MIG slice we were given
         torch_uuid = str(props.uuid)
         facts = gpu_facts(torch_uuid)
-        uuid = facts.uuid if facts else (torch_uuid if torch_uuid.startswith(("GPU-", "MIG-")) else f"GPU-{torch_uuid}")
+        if facts is not None:
+            uuid = facts.uuid
+        elif torch_uuid.startswith(("GPU-", "MIG-")):
+            uuid = torch_uuid
+        else:       # torch's UUID has no prefix; CUDA names a slice "<GPU> MIG <profile>"
+            uuid = ("MIG-" if " MIG " in props.name else "GPU-") + torch_uuid
         return DeviceInfo("cuda", facts.name if facts else props.name, uuid, props.multi_processor_count, "sm_us")
     return DeviceInfo("cpu", "cpu", f"cpu:{os.uname().nodename}", torch.get_num_threads(), "core_us")
 

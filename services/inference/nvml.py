@@ -27,39 +27,48 @@ def _text(value: str | bytes) -> str:
 
 
 def _candidates(pynvml):
+    """(handle, parent, is MIG slice, parent's MIG mode on) for every GPU and every MIG slice."""
     for i in range(pynvml.nvmlDeviceGetCount()):
         handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-        yield handle, handle, False
         try:
             enabled = pynvml.nvmlDeviceGetMigMode(handle)[0] == pynvml.NVML_DEVICE_MIG_ENABLE
-        except pynvml.NVMLError:
+        except pynvml.NVMLError:    # a GPU without MIG says Not Supported
             enabled = False
+        yield handle, handle, False, enabled
         if enabled:
             for j in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
                 try:
-                    yield pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, j), handle, True
-                except pynvml.NVMLError:
+                    yield pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, j), handle, True, True
+                except pynvml.NVMLError:    # an empty slot says Not Found
                     continue
 
 
+def _find(pynvml, wanted: str) -> GpuFacts | None:
+    for handle, parent, is_mig, mig_mode in _candidates(pynvml):
+        uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
+        if uuid.endswith(wanted):
+            return GpuFacts(uuid, _text(pynvml.nvmlDeviceGetName(parent)), is_mig, mig_mode,
+                            _text(pynvml.nvmlSystemGetDriverVersion()), pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+    return None
+
+
 def gpu_facts(cuda_uuid: str) -> GpuFacts | None:
-    """Facts of the device whose UUID torch reports (with or without the GPU-/MIG- prefix); None when NVML
-    is not available (no driver, a container without it)."""
+    """Facts of the device whose UUID torch reports (with or without the GPU-/MIG- prefix), or None."""
     try:
         import pynvml
         pynvml.nvmlInit()
     except Exception as exc:  # noqa: BLE001 - NVML raises its own error types, or the library is missing
         log.warning("nvml_unavailable", error=str(exc))
         return None
-    wanted = cuda_uuid.removeprefix("GPU-").removeprefix("MIG-")
+    # The facts only name the device: a driver that starts but fails a query (a GPU fallen off the bus, MIG
+    # being reconfigured) must not stop the replica, which then names the device from torch's facts.
     try:
-        for handle, parent, is_mig in _candidates(pynvml):
-            uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
-            if uuid.endswith(wanted):
-                mig_mode = pynvml.nvmlDeviceGetMigMode(parent)[0] == pynvml.NVML_DEVICE_MIG_ENABLE if is_mig else False
-                return GpuFacts(uuid, _text(pynvml.nvmlDeviceGetName(parent)), is_mig, mig_mode,
-                                _text(pynvml.nvmlSystemGetDriverVersion()),
-                                pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+        return _find(pynvml, cuda_uuid.removeprefix("GPU-").removeprefix("MIG-"))
+    except pynvml.NVMLError as exc:
+        log.warning("nvml_query_failed", cuda_uuid=cuda_uuid, error=str(exc))
         return None
     finally:
-        pynvml.nvmlShutdown()
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError as exc:
+            log.warning("nvml_shutdown_failed", error=str(exc))
