@@ -1,8 +1,9 @@
-"""Runs scheduled steps on the device. The only file that touches CUDA.
+"""Runs scheduled steps on the device. With cuda_graphs.py, the only file that touches CUDA.
 
-KV memory is allocated once here. On CUDA, decode-only steps replay a CUDA graph captured per batch-size
-bucket over static input buffers; steps with prompt chunks run eagerly. On CPU the same model runs eagerly,
-with packed-weight kernels where the CPU supports them. Every step reports its measured device time.
+KV memory is allocated once here. On CUDA, decode-only steps replay a CUDA graph captured per batch and
+context bucket over static input buffers (cuda_graphs.py); steps with prompt chunks run eagerly. On CPU the
+same model runs eagerly, with packed-weight kernels where the CPU supports them. Every step reports its
+measured device time.
 """
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import structlog
 import torch
 
 from . import kernels
-from .cpus import allowed_cpus, engine_threads
-from .packed import pack_model
 from .attention import AttentionBackend, AttentionMetadata, KVCache, PrefillChunk
+from .cpus import allowed_cpus, engine_threads
+from .cuda_graphs import GraphRunner, attention_kernels
+from .packed import pack_model
 from .loader import Checkpoint
 from .model import Transformer
 from .nvml import gpu_facts
@@ -49,7 +51,7 @@ class DeviceInfo:
 @dataclass(frozen=True)
 class StepResult:
     sampled: dict[str, int]     # request id -> new token
-    device_time_us: int         # measured: CUDA events on a GPU, a monotonic clock around the step on CPU
+    device_time_us: int         # measured: CUDA events around the forward on a GPU, a clock around the step on CPU
     num_padded_seqs: int        # sequences the step computed, padding of a graph bucket included
     used_graph: bool
 
@@ -57,7 +59,16 @@ class StepResult:
 def _pick_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def is_device_fault(exc: BaseException) -> bool:
+    """Whether a failed step left the device unusable: a CUDA error is sticky (a device-side assert fails every
+    later launch), so the process that holds the context must go; any other failure ends the step's calls."""
+    return isinstance(exc, torch.AcceleratorError) or "CUDA error" in str(exc)
 
 
 def runs_on_cpu(config: ExecutorConfig) -> bool:
@@ -91,6 +102,8 @@ class Executor:
         self.device = _pick_device(config.device)
         if self.device.type == "cpu":
             torch.set_num_threads(_cpu_threads(config.num_threads))
+        else:       # streams, events and graphs go to the current device: make it ours (cuda:N, N > 0)
+            torch.cuda.set_device(self.device)
         args = checkpoint.args
         self.max_seq_len = min(config.max_seq_len, args.max_position_embeddings)
         slot_bytes = KVCache.bytes_per_slot(args.num_hidden_layers, args.num_key_value_heads, self.max_seq_len,
@@ -116,7 +129,8 @@ class Executor:
                  kv_mib=self.kv_cache.num_bytes >> 20, kernels=self.cpu_ops is not None,
                  kernels_isa=self.cpu_ops.isa if self.cpu_ops is not None else None,
                  bf16_linears=self.cpu_ops.bf16_path_name if self.cpu_ops is not None else None,
-                 graph_buckets=self.graphs.buckets if self.graphs else [])
+                 graph_buckets=self.graphs.buckets if self.graphs else [],
+                 graph_contexts=self.graphs.context_buckets if self.graphs else [])
 
     def _build_model(self, checkpoint: Checkpoint) -> Transformer:
         with torch.device("meta"):
@@ -138,29 +152,34 @@ class Executor:
     @torch.inference_mode()
     def run(self, step: SchedulerOutput) -> StepResult:
         if self.device.type == "cuda":
+            # the events bracket the forward alone: sampling runs on the host while the device is idle
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            sampled, padded, used_graph = self._forward_and_sample(step)
+            logits, padded, used_graph = self._forward(step)
             end.record()
+            sampled = self._sample(step, logits)
             end.synchronize()
             device_us = round(start.elapsed_time(end) * 1000)
         else:
             t0 = time.perf_counter_ns()
-            sampled, padded, used_graph = self._forward_and_sample(step)
+            logits, padded, used_graph = self._forward(step)
+            sampled = self._sample(step, logits)
             device_us = (time.perf_counter_ns() - t0) // 1000
         return StepResult(sampled, device_us, padded, used_graph)
 
-    def _forward_and_sample(self, step: SchedulerOutput) -> tuple[dict[str, int], int, bool]:
-        sample_seqs = [s for s in (*step.decodes, *step.prefills) if s.sample]
+    def _forward(self, step: SchedulerOutput) -> tuple[torch.Tensor, int, bool]:
+        """(logits [rows to sample, vocab], rows computed with padding, whether a graph ran)."""
         if self.graphs is not None and not step.prefills and self.graphs.fits(len(step.decodes)):
-            logits, padded = self.graphs.replay(step.decodes)
-            used_graph = True
-        else:
-            logits = self._eager(step)
-            padded, used_graph = step.num_seqs, False
+            logits, bucket = self.graphs.replay(step.decodes)
+            return logits, bucket.batch, True
+        with attention_kernels(self.device):
+            return self._eager(step), step.num_seqs, False
+
+    def _sample(self, step: SchedulerOutput, logits: torch.Tensor) -> dict[str, int]:
+        sample_seqs = [s for s in (*step.decodes, *step.prefills) if s.sample]
         tokens = sample(logits, [s.request.sampling for s in sample_seqs],
                         [s.request.num_output_tokens for s in sample_seqs])
-        return {s.request.request_id: t for s, t in zip(sample_seqs, tokens)}, padded, used_graph
+        return {s.request.request_id: t for s, t in zip(sample_seqs, tokens)}
 
     def _eager(self, step: SchedulerOutput) -> torch.Tensor:
         tokens, positions, slots, rows, chunks = [], [], [], [], []
@@ -187,82 +206,3 @@ class Executor:
 
     def _ints(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
-
-
-class GraphRunner:
-    """One CUDA graph per batch-size bucket, captured over static buffers, for decode-only steps.
-
-    Padded rows write into the scratch slot at position 0 and attend to that one position only. With
-    capture=False the same padded static-buffer forward runs eagerly: how the CPU tests and the GPU
-    check's dry run exercise everything here but the capture itself.
-    """
-
-    def __init__(self, model: Transformer, backend: AttentionBackend, num_slots: int, max_seq_len: int,
-                 device: torch.device, capture: bool = True) -> None:
-        self.model, self.backend, self.device = model, backend, device
-        self.max_seq_len = max_seq_len
-        self.scratch_slot = backend.cache.scratch_slot
-        self.buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < num_slots] + [num_slots]
-        n = self.buckets[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slots = torch.full((n,), self.scratch_slot, dtype=torch.int64, device=device)
-        self.lens = torch.ones(n, dtype=torch.int64, device=device)
-        self.rows = torch.arange(n, dtype=torch.int64, device=device)
-        self.host = torch.empty((4, n), dtype=torch.int64, pin_memory=device.type == "cuda")
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        if capture:
-            self._capture()
-
-    def fits(self, batch_size: int) -> bool:
-        return 0 < batch_size <= self.buckets[-1]
-
-    def forward_static(self, bs: int) -> torch.Tensor:
-        """The bucket's forward over the static buffers, run eagerly: logits [bs, vocab]."""
-        meta = AttentionMetadata(slot_ids=self.slots[:bs], positions=self.positions[:bs], num_decode=bs,
-                                 decode_slots=self.slots[:bs], decode_lens=self.lens[:bs],
-                                 max_decode_len=self.max_seq_len)
-        return self.model(self.input_ids[:bs], self.positions[:bs], self.rows[:bs], self.backend, meta)
-
-    @torch.inference_mode()
-    def _capture(self) -> None:
-        pool = None
-        for bs in reversed(self.buckets):      # largest first, so smaller graphs reuse its memory pool
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self.forward_static(bs)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self.forward_static(bs)
-            pool = graph.pool() if pool is None else pool
-            self.graphs[bs] = (graph, logits)
-        torch.cuda.synchronize()
-
-    def prepare(self, decodes: tuple[ScheduledSeq, ...]) -> int:
-        """Copies the step's inputs into the static buffers, padded to its bucket; returns the bucket."""
-        n = len(decodes)
-        bs = next(b for b in self.buckets if b >= n)
-        host = self.host[:, :bs]
-        host[0].zero_()
-        host[1].zero_()
-        host[2].fill_(self.scratch_slot)
-        host[3].fill_(1)
-        host[0, :n] = torch.tensor([s.token_ids[0] for s in decodes])
-        host[1, :n] = torch.tensor([s.start_pos for s in decodes])
-        host[2, :n] = torch.tensor([s.slot for s in decodes])
-        host[3, :n] = host[1, :n] + 1
-        for buffer, row in zip((self.input_ids, self.positions, self.slots, self.lens), host):
-            buffer[:bs].copy_(row, non_blocking=True)
-        return bs
-
-    def replay(self, decodes: tuple[ScheduledSeq, ...]) -> tuple[torch.Tensor, int]:
-        """logits [n, vocab] of a decode-only step, from the bucket's graph (or eagerly when not captured)."""
-        bs = self.prepare(decodes)
-        if bs not in self.graphs:
-            return self.forward_static(bs)[:len(decodes)], bs
-        graph, logits = self.graphs[bs]
-        graph.replay()
-        return logits[:len(decodes)], bs

@@ -29,8 +29,10 @@ def checkpoint_dir(request, llama_dir, qwen_dir):
     return {"llama": llama_dir, "qwen2": qwen_dir}[request.param]
 
 
-def test_logits_match_transformers(checkpoint_dir):
-    engine = make_engine(checkpoint_dir)
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "plain-torch"])    # plain torch: a GPU's code
+def test_logits_match_transformers(checkpoint_dir, use_kernels):
+    engine = make_engine(checkpoint_dir, use_kernels=use_kernels)
+    assert (engine.executor.cpu_ops is not None) == use_kernels
     tokens = engine.tokenizer.encode(PROMPT).ids
     ours = prompt_logits(engine.executor, tokens)
     torch.testing.assert_close(ours, hf_logits(checkpoint_dir, tokens), atol=1e-4, rtol=0)
@@ -54,8 +56,9 @@ def greedy_beside_transformers(engine, path, max_tokens: int = 32) -> tuple[Coll
     return sink, reference[0, len(tokens):].tolist()
 
 
-def test_greedy_tokens_match_transformers_generate(checkpoint_dir):
-    sink, reference = greedy_beside_transformers(make_engine(checkpoint_dir), checkpoint_dir)
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "plain-torch"])
+def test_greedy_tokens_match_transformers_generate(checkpoint_dir, use_kernels):
+    sink, reference = greedy_beside_transformers(make_engine(checkpoint_dir, use_kernels=use_kernels), checkpoint_dir)
     assert sink.tokens("r") == reference
     assert sink.finish_reason("r") == "length"
 
