@@ -174,6 +174,9 @@ class InferenceApp:
             start_http_server(self.config.metrics_port, addr=self.config.host, registry=self.metrics.registry)
         log.info("listening", address=f"{self.config.host}:{self.port}", state="warming_up")
         service = await asyncio.to_thread(self._warm_up)
+        if isinstance(self.engine, Engine):     # the engine thread: a device fault stops it, from that thread
+            loop = asyncio.get_running_loop()
+            self.engine.on_lost = lambda why: loop.call_soon_threadsafe(self._engine_lost, why)
         self.engine.start()
         service.state = WarmupState.READY
         self.servicer.service = service

@@ -12,7 +12,7 @@ import structlog
 
 from .detokenizer import Detokenizer
 from .digest import StepDigest, ended_request
-from .executor import Executor, StepResult
+from .executor import Executor, StepResult, is_device_fault
 from .pacing import Pacer
 from .request import Request, RequestStatus
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepUpdate
@@ -80,6 +80,7 @@ class Engine:
         self.last_interval_ns = 0
         self.idle_tick_s = 1.0          # how often observers hear of idle time while there is no work
         self.pacer: Pacer | None = None     # paced steps (pacing.py); None: each step starts when the last ends
+        self.on_lost: Callable[[str], None] | None = None  # the loop stopped on a device fault (engine thread)
         self._paced_ns = 0              # idled out since the last reported step
         self._streams: dict[str, _Stream] = {}
         self._inbox: list[tuple[Request, OutputSink] | str] = []
@@ -197,9 +198,22 @@ class Engine:
                         observer.on_idle(self.clock())
                 else:
                     self.pace(self.step())
-            except Exception:  # a failed step must not kill the loop; its requests end with "error"
-                log.exception("engine_step_failed")
-                self.fail_all()
+            except Exception as exc:  # noqa: BLE001 - a failed step must not kill the loop; its calls end with "error"
+                if not self.recover(exc):
+                    if self.on_lost is not None:
+                        self.on_lost(f"device fault: {exc}")
+                    return
+
+    def recover(self, exc: Exception) -> bool:
+        """After a failed step (call it from the handler): every call ends with "error". False when the device
+        is at fault: nothing more can run on it, and the loop must stop."""
+        fault = is_device_fault(exc)
+        if fault:
+            log.critical("engine_device_fault", exc_info=True)
+        else:
+            log.exception("engine_step_failed")
+        self.fail_all()
+        return not fault
 
     def _drain_inbox(self) -> list[Request]:
         """Takes new requests in and ends cancelled ones; returns those it ended."""

@@ -64,6 +64,9 @@ class Ready:
     cost_us_per_context_token: float = 0.0
 
 
+DEVICE_FAULT_EXIT = 3      # the child's exit status after a device fault
+
+
 class EngineFailed(RuntimeError):
     """The engine process could not start (it names why) or died."""
 
@@ -172,9 +175,11 @@ def _step_loop(engine: RelayedEngine, relay: _Relay, inbox: Connection) -> None:
         if engine.has_work:
             try:
                 engine.pace(engine.step())
-            except Exception:  # noqa: BLE001 - a failed step must not kill the loop; its requests end with "error"
-                log.exception("engine_step_failed")
-                engine.fail_all()
+            except Exception as exc:  # noqa: BLE001 - a failed step must not kill the loop; its calls end with "error"
+                if not engine.recover(exc):
+                    # the calls' ends and usage are flushed; a CUDA context with a sticky error serves nothing
+                    # more, so the process goes, the server goes NOT_SERVING and the pod restarts
+                    os._exit(DEVICE_FAULT_EXIT)
 
 
 def _take_messages(engine: RelayedEngine, relay: _Relay, inbox: Connection) -> bool:
@@ -299,7 +304,10 @@ class EngineClient:
         except (EOFError, OSError):
             self._loop.remove_reader(conn.fileno())
             if not self._stopping:
-                self._lose(f"the engine process exited with code {self._process.exitcode}")
+                self._process.join(1)       # it has closed its end: it is exiting, and its status says why
+                code = self._process.exitcode
+                self._lose(f"the engine process exited with code {code}"
+                           + (" after a device fault" if code == DEVICE_FAULT_EXIT else ""))
 
     def _dispatch(self, message: tuple) -> None:
         kind = message[0]

@@ -9,6 +9,7 @@ import functools
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
@@ -29,8 +30,10 @@ class ServerThread:
     """Without a data_dir it gets a fresh temporary one; without a ledger or metering service, a fresh SQLite
     ledger there with one tenant, whose key `stub()` sends."""
 
-    def __init__(self, config: ServeConfig, step_floor_s: float = 0.0, tenant: str = "acme") -> None:
+    def __init__(self, config: ServeConfig, step_floor_s: float = 0.0, tenant: str = "acme",
+                 make_executor: Callable[..., Executor] | None = None) -> None:
         self.step_floor_s = step_floor_s
+        self.make_executor = make_executor          # module-level, to cross into the engine process
         self.key = ""
         if config.data_dir is None:
             config = replace(config, data_dir=tempfile.mkdtemp(prefix="zeroqueue-"))
@@ -58,6 +61,8 @@ class ServerThread:
         return self
 
     async def _make_app(self) -> InferenceApp:
+        if self.make_executor is not None:
+            return InferenceApp(self.config, make_executor=self.make_executor)
         floor = self.step_floor_s
         # a partial of a module-level class: it can cross into the engine process
         return InferenceApp(self.config, make_executor=functools.partial(SlowExecutor, floor_s=floor)

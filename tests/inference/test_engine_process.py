@@ -9,6 +9,7 @@ import time
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import errors
@@ -16,7 +17,8 @@ from services.inference.app import ServeConfig
 from services.inference.cpus import engine_threads, pin, split_cpus
 from services.inference.digest import StepDigest
 from services.inference.engine import Engine
-from services.inference.engine_process import EngineClient, EngineFailed, EngineSpec, RelayedEngine, _Relay
+from services.inference.engine_process import (DEVICE_FAULT_EXIT, EngineClient, EngineFailed, EngineSpec,
+                                              RelayedEngine, _Relay)
 from services.inference.executor import Executor, ExecutorConfig
 from services.inference.inprocess import ServerThread, status_details
 from services.inference.loader import load_checkpoint
@@ -195,3 +197,71 @@ def test_a_pinned_engine_process_runs_on_its_own_cores_and_the_server_on_the_oth
     finally:
         server.stop()
         pin(mask)                           # this test process hosted the server
+
+
+class FaultyExecutor(Executor):
+    """A CPU executor whose step fails like a GPU's: a sticky CUDA error for a call of 77 tokens, a plain
+    failure for one of 78."""
+
+    def run(self, step):
+        asked = {s.request.sampling.max_tokens for s in (*step.decodes, *step.prefills)}
+        if 77 in asked:
+            raise torch.AcceleratorError("CUDA error: device-side assert triggered")
+        if 78 in asked:
+            raise RuntimeError("a failure that leaves the device usable")
+        return super().run(step)
+
+
+def _wait_for_health(server, status, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while _health(server) != status and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return _health(server)
+
+
+@pytest.mark.parametrize("engine_process", [True, False], ids=["engine-process", "engine-thread"])
+def test_a_device_fault_ends_the_calls_bills_them_and_takes_the_replica_out(llama_dir, engine_process):
+    server = ServerThread(ServeConfig(str(llama_dir), port=0, engine_process=engine_process,
+                                      executor=ExecutorConfig(max_batch=4, max_seq_len=256)),
+                          make_executor=FaultyExecutor).start()
+    try:
+        bystander = server.stub().Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=200, temperature=0.0,
+                                                              request_id="bystander"), timeout=30)
+        next(bystander)
+        next(bystander)                                     # running: a token came back
+        with pytest.raises(grpc.RpcError) as faulted:
+            list(server.stub().Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=77, request_id="faulty"),
+                                        timeout=30))
+        with pytest.raises(grpc.RpcError) as lost:
+            list(bystander)
+        for error in (faulted.value, lost.value):
+            assert error.code() == grpc.StatusCode.INTERNAL
+            assert status_details(error)["ErrorInfo"].reason == "ENGINE_FAILURE"
+        assert _wait_for_health(server, health_pb2.HealthCheckResponse.NOT_SERVING) == \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        assert _health(server, "liveness") == health_pb2.HealthCheckResponse.NOT_SERVING     # restart the pod
+        if engine_process:
+            server.app.engine._process.join(10)
+            assert server.app.engine._process.exitcode == DEVICE_FAULT_EXIT
+        with pytest.raises(grpc.RpcError) as refused:
+            list(server.stub().Generate(pb.GenerateRequest(prompt="x", max_tokens=2), timeout=5))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop(grace_s=1)
+    rows = ledger_rows(server.config.ledger_url, "SELECT request_id, outcome FROM usage_records ORDER BY request_id")
+    assert [(r.request_id, r.outcome) for r in rows] == [("bystander", "error"), ("faulty", "error")]
+
+
+def test_a_step_that_fails_without_a_device_fault_leaves_the_replica_serving(llama_dir):
+    server = ServerThread(ServeConfig(str(llama_dir), port=0, executor=ExecutorConfig(max_batch=4, max_seq_len=256)),
+                          make_executor=FaultyExecutor).start()
+    try:
+        with pytest.raises(grpc.RpcError) as failed:
+            list(server.stub().Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=78), timeout=30))
+        assert failed.value.code() == grpc.StatusCode.INTERNAL
+        assert _health(server) == health_pb2.HealthCheckResponse.SERVING
+        tokens, final = greedy(server, max_tokens=8)
+        assert len(tokens) == 8 and final.finish_reason == pb.FINISH_REASON_LENGTH
+        assert server.app.engine._process.is_alive()
+    finally:
+        server.stop(grace_s=1)
