@@ -1,27 +1,32 @@
-"""The GPU path, checked on a real device: CUDA-graph replay, speed, SM·µs, and (if present) the pulse.
+"""The GPU path, checked on a real device: CUDA-graph replay, sampling, speed, SM·µs and the engine process.
 
+    bash bench/gpu_run.sh                  # on the lent H200: carried wheels, environment, then this script
     python bench/gpu_check.py              # on a machine with an NVIDIA GPU (made for one H200, < 6 min)
     python bench/gpu_check.py --dry-run    # on CPU with a tiny model: every step but the graph capture
 
-Writes gpu_check.json and gpu_check.log under $OUT when set, else bench/out/gpu_check/. Needs torch,
-safetensors, tokenizers, grpcio, protobuf, nvidia-ml-py and structlog; sqlalchemy (billing records) only
-for the metering part. See BENCHMARKS.md ("GPU") for bringing missing packages as wheels.
+Without CUDA and without --dry-run it exits 2 (a GPU run that found no GPU is a failed run). Writes
+gpu_check.json and gpu_check.log under $OUT when set, else bench/out/gpu_check/, after every part. All on
+plain torch (the CPU kernels are never the GPU's code), a SmolLM2-135M-shaped random model in bf16:
 
-1. device facts: name, SMs from torch and NVML, MIG mode, memory, driver;
-2. correctness: a SmolLM2-135M-shaped random model in bf16 with a graph captured per batch bucket;
-   replayed logits vs the same padded forward run eagerly (bitwise), and 64 greedy tokens from the graph
-   engine vs the eager engine for batches of 1, 8 and 32 with mixed prompt lengths;
-3. speed: decode tokens/s with graphs vs eager at batch 1, 8, 32, 128, and a step against its bandwidth
-   floor (weight bytes / measured device copy bandwidth);
-4. metering: step time from CUDA events vs a host clock around the synchronised step, and the per-request
-   SM·µs split conserving every step's total.
+1. environment: python, torch, CUDA, cuDNN, the device (SMs from torch and NVML, MIG, memory, driver);
+2. greedy: 64 tokens from the graph engine vs the eager engine at batch 1, 8 and 32, mixed prompt lengths;
+3. replay: a graph replay vs the same padded forward run eagerly (bitwise), after a chunked prefill;
+4. sampling: sample() from the same logits on the device and on the host, default temperature and filters;
+5. logits: the first step's logits on the device vs plain torch on the CPU, a few prompts;
+6. speed: decode tokens/s with graphs vs eager at batch 1, 8, 32, 128, each step against a floor of the
+   bytes it reads (weights and KV cache);
+7. kernels: the attention kernels (and the top kernels) of one graph replay and one eager step, profiled;
+8. metering: CUDA-event step time vs a host clock, and the per-request SM·µs split conserving every step;
+9. engine_process: the engine spawned as `zeroqueue serve` runs it, on the device, calibrated, serving two
+   greedy and two default-temperature calls with their SM·µs usage.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
-import random
+import platform
 import statistics
 import sys
 import tempfile
@@ -32,11 +37,13 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
+sys.path[:0] = [str(ROOT), str(ROOT / "protos"), str(ROOT / "bench")]
 
-from services.inference.engine import Engine, RequestOutput  # noqa: E402
-from services.inference.executor import Executor, ExecutorConfig, GraphRunner, describe_device  # noqa: E402
+import gpu_parts as parts  # noqa: E402
+from services.inference.engine_process import EngineClient, EngineSpec  # noqa: E402
+from services.inference.executor import ExecutorConfig, describe_device  # noqa: E402
 from services.inference.loader import load_checkpoint  # noqa: E402
+from services.inference.meter import Device, Meter, RecordContext  # noqa: E402
 from services.inference.nvml import gpu_facts  # noqa: E402
 from services.inference.request import Request, SamplingParams  # noqa: E402
 
@@ -44,6 +51,7 @@ SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hi
                num_key_value_heads=3, tie_word_embeddings=True, max_position_embeddings=2048, rms_norm_eps=1e-5)
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=512, rms_norm_eps=1e-5)
+PARTS = ("environment", "greedy", "replay", "sampling", "logits", "speed", "kernels", "metering", "engine_process")
 
 
 class Report:
@@ -59,26 +67,33 @@ class Report:
         self.log_file.flush()
 
     def section(self, name: str, run) -> None:
-        """Runs one part; a failure is recorded with its trace and the next part still runs."""
+        """Runs one part, which fills the dict it is given; a failure keeps what it filled, adds the trace,
+        and the next part still runs."""
         t0 = time.monotonic()
         self.log(f"--- {name}")
+        self.data[name] = result = {}
         try:
-            self.data[name] = run()
+            run(result)
         except Exception as exc:  # noqa: BLE001 - a report that says what failed beats no report
-            self.data[name] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+            result["error"] = f"{type(exc).__name__}: {exc}"
+            result["trace"] = traceback.format_exc()
         self.data[name + "_seconds"] = round(time.monotonic() - t0, 1)
-        self.log(json.dumps(self.data[name], indent=1)[:4000])
+        self.log(json.dumps(result, indent=1)[:4000])
         self.save()
 
     def save(self) -> None:
         (self.out / "gpu_check.json").write_text(json.dumps(self.data, indent=2))
+
+    @property
+    def failed(self) -> list[str]:
+        return [k for k, v in self.data.items() if isinstance(v, dict) and "error" in v]
 
 
 def write_checkpoint(root: Path, shape: dict, seed: int = 0, std: float = 0.08) -> Path:
     """A random Llama checkpoint in the Hugging Face layout, bf16; a larger init than usual keeps the
     logits peaked, so greedy comparisons are not decided by near-ties."""
     from safetensors.torch import save_file
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     g = torch.Generator().manual_seed(seed)
     h, inter, kv = shape["hidden_size"], shape["intermediate_size"], shape["num_key_value_heads"]
@@ -105,201 +120,118 @@ def write_checkpoint(root: Path, shape: dict, seed: int = 0, std: float = 0.08) 
     return root
 
 
-class Sink:
-    def __init__(self) -> None:
-        self.tokens: dict[str, list[int]] = {}
-
-    def put(self, output: RequestOutput) -> None:
-        self.tokens.setdefault(output.request_id, []).extend(output.token_ids)
-
-
-def make_engine(ckpt, device: str, max_batch: int, graphs: bool, max_seq_len: int = 512) -> Engine:
-    executor = Executor(ckpt, ExecutorConfig(device=device, max_batch=max_batch, max_seq_len=max_seq_len,
-                                             kv_memory_bytes=16 << 30, use_cuda_graphs=graphs))
-    if graphs and executor.graphs is None:          # CPU dry run: the padded static path, not captured
-        executor.graphs = GraphRunner(executor.model, executor.backend, executor.num_slots, executor.max_seq_len,
-                                      executor.device, capture=False)
-    return Engine(executor, ckpt.tokenizer, ())
-
-
-def prompts(batch: int, vocab: int, seed: int) -> list[tuple[int, ...]]:
-    rng = random.Random(seed)
-    return [tuple(rng.randrange(1, vocab) for _ in range(rng.randint(4, 64))) for _ in range(batch)]
-
-
-def generate(engine: Engine, batch: int, max_tokens: int, seed: int = 0,
-             reports: list | None = None) -> dict[str, list[int]]:
-    sink = Sink()
-    for i, prompt in enumerate(prompts(batch, engine.executor.model.args.vocab_size, seed)):
-        engine.add_request(Request(f"b{batch}-{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                                            ignore_eos=True), engine.clock()), sink)
-    while engine.has_work:
-        report = engine.step()
-        if reports is not None and report is not None:
-            reports.append(report)
-    return sink.tokens
-
-
-def finish_prompts(engine: Engine) -> None:
-    """Steps until every queued request has its prompt in the cache, so the next step is decode-only."""
-    engine.step()
-    while any(r.is_prefilling for r in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()
-
-
-def device_facts(device: str) -> dict:
-    info = describe_device(torch.device(device))
-    facts = {"torch": torch.__version__, "device": info.__dict__}
+def environment(out: dict, device: str) -> None:
+    cudnn = torch.backends.cudnn
+    out |= {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "cudnn": cudnn.version() if cudnn.is_available() else None, "host": platform.node(),
+            "device": describe_device(torch.device(device)).__dict__}
     if device.startswith("cuda"):
         props = torch.cuda.get_device_properties(device)
         nvml = gpu_facts(str(props.uuid))
-        facts |= {"sm_count_torch": props.multi_processor_count, "memory_bytes": props.total_memory,
-                  "capability": f"{props.major}.{props.minor}", "cuda": torch.version.cuda,
-                  "nvml": nvml.__dict__ if nvml else None}
-    return facts
+        out |= {"sm_count_torch": props.multi_processor_count, "memory_bytes": props.total_memory,
+                "capability": f"{props.major}.{props.minor}", "nvml": nvml.__dict__ if nvml else None}
 
 
-def replay_vs_static(engine: Engine, batches: list[int]) -> dict:
-    """The graph and the same padded forward run eagerly, over identical buffers and cache: bitwise equal."""
-    runner = engine.executor.graphs
-    out = {}
-    for batch in batches:
-        for i, prompt in enumerate(prompts(batch, engine.executor.model.args.vocab_size, batch)):
-            engine.add_request(Request(f"r{batch}-{i}", prompt, SamplingParams(max_tokens=4, temperature=0.0,
-                                                                                ignore_eos=True), engine.clock()),
-                               Sink())
-        finish_prompts(engine)
-        step = engine.scheduler.schedule(engine.clock())
-        with torch.inference_mode():
-            bucket = runner.prepare(step.decodes)
-            static = runner.forward_static(bucket)[:batch].float().clone()
-            replayed = runner.replay(step.decodes)[0].float().clone()
-        out[str(batch)] = {"bucket": bucket, "bitwise_equal": bool(torch.equal(static, replayed)),
-                           "max_abs_diff": float((static - replayed).abs().max()), "captured": bucket in runner.graphs}
-        while engine.has_work:
-            engine.step()
-    return out
-
-
-def greedy_graph_vs_eager(ckpt, device: str, batches: list[int], max_batch: int, tokens: int) -> dict:
-    out = {}
-    graph_engine = make_engine(ckpt, device, max_batch, graphs=True)
-    eager_engine = make_engine(ckpt, device, max_batch, graphs=False)
-    for batch in batches:
-        a, b = generate(graph_engine, batch, tokens, seed=batch), generate(eager_engine, batch, tokens, seed=batch)
-        same = sum(a[k] == b[k] for k in a)
-        prefix = [next((j for j, (x, y) in enumerate(zip(a[k], b[k])) if x != y), tokens) for k in a]
-        out[str(batch)] = {"identical_sequences": f"{same}/{batch}", "min_identical_prefix": min(prefix)}
-    out["replay_vs_static"] = replay_vs_static(graph_engine, batches)
-    return out
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def copy_bandwidth(device: str, num_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes read + written per second by a device-to-device copy (best of `repeats`)."""
-    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * num_bytes / best
-
-
-def decode_speed(ckpt, device: str, batches: list[int], steps: int) -> dict:
-    weight_bytes = sum(t.numel() * t.element_size() for name, t in ckpt.state_dict.items() if name != "lm_head.weight")
-    bandwidth = copy_bandwidth(device, (1 << 30) if device.startswith("cuda") else (64 << 20))
-    out = {"weight_bytes": weight_bytes, "copy_bandwidth_gbps": round(bandwidth / 1e9, 1),
-           "bandwidth_floor_ms": round(weight_bytes / bandwidth * 1e3, 4)}
-    for graphs in (True, False):
-        engine = make_engine(ckpt, device, max(batches), graphs, max_seq_len=256)
-        for batch in batches:
-            for i, prompt in enumerate(prompts(batch, ckpt.args.vocab_size, 7)):
-                engine.add_request(Request(f"s{batch}-{i}", prompt[:16], SamplingParams(
-                    max_tokens=steps + 8, temperature=0.0, ignore_eos=True), engine.clock()), Sink())
-            finish_prompts(engine)
-            device_us = []
-            _sync(device)
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                device_us.append(engine.step().result.device_time_us)
-            elapsed = time.perf_counter() - t0
-            out[f"{'graph' if graphs else 'eager'}_b{batch}"] = {
-                "tokens_per_s": round(batch * steps / elapsed, 1), "step_ms": round(elapsed / steps * 1e3, 3),
-                "device_step_ms_median": round(statistics.median(device_us) / 1e3, 3)}
-            while engine.has_work:
-                engine.step()
-    for batch in batches:
-        graph, eager = out[f"graph_b{batch}"], out[f"eager_b{batch}"]
-        graph["speedup_vs_eager"] = round(graph["tokens_per_s"] / eager["tokens_per_s"], 2)
-        graph["floor_over_step"] = round(out["bandwidth_floor_ms"] / graph["step_ms"], 3)
-    return out
-
-
-def metering_check(ckpt, device: str, batch: int, tokens: int) -> dict:
-    from services.inference.meter import Device, Meter, RecordContext
-
-    engine = make_engine(ckpt, device, batch, graphs=True)
+def metering_check(out: dict, ckpt, device: str, batch: int, tokens: int) -> None:
+    engine = parts.make_engine(ckpt, device, batch, graphs=True)
     info = engine.executor.info
     records: list = []
-    now_ns = engine.clock()
+    now_ns, epoch = engine.clock(), 1_800_000_000_000_000
     meter = Meter(Device(info.kind, info.device_id, info.unit, info.num_compute_units), "gpucheck",
-                  lambda ns: (ns - now_ns) // 1000 + 1_800_000_000_000_000, lambda usage, idle: records.extend(build() for build in usage),
+                  lambda ns: (ns - now_ns) // 1000 + epoch, lambda usage, idle: records.extend(b() for b in usage),
                   started_ns=now_ns)
     reports: list = []
     engine.observers.append(meter)
-    epoch = 1_800_000_000_000_000
     for i in range(batch):
-        meter.register(f"b{batch}-{i}", RecordContext("gpucheck", {}, "random", epoch, epoch, epoch + 10**12))
-    generate(engine, batch, tokens, reports=reports)
+        meter.register(f"m-{i}", RecordContext("gpucheck", {}, "random", epoch, epoch, epoch + 10**12))
+    parts.add_calls(engine, parts.Sink(), "m", batch, tokens, seed=batch)
+    parts.run_all(engine, reports)
     steps = [r for r in reports if r.result is not None]
     ratios = [r.result.device_time_us / max(r.interval_ns / 1000, 1) for r in steps]
-    return {"steps": len(steps), "device_over_host_time_median": round(statistics.median(ratios), 3),
+    out |= {"steps": len(steps), "device_over_host_time_median": round(statistics.median(ratios), 3),
             "device_over_host_time_min": round(min(ratios), 3), "records": len(records),
             "billed_equals_sum_of_records": sum(r.unit_us for r in records) == meter.billed_unit_us,
             "billed_plus_idle_equals_wall": meter.billed_unit_us + meter.idle_unit_us == meter.wall_unit_us,
             "unit": info.unit, "num_units": info.num_compute_units}
 
 
-def pulse_check(seconds: int) -> dict:
-    """The service under a pulse, deadline vs fifo, when the pulse tool and the service's packages are here."""
-    try:
-        from services.client import pulse  # noqa: F401
-    except ImportError as exc:
-        return {"skipped": f"pulse tool or its packages unavailable: {exc}"}
-    return {"skipped": f"run `zeroqueue pulse --compare --duration {seconds}` on this machine (see BENCHMARKS.md)"}
+async def _serve(out: dict, model_dir: Path, device: str, max_tokens: int) -> None:
+    spec = EngineSpec(str(model_dir), "bfloat16", ExecutorConfig(device=device, max_batch=8, max_seq_len=256,
+                                                                 use_kernels=False), 256)
+    client, t0 = EngineClient(spec, time.monotonic_ns), time.monotonic()
+    ready = await asyncio.to_thread(client.launch)          # spawned, warmed up and calibrated
+    out |= {"launch_s": round(time.monotonic() - t0, 1), "device": ready.info.__dict__, "slots": ready.num_slots,
+            "calibrated_rows": list(ready.cost_rows), "calibrated_row_us": [round(u) for u in ready.cost_row_us]}
+    info, records, sink, done = ready.info, {}, parts.Sink(), asyncio.Event()
+    start_ns, start_us = time.monotonic_ns(), time.time_ns() // 1000
+    epoch_us = lambda ns: start_us + (ns - start_ns) // 1000  # noqa: E731
+
+    def write(usage, idle) -> None:
+        for build in usage:
+            record = build()
+            records[record.request_id] = record
+        if len(records) == 4:
+            done.set()
+
+    client.observers.append(Meter(Device(info.kind, info.device_id, info.unit, info.num_compute_units), "gpucheck",
+                                  epoch_us, write, started_ns=start_ns))
+    client.start()
+    meter = client.observers[-1]
+    for i, (name, temperature) in enumerate([("greedy-0", 0.0), ("greedy-1", 0.0), ("default-0", 1.0),
+                                             ("default-1", 1.0)]):
+        now_us = epoch_us(time.monotonic_ns())
+        meter.register(name, RecordContext("gpucheck", {}, "random", now_us, now_us, now_us + 60_000_000))
+        prompt = tuple(range(5 + i, 25 + 3 * i))
+        client.add_request(Request(name, prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i,
+                                                                ignore_eos=True), time.monotonic_ns()), sink)
+    await asyncio.wait_for(done.wait(), 120)
+    await asyncio.to_thread(client.stop)
+    out["calls"] = {name: {"tokens": len(sink.tokens.get(name, [])), "finish_reason": sink.finish.get(name),
+                           "outcome": r.outcome, "unit": r.unit, "unit_us": r.unit_us, "num_units": r.num_units}
+                    for name, r in sorted(records.items())}
+
+
+def engine_process_check(out: dict, model_dir: Path, device: str, max_tokens: int) -> None:
+    asyncio.run(_serve(out, model_dir, device, max_tokens))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="CPU and a tiny model; no CUDA graph capture")
-    parser.add_argument("--pulse-seconds", type=int, default=60)
+    parser.add_argument("--only", nargs="+", choices=PARTS, help="run these parts alone")
     args = parser.parse_args()
-    dry = args.dry_run or not torch.cuda.is_available()
+    report = Report(Path(os.environ.get("OUT") or ROOT / "bench/out/gpu_check"))
+    if not args.dry_run and not torch.cuda.is_available():
+        report.data["error"] = "no CUDA device: torch.cuda.is_available() is False (on a CPU, use --dry-run)"
+        report.save()
+        report.log(report.data["error"])
+        return 2
+    dry = args.dry_run
     device, shape = ("cpu", TINY) if dry else ("cuda", SMOLLM2)
     batches, speed_batches, tokens = ([1, 4], [1, 4], 16) if dry else ([1, 8, 32], [1, 8, 32, 128], 64)
-    report = Report(Path(os.environ.get("OUT") or ROOT / "bench/out/gpu_check"))
     report.data["mode"] = "dry-run (cpu, tiny model)" if dry else "gpu"
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = load_checkpoint(write_checkpoint(Path(tmp) / "model", shape), "bfloat16")
+        model_dir = write_checkpoint(Path(tmp) / "model", shape)
+        ckpt = load_checkpoint(model_dir, "bfloat16")
         report.data["model"] = {"shape": shape, "parameters": ckpt.args.num_parameters, "dtype": "bfloat16"}
-        report.section("device", lambda: device_facts(device))
-        report.section("correctness", lambda: greedy_graph_vs_eager(ckpt, device, batches, max(batches), tokens))
-        report.section("speed", lambda: decode_speed(ckpt, device, speed_batches, 8 if dry else 64))
-        report.section("metering", lambda: metering_check(ckpt, device, batches[-1], tokens))
-        report.section("pulse", lambda: pulse_check(args.pulse_seconds))
+        runs = {
+            "environment": lambda out: environment(out, device),
+            "greedy": lambda out: parts.greedy_graph_vs_eager(out, ckpt, device, batches, tokens),
+            # the largest batch's prompts take several steps of prefill, and some of its calls end during it
+            "replay": lambda out: parts.replay_vs_static(out, ckpt, device, [1, 4, 32] if dry else batches),
+            "sampling": lambda out: parts.sampling_vs_cpu(out, device, shape["vocab_size"]),
+            "logits": lambda out: parts.logits_vs_cpu(out, ckpt, device),
+            "speed": lambda out: parts.decode_speed(out, ckpt, device, speed_batches, 8 if dry else 64),
+            "kernels": lambda out: parts.kernels_used(out, ckpt, device),
+            "metering": lambda out: metering_check(out, ckpt, device, batches[-1], tokens),
+            "engine_process": lambda out: engine_process_check(out, model_dir, device, tokens),
+        }
+        for name in args.only or PARTS:
+            report.section(name, runs[name])
     report.data["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     report.save()
-    failed = [k for k, v in report.data.items() if isinstance(v, dict) and "error" in v]
-    report.log(f"report: {report.out / 'gpu_check.json'}; failed sections: {failed or 'none'}")
-    return 1 if failed else 0
+    report.log(f"report: {report.out / 'gpu_check.json'}; failed parts: {report.failed or 'none'}")
+    return 1 if report.failed else 0
 
 
 if __name__ == "__main__":
