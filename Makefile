@@ -8,7 +8,7 @@ MODEL ?= services/inference/bundled/zq-python-tiny
 ZEROQUEUE_HOME ?= $(HOME)/.zeroqueue
 export ZEROQUEUE_HOME
 
-.PHONY: install install-dev kernels protos check-protos serve test test-fast lint lint-deploy bench-decode clean
+.PHONY: install install-dev kernels protos check-protos serve test test-fast lint lint-deploy bench-decode gpu-wheels clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -57,6 +57,10 @@ test-fast: install-dev
 # manifests against the schemas (offline), the dashboard's queries against the exported metrics.
 lint-deploy: $(VENV)/.installed-dev
 	$(PY) -m pytest -q -m "not slow" tests/deploy
+
+# The packages a lent H200 lacks (bench/gpu_wheels.txt) as wheels in .whl/, for bench/gpu_run.sh; needs PyPI.
+gpu-wheels:
+	bash bench/gpu_wheels.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info services/inference/kernels/_build
