@@ -51,7 +51,7 @@ def _filtered_probs(scaled: torch.Tensor, params: SamplingParams) -> tuple[torch
 def _nucleus(probs: torch.Tensor, ids: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The smallest prefix of descending `probs` whose mass reaches top_p (always at least the top token)."""
     before = torch.cumsum(probs, dim=-1) - probs
-    keep = int((before < top_p).sum())
+    keep = max(1, int((before < top_p).sum()))
     return probs[:keep], ids[:keep]
 
 
@@ -87,5 +87,9 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], draw_index: S
     tokens = argmax.tolist()
     for k, row in enumerate(rows):
         p = params[row]
-        tokens[row] = draw(host[k] / p.temperature, p, draw_index[row])
+        scaled = host[k] / p.temperature
+        # a temperature so small that the scaled logits overflow draws the argmax, which is what it tends to
+        # (and what softmax of infinities, NaN, cannot draw)
+        if bool(torch.isfinite(scaled).all()):
+            tokens[row] = draw(scaled, p, draw_index[row])
     return tokens

@@ -112,6 +112,20 @@ def test_the_host_draws_what_sample_draws_from_the_same_logits():
     assert sample(logits, MIXED, [3] * 6) == [sample(logits[i:i + 1], MIXED[i:i + 1], [3])[0] for i in range(6)]
 
 
+@pytest.mark.parametrize("temperature", [1e-45, 1e-38, 1e-30, 1e-8, 1e-3, 1.0, 1e4, 1e30, 3e38])
+@pytest.mark.parametrize("top_p", [1.0, 0.9, 1e-9])
+@pytest.mark.parametrize("top_k", [0, 1, 50])
+def test_every_accepted_temperature_draws_a_token_of_the_vocabulary(temperature, top_p, top_k):
+    torch.manual_seed(2)
+    logits = torch.randn(3, 2000) * 5
+    logits[2, 7] = 40.0                                 # one row with a clear winner
+    params = [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=s) for s in range(3)]
+    tokens = sample(logits, params, [0, 1, 2])
+    assert all(0 <= t < 2000 for t in tokens)
+    if temperature <= 1e-8 or top_k == 1 or top_p == 1e-9:     # as good as greedy
+        assert tokens == torch.argmax(logits, -1).tolist()
+
+
 TOKENIZER = build_tokenizer()
 
 
