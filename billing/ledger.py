@@ -274,4 +274,5 @@ def _to_record(row: UsageRow, tenant: str) -> UsageRecord:
         deadline_at_us=row.deadline_at_us,
         deadline_met=row.deadline_met,
         outcome=row.outcome,
+        client_request_id=row.client_request_id,
     )

@@ -110,7 +110,8 @@ class UsageRow(Base):
     )
 
     id: Mapped[int] = mapped_column(BigIntPK, primary_key=True)
-    request_id: Mapped[str] = mapped_column(String(128), unique=True)
+    request_id: Mapped[str] = mapped_column(String(128), unique=True)      # the call's, made by its replica
+    client_request_id: Mapped[str] = mapped_column(String(128), server_default="")     # the caller's; reusable
     tenant_id: Mapped[int] = mapped_column(Integer, ForeignKey("tenants.id"))
     labels: Mapped[dict[str, Any]]
     cost_center: Mapped[str | None] = mapped_column(String(128), index=True)

@@ -101,6 +101,9 @@ def freeze_labels(labels: object) -> Mapping[str, str]:
 def canonical_digest(kind: str, record: object) -> str:
     """sha256 over a canonical JSON encoding of every field of ``record``."""
     payload = {f.name: getattr(record, f.name) for f in fields(record)}  # type: ignore[arg-type]
+    # fields added after v1 count only when set: a record written before them keeps its digest
+    if payload.get("client_request_id") == "":
+        del payload["client_request_id"]
     if "labels" in payload:
         payload["labels"] = dict(payload["labels"])
     encoded = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -128,7 +131,9 @@ def _check_device(kind: object, device_id: object, unit: object, num_units: obje
 
 @dataclass(frozen=True, slots=True)
 class UsageRecord:
-    """One admitted request's device time, tokens, timing and outcome."""
+    """One admitted request's device time, tokens, timing and outcome. `request_id` is the call's own id,
+    made by the replica that admitted it (unique); `client_request_id` is the caller's, which the caller may
+    reuse: a call made again under the same id is billed again, as its own record."""
 
     request_id: str
     tenant: str
@@ -148,12 +153,15 @@ class UsageRecord:
     deadline_at_us: int
     deadline_met: bool
     outcome: str
+    client_request_id: str = ""
 
     def __post_init__(self) -> None:
         check_text("request_id", self.request_id)
         check_tenant_name("tenant", self.tenant)
         object.__setattr__(self, "labels", freeze_labels(self.labels))
         check_text("model", self.model)
+        if self.client_request_id:
+            check_text("client_request_id", self.client_request_id)
         _check_device(self.device_kind, self.device_id, self.unit, self.num_units)
         for name in ("unit_us", "prompt_tokens", "completion_tokens"):
             check_int(name, getattr(self, name))

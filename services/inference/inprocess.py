@@ -72,6 +72,8 @@ class ServerThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def stop(self, grace_s: float = 10.0) -> None:
+        if not self.thread.is_alive():          # stopped already
+            return
         if self.app is not None:
             self.run(self.app.stop(grace_s), timeout=grace_s + 30)
         self.loop.call_soon_threadsafe(self.loop.stop)

@@ -55,6 +55,7 @@ class RecordContext:
     received_at_us: int
     dispatched_at_us: int
     deadline_at_us: int
+    client_request_id: str = ""         # the caller's request_id (the record's own id is the call's)
 
 
 @dataclass(frozen=True)
@@ -199,4 +200,5 @@ class Meter:
             unit_us=unit_us, prompt_tokens=request.num_prompt_tokens,
             completion_tokens=request.num_output_tokens, received_at_us=ctx.received_at_us,
             dispatched_at_us=ctx.dispatched_at_us, first_token_at_us=first_token_us, finished_at_us=finished_us,
-            deadline_at_us=ctx.deadline_at_us, deadline_met=met, outcome=outcome)
+            deadline_at_us=ctx.deadline_at_us, deadline_met=met, outcome=outcome,
+            client_request_id=ctx.client_request_id)

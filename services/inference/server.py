@@ -198,7 +198,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     def _admission(self, t: Ticket) -> pb.Admission:
         clock = self.service.clock
-        return pb.Admission(request_id=t.spec.request_id, received_at_us=clock.epoch_us(t.received_ns),
+        return pb.Admission(request_id=t.spec.request_id, call_id=t.call_id,
+                            received_at_us=clock.epoch_us(t.received_ns),
                             dispatched_at_us=clock.epoch_us(t.dispatched_ns),
                             predicted_finish_at_us=clock.epoch_us(t.predicted_finish_ns),
                             deadline_at_us=clock.epoch_us(t.deadline_ns), budget_ms=t.budget_ms,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import uuid
 from concurrent.futures import Future
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -71,8 +72,11 @@ class GenerateSpec:
 
 @dataclass
 class Ticket:
+    """One admitted call. The engine, the meter and the outbox know it by `call_id`, which this replica made;
+    the caller's request_id is an idempotency key scoped to its tenant (`key`), never a handle."""
     spec: GenerateSpec
     tenant: str
+    call_id: str
     request: Request
     outputs: asyncio.Queue
     received_ns: int
@@ -92,6 +96,21 @@ class Ticket:
     @property
     def deadline_met(self) -> bool:
         return self.finished_ns is not None and self.finished_ns <= self.deadline_ns
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.tenant, self.spec.request_id
+
+    @property
+    def admission_key(self) -> str:
+        return admission_key(self.tenant, self.spec.request_id)
+
+
+def admission_key(tenant: str, request_id: str) -> str:
+    """The tenant-scoped key admission holds a call's slot (and a refused call's reservation) under: a retry
+    with the same request_id finds its reservation, another tenant's call with that id does not. Tenant
+    names have no '/'."""
+    return f"{tenant}/{request_id}"
 
 
 @dataclass
@@ -136,7 +155,7 @@ class InferenceService:
         self.default_budget_ms = default_budget_ms
         self.stream_interval_ns = stream_interval_ms * 1_000_000     # 0: a message per engine step
         self.state = WarmupState.WARMING_UP
-        self.in_flight: dict[str, Ticket] = {}
+        self.in_flight: dict[tuple[str, str], Ticket] = {}      # (tenant, request_id) -> its admitted call
         self.drained = asyncio.Event()
 
     @property
@@ -155,14 +174,15 @@ class InferenceService:
         if self.state is not WarmupState.READY:
             raise errors.NotServing(f"replica is {self.state.value}; try another replica",
                                     {"state": self.state.value})
-        if spec.request_id in self.in_flight:
+        if (tenant, spec.request_id) in self.in_flight:       # only the tenant's own ids: no one else's is seen
             raise errors.RequestIdInUse(f"request_id {spec.request_id!r} is already in flight",
                                         {"request_id": spec.request_id})
         if budget_ns <= 0:
             self.metrics.rejections.labels("deadline_expired").inc()
             raise errors.DeadlineExpired("the call's deadline had already passed when it arrived")
         deadline_ns = received_ns + budget_ns
-        commitment = Commitment(spec.request_id, len(spec.prompt_token_ids), spec.sampling.max_tokens, deadline_ns)
+        commitment = Commitment(admission_key(tenant, spec.request_id), len(spec.prompt_token_ids),
+                                spec.sampling.max_tokens, deadline_ns)
         now_ns = self.clock.now_ns()
         decision = self.admission.decide(commitment, now_ns)
         decided_ns = self.clock.now_ns()
@@ -177,17 +197,18 @@ class InferenceService:
                                     budget_ns // 1_000_000, decision.within_budget)
         assert isinstance(decision, Admit)
         self._count_decision(attempt, "admitted")
-        request = Request(spec.request_id, spec.prompt_token_ids, spec.sampling, arrival_ns=received_ns,
+        call_id = uuid.uuid4().hex
+        request = Request(call_id, spec.prompt_token_ids, spec.sampling, arrival_ns=received_ns,
                           deadline_ns=deadline_ns if self.deadline_mode else None)
         sink = _LoopSink(asyncio.get_running_loop())
-        ticket = Ticket(spec, tenant, request, sink.queue, received_ns, decided_ns, deadline_ns,
+        ticket = Ticket(spec, tenant, call_id, request, sink.queue, received_ns, decided_ns, deadline_ns,
                         budget_ns // 1_000_000, source, decision.predicted_finish_ns or deadline_ns)
-        self.in_flight[spec.request_id] = ticket
+        self.in_flight[ticket.key] = ticket
         self.metrics.in_flight.set(len(self.in_flight))
         epoch = self.clock.epoch_us
-        self.meter.register(spec.request_id, RecordContext(tenant, spec.labels, self.card.name, epoch(received_ns),
-                                                           epoch(decided_ns), epoch(deadline_ns)))
-        ticket.usage_on_disk = self.outbox.expect(spec.request_id)
+        self.meter.register(call_id, RecordContext(tenant, spec.labels, self.card.name, epoch(received_ns),
+                                                   epoch(decided_ns), epoch(deadline_ns), spec.request_id))
+        ticket.usage_on_disk = self.outbox.expect(call_id)
         try:
             self.engine.add_request(request, sink)
         except errors.NotServing:       # the engine process died under us: undo the admission, then say so
@@ -197,14 +218,15 @@ class InferenceService:
 
     def _withdraw(self, ticket: Ticket) -> None:
         """Forgets an admitted call that never reached the engine: nothing ran, nothing is billed."""
-        self.meter.forget(ticket.spec.request_id)
-        self._untrack(ticket.spec.request_id)
+        self.meter.forget(ticket.call_id)
+        self._untrack(ticket)
 
-    def _untrack(self, request_id: str) -> None:
+    def _untrack(self, ticket: Ticket) -> None:
         """Drops the call's slot in admission, its outbox waiter and its in-flight entry."""
-        self.admission.release(request_id)
-        self.outbox.forget(request_id)
-        self.in_flight.pop(request_id, None)
+        self.admission.release(ticket.admission_key)
+        self.outbox.forget(ticket.call_id)
+        if self.in_flight.get(ticket.key) is ticket:
+            del self.in_flight[ticket.key]
         self.metrics.in_flight.set(len(self.in_flight))
 
     def _count_decision(self, attempt: str, result: str) -> None:
@@ -256,7 +278,7 @@ class InferenceService:
                 self.metrics.inter_token.observe((output.time_ns - last_ns) / 1e9)
             last_ns = output.time_ns
         ticket.num_output_tokens = output.num_output_tokens
-        self.admission.on_progress(ticket.spec.request_id, output.num_output_tokens)
+        self.admission.on_progress(ticket.admission_key, output.num_output_tokens)
         return last_ns
 
     async def _usage_on_disk(self, ticket: Ticket) -> None:
@@ -270,7 +292,7 @@ class InferenceService:
     def close(self, ticket: Ticket) -> None:
         """Ends the call's bookkeeping; a call that ends before its stream did is cancelled in the engine."""
         if ticket.finish_reason is None:
-            self.engine.cancel(ticket.spec.request_id)
+            self.engine.cancel(ticket.call_id)
             outcome = "cancelled"
         else:
             outcome = {"stop": "ok", "length": "ok"}.get(ticket.finish_reason, ticket.finish_reason)
@@ -284,8 +306,9 @@ class InferenceService:
         if outcome == "deadline_exceeded" or (outcome == "ok" and not ticket.deadline_met):
             self.metrics.deadline_misses.inc()
         self.metrics.requests.labels(outcome).inc()
-        self._untrack(ticket.spec.request_id)
-        log.info("request_done", request_id=ticket.spec.request_id, outcome=outcome,
+        self._untrack(ticket)
+        log.info("request_done", request_id=ticket.spec.request_id, call_id=ticket.call_id, tenant=ticket.tenant,
+                 outcome=outcome,
                  prompt_tokens=len(ticket.spec.prompt_token_ids), completion_tokens=ticket.num_output_tokens,
                  budget_ms=ticket.budget_ms, predicted_finish_ms=(ticket.predicted_finish_ns - ticket.received_ns)
                  // 1_000_000, actual_finish_ms=((ticket.finished_ns or self.clock.now_ns()) - ticket.received_ns)

@@ -38,7 +38,19 @@ CREATE TABLE IF NOT EXISTS outbox (
     dead_at_us INTEGER
 );
 CREATE INDEX IF NOT EXISTS outbox_pending ON outbox (id) WHERE delivered_at_us IS NULL AND dead_at_us IS NULL;
+-- a record whose id the outbox already held with another payload: kept for an operator, never shipped
+CREATE TABLE IF NOT EXISTS outbox_conflicts (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    kind TEXT NOT NULL,
+    record_id TEXT NOT NULL,
+    payload TEXT NOT NULL,
+    created_at_us INTEGER NOT NULL
+);
 """
+
+
+class OutboxConflict(RuntimeError):
+    """The outbox already held a record under this id with another payload: the new one was set aside."""
 
 
 @dataclass(frozen=True)
@@ -124,11 +136,10 @@ class Outbox:
             rows += [("usage", r.request_id, json.dumps(r.to_payload()), _now_us()) for r in records]
             rows += [("idle", r.record_id, json.dumps(r.to_payload()), _now_us()) for r in idle]
             usage += records
-        error = None
+        error, conflicts = None, set()
         try:
             conn.execute("BEGIN IMMEDIATE")
-            conn.executemany("INSERT OR IGNORE INTO outbox (kind, record_id, payload, created_at_us) "
-                             "VALUES (?, ?, ?, ?)", rows)
+            conflicts = self._insert(conn, rows)
             conn.execute("COMMIT")
         except sqlite3.Error as exc:                # the disk failed us: callers must not claim success
             log.error("outbox_write_failed", error=str(exc), records=len(rows))
@@ -140,12 +151,34 @@ class Outbox:
                 future = self._futures.pop(record.request_id, None)
             if future is None or future.done():
                 continue
-            if error is None:
-                future.set_result(record)
-            else:
+            if error is not None:
                 future.set_exception(error)
+            elif record.request_id in conflicts:
+                future.set_exception(OutboxConflict(f"usage record {record.request_id} conflicts with one "
+                                                    "the outbox already holds"))
+            else:
+                future.set_result(record)
         with self.written:
             self.written.notify_all()
+
+    @staticmethod
+    def _insert(conn: sqlite3.Connection, rows: list[tuple[str, str, str, int]]) -> set[str]:
+        """Inserts each row whose id is new; returns the ids already present with another payload, whose rows
+        go to outbox_conflicts. An id already present with the same payload is the same record: no loss."""
+        conflicts = set()
+        for kind, record_id, payload, created_at_us in rows:
+            if conn.execute("INSERT INTO outbox (kind, record_id, payload, created_at_us) VALUES (?, ?, ?, ?) "
+                            "ON CONFLICT (record_id) DO NOTHING", (kind, record_id, payload, created_at_us)).rowcount:
+                continue
+            (held,) = conn.execute("SELECT payload FROM outbox WHERE record_id = ?", (record_id,)).fetchone()
+            if held == payload:
+                log.warning("outbox_duplicate", kind=kind, record_id=record_id)
+                continue
+            log.error("outbox_conflict", kind=kind, record_id=record_id)
+            conn.execute("INSERT INTO outbox_conflicts (kind, record_id, payload, created_at_us) VALUES (?, ?, ?, ?)",
+                         (kind, record_id, payload, created_at_us))
+            conflicts.add(record_id)
+        return conflicts
 
     def _build(self, builder: Callable[[], UsageRecord]) -> UsageRecord | None:
         try:
@@ -196,7 +229,8 @@ class Outbox:
         pending, delivered, dead = self._conn().execute(
             "SELECT COUNT(*) FILTER (WHERE delivered_at_us IS NULL AND dead_at_us IS NULL), "
             "COUNT(delivered_at_us), COUNT(dead_at_us) FROM outbox").fetchone()
-        return {"pending": pending, "delivered": delivered, "dead": dead}
+        (conflicts,) = self._conn().execute("SELECT COUNT(*) FROM outbox_conflicts").fetchone()
+        return {"pending": pending, "delivered": delivered, "dead": dead, "conflicts": conflicts}
 
     def close(self) -> None:
         self._queue.put(None)

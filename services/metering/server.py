@@ -45,7 +45,7 @@ def usage_from_pb(message: pb.UsageRecord) -> UsageRecord:
         dispatched_at_us=message.dispatched_at_us,
         first_token_at_us=message.first_token_at_us if message.HasField("first_token_at_us") else None,
         finished_at_us=message.finished_at_us, deadline_at_us=message.deadline_at_us,
-        deadline_met=message.deadline_met, outcome=message.outcome)
+        deadline_met=message.deadline_met, outcome=message.outcome, client_request_id=message.client_request_id)
 
 
 def usage_to_pb(record: UsageRecord) -> pb.UsageRecord:

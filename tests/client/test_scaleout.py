@@ -59,8 +59,8 @@ def ledger_usage(url: str) -> dict[str, tuple[int, int]]:
     engine = create_engine(url)
     try:
         with engine.connect() as conn:
-            rows = conn.execute(text("SELECT request_id, COUNT(*), SUM(unit_us) FROM usage_records "
-                                     "GROUP BY request_id")).fetchall()
+            rows = conn.execute(text("SELECT client_request_id, COUNT(*), SUM(unit_us) FROM usage_records "
+                                     "GROUP BY client_request_id")).fetchall()
     finally:
         engine.dispose()
     return {request_id: (count, int(unit_us)) for request_id, count, unit_us in rows}

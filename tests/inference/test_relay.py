@@ -33,7 +33,7 @@ def _ticket(queue: asyncio.Queue, received_ns: int) -> Ticket:
     spec = GenerateSpec("r1", (1, 2, 3), SamplingParams(max_tokens=4), MappingProxyType({}))
     done: Future = Future()
     done.set_result(None)
-    return Ticket(spec, "tenant", None, queue, received_ns, received_ns, received_ns + 10**10, 10_000,
+    return Ticket(spec, "tenant", "call-1", None, queue, received_ns, received_ns, received_ns + 10**10, 10_000,
                   BudgetSource.CLIENT_DEADLINE, received_ns + 10**9, usage_on_disk=done)
 
 

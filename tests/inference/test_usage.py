@@ -43,7 +43,7 @@ def finals(stub, n, **fields):
     out = []
     for i in range(n):
         messages = list(stub.Generate(pb.GenerateRequest(**fields), timeout=20))
-        out.append((messages[0].admission.request_id, messages[-1].final))
+        out.append((messages[0].admission.call_id, messages[-1].final))       # the ledger's request_id
     return out
 
 
@@ -73,14 +73,15 @@ def test_served_run_bills_every_call_once_and_conserves_wall_time(llama_dir, tmp
     time.sleep(0.2)
     server.stop()
     url = server.config.ledger_url
-    rows = {r.request_id: r for r in ledger_rows(url, "SELECT * FROM usage_records")}
+    records = ledger_rows(url, "SELECT * FROM usage_records")
+    rows = {r.request_id: r for r in records} | {r.client_request_id: r for r in records if r.client_request_id}
     for request_id, final in done:
         assert rows[request_id].unit_us == final.usage.sm_us > 0
         assert rows[request_id].cost_center == "cc-7" and rows[request_id].team == "search"
         assert final.usage.unit == "core_us" and rows[request_id].unit == "core_us"
     assert "refused-1" not in rows
     assert rows["cancel-1"].outcome == "cancelled" and rows["cancel-1"].unit_us > 0
-    assert len(rows) == len(done) + len(running) + 1
+    assert len(records) == len(done) + len(running) + 1
     (billed,) = ledger_rows(url, "SELECT SUM(unit_us) FROM usage_records")[0]
     idle, wall = ledger_rows(url, "SELECT SUM(idle_unit_us), SUM(wall_unit_us) FROM idle_records")[0]
     assert billed + idle == wall                                    # Σ billed + idle = wall time × cores
@@ -155,7 +156,7 @@ def test_sigkill_loses_no_usage_of_a_finished_call(llama_dir, tmp_path):
         while not stop.is_set():
             try:
                 messages = list(stub.Generate(pb.GenerateRequest(prompt="def g():", max_tokens=12), timeout=10))
-                finished.append((messages[0].admission.request_id, messages[-1].final.usage.sm_us))
+                finished.append((messages[0].admission.call_id, messages[-1].final.usage.sm_us))
             except grpc.RpcError:
                 pass
 

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import functools
+import json
 import sqlite3
 
+import pytest
+
 from billing.records import UsageRecord
-from services.metering.outbox import Outbox
+from services.metering.outbox import Outbox, OutboxConflict
 
 T0_US = 1_795_000_000_000_000
 
@@ -27,5 +30,39 @@ def test_a_waiter_gets_its_record_once_it_is_on_disk(tmp_path):
         assert record.request_id == "r1" and record.unit_us == 1234
         with sqlite3.connect(tmp_path / "outbox.db") as conn:
             assert conn.execute("SELECT record_id FROM outbox WHERE kind = 'usage'").fetchall() == [("r1",)]
+    finally:
+        outbox.close()
+
+
+def test_a_record_id_already_held_with_another_payload_is_a_conflict_kept_aside_not_a_silent_loss(tmp_path):
+    outbox = Outbox(tmp_path / "outbox.db")
+    try:
+        first = outbox.expect("r1")
+        outbox.append([builder("r1")], [])
+        assert first.result(timeout=10).unit_us == 1234
+        again, other = outbox.expect("r1"), outbox.expect("r2")
+        outbox.append([functools.partial(builder("r1"), unit_us=999), builder("r2")], [])
+        with pytest.raises(OutboxConflict, match="r1"):
+            again.result(timeout=10)
+        assert other.result(timeout=10).request_id == "r2"         # the rest of the batch is committed
+        assert outbox.counts() == {"pending": 2, "delivered": 0, "dead": 0, "conflicts": 1}
+        with sqlite3.connect(tmp_path / "outbox.db") as conn:
+            (payload,) = conn.execute("SELECT payload FROM outbox_conflicts WHERE record_id = 'r1'").fetchone()
+            (held,) = conn.execute("SELECT payload FROM outbox WHERE record_id = 'r1'").fetchone()
+        assert json.loads(payload)["unit_us"] == 999 and json.loads(held)["unit_us"] == 1234
+    finally:
+        outbox.close()
+
+
+def test_the_same_record_appended_twice_is_held_once_and_both_waiters_hear_it_is_on_disk(tmp_path):
+    outbox = Outbox(tmp_path / "outbox.db")
+    try:
+        first = outbox.expect("r1")
+        outbox.append([builder("r1")], [])
+        first.result(timeout=10)
+        again = outbox.expect("r1")
+        outbox.append([builder("r1")], [])
+        assert again.result(timeout=10).request_id == "r1"
+        assert outbox.counts() == {"pending": 1, "delivered": 0, "dead": 0, "conflicts": 0}
     finally:
         outbox.close()

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&zeroqueue/inference/v1/inference.proto\x12\x16zeroqueue.inference.v1\"\xe7\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x07 \x01(\x05\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x43\n\x06labels\x18\x0b \x03(\x0b\x32\x33.zeroqueue.inference.v1.GenerateRequest.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xb7\x01\n\x10GenerateResponse\x12\x36\n\tadmission\x18\x01 \x01(\x0b\x32!.zeroqueue.inference.v1.AdmissionH\x00\x12\x33\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\".zeroqueue.inference.v1.TokenChunkH\x00\x12.\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x1d.zeroqueue.inference.v1.FinalH\x00\x42\x06\n\x04kind\"\xf0\x01\n\tAdmission\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0ereceived_at_us\x18\x02 \x01(\x03\x12\x18\n\x10\x64ispatched_at_us\x18\x03 \x01(\x03\x12\x1e\n\x16predicted_finish_at_us\x18\x04 \x01(\x03\x12\x16\n\x0e\x64\x65\x61\x64line_at_us\x18\x05 \x01(\x03\x12\x11\n\tbudget_ms\x18\x06 \x01(\x03\x12;\n\rbudget_source\x18\x07 \x01(\x0e\x32$.zeroqueue.inference.v1.BudgetSource\x12\x15\n\rprompt_tokens\x18\x08 \x01(\x05\"D\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\remitted_at_us\x18\x03 \x01(\x03\"\xa4\x01\n\x05\x46inal\x12;\n\rfinish_reason\x18\x01 \x01(\x0e\x32$.zeroqueue.inference.v1.FinishReason\x12\x30\n\x07timings\x18\x02 \x01(\x0b\x32\x1f.zeroqueue.inference.v1.Timings\x12,\n\x05usage\x18\x03 \x01(\x0b\x32\x1d.zeroqueue.inference.v1.Usage\"\xbe\x01\n\x07Timings\x12\x16\n\x0ereceived_at_us\x18\x01 \x01(\x03\x12\x1d\n\x15\x66irst_scheduled_at_us\x18\x02 \x01(\x03\x12\x19\n\x11\x66irst_token_at_us\x18\x03 \x01(\x03\x12\x16\n\x0e\x66inished_at_us\x18\x04 \x01(\x03\x12\x10\n\x08queue_us\x18\x05 \x01(\x03\x12\x0f\n\x07ttft_us\x18\x06 \x01(\x03\x12\x10\n\x08total_us\x18\x07 \x01(\x03\x12\x14\n\x0c\x64\x65\x61\x64line_met\x18\x08 \x01(\x08\"\x99\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\r\n\x05sm_us\x18\x03 \x01(\x03\x12\x0c\n\x04unit\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x65vice_kind\x18\x05 \x01(\t\x12\x11\n\tdevice_id\x18\x06 \x01(\t\x12\x19\n\x11num_compute_units\x18\x07 \x01(\x05\"\x13\n\x11ListModelsRequest\"G\n\x12ListModelsResponse\x12\x31\n\x06models\x18\x01 \x03(\x0b\x32!.zeroqueue.inference.v1.ModelInfo\"\xee\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\x05\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65vice_kind\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x05 \x01(\t\x12\x19\n\x11num_compute_units\x18\x06 \x01(\x05\x12\x0c\n\x04unit\x18\x07 \x01(\t\x12\x32\n\x05state\x18\x08 \x01(\x0e\x32#.zeroqueue.inference.v1.WarmupState\x12\x11\n\tmax_batch\x18\t \x01(\x05\x12\x12\n\nvocab_size\x18\n \x01(\x05*r\n\x0c\x42udgetSource\x12\x1d\n\x19\x42UDGET_SOURCE_UNSPECIFIED\x10\x00\x12!\n\x1d\x42UDGET_SOURCE_CLIENT_DEADLINE\x10\x01\x12 \n\x1c\x42UDGET_SOURCE_SERVER_DEFAULT\x10\x02*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02*\x94\x01\n\x0bWarmupState\x12\x1c\n\x18WARMUP_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17WARMUP_STATE_WARMING_UP\x10\x01\x12\x16\n\x12WARMUP_STATE_READY\x10\x02\x12\x19\n\x15WARMUP_STATE_DRAINING\x10\x03\x12\x17\n\x13WARMUP_STATE_FAILED\x10\x04\x32\xd1\x01\n\tInference\x12_\n\x08Generate\x12\'.zeroqueue.inference.v1.GenerateRequest\x1a(.zeroqueue.inference.v1.GenerateResponse0\x01\x12\x63\n\nListModels\x12).zeroqueue.inference.v1.ListModelsRequest\x1a*.zeroqueue.inference.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&zeroqueue/inference/v1/inference.proto\x12\x16zeroqueue.inference.v1\"\xe7\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x07 \x01(\x05\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x43\n\x06labels\x18\x0b \x03(\x0b\x32\x33.zeroqueue.inference.v1.GenerateRequest.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xb7\x01\n\x10GenerateResponse\x12\x36\n\tadmission\x18\x01 \x01(\x0b\x32!.zeroqueue.inference.v1.AdmissionH\x00\x12\x33\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\".zeroqueue.inference.v1.TokenChunkH\x00\x12.\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x1d.zeroqueue.inference.v1.FinalH\x00\x42\x06\n\x04kind\"\x81\x02\n\tAdmission\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0ereceived_at_us\x18\x02 \x01(\x03\x12\x18\n\x10\x64ispatched_at_us\x18\x03 \x01(\x03\x12\x1e\n\x16predicted_finish_at_us\x18\x04 \x01(\x03\x12\x16\n\x0e\x64\x65\x61\x64line_at_us\x18\x05 \x01(\x03\x12\x11\n\tbudget_ms\x18\x06 \x01(\x03\x12;\n\rbudget_source\x18\x07 \x01(\x0e\x32$.zeroqueue.inference.v1.BudgetSource\x12\x15\n\rprompt_tokens\x18\x08 \x01(\x05\x12\x0f\n\x07\x63\x61ll_id\x18\t \x01(\t\"D\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\remitted_at_us\x18\x03 \x01(\x03\"\xa4\x01\n\x05\x46inal\x12;\n\rfinish_reason\x18\x01 \x01(\x0e\x32$.zeroqueue.inference.v1.FinishReason\x12\x30\n\x07timings\x18\x02 \x01(\x0b\x32\x1f.zeroqueue.inference.v1.Timings\x12,\n\x05usage\x18\x03 \x01(\x0b\x32\x1d.zeroqueue.inference.v1.Usage\"\xbe\x01\n\x07Timings\x12\x16\n\x0ereceived_at_us\x18\x01 \x01(\x03\x12\x1d\n\x15\x66irst_scheduled_at_us\x18\x02 \x01(\x03\x12\x19\n\x11\x66irst_token_at_us\x18\x03 \x01(\x03\x12\x16\n\x0e\x66inished_at_us\x18\x04 \x01(\x03\x12\x10\n\x08queue_us\x18\x05 \x01(\x03\x12\x0f\n\x07ttft_us\x18\x06 \x01(\x03\x12\x10\n\x08total_us\x18\x07 \x01(\x03\x12\x14\n\x0c\x64\x65\x61\x64line_met\x18\x08 \x01(\x08\"\x99\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\r\n\x05sm_us\x18\x03 \x01(\x03\x12\x0c\n\x04unit\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x65vice_kind\x18\x05 \x01(\t\x12\x11\n\tdevice_id\x18\x06 \x01(\t\x12\x19\n\x11num_compute_units\x18\x07 \x01(\x05\"\x13\n\x11ListModelsRequest\"G\n\x12ListModelsResponse\x12\x31\n\x06models\x18\x01 \x03(\x0b\x32!.zeroqueue.inference.v1.ModelInfo\"\xee\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\x05\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65vice_kind\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x05 \x01(\t\x12\x19\n\x11num_compute_units\x18\x06 \x01(\x05\x12\x0c\n\x04unit\x18\x07 \x01(\t\x12\x32\n\x05state\x18\x08 \x01(\x0e\x32#.zeroqueue.inference.v1.WarmupState\x12\x11\n\tmax_batch\x18\t \x01(\x05\x12\x12\n\nvocab_size\x18\n \x01(\x05*r\n\x0c\x42udgetSource\x12\x1d\n\x19\x42UDGET_SOURCE_UNSPECIFIED\x10\x00\x12!\n\x1d\x42UDGET_SOURCE_CLIENT_DEADLINE\x10\x01\x12 \n\x1c\x42UDGET_SOURCE_SERVER_DEFAULT\x10\x02*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02*\x94\x01\n\x0bWarmupState\x12\x1c\n\x18WARMUP_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17WARMUP_STATE_WARMING_UP\x10\x01\x12\x16\n\x12WARMUP_STATE_READY\x10\x02\x12\x19\n\x15WARMUP_STATE_DRAINING\x10\x03\x12\x17\n\x13WARMUP_STATE_FAILED\x10\x04\x32\xd1\x01\n\tInference\x12_\n\x08Generate\x12\'.zeroqueue.inference.v1.GenerateRequest\x1a(.zeroqueue.inference.v1.GenerateResponse0\x01\x12\x63\n\nListModels\x12).zeroqueue.inference.v1.ListModelsRequest\x1a*.zeroqueue.inference.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,12 +33,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST_LABELSENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_BUDGETSOURCE']._serialized_start=1778
-  _globals['_BUDGETSOURCE']._serialized_end=1892
-  _globals['_FINISHREASON']._serialized_start=1894
-  _globals['_FINISHREASON']._serialized_end=1989
-  _globals['_WARMUPSTATE']._serialized_start=1992
-  _globals['_WARMUPSTATE']._serialized_end=2140
+  _globals['_BUDGETSOURCE']._serialized_start=1795
+  _globals['_BUDGETSOURCE']._serialized_end=1909
+  _globals['_FINISHREASON']._serialized_start=1911
+  _globals['_FINISHREASON']._serialized_end=2006
+  _globals['_WARMUPSTATE']._serialized_start=2009
+  _globals['_WARMUPSTATE']._serialized_end=2157
   _globals['_GENERATEREQUEST']._serialized_start=67
   _globals['_GENERATEREQUEST']._serialized_end=426
   _globals['_GENERATEREQUEST_LABELSENTRY']._serialized_start=346
@@ -46,21 +46,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATERESPONSE']._serialized_start=429
   _globals['_GENERATERESPONSE']._serialized_end=612
   _globals['_ADMISSION']._serialized_start=615
-  _globals['_ADMISSION']._serialized_end=855
-  _globals['_TOKENCHUNK']._serialized_start=857
-  _globals['_TOKENCHUNK']._serialized_end=925
-  _globals['_FINAL']._serialized_start=928
-  _globals['_FINAL']._serialized_end=1092
-  _globals['_TIMINGS']._serialized_start=1095
-  _globals['_TIMINGS']._serialized_end=1285
-  _globals['_USAGE']._serialized_start=1288
-  _globals['_USAGE']._serialized_end=1441
-  _globals['_LISTMODELSREQUEST']._serialized_start=1443
-  _globals['_LISTMODELSREQUEST']._serialized_end=1462
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1464
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1535
-  _globals['_MODELINFO']._serialized_start=1538
-  _globals['_MODELINFO']._serialized_end=1776
-  _globals['_INFERENCE']._serialized_start=2143
-  _globals['_INFERENCE']._serialized_end=2352
+  _globals['_ADMISSION']._serialized_end=872
+  _globals['_TOKENCHUNK']._serialized_start=874
+  _globals['_TOKENCHUNK']._serialized_end=942
+  _globals['_FINAL']._serialized_start=945
+  _globals['_FINAL']._serialized_end=1109
+  _globals['_TIMINGS']._serialized_start=1112
+  _globals['_TIMINGS']._serialized_end=1302
+  _globals['_USAGE']._serialized_start=1305
+  _globals['_USAGE']._serialized_end=1458
+  _globals['_LISTMODELSREQUEST']._serialized_start=1460
+  _globals['_LISTMODELSREQUEST']._serialized_end=1479
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1481
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1552
+  _globals['_MODELINFO']._serialized_start=1555
+  _globals['_MODELINFO']._serialized_end=1793
+  _globals['_INFERENCE']._serialized_start=2160
+  _globals['_INFERENCE']._serialized_end=2369
 # @@protoc_insertion_point(module_scope)

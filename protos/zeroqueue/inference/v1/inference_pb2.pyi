@@ -82,7 +82,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, admission: _Optional[_Union[Admission, _Mapping]] = ..., chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., final: _Optional[_Union[Final, _Mapping]] = ...) -> None: ...
 
 class Admission(_message.Message):
-    __slots__ = ("request_id", "received_at_us", "dispatched_at_us", "predicted_finish_at_us", "deadline_at_us", "budget_ms", "budget_source", "prompt_tokens")
+    __slots__ = ("request_id", "received_at_us", "dispatched_at_us", "predicted_finish_at_us", "deadline_at_us", "budget_ms", "budget_source", "prompt_tokens", "call_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_AT_US_FIELD_NUMBER: _ClassVar[int]
     DISPATCHED_AT_US_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class Admission(_message.Message):
     BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
     BUDGET_SOURCE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     received_at_us: int
     dispatched_at_us: int
@@ -99,7 +100,8 @@ class Admission(_message.Message):
     budget_ms: int
     budget_source: BudgetSource
     prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., received_at_us: _Optional[int] = ..., dispatched_at_us: _Optional[int] = ..., predicted_finish_at_us: _Optional[int] = ..., deadline_at_us: _Optional[int] = ..., budget_ms: _Optional[int] = ..., budget_source: _Optional[_Union[BudgetSource, str]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    call_id: str
+    def __init__(self, request_id: _Optional[str] = ..., received_at_us: _Optional[int] = ..., dispatched_at_us: _Optional[int] = ..., predicted_finish_at_us: _Optional[int] = ..., deadline_at_us: _Optional[int] = ..., budget_ms: _Optional[int] = ..., budget_source: _Optional[_Union[BudgetSource, str]] = ..., prompt_tokens: _Optional[int] = ..., call_id: _Optional[str] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("token_ids", "text", "emitted_at_us")
