@@ -237,7 +237,12 @@ class Engine:
             if token is None or token in request.sampling.stop_token_ids:
                 continue
             detokenizer = self._streams[request.request_id].detokenizer
-            texts[request.request_id] = detokenizer.push(token)
+            try:
+                texts[request.request_id] = detokenizer.push(token)
+            except Exception:  # noqa: BLE001 - one call's text (its stop strings, its tokens) ends that call alone
+                log.exception("detokenize_failed", request_id=request.request_id)
+                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR)
+                continue
             if detokenizer.stopped:
                 self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
         return texts
@@ -247,7 +252,8 @@ class Engine:
         streamed = token is not None and token not in request.sampling.stop_token_ids
         stream = self._streams[request.request_id]
         if request.is_finished:
-            text += stream.detokenizer.flush()
+            if request.status is not RequestStatus.FINISHED_ERROR:     # a failed text has nothing more to give
+                text += stream.detokenizer.flush()
             del self._streams[request.request_id]
         output = RequestOutput(request.request_id, (token,) if streamed else (), text, time_ns,
                                request.num_output_tokens, request.status.finish_reason, request.first_scheduled_ns)

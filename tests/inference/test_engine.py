@@ -196,3 +196,20 @@ def test_threaded_loop_streams_and_stops(engine):
         engine.stop()
     assert sink.finish_reason("bg") in {"length", "stop"}
     assert sink.outputs["bg"][-1].num_output_tokens >= 1
+
+
+def test_a_call_whose_text_fails_ends_alone_and_the_step_goes_on(engine):
+    sink = Collector()
+    for rid in ("broken", "fine"):
+        engine.add_request(request(rid, [5, 6, 7], max_tokens=8), sink)
+    engine.step()                                   # both in, both prefilled
+
+    def fail(token):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a tokenizer that cannot decode")
+
+    engine._streams["broken"].detokenizer.push = fail
+    engine._streams["broken"].detokenizer.flush = fail
+    run_to_completion(engine)
+    assert sink.finish_reason("broken") == "error"
+    assert sink.finish_reason("fine") == "length" and len(sink.tokens("fine")) == 8
+    assert engine.scheduler.num_free_slots == engine.executor.num_slots
