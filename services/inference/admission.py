@@ -70,12 +70,22 @@ class Admit:
     predicted_finish_ns: int
 
 
+# Why a call is not admitted now (Reject.reason); the refusal's message and ErrorInfo say the same.
+SLOTS_FULL = "slots_full"           # every slot is taken (running calls, reserved retries) at some point of its run
+STEP_BUDGET = "step_budget"         # a slot is free, but the next steps' token budget is taken by prompts ahead
+DEADLINE = "deadline"               # its own predicted finish is past its deadline less the margin
+DELAYS_ADMITTED = "delays_admitted"     # it would push an admitted call past a deadline it was predicted to meet
+
+
 @dataclass(frozen=True)
 class Reject:
     retry_after_ms: int
     predicted_finish_ns: int
     within_budget: bool = True      # False: no time inside this call's own budget works; the hint is when
                                     # the replica frees up, for a call with a fresh budget
+    reason: str = DEADLINE          # why not now: one of the four above
+    reserved: bool = False          # a slot is reserved for a retry at the hint (STEP_BUDGET: its turn is held);
+                                    # False: a best guess, every reservation was taken
 
 
 @dataclass(frozen=True)
@@ -236,40 +246,43 @@ class AdmissionController:
             return Infeasible(min_budget_ms=math.ceil(self.config.min_budget_ns(idle - now_ns) / NS_PER_MS))
         admitted = [c for c in self.commitments.values() if c.reserved_from_ns is None]
         finishes = self.predictor.finish_times(admitted, now_ns)
-        ok, finish_ns = self._fits_at(new, now_ns, admitted, finishes, ahead_of_later_reservations=on_time)
-        if ok:
+        why, finish_ns = self._fits_at(new, now_ns, admitted, finishes, ahead_of_later_reservations=on_time)
+        if why is None:
             wait_ns = self._steps_until_room(admitted) * int(
                 self.predictor.cost.step_us(self.config.max_num_batched_tokens) * 1000)
             if wait_ns and not (has_turn and wait_ns <= self.retry_hold_ns):
                 # it would not join the very next step: a short refusal that holds no slot, only its turn
-                if len(self.turns) < self.max_reservations:
+                if held_turn := len(self.turns) < self.max_reservations:
                     self.turns[new.request_id] = now_ns + wait_ns + self._grace_ns(wait_ns)
-                return Reject(_ms(wait_ns), finish_ns)
+                return Reject(_ms(wait_ns), finish_ns, reason=STEP_BUDGET, reserved=held_turn)
             self.commitments[new.request_id] = new
             return Admit(finish_ns + wait_ns)
         retry = self._earliest_retry(new, now_ns, admitted, finishes)
         if retry is None:
             frees_ns = min((self.lateness.stretch(now_ns, f) for f in finishes.values() if f > now_ns),
                            default=now_ns)
-            return Reject(_ms(frees_ns - now_ns), finish_ns, within_budget=False)
+            return Reject(_ms(frees_ns - now_ns), finish_ns, within_budget=False, reason=why)
         at_ns, retry_finish_ns = retry
         if on_time and at_ns - now_ns <= self.retry_hold_ns:     # its slot frees a little late: held for it
             self.commitments[new.request_id] = new
             return Admit(retry_finish_ns)
         until_ns = self.lateness.stretch(at_ns, retry_finish_ns)
-        if self.num_reserved < self.max_reservations:
+        # at most max_reservations, so a storm cannot grow every decision's work: past that, a best guess
+        reserved = self.num_reserved < self.max_reservations
+        if reserved:
             new.reserved_from_ns, new.reserved_until_ns = at_ns, until_ns
             new.expires_ns = at_ns + self._grace_ns(at_ns - now_ns)
             self.commitments[new.request_id] = new
-        return Reject(_ms(at_ns - now_ns), finish_ns)
+        return Reject(_ms(at_ns - now_ns), finish_ns, reason=why, reserved=reserved)
 
     def _grace_ns(self, wait_ns: int) -> int:
         """How long past its hinted time a refused call's reservation or turn waits for its retry."""
         return max(self.reservation_grace_ns, wait_ns // 10)
 
     def _fits_at(self, new: Commitment, at_ns: int, admitted: list[Commitment], finishes: dict[str, int],
-                 ahead_of_later_reservations: bool = False, finish_unused: bool = False) -> tuple[bool, int]:
-        """Whether `new` joining at `at_ns` meets every deadline and finds a free slot for its whole run.
+                 ahead_of_later_reservations: bool = False, finish_unused: bool = False) -> tuple[str | None, int]:
+        """None if `new` joining at `at_ns` meets every deadline and finds a free slot for its whole run, else
+        why not (SLOTS_FULL, DEADLINE, DELAYS_ADMITTED); and `new`'s predicted finish from then.
         `admitted` are the running calls as they will be at `at_ns`, `finishes` their finishes from then.
         A retry that comes for its reservation goes ahead of reservations due after it: they were planned
         behind it, on predictions that have since moved, so they wait (or are refused) rather than it.
@@ -284,18 +297,24 @@ class AdmissionController:
         if finish_unused:   # the calendar is full before even the shortest run `new` could have ends: a quick no
             shortest_ns = self.lateness.stretch(at_ns, self.predictor.earliest_finish(new, at_ns))
             if peak_occupancy(intervals, at_ns, shortest_ns) >= self.config.num_slots:
-                return False, 0
+                return SLOTS_FULL, 0
         if self._full_at(at_ns, sum(1 for f in finishes.values() if f > at_ns), reservations):
             if finish_unused:
-                return False, 0
-            return False, self.predictor.finish_times([*admitted, new], at_ns)[new.request_id]
+                return SLOTS_FULL, 0
+            return SLOTS_FULL, self.predictor.finish_times([*admitted, new], at_ns)[new.request_id]
         ok, finish_ns = self.predictor.meets_deadlines(admitted, new, at_ns, finishes)
         due = [r for r in reservations if r.reserved_from_ns < finish_ns and r.reserved_until_ns > at_ns]
         if ok and due:      # retries arriving during the run share its steps: count them as running too
             ok, finish_ns = self.predictor.meets_deadlines(admitted + due, new, at_ns,
                                                            self.predictor.finish_times(admitted + due, at_ns))
         holds_until = self.lateness.stretch(at_ns, finish_ns)
-        return ok and peak_occupancy(intervals, at_ns, holds_until) < self.config.num_slots, finish_ns
+        # slots before deadlines, as the quick answers above (finish_unused: no reason wanted, no count after a no)
+        if (ok or not finish_unused) and peak_occupancy(intervals, at_ns, holds_until) >= self.config.num_slots:
+            return SLOTS_FULL, finish_ns
+        if not ok:          # meets_deadlines said no, for its own deadline or for another's
+            own_limit_ns = new.deadline_ns - self.predictor.margin_for(new, at_ns)
+            return (DEADLINE if finish_ns > own_limit_ns else DELAYS_ADMITTED), finish_ns
+        return None, finish_ns
 
     def _steps_until_room(self, admitted: list[Commitment]) -> int:
         """Steps before the engine's step token budget has room for one more prompt: 0 when a call admitted
@@ -333,9 +352,9 @@ class AdmissionController:
             if self._full_at(at_ns, len(holding) - bisect.bisect_right(holding, at_ns), reservations):
                 continue
             later = _progressed(admitted, slot_ends, now_ns, at_ns)
-            ok, finish_ns = self._fits_at(new, at_ns, later, self.predictor.finish_times(later, at_ns),
-                                          finish_unused=True)
-            if ok:
+            why, finish_ns = self._fits_at(new, at_ns, later, self.predictor.finish_times(later, at_ns),
+                                           finish_unused=True)
+            if why is None:
                 return at_ns, finish_ns
         return None
 

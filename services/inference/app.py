@@ -18,8 +18,10 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from billing.db import data_dir
+from services.metering.app import MAX_MESSAGE_BYTES as METERING_MAX_MESSAGE_BYTES
 from services.metering.app import server_credentials
-from zeroqueue.inference.v1 import inference_pb2, inference_pb2_grpc
+from services.reflection import enable_reflection
+from zeroqueue.inference.v1 import inference_pb2
 from .admission import AdmissionConfig, AdmissionController
 from .clock import Clock
 from .costmodel import CostModel
@@ -33,16 +35,21 @@ from .loader import load_checkpoint
 from .meter import Device, Meter
 from .metering_link import MeteringLink
 from .metrics import ServiceMetrics
-from .server import InferenceServicer
+from .server import InferenceServicer, RequestLimits
 from .service import InferenceService, ModelCard, WarmupState
 from .steplog import StepLog
 
 log = structlog.get_logger(__name__)
 INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 LIVENESS = "liveness"
-MAX_MESSAGE_BYTES = 64 << 20    # above the per-field limits, so oversize fields get a precise BadRequest
+# gRPC's own default receive limit, and the least this server takes: a request up to it that is too large for the
+# model is parsed by us and refused OUT_OF_RANGE naming its field; above it gRPC answers a bare RESOURCE_EXHAUSTED
+MIN_RECEIVE_BYTES = 4 << 20
 SERVER_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # a request's headers: up to 16 KiB, always taken (so that a bad one gets a status naming it, from us); gRPC's
+    # default soft limit of 8 KiB refuses some calls between the two at random, RESOURCE_EXHAUSTED without details
+    ("grpc.max_metadata_size", 16 << 10),
+    ("grpc.absolute_max_metadata_size", 16 << 10),
     # clients re-resolve DNS only when a connection ends: recycle them, so new replicas get traffic
     ("grpc.max_connection_age_ms", 5 * 60_000),
     ("grpc.max_connection_age_grace_ms", 2 * 60_000),   # streams in flight finish first
@@ -75,6 +82,15 @@ class ServeConfig:
     tls_cert: str | None = None             # serve over TLS with this certificate chain and key (PEM)
     tls_key: str | None = None
     health_port: int | None = None          # plaintext gRPC health only (kubelet probes cannot speak TLS)
+    limits: RequestLimits = RequestLimits()     # what one Generate request may hold (server.py)
+
+
+def receive_limit(limits: RequestLimits, context_length: int, hosts_metering: bool) -> int:
+    """grpc.max_receive_message_length: the largest valid Generate request for this context (Generate checks
+    that exact bound itself, before parsing), or a RecordUsage batch when the replica hosts Metering, and at
+    least gRPC's default."""
+    hosted = METERING_MAX_MESSAGE_BYTES if hosts_metering else 0
+    return max(MIN_RECEIVE_BYTES, limits.max_request_bytes(context_length), hosted)
 
 
 def drain_grace_s(default_deadline_ms: int) -> float:
@@ -134,7 +150,8 @@ class InferenceApp:
         self.credentials = server_credentials(config.tls_cert, config.tls_key)
         self.link = MeteringLink(Path(config.data_dir) if config.data_dir else data_dir(), config.ledger_url,
                                  config.metering_address, config.metering_key, config.metering_ca)
-        self.servicer = InferenceServicer(self.checkpoint.name, self.checkpoint.tokenizer, self.link.authenticator)
+        self.servicer = InferenceServicer(self.checkpoint.name, self.checkpoint.tokenizer, self.link.authenticator,
+                                          config.limits)
         self.meter: Meter | None = None
         self.health = health_aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
@@ -146,13 +163,24 @@ class InferenceApp:
     def service(self) -> InferenceService | None:
         return self.servicer.service
 
+    @property
+    def context_length(self) -> int:
+        """The context the engine will serve, known before it starts: the executor caps it the same way."""
+        return min(self.config.executor.max_seq_len, self.checkpoint.args.max_position_embeddings)
+
+    def receive_bytes(self, context_length: int) -> int:
+        return receive_limit(self.config.limits, context_length, self.link.hosts_metering)
+
     async def start(self) -> int:
         """Listens at once (health says NOT_SERVING), warms up and calibrates, then says SERVING."""
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
-        inference_pb2_grpc.add_InferenceServicer_to_server(self.servicer, self.server)
+        context_length = self.context_length
+        self.server = grpc.aio.server(options=[*SERVER_OPTIONS, ("grpc.max_receive_message_length",
+                                                                 self.receive_bytes(context_length))])
+        self.servicer.add_to_server(self.server, context_length)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         hosted = self.link.attach(self.server)
-        reflection.enable_server_reflection((INFERENCE_SERVICE, *hosted, health_pb2.DESCRIPTOR.services_by_name[
+        # method names resolve too (grpcurl describe pkg.Service.Method): services/reflection.py
+        enable_reflection((INFERENCE_SERVICE, *hosted, health_pb2.DESCRIPTOR.services_by_name[
             "Health"].full_name, reflection.SERVICE_NAME), self.server)
         address = f"{self.config.host}:{self.config.port}"
         if self.credentials is None:

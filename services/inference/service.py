@@ -194,7 +194,8 @@ class InferenceService:
         if isinstance(decision, Reject):
             self._count_decision(attempt, "overloaded")
             raise errors.Overloaded(decision.retry_after_ms, (decision.predicted_finish_ns - now_ns) // 1_000_000,
-                                    budget_ns // 1_000_000, decision.within_budget)
+                                    budget_ns // 1_000_000, decision.within_budget, decision.reason,
+                                    decision.reserved)
         assert isinstance(decision, Admit)
         self._count_decision(attempt, "admitted")
         call_id = uuid.uuid4().hex

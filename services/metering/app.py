@@ -14,7 +14,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from billing.db import make_engine, session_factory
 from services.auth import Authenticator, LedgerAuthenticator
-from zeroqueue.metering.v1 import metering_pb2, metering_pb2_grpc
+from services.reflection import enable_reflection
+from services.parsing import add_servicer
+from zeroqueue.metering.v1 import metering_pb2
 from .schema import check_schema_at_head
 from .server import MeteringServicer
 
@@ -30,7 +32,8 @@ def add_metering_to_server(server: grpc.aio.Server, sessions: sessionmaker[Sessi
                            authenticator: Authenticator) -> MeteringServicer:
     """Registers Metering on `server`; the host adds METERING_SERVICE to its own health and reflection."""
     servicer = MeteringServicer(sessions, authenticator)
-    metering_pb2_grpc.add_MeteringServicer_to_server(servicer, server)
+    # requests parsed in the handlers: a malformed one is INVALID_ARGUMENT with an ErrorInfo (services/parsing.py)
+    add_servicer(server, metering_pb2.DESCRIPTOR.services_by_name["Metering"], servicer)
     return servicer
 
 
@@ -63,7 +66,7 @@ class MeteringApp:
         self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
         add_metering_to_server(self.server, self.sessions, self.authenticator)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection((METERING_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), self.server)
+        enable_reflection((METERING_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), self.server)
         address = f"{self.host}:{self.port}"
         if self.credentials is None:
             self.port = self.server.add_insecure_port(address)

@@ -5,13 +5,15 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 from google.rpc import error_details_pb2
 
+from services.inference.admission import Admit, Reject
 from tests.inference.conftest import Collector, make_engine, request, run_to_completion
-from tests.inference.test_overload import fill, start_slow_server
+from tests.inference.test_overload import SERVICE_CONFIG, fill, start_slow_server
 
 NODE_DIR = Path(__file__).resolve().parents[1] / "node"
 PROTO_ROOT = Path(__file__).resolve().parents[2] / "protos"
@@ -62,3 +64,93 @@ def test_grpc_js_decodes_the_retry_info_of_a_rejection(llama_dir):
     delay = by_type["google.rpc.RetryInfo"]["retry_delay"]
     delay_ms = int(delay.get("seconds", 0)) * 1000 + int(delay.get("nanos", 0)) // 1_000_000
     assert delay_ms == int(reply["retry_after_ms"]) > 0
+
+
+class DecisionLog:
+    """Every admission decision of a replica by request_id, with the wall-clock ms it was made at (node's
+    Date.now() reads the same clock): what reached the server, attempt by attempt."""
+
+    def __init__(self, admission) -> None:
+        self.entries: list[tuple[str, float, Admit | Reject]] = []
+        decide = admission.decide
+
+        def logged(new, now_ns):
+            decision = decide(new, now_ns)
+            self.entries.append((new.request_id.split("/", 1)[-1], time.time() * 1000, decision))
+            return decision
+
+        admission.decide = logged           # runs on the replica's loop thread, before any call of the burst
+
+    def of(self, request_id: str) -> list[tuple[float, Admit | Reject]]:
+        return [(at_ms, d) for rid, at_ms, d in self.entries if rid == request_id]
+
+
+def node_burst(server, calls: list[dict], fill_tokens: int) -> dict[str, dict]:
+    """Runs the calls at once from grpc-js, with the documented service config, into a replica whose two slots
+    `fill` takes first (node connects before, so its start-up does not eat into the fill)."""
+    proc = subprocess.Popen(["node", str(NODE_DIR / "client.js"), server.address, server.key, str(PROTO_ROOT),
+                             str(GOOGLE_PROTOS), "burst", json.dumps(calls), str(SERVICE_CONFIG)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(proc.stdout.readline()) == {"ready": True}, proc.stderr.read()
+        running = fill(server, max_tokens=fill_tokens)
+        out, err = proc.communicate("go\n", timeout=60)
+    finally:
+        proc.kill()
+    for call in running:
+        call.join()
+    assert proc.returncode == 0, err
+    return {o["request_id"]: o for o in json.loads(out.strip().splitlines()[-1])}
+
+
+def _details(outcome: dict) -> dict:
+    return {d["type"].split("/")[-1]: d["value"] for d in outcome["details"]}
+
+
+def _retries_seen(server) -> float:
+    """Decisions on attempts that carried grpc-previous-rpc-attempts: retries that reached the wire."""
+    return sum(sample.value for metric in server.app.metrics.registry.collect() for sample in metric.samples
+               if sample.name == "zeroqueue_retry_attempts_total" and sample.labels["attempt"] != "0")
+
+
+def test_grpc_js_retries_a_burst_with_the_documented_service_config(llama_dir):
+    patient = [{"request_id": f"node-patient-{i}", "max_tokens": 8, "timeout_ms": 10_000} for i in range(5)]
+    # feasible on an idle replica (~0.2 s of work), but both slots stay taken for longer than their budget. With
+    # the patient calls' first refusals, 11 failures: more than the old retryThrottling (20 tokens, retries stop
+    # at 10) let through, so a throttle would show up as patient calls never retried
+    hurried = [{"request_id": f"node-hurried-{i}", "max_tokens": 8, "timeout_ms": 600} for i in range(6)]
+    server = start_slow_server(llama_dir)
+    try:
+        log = DecisionLog(server.app.service.admission)
+        retries_before = _retries_seen(server)
+        outcomes = node_burst(server, patient + hurried, fill_tokens=60)       # slots busy for ~1.2 s
+        retries = _retries_seen(server) - retries_before
+    finally:
+        server.stop()
+    for call in hurried:        # no room inside the budget: the app hears so at once, never DEADLINE_EXCEEDED
+        outcome, attempts = outcomes[call["request_id"]], log.of(call["request_id"])
+        assert outcome["code"] == 8, outcome                                  # RESOURCE_EXHAUSTED
+        info = _details(outcome)["google.rpc.ErrorInfo"]
+        assert info["reason"] == "OVERLOADED" and info["metadata"]["retry_within_budget"] == "false"
+        assert outcome["pushback_ms"] == "-1" and int(outcome["retry_after_ms"]) > 0
+        assert len(attempts) == 1, "grpc-js did not retry it"
+        assert outcome["ended_ms"] - outcome["started_ms"] < call["timeout_ms"] / 2
+    max_attempts = json.loads(SERVICE_CONFIG.read_text())["methodConfig"][0]["retryPolicy"]["maxAttempts"]
+    num_retried = 0
+    for call in patient:
+        outcome, attempts = outcomes[call["request_id"]], log.of(call["request_id"])
+        assert outcome["code"] in (0, 8), outcome       # a pushback never outlasts the deadline
+        for (refused_ms, refusal), (retried_ms, _) in zip(attempts, attempts[1:]):
+            assert isinstance(refusal, Reject) and refusal.within_budget
+            # grpc-js waited the pushback (the hint), not its 25 ms backoff, nor a throttle's verdict
+            assert refusal.retry_after_ms - 5 <= retried_ms - refused_ms <= refusal.retry_after_ms * 1.5 + 500
+        num_retried += len(attempts) - 1
+        if outcome["code"] == 8:    # gave up: only when its attempts are spent or no hint fits (never throttled
+            last = attempts[-1][1]  # after sleeping a pushback), and then at once after its last refusal
+            assert len(attempts) == max_attempts or not last.within_budget, (outcome, attempts)
+            assert outcome["ended_ms"] - attempts[-1][0] < 1000
+    assert num_retried >= 3 and retries == num_retried, "the retries reached the replica"
+    admitted_on_retry = [c for c in patient if len(log.of(c["request_id"])) > 1
+                         and isinstance(log.of(c["request_id"])[-1][1], Admit)]
+    assert len(admitted_on_retry) >= 4, "the whole burst fits in 10 s: nearly every call gets in on a retry"
+    assert all(outcomes[c["request_id"]]["code"] == 0 for c in admitted_on_retry)

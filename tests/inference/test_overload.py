@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -16,6 +17,8 @@ from zeroqueue.inference.v1 import inference_pb2 as pb
 from zeroqueue.inference.v1 import inference_pb2_grpc
 
 STEP_S = 0.02
+# the one copy of the recommended service config (README.md and docs/OPERATIONS.md point to it)
+SERVICE_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "grpc-service-config.json"
 
 
 def start_slow_server(llama_dir, **config):
@@ -105,9 +108,8 @@ def test_full_batch_rejects_at_once_with_a_retry_delay_and_the_retry_succeeds(se
 
 def test_grpc_retry_policy_waits_the_pushback_delay(server):
     running = fill(server)
-    config = {"methodConfig": [{"name": [{"service": "zeroqueue.inference.v1.Inference"}], "retryPolicy": {
-        "maxAttempts": 4, "initialBackoff": "0.01s", "maxBackoff": "0.01s", "backoffMultiplier": 1,
-        "retryableStatusCodes": ["RESOURCE_EXHAUSTED"]}}]}
+    # the documented service config (its 25 ms initial backoff is far below the hint), in a C-core channel
+    config = json.loads(SERVICE_CONFIG.read_text())
     channel = server.channel(**{"grpc.service_config": json.dumps(config), "grpc.enable_retries": 1})
     before_retry = metric(server, "zeroqueue_retry_attempts_total", attempt="1", result="admitted") + metric(
         server, "zeroqueue_retry_attempts_total", attempt="1", result="overloaded")

@@ -1,0 +1,418 @@
+"""Seeded Generate calls for fuzzing a replica: valid requests, field mutations of every GenerateRequest field,
+raw-bytes mutations of valid serialized requests, and mutated retry headers.
+
+Call `index` of seed `seed` is a pure function of the two (its own random.Random), so a failing call is made
+again alone with `GenerateFuzzer(seed, ...).call(index)`. Nothing here talks to a server: tests/inference/
+test_fuzz.py sends 2,000 of them, bench/fuzz.py 100,000. Send `call.raw` as the request bytes, e.g. with
+`channel.unary_stream(GENERATE, request_serializer=None, response_deserializer=None)`.
+"""
+from __future__ import annotations
+
+import random
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from zeroqueue.inference.v1 import inference_pb2 as pb
+
+GENERATE = "/zeroqueue.inference.v1.Inference/Generate"
+FIELDS = tuple(f.name for f in pb.GenerateRequest.DESCRIPTOR.fields)
+_STRING_FIELDS = {f.number: f.name for f in pb.GenerateRequest.DESCRIPTOR.fields if f.type == f.TYPE_STRING}
+_WORDS = ("def", "add", "(a, b)", ":\n", "    return", " a + b", "class", "Point", "for i in range(10)", "print",
+          "The quick brown fox", "Überraschung!", "東京", "🙂", "\t", " ", "\n")
+_BAD_UTF8 = (b"\xff", b"\xfe\xff", b"\xc0\xaf", b"\xed\xa0\x80", b"\xe6\x9d", b"\xf4\x90\x80\x80", b"\x80", b"a\xffb")
+_FLOATS = (float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1e-45, 1.2e-38, 1e-30, 1e-6, 1e-4, 0.5, 1.0,
+           1.0000001, 2.0, 100.0, 3.4e38, -1e-45, -1.0)
+_INT32 = (0, 1, -1, 2, 7, 255, 256, 511, 512, 4096, 2**31 - 1, -2**31, 2**30)
+_HEADER_VALUES = ("0", "1", "3", "999999", "1000000", "-1", "+1", "1.5", " 2", "0x10", "abc", "", "9" * 4301,
+                  "9" * 5000, "1" * 7, "00000000000000000001")
+
+
+@dataclass(frozen=True)
+class FuzzCall:
+    index: int
+    kind: str                                   # valid | field:<names> | bytes:<mutation> | header:<name>
+    raw: bytes                                  # the request's bytes as sent (possibly not a valid message)
+    metadata: tuple[tuple[str, str], ...] = ()  # besides the caller's authorization
+
+
+def varint(value: int) -> bytes:
+    value &= (1 << 64) - 1                      # negative int32/int64: ten bytes, as protobuf encodes them
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def tag(number: int, wire: int) -> bytes:
+    return varint(number << 3 | wire)
+
+
+def delimited(number: int, payload: bytes) -> bytes:
+    return tag(number, 2) + varint(len(payload)) + payload
+
+
+class GenerateFuzzer:
+    """`model`, `context_length` and `vocab_size` are the replica's (ListModels), so that boundaries are hit;
+    `max_request_bytes` bounds how large a generated request gets (a few cross the server's own bound)."""
+
+    def __init__(self, seed: int, model: str = "", context_length: int = 256, vocab_size: int = 320,
+                 max_request_bytes: int = 256 << 10) -> None:
+        self.seed, self.model = seed, model
+        self.context_length, self.vocab_size = context_length, vocab_size
+        self.max_request_bytes = max_request_bytes
+
+    def calls(self, num_calls: int, start: int = 0) -> Iterator[FuzzCall]:
+        for index in range(start, start + num_calls):
+            yield self.call(index)
+
+    def call(self, index: int) -> FuzzCall:
+        rng = random.Random(f"{self.seed}:{index}")
+        roll = rng.random()
+        if roll < 0.15:
+            return FuzzCall(index, "valid", self.valid(rng).SerializeToString())
+        if roll < 0.55:
+            names = rng.sample(FIELDS, rng.choice((1, 1, 1, 2, 3)))
+            message = self.valid(rng)
+            for name in names:
+                getattr(self, f"_mutate_{name}")(rng, message)
+            return FuzzCall(index, "field:" + ",".join(sorted(names)), message.SerializeToString())
+        if roll < 0.90:
+            mutation = rng.choice(_BYTE_MUTATIONS)
+            raw = mutation(self, rng, self.valid(rng).SerializeToString())
+            return FuzzCall(index, "bytes:" + mutation.__name__.strip("_"), raw[: self.max_request_bytes + 4096])
+        header = rng.choice(("x-retry-attempt", "grpc-previous-rpc-attempts"))
+        values = tuple((header, rng.choice(_HEADER_VALUES)) for _ in range(rng.choice((1, 1, 2))))
+        return FuzzCall(index, f"header:{header}", self.valid(rng).SerializeToString(), values)
+
+    # --- a valid request: short, cheap to serve (a few tokens) ---------------------------------------------------
+
+    def _text(self, rng: random.Random, max_words: int = 12) -> str:
+        return "".join(rng.choice(_WORDS) for _ in range(rng.randint(1, max_words)))
+
+    def valid(self, rng: random.Random) -> pb.GenerateRequest:
+        message = pb.GenerateRequest(max_tokens=rng.randint(1, 4))
+        if rng.random() < 0.7:
+            message.prompt = self._text(rng)
+        else:
+            message.prompt_token_ids.extend(rng.randrange(self.vocab_size) for _ in range(rng.randint(1, 16)))
+        if self.model and rng.random() < 0.5:
+            message.model = self.model
+        if rng.random() < 0.5:
+            message.temperature = rng.choice((0.0, 0.7, 1.0))
+        if rng.random() < 0.3:
+            message.top_p = rng.choice((0.5, 0.9, 1.0))
+        if rng.random() < 0.3:
+            message.top_k = rng.choice((0, 1, 40))
+        if rng.random() < 0.5:
+            message.seed = rng.randrange(2**64)
+        if rng.random() < 0.2:
+            message.stop.extend(rng.choice(("\n", "return", ")", "🙂")) for _ in range(rng.randint(1, 3)))
+        if rng.random() < 0.2:
+            message.labels.update({"team": "fuzz", "cost_center": f"cc-{rng.randrange(100)}"})
+        # a fresh id: a reused one may meet its own earlier call in flight (ALREADY_EXISTS, not a bug)
+        if rng.random() < 0.5:
+            message.request_id = f"fuzz-{self.seed}-{rng.getrandbits(64):016x}"
+        return message
+
+    # --- one mutation per GenerateRequest field -------------------------------------------------------------------
+
+    def _long(self, rng: random.Random, alphabet: str = "ab") -> str:
+        return rng.choice(alphabet) * rng.choice((65, 129, 1000, 10_000, self.max_request_bytes // 2))
+
+    def _mutate_model(self, rng, m) -> None:
+        m.model = rng.choice(("gpt-9", self.model + "x", self.model.upper() or "X", " ", "\x00", "é" * 100,
+                              self._long(rng), "\u202e" + self.model))
+
+    def _mutate_prompt(self, rng, m) -> None:
+        del m.prompt_token_ids[:]
+        m.prompt = rng.choice(("", " ", "\x00", "\ufeff", "\U0010ffff", "x " * self.context_length,
+                               "🙂" * (self.context_length * 2), self._long(rng, "x y"), self._text(rng, 200),
+                               "x" * (self.context_length * 32 + 1), "\r\n" * 100))
+
+    def _mutate_prompt_token_ids(self, rng, m) -> None:
+        m.ClearField("prompt")
+        choice = rng.randrange(6)
+        if choice == 0:
+            ids = [rng.choice((-1, self.vocab_size, 2**31 - 1, -2**31))]
+        elif choice == 1:
+            ids = [rng.randrange(self.vocab_size) for _ in range(self.context_length + rng.choice((-1, 0, 1, 50)))]
+        elif choice == 2:
+            ids = [1] * min(rng.choice((10_000, 100_000, 1_000_000)), self.max_request_bytes)
+        elif choice == 3:
+            ids = [rng.randrange(self.vocab_size) for _ in range(8)] + [-5]
+        elif choice == 4:
+            ids = []
+        else:
+            ids = [rng.randrange(self.vocab_size) for _ in range(rng.randint(1, 8))]
+            m.prompt = "both"
+        m.prompt_token_ids[:] = ids
+
+    def _mutate_max_tokens(self, rng, m) -> None:
+        m.max_tokens = rng.choice(_INT32 + (self.context_length - 1, self.context_length, self.context_length + 1))
+
+    def _mutate_temperature(self, rng, m) -> None:
+        m.temperature = rng.choice(_FLOATS)
+
+    def _mutate_top_p(self, rng, m) -> None:
+        m.top_p = rng.choice(_FLOATS)
+
+    def _mutate_top_k(self, rng, m) -> None:
+        m.top_k = rng.choice(_INT32 + (self.vocab_size - 1, self.vocab_size, self.vocab_size + 1))
+
+    def _mutate_seed(self, rng, m) -> None:
+        m.seed = rng.choice((0, 1, 2**63 - 1, 2**63, 2**64 - 1))
+
+    def _mutate_stop(self, rng, m) -> None:
+        del m.stop[:]
+        choice = rng.randrange(5)
+        if choice == 0:
+            m.stop.extend([""] * rng.randint(1, 8))
+        elif choice == 1:
+            m.stop.extend(["y" * 65] * rng.choice((8, 9, 100, 1000)))
+        elif choice == 2:
+            m.stop.extend(rng.choice(("\x00", "🙂", "\ufffd", " ", "é" * 64, "é" * 65)) for _ in range(8))
+        elif choice == 3:
+            m.stop.extend(["stop"] * rng.choice((9, 10_000)))
+        else:
+            m.stop.append(self._long(rng))
+
+    def _mutate_request_id(self, rng, m) -> None:
+        m.request_id = rng.choice(("has spaces!", "é", "\x00", "a" * 128, "a" * 129, self._long(rng), "../../etc",
+                                   "id\nnewline", f"fuzz-{self.seed}-{rng.getrandbits(64):x}"))
+
+    def _mutate_labels(self, rng, m) -> None:
+        m.labels.clear()
+        choice = rng.randrange(6)
+        if choice == 0:
+            m.labels.update({f"k{i}": "v" for i in range(rng.choice((17, 100, 1000)))})
+        elif choice == 1:
+            m.labels.update({f"Bad Key {i}" + "K" * rng.choice((1, 100, 5000)): "x" for i in range(16)})
+        elif choice == 2:
+            m.labels.update({"team": "t" * rng.choice((128, 129, 5000))})
+        elif choice == 3:
+            m.labels.update({"team": "", "cost_center": "\x00\x1f", "x": "é" * 129})
+        elif choice == 4:
+            m.labels.update({self._long(rng, "ab"): "v"})
+        else:
+            m.labels.update({"": "empty key", "team": "🙂"})
+
+
+# --- raw-bytes mutations of a valid serialized request ----------------------------------------------------------
+
+def _flip_bits(fuzzer, rng, raw: bytes) -> bytes:
+    data = bytearray(raw)
+    for _ in range(rng.randint(1, 4)):
+        i = rng.randrange(len(data))
+        data[i] ^= 1 << rng.randrange(8)
+    return bytes(data)
+
+
+def _truncate(fuzzer, rng, raw: bytes) -> bytes:
+    return raw[: rng.randrange(len(raw))]
+
+
+def _insert_random(fuzzer, rng, raw: bytes) -> bytes:
+    i = rng.randrange(len(raw) + 1)
+    return raw[:i] + rng.randbytes(rng.randint(1, 16)) + raw[i:]
+
+
+def _delete_span(fuzzer, rng, raw: bytes) -> bytes:
+    i = rng.randrange(len(raw))
+    return raw[:i] + raw[i + rng.randint(1, 8):]
+
+
+def _random_bytes(fuzzer, rng, raw: bytes) -> bytes:
+    return rng.randbytes(rng.choice((1, 2, 5, 64, 1000)))
+
+
+def _overlong_varint(fuzzer, rng, raw: bytes) -> bytes:
+    return raw + tag(4, 0) + b"\xff" * rng.choice((9, 10, 11, 20))
+
+
+def _truncated_varint(fuzzer, rng, raw: bytes) -> bytes:
+    return raw + tag(rng.choice((4, 7, 8)), 0) + b"\x80" * rng.randint(1, 5)
+
+
+def _bad_utf8(fuzzer, rng, raw: bytes) -> bytes:
+    number = rng.choice(sorted(_STRING_FIELDS))
+    payload = rng.choice((b"ok", b"")) + rng.choice(_BAD_UTF8) + rng.choice((b"", b"tail"))
+    return raw + delimited(number, payload)
+
+
+def _bad_utf8_label(fuzzer, rng, raw: bytes) -> bytes:
+    key, value = (b"team", rng.choice(_BAD_UTF8)) if rng.random() < 0.5 else (rng.choice(_BAD_UTF8), b"v")
+    return raw + delimited(11, delimited(1, key) + delimited(2, value))
+
+
+def _wrong_wire_type(fuzzer, rng, raw: bytes) -> bytes:
+    number = rng.randint(1, 11)
+    wire = rng.choice((0, 1, 2, 5))
+    body = {0: varint(rng.getrandbits(40)), 1: rng.randbytes(8), 5: rng.randbytes(4),
+            2: varint(3) + b"abc"}[wire]
+    return raw + tag(number, wire) + body
+
+
+def _nonexistent_wire_type(fuzzer, rng, raw: bytes) -> bytes:
+    return raw + tag(rng.randint(1, 20), rng.choice((6, 7))) + b"\x01"
+
+
+def _group(fuzzer, rng, raw: bytes) -> bytes:
+    number = rng.randint(1, 20)
+    return raw + tag(number, 3) + rng.choice((b"", tag(number, 4), tag(number + 1, 4), tag(number, 3) * 200))
+
+
+def _length_past_end(fuzzer, rng, raw: bytes) -> bytes:
+    return raw + tag(rng.choice((1, 2, 3, 9, 10, 11)), 2) + varint(rng.choice((5, 1000, 2**31, 2**63)))
+
+
+def _field_number_zero(fuzzer, rng, raw: bytes) -> bytes:
+    return rng.choice((b"\x00", b"\x02\x00", raw + b"\x00\x01"))
+
+
+def _huge_field_number(fuzzer, rng, raw: bytes) -> bytes:
+    return raw + varint((2**29 - 1) << 3 | 0) + b"\x01" + varint(rng.getrandbits(35) << 3)
+
+
+def _duplicate_fields(fuzzer, rng, raw: bytes) -> bytes:
+    return raw * rng.choice((2, 3, 50))
+
+
+def _unpacked_ids(fuzzer, rng, raw: bytes) -> bytes:
+    count = rng.choice((4, fuzzer.context_length, fuzzer.context_length * 4, 50_000))
+    return raw + b"".join(tag(3, 0) + varint(rng.randrange(fuzzer.vocab_size)) for _ in range(count))
+
+
+def _packed_ids_bad(fuzzer, rng, raw: bytes) -> bytes:
+    payload = rng.choice((b"\x80", b"\x05\x80\x80", b"\xff" * 11, varint(-1) * 3))
+    return raw + delimited(3, payload)
+
+
+def _float_payload(fuzzer, rng, raw: bytes) -> bytes:
+    bits = rng.choice((0x7FC00001, 0x7F800001, 0xFFFFFFFF, 0x00000001, 0x80000001, 0x7F7FFFFF))
+    return raw + tag(rng.choice((5, 6)), 5) + struct.pack("<I", bits)
+
+
+def _huge_request(fuzzer, rng, raw: bytes) -> bytes:
+    number = rng.choice((1, 2, 3, 9, 10))
+    size = rng.choice((fuzzer.max_request_bytes // 4, fuzzer.max_request_bytes))
+    return raw + delimited(number, b"\x01" * size)
+
+
+_BYTE_MUTATIONS = (_flip_bits, _truncate, _insert_random, _delete_span, _random_bytes, _overlong_varint,
+                   _truncated_varint, _bad_utf8, _bad_utf8, _bad_utf8_label, _wrong_wire_type, _nonexistent_wire_type,
+                   _group, _length_past_end, _field_number_zero, _huge_field_number, _duplicate_fields, _unpacked_ids,
+                   _packed_ids_bad, _float_payload, _huge_request)
+
+
+# --- sending a call and judging its answer (grpc only: no server code) -------------------------------------------
+
+SOFT_METADATA_BYTES = 8 << 10       # gRPC's default soft limit on received metadata: a larger status may be dropped
+_SAFE = " !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~"     # what grpc-message leaves unescaped besides letters and digits
+
+
+@dataclass(frozen=True)
+class Outcome:
+    index: int
+    kind: str
+    code: str                       # a grpc.StatusCode name; OK for a stream that ended
+    reason: str = ""                # the ErrorInfo's
+    status_bytes: int = 0           # grpc-message percent-encoded + grpc-status-details-bin base64-encoded
+    message: str = ""
+    num_replies: int = 0
+    final: bool = False             # the stream's last message was a Final
+
+    @property
+    def failure(self) -> str | None:
+        """Why this answer is a server bug, or None."""
+        if self.code in ("INTERNAL", "UNKNOWN"):
+            return f"{self.code} for something the client sent"
+        if self.status_bytes >= SOFT_METADATA_BYTES:
+            return f"status of {self.status_bytes} bytes"
+        if self.code == "RESOURCE_EXHAUSTED" and self.reason != "OVERLOADED":
+            return "RESOURCE_EXHAUSTED that is not an overload (a status or message over a limit?)"
+        if self.code == "OK" and not self.final:
+            return "a stream that ended without its Final"
+        if self.code not in ("OK", "DEADLINE_EXCEEDED", "UNAVAILABLE", "CANCELLED") and not self.reason:
+            return "a refusal without an ErrorInfo"
+        return None
+
+
+def status_bytes(message: str | None, trailing) -> tuple[int, str]:
+    """(size of the status in the trailers, the ErrorInfo reason) of a failed call."""
+    import base64
+    import urllib.parse
+
+    from google.rpc import error_details_pb2, status_pb2
+
+    blob = next((v for k, v in trailing or () if k == "grpc-status-details-bin"), b"")
+    reason = ""
+    if blob:
+        for detail in status_pb2.Status.FromString(blob).details:
+            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                info = error_details_pb2.ErrorInfo()
+                detail.Unpack(info)
+                reason = info.reason
+    size = len(urllib.parse.quote((message or "").encode(), safe=_SAFE)) + len(base64.b64encode(blob))
+    return size, reason
+
+
+async def send(channel, call: FuzzCall, metadata: tuple = (), timeout: float = 5.0) -> Outcome:
+    """Sends one call on a grpc.aio channel as raw bytes and reads its whole answer."""
+    import grpc
+
+    stream = channel.unary_stream(GENERATE)(call.raw, timeout=timeout, metadata=(*metadata, *call.metadata))
+    replies: list[bytes] = []
+    try:
+        async for reply in stream:
+            replies.append(reply)
+    except grpc.aio.AioRpcError as error:
+        size, reason = status_bytes(error.details(), error.trailing_metadata())
+        return Outcome(call.index, call.kind, error.code().name, reason, size, (error.details() or "")[:300],
+                       len(replies))
+    final = bool(replies) and pb.GenerateResponse.FromString(replies[-1]).WhichOneof("kind") == "final"
+    return Outcome(call.index, call.kind, "OK", num_replies=len(replies), final=final)
+
+
+class Tally:
+    """Outcomes by (code, reason), the largest status seen, and the failures (at most `keep` of them kept)."""
+
+    def __init__(self, keep: int = 50) -> None:
+        self.counts: dict[tuple[str, str], int] = {}
+        self.kinds: dict[str, int] = {}
+        self.max_status_bytes = 0
+        self.max_status: Outcome | None = None
+        self.failures: list[tuple[Outcome, str]] = []
+        self.num_failures = 0
+        self.keep = keep
+
+    def add(self, outcome: Outcome) -> None:
+        key = (outcome.code, outcome.reason)
+        self.counts[key] = self.counts.get(key, 0) + 1
+        family = outcome.kind.split(":")[0]
+        self.kinds[family] = self.kinds.get(family, 0) + 1
+        if outcome.status_bytes > self.max_status_bytes:
+            self.max_status_bytes, self.max_status = outcome.status_bytes, outcome
+        why = outcome.failure
+        if why is not None:
+            self.num_failures += 1
+            if len(self.failures) < self.keep:
+                self.failures.append((outcome, why))
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def report(self) -> str:
+        lines = [f"{self.total} calls ({', '.join(f'{k} {n}' for k, n in sorted(self.kinds.items()))})"]
+        for (code, reason), n in sorted(self.counts.items(), key=lambda item: -item[1]):
+            lines.append(f"  {n:>8}  {code:<20} {reason}")
+        if self.max_status is not None:
+            lines.append(f"largest status: {self.max_status_bytes} bytes (call {self.max_status.index}, "
+                         f"{self.max_status.kind}, {self.max_status.code})")
+        lines.append(f"failures: {self.num_failures}")
+        for outcome, why in self.failures:
+            lines.append(f"  call {outcome.index} {outcome.kind}: {why}: {outcome.code} {outcome.message[:160]!r}")
+        return "\n".join(lines)
