@@ -3,7 +3,8 @@ so the sync and asyncio clients share it and tests drive it without a network.
 
 The rules, in order:
   - Never retry a call the server had admitted (its stream began: tokens may have been delivered, and its
-    usage may already be recorded under the request_id), nor any code but RESOURCE_EXHAUSTED / UNAVAILABLE.
+    usage may already be recorded), nor any code but RESOURCE_EXHAUSTED / UNAVAILABLE, nor a
+    RESOURCE_EXHAUSTED that is not the server's OVERLOADED (gRPC's own size limits say it).
   - RESOURCE_EXHAUSTED: the replica is busy until its hint (RetryInfo) plus a little jitter. If its
     x-server-time is more than `skew_threshold_s` off our clock, the hint is not trusted and exponential
     backoff with full jitter replaces it.
@@ -128,6 +129,10 @@ class RetryPolicy:
         if failure.after_admission:
             return GiveUp("after_admission")
         if failure.code not in RETRYABLE:
+            return GiveUp("not_retryable")
+        # RESOURCE_EXHAUSTED from gRPC itself (a message or headers past its limits) names no overload: the
+        # same call would be refused again, on every replica
+        if failure.code == grpc.StatusCode.RESOURCE_EXHAUSTED and failure.reason != "OVERLOADED":
             return GiveUp("not_retryable")
         now = self.clock()
         with self.board.lock:

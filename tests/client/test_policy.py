@@ -128,3 +128,11 @@ def test_no_room_within_the_budget_fails_over_or_gives_up_at_once():
     p2, _ = policy(num_endpoints=2)
     decision = attempt(p2, p2.start(deadline_ms=5_000, model=""), 0, full)
     assert decision == Retry(1, 0.0, "failover")
+
+
+def test_a_resource_exhausted_from_grpc_itself_is_no_overload_and_is_not_retried():
+    p, _ = policy(num_endpoints=2)
+    state = p.start(1_000, "")
+    too_big = Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max (5000000 vs. 4194304)")
+    assert attempt(p, state, 0, too_big) == GiveUp("not_retryable")
+    assert isinstance(attempt(p, state, 0, overloaded(50)), Retry)
