@@ -386,11 +386,13 @@ class Tally:
         self.max_status: Outcome | None = None
         self.failures: list[tuple[Outcome, str]] = []
         self.num_failures = 0
+        self.num_admitted = 0           # calls that got their Admission message: each must be billed once
         self.keep = keep
 
     def add(self, outcome: Outcome) -> None:
         key = (outcome.code, outcome.reason)
         self.counts[key] = self.counts.get(key, 0) + 1
+        self.num_admitted += outcome.num_replies > 0
         family = outcome.kind.split(":")[0]
         self.kinds[family] = self.kinds.get(family, 0) + 1
         if outcome.status_bytes > self.max_status_bytes:

@@ -14,7 +14,9 @@ from billing import commands
 from services.inference.app import ServeConfig
 from services.inference.executor import ExecutorConfig
 from services.inference.inprocess import ServerThread
+from tests.billing.conftest import ledger, postgres_schema_url, sqlite_template  # noqa: F401 - fixtures
 from tests.fuzz_generate import GenerateFuzzer, Tally, send
+from tests.inference.test_usage import ledger_rows
 from zeroqueue.inference.v1 import inference_pb2 as pb
 from zeroqueue.inference.v1 import inference_pb2_grpc
 
@@ -25,9 +27,12 @@ STEADY = pb.GenerateRequest(prompt="def add(a, b):\n    return", max_tokens=48, 
                             labels={"team": "steady"})
 
 
-@pytest.fixture(scope="module")
-def server(llama_dir):
-    s = ServerThread(ServeConfig(str(llama_dir), port=0, executor=ExecutorConfig(max_batch=4, max_seq_len=256)))
+@pytest.fixture
+def server(ledger, llama_dir):  # noqa: F811 - the ledger fixture: SQLite and PostgreSQL
+    key = commands.create_tenant(ledger.url, "acme")
+    s = ServerThread(ServeConfig(str(llama_dir), port=0, ledger_url=ledger.url,
+                                 executor=ExecutorConfig(max_batch=4, max_seq_len=256)))
+    s.key = key
     yield s.start()
     s.stop()
 
@@ -117,3 +122,6 @@ def test_fuzzed_calls_beside_a_second_tenant(server):
     while server.app.service.in_flight and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not server.app.service.in_flight
+    server.stop()                                   # the outbox drains into the ledger
+    billed = ledger_rows(server.config.ledger_url, "SELECT COUNT(*) FROM usage_records")[0][0]
+    assert billed == tally.num_admitted + len(done) + 1        # every admitted call once: fuzzed, steady, alone
