@@ -5,13 +5,19 @@ linear layers see (one per decoding request plus every prompt token of the step'
 context_tokens the cache positions that decode attention reads. T is piecewise linear through the
 calibration points. Every measured step then updates a running ratio measured/predicted and its mean
 absolute deviation; predictions are inflated by `num_deviations` of it (of a run of k steps: √k step
-deviations), so a noisy machine is planned for rather than hoped away.
+deviations), so a noisy machine is planned for rather than hoped away. One step counts as at most
+MAX_STEP_JUMP times the running ratio: a real slowdown is a run of slow steps and still moves the ratio as far
+as it goes, but one stalled step (the host preempted for a second) must not inflate every prediction so far
+that every call is refused as infeasible; nothing would then run, and no step could bring the ratio back.
 """
 from __future__ import annotations
 
 import bisect
 import threading
 from dataclasses import dataclass, field
+
+
+MAX_STEP_JUMP = 4.0
 
 
 @dataclass
@@ -70,8 +76,8 @@ class CostModel:
         raw = self.raw_step_us(num_rows, context_tokens)
         if raw <= 0:
             return
-        ratio = measured_us / raw
         with self._lock:
+            ratio = min(measured_us / raw, self.ratio * MAX_STEP_JUMP)
             self.num_observed += 1
             self.ratio += self.alpha * (ratio - self.ratio)
             self.deviation += self.alpha * (abs(ratio - self.ratio) - self.deviation)

@@ -59,6 +59,17 @@ def test_cost_model_learns_a_slower_device_online():
     assert cost.step_us(1) == pytest.approx(2000, rel=0.01)
 
 
+def test_one_stalled_step_cannot_lock_admission_out_but_a_slow_run_still_counts():
+    cost = CostModel(rows=[1, 2], row_us=[1000, 1100], us_per_context_token=0.0)
+    for _ in range(50):
+        cost.observe(1, 0, 1000)
+    cost.observe(1, 0, 1_100_000)                 # a 1.1-s stall of a 1-ms step (seen in a soak under load)
+    assert cost.step_us(1) < 1000 * 2             # was 66 x its ratio: every call refused as infeasible
+    for _ in range(200):
+        cost.observe(1, 0, 6000)                  # a device that really runs 6x slower, step after step
+    assert cost.ratio == pytest.approx(6.0, rel=0.01)     # learnt all the same
+
+
 def test_noisy_steps_widen_the_prediction():
     steady, noisy = (CostModel(rows=[1, 2], row_us=[1000, 1000], us_per_context_token=0.0) for _ in range(2))
     for i in range(300):
