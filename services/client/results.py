@@ -75,6 +75,7 @@ class Admission:
     deadline_at_us: int
     budget_ms: int
     prompt_tokens: int
+    call_id: str = ""               # the replica's id of this call: the ledger's key for its usage record
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ class ModelInfo:
 
 def admission_from(msg: pb.Admission, endpoint: str) -> Admission:
     return Admission(msg.request_id, endpoint, msg.received_at_us, msg.dispatched_at_us, msg.predicted_finish_at_us,
-                     msg.deadline_at_us, msg.budget_ms, msg.prompt_tokens)
+                     msg.deadline_at_us, msg.budget_ms, msg.prompt_tokens, msg.call_id)
 
 
 def chunk_from(msg: pb.TokenChunk) -> Chunk:

@@ -36,6 +36,7 @@ def test_a_refused_call_waits_its_hint_and_is_then_served(server):
     assert retries_counted(server) == before + 1
     assert result.usage.completion_tokens == 5 and result.usage.device_us > 0 and result.usage.unit == "core_us"
     assert result.timings.deadline_met and len(result.token_ids) == 5
+    assert len(result.admission.call_id) == 32 and result.admission.call_id != result.request_id
 
 
 @pytest.mark.slow
