@@ -3,6 +3,20 @@
 The period is split at every price change, each piece is aggregated in SQL
 (SUMs over integer columns), and pieces that share a price version are
 merged, so usage is summed first and priced (rounded) once per aggregate.
+
+Why no sum can overflow.  A SQL SUM over BIGINTs overflows at 2^63 (SQLite
+raises "integer overflow", PostgreSQL's cast back to BIGINT "out of range"),
+and a month may hold any number of records, so each summed column is summed
+in two halves: SUM(v / 2^29) and SUM(v % 2^29), joined here with Python's
+unbounded integers.  Every summed value is below 2^58 (billing/records.py:
+unit_us ≤ num_units × 31 days < 2^54, tokens < 2^31, idle wall time ≤ a
+minute × num_units < 2^38; the database CHECKs the same), so each half is
+below 2^29 per row and a SUM of n rows is below n × 2^29: exact for up to
+2^34 (17 billion) records in one aggregate and month, ~6,400 records a
+second for the whole month into one group, a table of several TB.  The
+joined totals are exact; what is stored or sent must fit a signed 64-bit
+integer, which :func:`check_int64` asks before anything is written (a
+refusal names the period, never an overflow in the database).
 """
 
 from __future__ import annotations
@@ -14,9 +28,13 @@ from dataclasses import dataclass
 from sqlalchemy import BigInteger, ColumnElement, case, cast, func, select
 from sqlalchemy.orm import Session
 
+from billing.errors import AmountOutOfRange
 from billing.models import Tenant, UsageRow
 from billing.period import US_PER_DAY
 from billing.pricing import PriceSchedule, PriceVersion, cost_micros
+from billing.records import MAX_INT64
+
+SPLIT = 1 << 29
 
 
 @dataclass(slots=True)
@@ -55,13 +73,32 @@ class UsageAggregate:
         return self.charge_micros - self.sla_credit_micros
 
 
+def check_int64(name: str, value: int, where: str) -> int:
+    """``value`` if a signed 64-bit column can hold it; AmountOutOfRange naming ``where`` otherwise."""
+    if not -MAX_INT64 - 1 <= value <= MAX_INT64:
+        raise AmountOutOfRange(f"period: the {name} of {where} ({value}) exceeds what the ledger stores "
+                               "(2^63-1); split the usage over more price versions or check the price",
+                               field="period")
+    return value
+
+
 def _sum(column: ColumnElement[int]) -> ColumnElement[int]:
     # PostgreSQL's SUM(bigint) is numeric; cast back so Python sees int, never Decimal.
     return cast(func.coalesce(func.sum(column), 0), BigInteger)
 
 
-def _missed(column: ColumnElement[int]) -> ColumnElement[int]:
-    return _sum(case((UsageRow.deadline_met, 0), else_=column))
+def exact_sum(column: ColumnElement[int]) -> list[ColumnElement[int]]:
+    """SUM(column) of non-negative values below 2^58 as two SQL sums that cannot overflow; join them with
+    :func:`joined` (see the module's comment)."""
+    return [_sum(column // SPLIT), _sum(column % SPLIT)]
+
+
+def joined(high: int, low: int) -> int:
+    return high * SPLIT + low
+
+
+def _missed(column: ColumnElement[int]) -> list[ColumnElement[int]]:
+    return exact_sum(case((UsageRow.deadline_met, 0), else_=column))
 
 
 def group_column(name: str, period_start_us: int) -> ColumnElement[object]:
@@ -97,13 +134,13 @@ def aggregate_usage(
                 UsageRow.model,
                 UsageRow.unit,
                 func.count().label("num_requests"),
-                _sum(UsageRow.unit_us),
-                _sum(UsageRow.prompt_tokens),
-                _sum(UsageRow.completion_tokens),
-                _missed(1),
-                _missed(UsageRow.unit_us),
-                _missed(UsageRow.prompt_tokens),
-                _missed(UsageRow.completion_tokens),
+                *exact_sum(UsageRow.unit_us),
+                *exact_sum(UsageRow.prompt_tokens),
+                *exact_sum(UsageRow.completion_tokens),
+                _sum(case((UsageRow.deadline_met, 0), else_=1)),
+                *_missed(UsageRow.unit_us),
+                *_missed(UsageRow.prompt_tokens),
+                *_missed(UsageRow.completion_tokens),
             )
             .where(UsageRow.finished_at_us >= piece_start, UsageRow.finished_at_us < piece_end)
             .group_by(*groups, UsageRow.model, UsageRow.unit)
@@ -127,11 +164,13 @@ def aggregate_usage(
 
 
 def _accumulate(aggregate: UsageAggregate, sums: Sequence[int]) -> None:
-    aggregate.num_requests += sums[0]
-    aggregate.unit_us += sums[1]
-    aggregate.prompt_tokens += sums[2]
-    aggregate.completion_tokens += sums[3]
-    aggregate.num_missed += sums[4]
-    aggregate.missed_unit_us += sums[5]
-    aggregate.missed_prompt_tokens += sums[6]
-    aggregate.missed_completion_tokens += sums[7]
+    num_requests, *usage, num_missed = sums[:8]
+    missed = sums[8:]
+    aggregate.num_requests += num_requests
+    aggregate.unit_us += joined(usage[0], usage[1])
+    aggregate.prompt_tokens += joined(usage[2], usage[3])
+    aggregate.completion_tokens += joined(usage[4], usage[5])
+    aggregate.num_missed += num_missed
+    aggregate.missed_unit_us += joined(missed[0], missed[1])
+    aggregate.missed_prompt_tokens += joined(missed[2], missed[3])
+    aggregate.missed_completion_tokens += joined(missed[4], missed[5])

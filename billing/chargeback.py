@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import BigInteger, cast, func, select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from billing.aggregate import aggregate_usage
+from billing.aggregate import aggregate_usage, check_int64, exact_sum, joined
 from billing.errors import InvalidArgument
 from billing.ledger import tenant_ids
 from billing.models import IdleRow, UsageRow
@@ -150,6 +150,10 @@ def chargeback_report(
         for index, value in enumerate((agg.num_requests, agg.num_requests - agg.num_missed, agg.unit_us,
                                        agg.prompt_tokens, agg.completion_tokens, agg.net_micros)):
             sums[index] += value
+    for key, sums in totals.items():
+        for name, value in zip(("requests", "requests", "unit·µs", "prompt tokens", "completion tokens", "cost"),
+                               sums, strict=True):
+            check_int64(name, value, f"{' / '.join(map(str, key[:-1]))} in {bounds.name}")
     rows = tuple(
         ChargebackRow(tuple(zip(group_by, key[: len(group_by)], strict=True)), key[-2], key[-1], *sums)  # type: ignore[arg-type]
         for key, sums in sorted(totals.items())
@@ -165,41 +169,41 @@ def _text(name: str, value: object, start_us: int) -> str:
     return NO_LABEL if value is None else str(value)
 
 
-def _sum(column):  # type: ignore[no-untyped-def]
-    return cast(func.coalesce(func.sum(column), 0), BigInteger)
-
-
 def _utilisation(
     session: Session, start_us: int, end_us: int
 ) -> tuple[tuple[DeviceUtilisation, ...], tuple[UtilisationPoint, ...]]:
     in_period = (IdleRow.minute_start_us >= start_us, IdleRow.minute_start_us < end_us)
-    billed = dict(
-        session.execute(
-            select(UsageRow.device_id, _sum(UsageRow.unit_us))
+    where = f"the devices in {day_label(start_us)[:7]}"
+    billed = {
+        device: check_int64("billed unit·µs", joined(high, low), where)
+        for device, high, low in session.execute(
+            select(UsageRow.device_id, *exact_sum(UsageRow.unit_us))
             .where(UsageRow.finished_at_us >= start_us, UsageRow.finished_at_us < end_us)
             .group_by(UsageRow.device_id)
-        ).all()
-    )
+        )
+    }
     device_rows = session.execute(
         select(IdleRow.device_id, IdleRow.unit, func.max(IdleRow.num_units),
-               _sum(IdleRow.wall_unit_us), _sum(IdleRow.idle_unit_us))
+               *exact_sum(IdleRow.wall_unit_us), *exact_sum(IdleRow.idle_unit_us))
         .where(*in_period)
         .group_by(IdleRow.device_id, IdleRow.unit)
         .order_by(IdleRow.device_id)
     )
     devices = tuple(
-        DeviceUtilisation(device, unit, num_units, wall, idle, billed.get(device, 0))
-        for device, unit, num_units, wall, idle in device_rows
+        DeviceUtilisation(device, unit, num_units, check_int64("wall unit·µs", joined(wall_high, wall_low), where),
+                          check_int64("idle unit·µs", joined(idle_high, idle_low), where), billed.get(device, 0))
+        for device, unit, num_units, wall_high, wall_low, idle_high, idle_low in device_rows
     )
     day = ((IdleRow.minute_start_us - start_us) // US_PER_DAY).label("day")
     points = session.execute(
-        select(day, IdleRow.unit, _sum(IdleRow.wall_unit_us), _sum(IdleRow.idle_unit_us))
+        select(day, IdleRow.unit, *exact_sum(IdleRow.wall_unit_us), *exact_sum(IdleRow.idle_unit_us))
         .where(*in_period)
         .group_by(day, IdleRow.unit)
         .order_by(day, IdleRow.unit)
     )
     timeline = tuple(
-        UtilisationPoint(day_label(start_us + index * US_PER_DAY), unit, wall, idle)
-        for index, unit, wall, idle in points
+        UtilisationPoint(day_label(start_us + index * US_PER_DAY), unit, joined(wall_high, wall_low),
+                         joined(idle_high, idle_low))
+        for index, unit, wall_high, wall_low, idle_high, idle_low in points
     )
     return devices, timeline

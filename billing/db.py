@@ -1,4 +1,5 @@
-"""Engines, sessions and the unit of work: the only place in zeroqueue that commits."""
+"""Engines, sessions and the unit of work: the only place in zeroqueue that commits; and the one map from the
+database driver's errors to typed billing errors (:func:`ledger_errors`)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,33 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
+
+from billing.errors import BillingError, DataRejected, LedgerConflict, LedgerRefused, LedgerUnavailable
+from billing.private_files import private_sqlite
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 LEDGER_FILE = "ledger.db"
 
 
+def default_data_dir() -> Path:
+    """~/.zeroqueue: made by zeroqueue (0700 now, 0755 by older versions), so it is narrowed when found open."""
+    return Path.home() / ".zeroqueue"
+
+
+def is_default_data_dir(path: Path) -> bool:
+    try:
+        return path.expanduser().absolute() == default_data_dir().absolute()
+    except RuntimeError:        # no home directory to be found (no $HOME, no passwd entry)
+        return False
+
+
 def data_dir() -> Path:
     """The data directory: ``$ZEROQUEUE_HOME`` or ``~/.zeroqueue`` (ledger and outbox live here)."""
     home = os.environ.get("ZEROQUEUE_HOME")
-    return Path(home).expanduser() if home else Path.home() / ".zeroqueue"
+    return Path(home).expanduser() if home else default_data_dir()
 
 
 def default_ledger_url() -> str:
@@ -46,8 +63,10 @@ def make_engine(url: str, *, sqlite_synchronous: str = "FULL", **kwargs: object)
 def _sqlite_engine(parsed, synchronous: str, kwargs: dict) -> Engine:  # type: ignore[no-untyped-def]
     if synchronous not in ("FULL", "NORMAL", "EXTRA"):
         raise ValueError(f"sqlite_synchronous must be FULL, NORMAL or EXTRA, got {synchronous!r}")
-    if parsed.database and parsed.database != ":memory:":
-        Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    if parsed.database and parsed.database != ":memory:" and not parsed.query.get("uri"):
+        path = Path(parsed.database).expanduser()
+        # 0600 before SQLite makes it (its -wal and -shm copy that); a new directory is 0700
+        private_sqlite(path, narrow_dir=is_default_data_dir(path.parent))
     engine = create_engine(parsed, **kwargs)
 
     @event.listens_for(engine, "connect")
@@ -76,3 +95,82 @@ def unit_of_work(factory: sessionmaker[Session]) -> Iterator[Session]:
         except BaseException:
             session.rollback()
             raise
+
+
+# --- the driver's errors as billing errors -----------------------------------------------------------------------
+# Outages (a refused or dropped connection, a pool or lock timeout, a serialization failure or deadlock: psycopg
+# and sqlite3 raise OperationalError for them all) may be retried: nothing was committed. A value the database
+# refuses (DataError: out of a column's range, NUL in text; a CHECK) is the request's fault. Anything else (a
+# ProgrammingError, say) is a bug and stays what it is.
+
+# SQLSTATE (PostgreSQL) or extended result code (SQLite) of an IntegrityError -> what it means
+_UNIQUE = {"23505", "SQLITE_CONSTRAINT_UNIQUE", "SQLITE_CONSTRAINT_PRIMARYKEY"}
+_REFUSED = {"23001", "SQLITE_CONSTRAINT_TRIGGER"}      # the append-only and finalized-invoice triggers
+# A CHECK names the field it guards (SQLite's check triggers of migration 0003 say "CHECK constraint failed: …")
+CONSTRAINT_FIELDS = {
+    "ck_invoices_period_format": "period", "ck_usage_records_unit_us_range": "unit_us",
+    "ck_usage_records_num_units_range": "num_units", "ck_usage_records_tokens_range": "prompt_tokens",
+    "ck_usage_records_times_range": "finished_at_us", "ck_idle_records_num_units_range": "num_units",
+    "ck_idle_records_minute_range": "minute_start_us", "ck_idle_records_wall_range": "wall_unit_us",
+    "ck_prices_price_range": "price_micros",
+}
+MAX_DETAIL_CHARS = 200
+
+
+def ledger_error(error: BaseException) -> BillingError | None:
+    """The billing error that `error`, raised by SQLAlchemy, means; None for one that is a bug."""
+    if isinstance(error, sa_exc.DBAPIError) and error.connection_invalidated:
+        return LedgerUnavailable("the ledger database dropped the connection; nothing was stored, retry")
+    if isinstance(error, sa_exc.OperationalError) and _detail(error).startswith("integer overflow"):
+        return DataRejected("the ledger refused a value: integer overflow")     # SQLite's arithmetic, not an outage
+    if isinstance(error, (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError,
+                          sa_exc.DisconnectionError)):
+        return LedgerUnavailable("the ledger database is unavailable; nothing was stored, retry")
+    if isinstance(error, sa_exc.DataError):
+        return DataRejected(f"the ledger refused a value: {_detail(error)}")
+    if isinstance(error, sa_exc.IntegrityError):
+        code, detail = _code(error), _detail(error)
+        constraint = _constraint(error, detail)
+        if constraint in CONSTRAINT_FIELDS:
+            field = CONSTRAINT_FIELDS[constraint]
+            return DataRejected(f"{field}: the ledger refused it ({constraint})", field=field)
+        if code in _UNIQUE:
+            return LedgerConflict(f"a concurrent write stored the same key first: {detail}")
+        if code in _REFUSED:
+            return LedgerRefused(f"the ledger refused the change: {detail}")
+        return DataRejected(f"the ledger refused a value: {detail}")
+    return None
+
+
+@contextmanager
+def ledger_errors() -> Iterator[None]:
+    """Raises the billing error that a SQLAlchemy error inside the block means (see :func:`ledger_error`)."""
+    try:
+        yield
+    except sa_exc.SQLAlchemyError as error:
+        translated = ledger_error(error)
+        if translated is None:
+            raise
+        raise translated from error
+
+
+def _detail(error: sa_exc.SQLAlchemyError) -> str:
+    """The driver's first line, never the statement or its parameters (another row's values can be there)."""
+    orig = getattr(error, "orig", None) or error
+    lines = str(orig).strip().splitlines()
+    text = lines[0] if lines else type(orig).__name__
+    return text if len(text) <= MAX_DETAIL_CHARS else text[:MAX_DETAIL_CHARS] + "…"
+
+
+def _code(error: sa_exc.DBAPIError) -> str:
+    orig = error.orig
+    return getattr(orig, "sqlstate", None) or getattr(orig, "sqlite_errorname", None) or ""
+
+
+def _constraint(error: sa_exc.DBAPIError, detail: str) -> str:
+    diag = getattr(error.orig, "diag", None)
+    name = getattr(diag, "constraint_name", None)
+    if name:
+        return name
+    marker = "CHECK constraint failed: "
+    return detail.split(marker, 1)[1].strip() if marker in detail else ""

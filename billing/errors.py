@@ -43,6 +43,12 @@ class PermissionDenied(BillingError):
     reason = "PERMISSION_DENIED"
 
 
+class Unavailable(BillingError):
+    """The ledger could not be used just now; nothing was committed, and the same call may be retried."""
+
+    reason = "UNAVAILABLE"
+
+
 # Concrete errors.
 class InvalidRecord(InvalidArgument):
     reason = "INVALID_RECORD"
@@ -64,6 +70,37 @@ class InvalidPageToken(InvalidArgument):
 
 class InvalidPrice(InvalidArgument):
     reason = "INVALID_PRICE"
+
+
+class DataRejected(InvalidArgument):
+    """The database refused a value the domain checks let through (out of a column's range, NUL in text, a
+    CHECK constraint): the request is wrong, not the ledger. Made from the driver's error by billing.db."""
+
+    reason = "DATA_REJECTED"
+
+
+class LedgerUnavailable(Unavailable):
+    """The ledger database refused or dropped the connection, timed out, or a transaction lost a lock race."""
+
+    reason = "LEDGER_UNAVAILABLE"
+
+
+class LedgerConflict(AlreadyExists):
+    """A concurrent writer stored the same unique key first (the database's unique constraint decided)."""
+
+    reason = "LEDGER_CONFLICT"
+
+
+class LedgerRefused(FailedPrecondition):
+    """A ledger rule in the database (append-only tables, finalized invoices) refused the change."""
+
+    reason = "LEDGER_REFUSED"
+
+
+class AmountOutOfRange(FailedPrecondition):
+    """A total of usage or money does not fit the ledger's signed 64-bit columns (see billing.aggregate)."""
+
+    reason = "AMOUNT_OUT_OF_RANGE"
 
 
 class UnknownTenant(NotFound):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from sqlalchemy import delete, insert, select, text
 from sqlalchemy.orm import Session
 
-from billing.aggregate import UsageAggregate, aggregate_usage
+from billing.aggregate import UsageAggregate, aggregate_usage, check_int64
 from billing.errors import (
     CreditExceedsInvoice,
     CurrencyMismatch,
@@ -32,7 +32,7 @@ from billing.ledger import dialect_insert, tenant_ids
 from billing.models import CreditNote, Invoice, InvoiceLine, InvoiceStatus, LineKind, Tenant
 from billing.period import Period, day_label, parse_period
 from billing.period import now_us as clock_us
-from billing.records import MAX_INT64
+from billing.records import MAX_INT32, MAX_INT64
 
 DEFAULT_CURRENCY = "USD"  # only for an invoice without lines
 # Literal SQL, as in the partial unique index, so PostgreSQL can infer that index as the arbiter.
@@ -99,7 +99,10 @@ class InvoiceView:
         return self.total_micros - self.credited_micros
 
 
-def _line_rows(aggregates: list[UsageAggregate]) -> list[dict[str, object]]:
+_STORED = ("num_requests", "unit_us", "prompt_tokens", "completion_tokens", "amount_micros")
+
+
+def _line_rows(aggregates: list[UsageAggregate], period: str) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     for agg in sorted(aggregates, key=lambda a: (a.model, a.unit, a.from_us)):
         common = dict(model=agg.model, unit=agg.unit, price_id=agg.price.id,
@@ -114,6 +117,8 @@ def _line_rows(aggregates: list[UsageAggregate]) -> list[dict[str, object]]:
                              amount_micros=-agg.sla_credit_micros))
     for position, row in enumerate(rows):
         row["position"] = position
+        for name in _STORED:
+            check_int64(name, row[name], f"{row['model']} {row['unit']} in {period}")  # type: ignore[arg-type]
     return rows
 
 
@@ -130,13 +135,15 @@ def _currency(aggregates: list[UsageAggregate], period: Period) -> str:
 def _refresh(session: Session, invoice: Invoice, now_us: int) -> None:
     period = parse_period(invoice.period)
     aggregates = aggregate_usage(session, period.start_us, period.end_us, tenant_id=invoice.tenant_id)
-    rows = _line_rows(aggregates)
+    rows = _line_rows(aggregates, period.name)
     currency = _currency(aggregates, period)
+    amounts = [int(row["amount_micros"]) for row in rows]  # type: ignore[call-overload]
+    total = check_int64("total", sum(amounts), period.name)
     session.execute(delete(InvoiceLine).where(InvoiceLine.invoice_id == invoice.id))
     if rows:
         session.execute(insert(InvoiceLine), [dict(row, invoice_id=invoice.id) for row in rows])
     invoice.currency = currency
-    invoice.total_micros = sum(int(row["amount_micros"]) for row in rows)  # type: ignore[call-overload]
+    invoice.total_micros = total
     invoice.refreshed_at_us = now_us
     session.flush()
 
@@ -144,14 +151,15 @@ def _refresh(session: Session, invoice: Invoice, now_us: int) -> None:
 def create_or_refresh_draft(
     session: Session, tenant: str, period: str, *, now_us: int | None = None
 ) -> InvoiceView:
-    """The tenant's draft for ``period`` ('YYYY-MM'), created or recomputed from the ledger."""
+    """The tenant's draft for ``period`` ('YYYY-MM', ASCII digits: the one spelling stored), created or
+    recomputed from the ledger."""
     bounds = parse_period(period)
     tenant_id = tenant_ids(session, {tenant})[tenant]
     now_us = clock_us() if now_us is None else now_us
-    open_invoice = (Invoice.tenant_id == tenant_id, Invoice.period == period, Invoice.status != "void")
+    open_invoice = (Invoice.tenant_id == tenant_id, Invoice.period == bounds.name, Invoice.status != "void")
     session.execute(
         dialect_insert(session, Invoice.__table__)
-        .values(tenant_id=tenant_id, period=period, status=InvoiceStatus.DRAFT.value,
+        .values(tenant_id=tenant_id, period=bounds.name, status=InvoiceStatus.DRAFT.value,
                 currency=DEFAULT_CURRENCY, total_micros=0, period_start_us=bounds.start_us,
                 period_end_us=bounds.end_us, created_at_us=now_us, refreshed_at_us=now_us)
         .on_conflict_do_nothing(index_elements=["tenant_id", "period"], index_where=OPEN_INVOICE_PREDICATE)
@@ -166,6 +174,7 @@ def create_or_refresh_draft(
 
 
 def _lock(session: Session, invoice_id: int) -> Invoice:
+    check_invoice_id(invoice_id)
     invoice = session.scalars(
         select(Invoice).where(Invoice.id == invoice_id).with_for_update()
         .execution_options(populate_existing=True)
@@ -216,6 +225,8 @@ def issue_credit_note(
                               field="amount_micros")
     if not isinstance(reason, str) or not 1 <= len(reason) <= 500:
         raise InvalidArgument("reason must be 1..500 characters", field="reason")
+    if "\x00" in reason:
+        raise InvalidArgument("reason must not contain NUL characters", field="reason")
     invoice = _lock(session, invoice_id)
     if invoice.status != InvoiceStatus.FINALIZED:
         raise InvoiceState(
@@ -235,13 +246,24 @@ def issue_credit_note(
     return CreditNoteView(note.id, invoice_id, amount_micros, note.currency, reason, note.created_at_us)
 
 
-def get_invoice(session: Session, invoice_id: int) -> InvoiceView:
-    found = session.execute(
-        select(Invoice, Tenant.name).join(Tenant, Tenant.id == Invoice.tenant_id).where(Invoice.id == invoice_id)
-    ).first()
+def get_invoice(session: Session, invoice_id: int, *, tenant: str | None = None) -> InvoiceView:
+    """Invoice ``invoice_id``; with ``tenant``, only if it is that tenant's (InvoiceNotFound otherwise: nothing
+    of another tenant's invoice is read)."""
+    check_invoice_id(invoice_id)
+    query = select(Invoice, Tenant.name).join(Tenant, Tenant.id == Invoice.tenant_id).where(Invoice.id == invoice_id)
+    if tenant is not None:
+        query = query.where(Tenant.name == tenant)
+    found = session.execute(query).first()
     if found is None:
         raise InvoiceNotFound(invoice_id)
     return _view(session, *found)
+
+
+def check_invoice_id(invoice_id: object) -> None:
+    """Invoice ids are the database's INTEGER: 1..2^31-1 (a larger one would be refused by PostgreSQL)."""
+    if not isinstance(invoice_id, int) or isinstance(invoice_id, bool) or not 1 <= invoice_id <= MAX_INT32:
+        raise InvalidArgument(f"invoice_id must be an integer in [1, {MAX_INT32}], got {invoice_id!r}",
+                              field="invoice_id")
 
 
 def list_invoices(

@@ -10,7 +10,6 @@ logged loudly, never applied.  No id is ever claimed before its row is written.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -23,10 +22,19 @@ from sqlalchemy import Table, select, tuple_
 from sqlalchemy.orm import Session
 
 from billing.bulk import dialect_insert, insert_new, stored_digests
-from billing.errors import InvalidArgument, InvalidPageToken, UnknownTenant
+from billing.errors import InvalidArgument, UnknownTenant
 from billing.models import IdleRow, RecordKind, Tenant, UsageConflict, UsageRow
+from billing.page_tokens import decode_page_token, encode_page_token, page_token_key
 from billing.period import now_us as clock_us
-from billing.records import CONVENTIONAL_LABELS, IdleRecord, UsageRecord
+from billing.records import (
+    CONVENTIONAL_LABELS,
+    MAX_INT64,
+    IdleRecord,
+    UsageRecord,
+    check_tenant_name,
+    check_text,
+    freeze_labels,
+)
 
 log = structlog.get_logger(__name__)
 DEFAULT_PAGE_SIZE = 100
@@ -51,11 +59,15 @@ class IngestResult:
         return self.status is not IngestStatus.CONFLICT
 
 
-def tenant_ids(session: Session, names: set[str]) -> dict[str, int]:
+def tenant_ids(session: Session, names: set[str], *, field: str = "tenant") -> dict[str, int]:
+    """The id of each named tenant; InvalidRecord for a name no tenant could have, UnknownTenant for one
+    that does not exist (both before any name reaches the database)."""
+    for name in sorted(names, key=str):
+        check_tenant_name(field, name)
     found = dict(session.execute(select(Tenant.name, Tenant.id).where(Tenant.name.in_(names))).all())
     missing = sorted(names - found.keys())
     if missing:
-        raise UnknownTenant(missing[0])
+        raise UnknownTenant(missing[0], field=field)
     return found
 
 
@@ -189,10 +201,13 @@ def query_usage(
 ) -> UsagePage:
     """Usage finished in [start_us, end_us), oldest first, filtered and paginated by keyset.
 
-    ``page_token`` is opaque; it is only valid with the filters it was issued for.
+    ``page_token`` is opaque and signed by this ledger (billing/page_tokens.py); it is only valid with the
+    filters it was issued for.
     """
     _check_query(start_us, end_us, page_size)
-    labels = dict(labels or {})
+    if model is not None:
+        check_text("model", model)
+    labels = dict(freeze_labels(labels or {}))
     fingerprint = _fingerprint(start_us, end_us, tenant, labels, model)
     query = (
         select(UsageRow, Tenant.name)
@@ -209,21 +224,21 @@ def query_usage(
         column = getattr(UsageRow, key) if key in CONVENTIONAL_LABELS else UsageRow.labels[key].as_string()
         query = query.where(column == value)
     if page_token:
-        after = decode_page_token(page_token, fingerprint)
+        after = decode_page_token(page_token_key(session), page_token, fingerprint)
         query = query.where(tuple_(UsageRow.finished_at_us, UsageRow.id) > tuple_(*after))
     rows = session.execute(query).all()
     next_token = None
     if len(rows) > page_size:
         rows = rows[:page_size]
         last = rows[-1][0]
-        next_token = encode_page_token(fingerprint, last.finished_at_us, last.id)
+        next_token = encode_page_token(page_token_key(session), fingerprint, last.finished_at_us, last.id)
     return UsagePage([_to_record(row, name) for row, name in rows], next_token)
 
 
 def _check_query(start_us: int, end_us: int, page_size: int) -> None:
     for name, value in (("start_us", start_us), ("end_us", end_us), ("page_size", page_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise InvalidArgument(f"{name} must be a non-negative integer, got {value!r}", field=name)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_INT64:
+            raise InvalidArgument(f"{name} must be an integer in [0, 2^63-1], got {value!r}", field=name)
     if end_us <= start_us:
         raise InvalidArgument("end_us must be after start_us", field="end_us")
     if not 1 <= page_size <= MAX_PAGE_SIZE:
@@ -233,25 +248,6 @@ def _check_query(start_us: int, end_us: int, page_size: int) -> None:
 def _fingerprint(*filters: object) -> str:
     encoded = json.dumps(filters, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(encoded.encode()).hexdigest()[:16]
-
-
-def encode_page_token(fingerprint: str, finished_at_us: int, row_id: int) -> str:
-    raw = json.dumps({"v": 1, "q": fingerprint, "after": [finished_at_us, row_id]}, separators=(",", ":"))
-    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
-
-
-def decode_page_token(token: str, fingerprint: str) -> tuple[int, int]:
-    try:
-        raw = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
-        finished_at_us, row_id = raw["after"]
-        version, issued_for = raw["v"], raw["q"]
-    except (ValueError, KeyError, TypeError) as error:
-        raise InvalidPageToken("is not a token this service issued") from error
-    if version != 1 or not all(type(v) is int for v in (finished_at_us, row_id)):
-        raise InvalidPageToken("is not a token this service issued")
-    if issued_for != fingerprint:
-        raise InvalidPageToken("was issued for different filters; repeat the query that produced it")
-    return finished_at_us, row_id
 
 
 def _to_record(row: UsageRow, tenant: str) -> UsageRecord:

@@ -24,7 +24,16 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from billing.records import DeviceKind, Outcome, Unit
+from billing.period import US_PER_MINUTE
+from billing.records import (
+    MAX_NUM_UNITS,
+    MAX_RECORD_WALL_US,
+    MAX_TIME_US,
+    MAX_TOKENS,
+    DeviceKind,
+    Outcome,
+    Unit,
+)
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -61,6 +70,23 @@ class RecordKind(StrEnum):
 
 def one_of(column: str, enum: type[StrEnum]) -> str:
     return f"{column} IN ({', '.join(repr(member.value) for member in enum)})"
+
+
+# The bounds of billing/records.py and the ASCII 'YYYY-MM' of billing/period.py, as the database enforces
+# them (migration 0003: CHECK constraints on PostgreSQL, BEFORE triggers on SQLite, the same expressions).
+MAX_PRICE_MICROS = 1_000_000_000       # 1,000 currency units per unit·second: far above any real price
+_DIGIT = "('0', '1', '2', '3', '4', '5', '6', '7', '8', '9')"
+_MONTH = ", ".join(f"'{month:02d}'" for month in range(1, 13))
+PERIOD_FORMAT = (
+    "length(period) = 7 AND substr(period, 5, 1) = '-' AND "
+    + " AND ".join(f"substr(period, {i}, 1) IN {_DIGIT}" for i in (1, 2, 3, 4))
+    + f" AND substr(period, 6, 2) IN ({_MONTH})"
+)
+USAGE_TIMES = (
+    "received_at_us >= 1 AND dispatched_at_us >= received_at_us AND finished_at_us >= dispatched_at_us "
+    f"AND finished_at_us < {MAX_TIME_US} AND deadline_at_us >= 1 AND (first_token_at_us IS NULL OR "
+    "(first_token_at_us >= dispatched_at_us AND first_token_at_us <= finished_at_us))"
+)
 
 
 class Base(DeclarativeBase):
@@ -105,6 +131,11 @@ class UsageRow(Base):
             "unit_us >= 0 AND prompt_tokens >= 0 AND completion_tokens >= 0", name="non_negative"
         ),
         CheckConstraint("finished_at_us >= received_at_us", name="finished_after_received"),
+        CheckConstraint(f"num_units <= {MAX_NUM_UNITS}", name="num_units_range"),
+        CheckConstraint(f"unit_us <= num_units * {MAX_RECORD_WALL_US}", name="unit_us_range"),
+        CheckConstraint(f"prompt_tokens <= {MAX_TOKENS} AND completion_tokens <= {MAX_TOKENS}",
+                        name="tokens_range"),
+        CheckConstraint(USAGE_TIMES, name="times_range"),
         Index(None, "tenant_id", "finished_at_us", "id"),
         Index(None, "finished_at_us", "id"),
     )
@@ -143,6 +174,9 @@ class IdleRow(Base):
         CheckConstraint(one_of("unit", Unit), name="unit"),
         CheckConstraint("num_units > 0", name="num_units_positive"),
         CheckConstraint("idle_unit_us >= 0 AND idle_unit_us <= wall_unit_us", name="idle_within_wall"),
+        CheckConstraint(f"num_units <= {MAX_NUM_UNITS}", name="num_units_range"),
+        CheckConstraint(f"minute_start_us >= 0 AND minute_start_us < {MAX_TIME_US}", name="minute_range"),
+        CheckConstraint(f"wall_unit_us >= 1 AND wall_unit_us <= num_units * {US_PER_MINUTE}", name="wall_range"),
         Index(None, "minute_start_us", "device_id"),
     )
 
@@ -183,6 +217,7 @@ class Price(Base):
     __table_args__ = (
         CheckConstraint(one_of("unit", Unit), name="unit"),
         CheckConstraint("price_micros >= 0", name="price_non_negative"),
+        CheckConstraint(f"price_micros <= {MAX_PRICE_MICROS}", name="price_range"),
         CheckConstraint("length(currency) = 3", name="currency_code"),
         UniqueConstraint("model", "unit", "effective_from_us"),
     )
@@ -201,6 +236,7 @@ class Invoice(Base):
     __table_args__ = (
         CheckConstraint(one_of("status", InvoiceStatus), name="status"),
         CheckConstraint("length(currency) = 3", name="currency_code"),
+        CheckConstraint(PERIOD_FORMAT, name="period_format"),
         # At most one draft or finalized invoice per tenant and month.
         Index(
             "ix_invoices_open_tenant_period",
@@ -268,4 +304,15 @@ class CreditNote(Base):
     amount_micros: Mapped[int]
     currency: Mapped[str] = mapped_column(String(3))
     reason: Mapped[str] = mapped_column(String(500))
+    created_at_us: Mapped[int]
+
+
+class LedgerSecret(Base):
+    """Secrets of this ledger that never leave the server: `page_token` signs QueryUsage page tokens
+    (billing/page_tokens.py). Made by migration 0003; a ledger without one makes it on first use."""
+
+    __tablename__ = "ledger_secrets"
+
+    name: Mapped[str] = mapped_column(String(32), primary_key=True)
+    secret: Mapped[str] = mapped_column(String(64))
     created_at_us: Mapped[int]

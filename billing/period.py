@@ -13,7 +13,8 @@ from billing.errors import InvalidPeriod
 US_PER_SECOND = 1_000_000
 US_PER_MINUTE = 60 * US_PER_SECOND
 US_PER_DAY = 86_400 * US_PER_SECOND
-_PERIOD = re.compile(r"(\d{4})-(\d{2})")
+# ASCII digits only: \d would also take "２０２６-１２" and "٢٠٢٦-١٢", other spellings of the same month
+_PERIOD = re.compile(r"([0-9]{4})-([0-9]{2})", re.ASCII)
 
 
 def now_us() -> int:
@@ -48,6 +49,7 @@ class Period:
 
 
 def parse_period(period: str, *, field: str = "period") -> Period:
+    """The month `period` names; its `name` is the one spelling the ledger stores (the database checks it)."""
     match = _PERIOD.fullmatch(period) if isinstance(period, str) else None
     if match is None:
         raise InvalidPeriod(period, field=field)
@@ -56,7 +58,7 @@ def parse_period(period: str, *, field: str = "period") -> Period:
         raise InvalidPeriod(period, field=field)
     start = dt.datetime(year, month, 1, tzinfo=dt.timezone.utc)
     end = dt.datetime(year + month // 12, month % 12 + 1, 1, tzinfo=dt.timezone.utc)
-    return Period(period, datetime_to_us(start), datetime_to_us(end))
+    return Period(f"{year:04d}-{month:02d}", datetime_to_us(start), datetime_to_us(end))
 
 
 def period_of(at_us: int) -> Period:

@@ -10,7 +10,11 @@ Rounding rule: the cost of an invoice line is
     cost_micros = round_half_up(total_unit_us × price_micros / 1_000_000)
 
 computed with integers only, ONCE per line, after the line's usage has been
-aggregated.  Individual requests are never rounded.
+aggregated.  Individual requests are never rounded.  Python integers cannot
+overflow; what is stored (a line's amount, an invoice's total) is checked
+against the signed 64-bit columns first (billing.aggregate.check_int64), and
+a price is at most MAX_PRICE_MICROS, so a line's amount is at most 1,000 ×
+its unit·µs.
 """
 
 from __future__ import annotations
@@ -22,10 +26,10 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from billing.errors import InvalidPrice, MissingPrice, PriceExists
-from billing.models import Price
+from billing.errors import InvalidArgument, InvalidPrice, MissingPrice, PriceExists
+from billing.models import MAX_PRICE_MICROS, Price
 from billing.period import now_us as clock_us
-from billing.records import MAX_INT64, Unit
+from billing.records import MAX_INT64, Unit, check_text
 
 US_PER_SECOND = 1_000_000
 _CURRENCY = re.compile(r"[A-Z]{3}")
@@ -53,13 +57,16 @@ class PriceVersion:
 
 
 def _validate(model: str, unit: str, price_micros: int, currency: str, effective_from_us: int) -> None:
-    if not isinstance(model, str) or not 1 <= len(model) <= 128:
-        raise InvalidPrice("model must be 1..128 characters", field="model")
+    try:
+        check_text("model", model)
+    except InvalidArgument as error:
+        raise InvalidPrice(error.message, field="model") from None
     if unit not in {member.value for member in Unit}:
         raise InvalidPrice(f"unit must be sm_us or core_us, got {unit!r}", field="unit")
-    for name, value in (("price_micros", price_micros), ("effective_from_us", effective_from_us)):
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_INT64:
-            raise InvalidPrice(f"{name} must be an integer in [0, 2^63-1], got {value!r}", field=name)
+    for name, value, maximum in (("price_micros", price_micros, MAX_PRICE_MICROS),
+                                 ("effective_from_us", effective_from_us, MAX_INT64)):
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= maximum:
+            raise InvalidPrice(f"{name} must be an integer in [0, {maximum}], got {value!r}", field=name)
     if not isinstance(currency, str) or not _CURRENCY.fullmatch(currency):
         raise InvalidPrice(f"currency must be an ISO 4217 code like USD, got {currency!r}", field="currency")
 

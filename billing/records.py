@@ -17,9 +17,26 @@ from enum import StrEnum
 from types import MappingProxyType
 
 from billing.errors import InvalidRecord
-from billing.period import US_PER_MINUTE
+from billing.period import US_PER_DAY, US_PER_MINUTE
 
 MAX_INT64 = 2**63 - 1
+MAX_INT32 = 2**31 - 1
+# Bounds of one record, enforced here and by CHECKs in the database (migration 0003), so that what a month
+# sums can be summed exactly (billing/aggregate.py splits each SUM; its comment has the arithmetic):
+#  - times are µs since the epoch before 2200-01-01 (< 2^53: exact even as a JSON double); a deadline is only
+#    compared, never summed, so it may be anything positive (a gRPC deadline can be thousands of years away);
+#  - a device has at most 4,096 units: SMs of one GPU (132 on an H100, 148 on a B200) or cores of one host
+#    (768 hardware threads on today's largest two-socket servers);
+#  - a record's device time is at most one month of wall time on all its units, num_units × 31 days, so
+#    unit_us ≤ 4,096 × 2.68e12 ≈ 1.1e16 < 2^54, and an idle record's wall time at most a minute of its units;
+#  - tokens fit the protocol's int32.
+# A month's total then overflows a signed 64-bit integer only past 9.2e18 unit·µs of one tenant, model and unit:
+# 3.4 million units busy the whole month (or 840 records each claiming 4,096 units for 31 days). Should it
+# happen anyway, the invoice or report is refused naming the period (AmountOutOfRange), never an overflow.
+MAX_TIME_US = 7_258_118_400_000_000          # 2200-01-01T00:00:00Z
+MAX_NUM_UNITS = 4_096
+MAX_RECORD_WALL_US = 31 * US_PER_DAY
+MAX_TOKENS = MAX_INT32
 MAX_ID_CHARS = 128
 MAX_LABELS = 16
 MAX_LABEL_KEY_CHARS = 63
@@ -69,11 +86,12 @@ def check_tenant_name(name: str, value: object) -> None:
         )
 
 
-def check_int(name: str, value: object, *, minimum: int = 0) -> None:
+def check_int(name: str, value: object, *, minimum: int = 0, maximum: int = MAX_INT64, why: str = "") -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise InvalidRecord(f"{name} must be an integer, got {type(value).__name__}", field=name)
-    if not minimum <= value <= MAX_INT64:
-        raise InvalidRecord(f"{name} must be in [{minimum}, 2^63-1], got {value}", field=name)
+    if not minimum <= value <= maximum:
+        bound = "2^63-1" if maximum == MAX_INT64 else f"{maximum}{why}"
+        raise InvalidRecord(f"{name} must be in [{minimum}, {bound}], got {value}", field=name)
 
 
 def check_enum(name: str, value: object, enum: type[StrEnum]) -> None:
@@ -126,7 +144,7 @@ def _check_device(kind: object, device_id: object, unit: object, num_units: obje
             f"got {device_id!r}",
             field="device_id",
         )
-    check_int("num_units", num_units, minimum=1)
+    check_int("num_units", num_units, minimum=1, maximum=MAX_NUM_UNITS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,8 +181,10 @@ class UsageRecord:
         if self.client_request_id:
             check_text("client_request_id", self.client_request_id)
         _check_device(self.device_kind, self.device_id, self.unit, self.num_units)
-        for name in ("unit_us", "prompt_tokens", "completion_tokens"):
-            check_int(name, getattr(self, name))
+        check_int("unit_us", self.unit_us, maximum=self.num_units * MAX_RECORD_WALL_US,
+                  why=" (num_units × 31 days)")
+        for name in ("prompt_tokens", "completion_tokens"):
+            check_int(name, getattr(self, name), maximum=MAX_TOKENS)
         self._check_times()
         check_enum("outcome", self.outcome, Outcome)
         if not isinstance(self.deadline_met, bool):
@@ -172,10 +192,12 @@ class UsageRecord:
         self._check_deadline()
 
     def _check_times(self) -> None:
-        for name in ("received_at_us", "dispatched_at_us", "finished_at_us", "deadline_at_us"):
-            check_int(name, getattr(self, name), minimum=1)
+        for name in ("received_at_us", "dispatched_at_us", "finished_at_us"):
+            check_int(name, getattr(self, name), minimum=1, maximum=MAX_TIME_US - 1, why=" (before 2200)")
+        check_int("deadline_at_us", self.deadline_at_us, minimum=1)
         if self.first_token_at_us is not None:
-            check_int("first_token_at_us", self.first_token_at_us, minimum=1)
+            check_int("first_token_at_us", self.first_token_at_us, minimum=1, maximum=MAX_TIME_US - 1,
+                      why=" (before 2200)")
         order = [("received_at_us", self.received_at_us), ("dispatched_at_us", self.dispatched_at_us)]
         if self.first_token_at_us is not None:
             order.append(("first_token_at_us", self.first_token_at_us))
@@ -236,7 +258,8 @@ class IdleRecord:
         check_enum("unit", self.unit, Unit)
         kind = DeviceKind.CUDA if self.unit == Unit.SM_US else DeviceKind.CPU
         _check_device(kind, self.device_id, self.unit, self.num_units)
-        check_int("minute_start_us", self.minute_start_us, minimum=0)
+        check_int("minute_start_us", self.minute_start_us, minimum=0, maximum=MAX_TIME_US - 1,
+                  why=" (before 2200)")
         if self.minute_start_us % US_PER_MINUTE:
             raise InvalidRecord("minute_start_us must be aligned to a UTC minute", field="minute_start_us")
         check_int("idle_unit_us", self.idle_unit_us)

@@ -40,8 +40,8 @@ class Principal:
     def authorize(self, tenant: str) -> None:
         """Allow access to ``tenant``'s usage and invoices: its own keys and admin keys only."""
         if not self.is_admin and self.tenant != tenant:
-            raise PermissionDenied(
-                f"tenant: this key belongs to tenant {self.tenant!r} and cannot access {tenant!r}",
+            raise PermissionDenied(  # the name asked for is not repeated: a refusal says nothing of others
+                f"tenant: this key belongs to tenant {self.tenant!r} and reaches only its own data",
                 field="tenant",
             )
 

@@ -19,7 +19,7 @@ import grpc
 from sqlalchemy.orm import Session, sessionmaker
 
 from billing import tenants
-from billing.db import unit_of_work
+from billing.db import ledger_errors, unit_of_work
 from billing.errors import Unauthenticated
 from billing.models import Role
 from billing.tenants import Principal, hash_key
@@ -128,7 +128,9 @@ class LedgerAuthenticator:
         return await asyncio.to_thread(self._lookup_sync, key)
 
     def _lookup_sync(self, key: str) -> Principal:
-        with unit_of_work(self.sessions) as session:    # read-only: the commit ends the transaction
+        # a ledger outage is billing.errors.LedgerUnavailable (UNAVAILABLE), not a raw driver error (INTERNAL);
+        # like every failed lookup it is not cached, so the next call asks again
+        with ledger_errors(), unit_of_work(self.sessions) as session:   # read-only: the commit ends it
             return tenants.authenticate(session, key)
 
 

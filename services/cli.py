@@ -18,7 +18,7 @@ UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g":
 
 
 def parse_bytes(text: str) -> int:
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text, re.ASCII)
     if not match or match.group(2).lower() not in UNITS:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GiB)")
     return int(float(match.group(1)) * UNITS[match.group(2).lower()])
@@ -104,7 +104,9 @@ def ensure_demo_tenant(ledger: str | None, name: str, data_dir_arg: str | None) 
     """First run of an embedded ledger: create a tenant and show its key once (also kept, readable by you
     alone, in the data directory, since a demo without its key is no demo)."""
     from billing import commands
-    from billing.db import data_dir, default_ledger_url, make_engine, session_factory, unit_of_work
+    from billing.db import (
+        data_dir, default_ledger_url, is_default_data_dir, make_engine, session_factory, unit_of_work)
+    from billing.private_files import private_dir, write_private
     from billing.tenants import list_tenants
 
     url = ledger or default_ledger_url()
@@ -116,10 +118,9 @@ def ensure_demo_tenant(ledger: str | None, name: str, data_dir_arg: str | None) 
     finally:
         engine.dispose()
     key = commands.create_tenant(url, name)
-    key_file = Path(data_dir_arg) if data_dir_arg else data_dir()
-    key_file = key_file / f"{name}.key"
-    key_file.write_text(key + "\n")
-    key_file.chmod(0o600)
+    home = Path(data_dir_arg) if data_dir_arg else data_dir()
+    key_file = private_dir(home, narrow_existing=is_default_data_dir(home)) / f"{name}.key"
+    write_private(key_file, key + "\n")          # 0600 from its creation, never readable by others first
     print(f"zeroqueue: created tenant {name!r}; its API key (shown once, kept in {key_file}):\n  {key}", flush=True)
 
 

@@ -21,6 +21,8 @@ from pathlib import Path
 import structlog
 
 from billing.errors import InvalidRecord
+from billing.db import is_default_data_dir
+from billing.private_files import private_sqlite
 from billing.records import IdleRecord, UsageRecord
 
 log = structlog.get_logger(__name__)
@@ -78,7 +80,7 @@ def _decode(kind: str, payload: str) -> UsageRecord | IdleRecord:
 class Outbox:
     def __init__(self, path: Path) -> None:
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_sqlite(path, narrow_dir=is_default_data_dir(path.parent))     # 0600 from the start, its -wal too
         with _connect(path) as conn:
             conn.executescript(SCHEMA)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()

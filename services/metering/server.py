@@ -1,5 +1,12 @@
 """The Metering gRPC service: protobuf ⇄ billing domain, authentication and authorization, one unit of work
-per call run off the event loop. Every error is a typed domain error mapped by services/errors.py."""
+per call run off the event loop. Every error is a typed domain error mapped by services/errors.py; the
+database's own errors become billing errors in billing.db.ledger_errors (outage: UNAVAILABLE, refused value:
+INVALID_ARGUMENT).
+
+Who may see what: a tenant key reaches its own tenant only. Whatever else it asks for (another tenant by
+name, an invoice that is not its tenant's, an admin-only method) is PERMISSION_DENIED, decided before the
+ledger is read for it and the same whether or not that thing exists, so a refusal never reveals another
+tenant's data, or even that an invoice id is in use. NOT_FOUND is for what the key could have seen."""
 from __future__ import annotations
 
 import asyncio
@@ -8,18 +15,26 @@ from typing import TypeVar
 
 import grpc
 import structlog
-from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session, sessionmaker
 
 from billing import invoices, ledger
 from billing.chargeback import GROUPINGS, ChargebackReport, chargeback_report
-from billing.db import unit_of_work
-from billing.errors import CurrencyMismatch, InvalidArgument, InvalidRecord, UnknownTenant
+from billing.db import ledger_errors, unit_of_work
+from billing.errors import (
+    CurrencyMismatch,
+    InvalidArgument,
+    InvalidRecord,
+    InvoiceNotFound,
+    LedgerUnavailable,
+    PermissionDenied,
+    UnknownTenant,
+)
+from billing.invoices import check_invoice_id
 from billing.models import InvoiceStatus
-from billing.records import MAX_INT64, IdleRecord, UsageRecord, freeze_labels
+from billing.records import MAX_INT64, IdleRecord, UsageRecord, check_tenant_name, freeze_labels
 from billing.tenants import Principal
 from services.auth import Authenticator, bearer_key
-from services.errors import LedgerUnavailable, rpc_errors
+from services.errors import rpc_errors
 from zeroqueue.metering.v1 import metering_pb2 as pb
 from zeroqueue.metering.v1 import metering_pb2_grpc
 
@@ -166,7 +181,10 @@ def _log_conflicts(principal: Principal, response: pb.RecordUsageResponse) -> No
 # --- who may see what ------------------------------------------------------------------------------------------
 
 def _read_scope(principal: Principal, requested: str) -> str | None:
-    """The tenant a read covers: a tenant key's own (another's is PERMISSION_DENIED); admin: as asked, '' = all."""
+    """The tenant a read covers: a tenant key's own (another's is PERMISSION_DENIED); admin: as asked, '' = all.
+    A name no tenant could have is INVALID_ARGUMENT before anything else: it never reaches the database."""
+    if requested:
+        check_tenant_name("tenant", requested)
     if principal.is_admin:
         return requested or None
     if requested:
@@ -179,13 +197,21 @@ def _write_scope(principal: Principal, requested: str) -> str:
     if principal.is_admin:
         if not requested:
             raise InvalidArgument("tenant: an admin key must name the tenant", field="tenant")
+        check_tenant_name("tenant", requested)
         return requested
     return _read_scope(principal, requested)  # type: ignore[return-value]
 
 
-def _check_invoice_id(invoice_id: int) -> None:
-    if invoice_id <= 0:
-        raise InvalidArgument(f"invoice_id must be a positive integer, got {invoice_id}", field="invoice_id")
+def _visible_invoice(session: Session, principal: Principal, invoice_id: int) -> invoices.InvoiceView:
+    """The invoice, if the key may see it. For a tenant key the look-up itself is limited to its tenant, so an
+    invoice of another tenant is never read: it is refused exactly like one that does not exist."""
+    if principal.is_admin:
+        return invoices.get_invoice(session, invoice_id)
+    try:
+        return invoices.get_invoice(session, invoice_id, tenant=principal.tenant)
+    except InvoiceNotFound:
+        raise PermissionDenied(f"invoice_id: invoice {invoice_id} is not an invoice of tenant {principal.tenant!r}",
+                               field="invoice_id") from None
 
 
 class MeteringServicer(metering_pb2_grpc.MeteringServicer):
@@ -201,11 +227,11 @@ class MeteringServicer(metering_pb2_grpc.MeteringServicer):
 
     def _run(self, work: Callable[[Session], T]) -> T:
         try:
-            with unit_of_work(self.sessions) as session:
+            with ledger_errors(), unit_of_work(self.sessions) as session:
                 return work(session)
-        except (sa_exc.OperationalError, sa_exc.TimeoutError) as error:
-            log.warning("ledger_unavailable", error=str(error).splitlines()[0])
-            raise LedgerUnavailable("the ledger database is unavailable; nothing was stored, retry") from error
+        except LedgerUnavailable as error:
+            log.warning("ledger_unavailable", error=(str(error.__cause__ or error).splitlines() or [""])[0])
+            raise
 
     async def RecordUsage(self, request: pb.RecordUsageRequest, context) -> pb.RecordUsageResponse:
         async with rpc_errors(context, "RecordUsage"):
@@ -235,16 +261,15 @@ class MeteringServicer(metering_pb2_grpc.MeteringServicer):
     async def FinalizeInvoice(self, request: pb.FinalizeInvoiceRequest, context) -> pb.Invoice:
         async with rpc_errors(context, "FinalizeInvoice"):
             (await self._principal(context)).require_admin("FinalizeInvoice")
-            _check_invoice_id(request.invoice_id)
+            check_invoice_id(request.invoice_id)
             return invoice_to_pb(await self._transaction(lambda s: invoices.finalize_invoice(s, request.invoice_id)))
 
     async def GetInvoice(self, request: pb.GetInvoiceRequest, context) -> pb.Invoice:
         async with rpc_errors(context, "GetInvoice"):
             principal = await self._principal(context)
-            _check_invoice_id(request.invoice_id)
-            view = await self._transaction(lambda s: invoices.get_invoice(s, request.invoice_id))
-            principal.authorize(view.tenant)
-            return invoice_to_pb(view)
+            check_invoice_id(request.invoice_id)
+            return invoice_to_pb(await self._transaction(
+                lambda s: _visible_invoice(s, principal, request.invoice_id)))
 
     async def ListInvoices(self, request: pb.ListInvoicesRequest, context) -> pb.ListInvoicesResponse:
         async with rpc_errors(context, "ListInvoices"):

@@ -18,6 +18,7 @@ from billing.errors import InvalidArgument, InvalidPageToken, UnknownTenant
 from billing.ledger import IngestStatus, ingest_idle, ingest_usage, query_usage
 from billing.models import IdleRow, UsageConflict, UsageRow
 from billing.period import parse_period
+from billing.records import MAX_RECORD_WALL_US, MAX_TOKENS
 from billing.tenants import create_tenant
 from tests.billing.conftest import Ledger
 from tests.billing.factories import PERIOD, START_US, idle, usage
@@ -208,8 +209,8 @@ def test_page_tokens_are_checked(acme: Ledger) -> None:
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
-    unit_us=st.integers(0, 2**63 - 1),
-    tokens=st.integers(0, 2**63 - 1),
+    unit_us=st.integers(0, 4 * MAX_RECORD_WALL_US),     # the factory's num_units is 4
+    tokens=st.integers(0, MAX_TOKENS),
     label=st.text(st.characters(min_codepoint=32, max_codepoint=0x10FFFF, exclude_categories=("Cs",),
                                 exclude_characters="\x7f"), min_size=1, max_size=40),
     request_id=st.text(st.characters(min_codepoint=33, max_codepoint=0x2FFF, exclude_characters="\x7f"),

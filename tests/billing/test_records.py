@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from billing.errors import InvalidRecord
-from billing.records import IdleRecord, UsageRecord
+from billing.records import MAX_RECORD_WALL_US, MAX_TOKENS, IdleRecord, UsageRecord
 from tests.billing.factories import START_US, US_PER_HOUR, gpu_usage, idle, missed, usage
 
 
@@ -119,9 +119,9 @@ def test_digest_ignores_label_order_and_enum_spelling() -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(
-    unit_us=st.integers(0, 2**63 - 1),
-    prompt=st.integers(0, 10**9),
-    completion=st.integers(0, 10**9),
+    unit_us=st.integers(0, 4 * MAX_RECORD_WALL_US),     # the factory's num_units is 4
+    prompt=st.integers(0, MAX_TOKENS),
+    completion=st.integers(0, MAX_TOKENS),
     labels=st.dictionaries(
         st.from_regex(r"[a-z][a-z0-9_]{0,10}", fullmatch=True),
         st.text(st.characters(min_codepoint=32, max_codepoint=0x2FFF, exclude_characters="\x7f"),
