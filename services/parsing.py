@@ -5,11 +5,13 @@ is not UTF-8) comes back UNKNOWN "Unexpected DecodeError", before authentication
 Here the bytes are measured first (a method may refuse more than any valid request holds, before parsing),
 then parsed, and a failure is an errors.MalformedRequest or errors.RequestTooLarge through `rpc_errors`, like
 every other refusal: INVALID_ARGUMENT / OUT_OF_RANGE with an ErrorInfo, and a BadRequest naming the field when
-a short scan of the wire format finds it. Unary-request methods only (ours all are).
+a short scan of the wire format finds it. A client-streaming method (reflection's) has each message parsed as
+its handler reads it. grpcio's own servicers (health, reflection) are registered here too: services/standard.py.
 """
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable
 
 import grpc
@@ -29,12 +31,17 @@ def add_servicer(server: grpc.aio.Server, service: _descriptor.ServiceDescriptor
     each request before it is parsed (None: the server's receive limit only)."""
     handlers = {}
     for method in service.methods:
-        if method.client_streaming:
-            raise TypeError(f"{method.full_name}: only unary requests are parsed here")
+        if _not_implemented(servicer, method.name):
+            continue        # unregistered: gRPC itself answers UNIMPLEMENTED, as for any unknown method
         parse = _parser(method, max_request_bytes)
         behavior = getattr(servicer, method.name)
         serialize = message_factory.GetMessageClass(method.output_type).SerializeToString
-        if method.server_streaming:
+        if method.client_streaming and method.server_streaming:
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(
+                _bidirectional(behavior, parse, method.name), response_serializer=serialize)
+        elif method.client_streaming:
+            raise TypeError(f"{method.full_name}: client streaming with a unary reply is not parsed here")
+        elif method.server_streaming:
             handlers[method.name] = grpc.unary_stream_rpc_method_handler(
                 _streaming(behavior, parse, method.name), response_serializer=serialize)
         else:
@@ -42,6 +49,12 @@ def add_servicer(server: grpc.aio.Server, service: _descriptor.ServiceDescriptor
                 _unary(behavior, parse, method.name), response_serializer=serialize)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     server.add_registered_method_handlers(service.full_name, handlers)
+
+
+def _not_implemented(servicer: object, name: str) -> bool:
+    """The servicer inherits the generated base class's method, which only raises NotImplementedError
+    (grpcio-health-checking's aio servicer has no List)."""
+    return getattr(type(servicer), name).__module__.endswith("_pb2_grpc")
 
 
 def _unary(behavior, parse, name: str):
@@ -53,11 +66,28 @@ def _unary(behavior, parse, name: str):
 
 
 def _streaming(behavior, parse, name: str):
+    if not inspect.isasyncgenfunction(behavior):
+        # a coroutine that writes its replies with context.write (grpcio-health-checking's Watch)
+        return _unary(behavior, parse, name)
+
     async def handler(raw: bytes, context: grpc.aio.ServicerContext):
         async with rpc_errors(context, name):
             request = parse(raw)
         # closed with this handler, whatever ends it (a cancelled call too): its own cleanup runs at once
         async with contextlib.aclosing(behavior(request, context)) as responses:
+            async for response in responses:
+                yield response
+    return handler
+
+
+def _bidirectional(behavior, parse, name: str):
+    async def handler(raw_requests, context: grpc.aio.ServicerContext):
+        async def requests():
+            async for raw in raw_requests:
+                async with rpc_errors(context, name):     # aborts the call: the servicer's loop ends there
+                    request = parse(raw)
+                yield request
+        async with contextlib.aclosing(behavior(requests(), context)) as responses:
             async for response in responses:
                 yield response
     return handler

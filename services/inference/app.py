@@ -12,15 +12,14 @@ from pathlib import Path
 
 import grpc
 import structlog
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from billing.db import data_dir
 from services.metering.app import MAX_MESSAGE_BYTES as METERING_MAX_MESSAGE_BYTES
 from services.metering.app import server_credentials
-from services.reflection import enable_reflection
+from services.standard import SERVICE_NAMES as STANDARD_SERVICES, add_health, enable_reflection
 from zeroqueue.inference.v1 import inference_pb2
 from .admission import AdmissionConfig, AdmissionController
 from .clock import Clock
@@ -177,11 +176,10 @@ class InferenceApp:
         self.server = grpc.aio.server(options=[*SERVER_OPTIONS, ("grpc.max_receive_message_length",
                                                                  self.receive_bytes(context_length))])
         self.servicer.add_to_server(self.server, context_length)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        add_health(self.server, self.health)
         hosted = self.link.attach(self.server)
-        # method names resolve too (grpcurl describe pkg.Service.Method): services/reflection.py
-        enable_reflection((INFERENCE_SERVICE, *hosted, health_pb2.DESCRIPTOR.services_by_name[
-            "Health"].full_name, reflection.SERVICE_NAME), self.server)
+        # method names resolve too (grpcurl describe pkg.Service.Method): services/standard.py
+        enable_reflection((INFERENCE_SERVICE, *hosted, *STANDARD_SERVICES), self.server)
         address = f"{self.config.host}:{self.config.port}"
         if self.credentials is None:
             self.port = self.server.add_insecure_port(address)
@@ -194,7 +192,7 @@ class InferenceApp:
         await self.server.start()
         if self.config.health_port is not None:
             self.health_server = grpc.aio.server()
-            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            add_health(self.health_server, self.health)
             self.health_server.add_insecure_port(f"{self.config.host}:{self.config.health_port}")
             await self.health_server.start()
         self.link.start()

@@ -7,14 +7,13 @@ from pathlib import Path
 
 import grpc
 import structlog
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
 from sqlalchemy.orm import Session, sessionmaker
 
 from billing.db import make_engine, session_factory
 from services.auth import Authenticator, LedgerAuthenticator
-from services.reflection import enable_reflection
+from services.standard import SERVICE_NAMES as STANDARD_SERVICES, add_health, enable_reflection
 from services.parsing import add_servicer
 from zeroqueue.metering.v1 import metering_pb2
 from .schema import check_schema_at_head
@@ -22,7 +21,6 @@ from .server import MeteringServicer
 
 log = structlog.get_logger(__name__)
 METERING_SERVICE = metering_pb2.DESCRIPTOR.services_by_name["Metering"].full_name
-HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 LIVENESS = "liveness"
 DEFAULT_PORT = 50052
 MAX_MESSAGE_BYTES = 16 << 20    # a full RecordUsage batch (10,000 records) fits with room to spare
@@ -65,8 +63,8 @@ class MeteringApp:
         revision = await asyncio.to_thread(check_schema_at_head, self.engine)
         self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
         add_metering_to_server(self.server, self.sessions, self.authenticator)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        enable_reflection((METERING_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), self.server)
+        add_health(self.server, self.health)
+        enable_reflection((METERING_SERVICE, *STANDARD_SERVICES), self.server)
         address = f"{self.host}:{self.port}"
         if self.credentials is None:
             self.port = self.server.add_insecure_port(address)
