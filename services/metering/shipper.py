@@ -78,9 +78,9 @@ class LedgerSink:
 
 
 _DEAD_STATUSES = {pb.RECORD_STATUS_CONFLICT: "conflict", pb.RECORD_STATUS_INVALID: "invalid"}
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
-              grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INTERNAL,
-              grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED}
+# a refusal of the batch's content: some record (or the batch's size) is at fault, not the ledger's state. Any
+# other code (unreachable, overloaded, a key or an endpoint an operator must fix) keeps the records for a retry
+_REFUSES_CONTENT = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
 
 
 class GrpcSink:
@@ -92,15 +92,31 @@ class GrpcSink:
         self.timeout_s = timeout_s
 
     async def deliver(self, usage: Sequence[UsageRecord], idle: Sequence[IdleRecord]) -> list[Ack]:
+        """The batch's acks. A batch refused for its content is halved until the records at fault stand alone
+        (each then dead-lettered with the refusal): one bad record never holds back the others' delivery."""
         request = pb.RecordUsageRequest(records=[usage_to_pb(r) for r in usage], idle=[idle_to_pb(r) for r in idle])
         try:
             reply = await self.stub.RecordUsage(request, metadata=self.metadata, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() in _RETRYABLE:        # a key problem is an operator's to fix; keep the records
+            if exc.code() not in _REFUSES_CONTENT:
                 raise SinkUnavailable(f"{exc.code().name}: {exc.details()}") from exc
-            raise
+            if len(usage) + len(idle) == 1:
+                record_id = usage[0].request_id if usage else idle[0].record_id
+                return [Ack(record_id, Delivery.DEAD, f"refused: {exc.code().name}: {exc.details()}")]
+            return await self._halves(list(usage), list(idle))
         return [Ack(r.id, Delivery.DEAD, f"{_DEAD_STATUSES[r.status]}: {r.message}") if r.status in _DEAD_STATUSES
                 else Ack(r.id, Delivery.DELIVERED) for r in (*reply.records, *reply.idle)]
+
+    async def _halves(self, usage: list[UsageRecord], idle: list[IdleRecord]) -> list[Ack]:
+        # a half delivered before the other finds the ledger away is sent again later: the ledger's
+        # idempotent ingest acknowledges the repeat as delivered
+        if usage and idle:
+            return await self.deliver(usage, []) + await self.deliver([], idle)
+        if usage:
+            middle = len(usage) // 2
+            return await self.deliver(usage[:middle], []) + await self.deliver(usage[middle:], [])
+        middle = len(idle) // 2
+        return await self.deliver([], idle[:middle]) + await self.deliver([], idle[middle:])
 
 
 class Shipper:
