@@ -72,6 +72,7 @@ class Book:
     t0: float = field(default_factory=time.monotonic)
     cpu_cores: dict[str, float] = field(default_factory=dict)
     in_flight: Counter = field(default_factory=Counter)        # (tenant, request_id) of SDK calls not ended
+    shared: set = field(default_factory=set)   # keys two of whose calls ran at once: either may be "in use"
     wrong_in_use: int = 0           # ALREADY_EXISTS for an id its tenant had no call running with
 
     def count(self, kind: str, code: str, reason: str) -> None:
@@ -102,7 +103,10 @@ async def sdk_call(client: AsyncClient, tenant: int, kind: str, request_id: str,
                                  labels={"team": f"team-{tenant}", "cost_center": "soak"})
     cancel_after = rng.randint(1, 4) if kind == "cancel" else 0
     code, reason, chunks, key = "OK", "", 0, (tenant, request_id)
-    was_in_flight = book.in_flight[key] > 0
+    if book.in_flight[key] > 0:
+        # either call may reach the server first (the same channel does not order handlers): both are judged
+        # as overlapping, not only the one that started second
+        book.shared.add(key)
     book.in_flight[key] += 1
     try:
         async for _ in generation:
@@ -115,12 +119,13 @@ async def sdk_call(client: AsyncClient, tenant: int, kind: str, request_id: str,
         code, reason = error.code.name, error.reason
     except Exception as error:  # noqa: BLE001 - a soak records what the client hit and goes on
         code, reason = "CLIENT_ERROR", type(error).__name__
+    # ids are the tenant's own: ALREADY_EXISTS is right only while another of this tenant's calls with the id runs
+    book.wrong_in_use += code == "ALREADY_EXISTS" and key not in book.shared
     if not (left := book.in_flight[key] - 1):
         del book.in_flight[key]                       # a 30-min run would otherwise keep every id it sent
+        book.shared.discard(key)
     else:
         book.in_flight[key] = left
-    # ids are the tenant's own: ALREADY_EXISTS is right only while this tenant's call with the id runs
-    book.wrong_in_use += code == "ALREADY_EXISTS" and not was_in_flight
     result, admission = generation.result, generation.admission
     if admission is not None:
         book.admitted[admission.call_id] = (tenant, result.usage.device_us if result else None)
