@@ -8,7 +8,7 @@ MODEL ?= services/inference/bundled/zq-python-tiny
 ZEROQUEUE_HOME ?= $(HOME)/.zeroqueue
 export ZEROQUEUE_HOME
 
-.PHONY: install install-dev kernels protos check-protos serve test test-fast lint lint-deploy bench-decode gpu-wheels clean
+.PHONY: install install-dev kernels protos check-protos serve lint format test test-fast lint-deploy gpu-wheels clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,7 +47,16 @@ serve: install
 	$(VENV)/bin/zeroqueue migrate
 	$(VENV)/bin/zeroqueue serve --model $(MODEL) --demo-tenant demo --metrics-port 9464
 
-test: install-dev
+# ruff: the linter and the formatter (pyproject.toml [tool.ruff]); `make format` applies the formatter
+lint: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+test: install-dev lint
 	$(PY) -m pytest -q
 
 test-fast: install-dev

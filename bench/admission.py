@@ -13,6 +13,7 @@ server (`--engine-thread`). Reports, per arm:
 
     python bench/admission.py [--model DIR] [--requests 10000] [--arms engine-process,engine-thread]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,18 +34,20 @@ from grpc_status import rpc_status
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from services.client.auth import authorized_channel  # noqa: E402
-from services.pulse.replicas import BUNDLED_MODEL, start_replica  # noqa: E402
 from zeroqueue.inference.v1 import inference_pb2 as pb  # noqa: E402
 from zeroqueue.inference.v1 import inference_pb2_grpc  # noqa: E402
+
+from services.client.auth import authorized_channel  # noqa: E402
+from services.pulse.replicas import BUNDLED_MODEL, start_replica  # noqa: E402
 
 
 def keep_busy(stub, stop: threading.Event, errors: list) -> None:
     """One slot's worth of load: back-to-back long generations until told to stop."""
     while not stop.is_set():
         try:
-            for _ in stub.Generate(pb.GenerateRequest(prompt="def main():", max_tokens=400, temperature=0.8),
-                                   timeout=600):
+            for _ in stub.Generate(
+                pb.GenerateRequest(prompt="def main():", max_tokens=400, temperature=0.8), timeout=600
+            ):
                 if stop.is_set():
                     break
         except grpc.RpcError as error:
@@ -89,21 +92,25 @@ ARMS = {"engine-process": [], "engine-thread": ["--engine-thread"]}
 def run_arm(args: argparse.Namespace, flags: list[str]) -> dict:
     """One replica, loaded and refusing `args.requests` calls; its decision and rejection latencies."""
     workdir = Path(tempfile.mkdtemp(prefix="zq-admission-"))
-    replica = start_replica(args.model, "deadline", workdir,
-                            ["--max-batch", str(args.slots), "--max-seq-len", "512", *flags])
+    replica = start_replica(
+        args.model, "deadline", workdir, ["--max-batch", str(args.slots), "--max-seq-len", "512", *flags]
+    )
     stop, errors = threading.Event(), []
     stub = inference_pb2_grpc.InferenceStub(authorized_channel(replica.address, replica.api_key))
     loaders = [threading.Thread(target=keep_busy, args=(stub, stop, errors), daemon=True) for _ in range(args.slots)]
     try:
         for t in loaders:
             t.start()
-        time.sleep(2.0)                                 # let every slot fill
+        time.sleep(2.0)  # let every slot fill
         client_ms, codes = [], {}
         for i in range(args.requests):
             t0 = time.perf_counter()
             try:
-                list(stub.Generate(pb.GenerateRequest(prompt="x = 1", max_tokens=64, request_id=f"bench-{i}"),
-                                   timeout=60))
+                list(
+                    stub.Generate(
+                        pb.GenerateRequest(prompt="x = 1", max_tokens=64, request_id=f"bench-{i}"), timeout=60
+                    )
+                )
                 codes["OK"] = codes.get("OK", 0) + 1
             except grpc.RpcError as error:
                 elapsed_ms = (time.perf_counter() - t0) * 1000
@@ -119,20 +126,31 @@ def run_arm(args: argparse.Namespace, flags: list[str]) -> dict:
             t.join(30)
     name = "zeroqueue_admission_seconds"
     return {
-        "codes": codes, "loader_errors": sorted(set(errors)),
-        "cost_model": {name: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                       for name in ("zeroqueue_cost_model_ratio", "zeroqueue_cost_model_deviation")
-                       if line.startswith(name + " ")},
-        "server_decision_ms": {"p50": round(histogram_quantile(text, name, 0.5) * 1000, 3),
-                               "p99": round(histogram_quantile(text, name, 0.99) * 1000, 3),
-                               "note": "all admission decisions of the run, loaders included; 50 µs buckets"},
+        "codes": codes,
+        "loader_errors": sorted(set(errors)),
+        "cost_model": {
+            name: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            for name in ("zeroqueue_cost_model_ratio", "zeroqueue_cost_model_deviation")
+            if line.startswith(name + " ")
+        },
+        "server_decision_ms": {
+            "p50": round(histogram_quantile(text, name, 0.5) * 1000, 3),
+            "p99": round(histogram_quantile(text, name, 0.99) * 1000, 3),
+            "note": "all admission decisions of the run, loaders included; 50 µs buckets",
+        },
         "server_refusal_reply_ms": {
             "p50": round(histogram_quantile(text, "zeroqueue_refusal_reply_seconds", 0.5) * 1000, 3),
             "p99": round(histogram_quantile(text, "zeroqueue_refusal_reply_seconds", 0.99) * 1000, 3),
-            "note": "arrival to the refusal handed to gRPC (decision, status details); all refusals"},
-        "client_rejection_ms": {"p50": round(statistics.median(client_ms), 3),
-                                "p99": round(percentile(client_ms, 0.99), 3),
-                                "max": round(max(client_ms), 3)} if client_ms else None,
+            "note": "arrival to the refusal handed to gRPC (decision, status details); all refusals",
+        },
+        "client_rejection_ms": {
+            "p50": round(statistics.median(client_ms), 3),
+            "p99": round(percentile(client_ms, 0.99), 3),
+            "max": round(max(client_ms), 3),
+        }
+        if client_ms
+        else None,
     }
 
 
@@ -143,16 +161,22 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
     args = parser.parse_args()
-    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-              "model": args.model.name, "slots": args.slots, "requests": args.requests, "arms": {}}
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "model": args.model.name,
+        "slots": args.slots,
+        "requests": args.requests,
+        "arms": {},
+    }
     for arm in args.arms.split(","):
         report["arms"][arm] = run_arm(args, ARMS[arm])
         print(json.dumps({arm: report["arms"][arm]}), file=sys.stderr, flush=True)
     if len(report["arms"]) > 1:
         p99 = {arm: r["server_decision_ms"]["p99"] for arm, r in report["arms"].items()}
         report["decision_p99_ratio_process_over_thread"] = round(
-            p99.get("engine-process", 0) / max(p99.get("engine-thread", 1e-9), 1e-9), 3)
+            p99.get("engine-process", 0) / max(p99.get("engine-thread", 1e-9), 1e-9), 3
+        )
     print(json.dumps(report, indent=2))
 
 

@@ -12,6 +12,7 @@ every run makes the same decisions, so two source trees can be compared side by 
 Reports per tree and load: decisions, the share refused, decide() µs mean / P50 / P99, and the CPU seconds
 that decisions take per second of traffic (the share of a core the server's event loop spends deciding).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,14 +46,20 @@ print(json.dumps({{"timings_ns": timings_ns, "refused": refused}}))
 
 
 def run_once(tree: Path, load: float, seconds: float, pace: int) -> dict:
-    code = CHILD.format(tree=str(tree), driver=str(ROOT / "tests" / "inference" / "overload.py"), load=load,
-                        seconds=seconds, pace=pace)
+    code = CHILD.format(
+        tree=str(tree), driver=str(ROOT / "tests" / "inference" / "overload.py"), load=load, seconds=seconds, pace=pace
+    )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=tree)
     data = json.loads(out.stdout)
     t = sorted(data["timings_ns"])
-    return {"decisions": len(t), "refused": data["refused"], "mean_us": statistics.fmean(t) / 1000,
-            "p50_us": t[len(t) // 2] / 1000, "p99_us": t[min(int(0.99 * len(t)), len(t) - 1)] / 1000,
-            "cpu_share": sum(t) / 1e9 / seconds}
+    return {
+        "decisions": len(t),
+        "refused": data["refused"],
+        "mean_us": statistics.fmean(t) / 1000,
+        "p50_us": t[len(t) // 2] / 1000,
+        "p99_us": t[min(int(0.99 * len(t)), len(t) - 1)] / 1000,
+        "cpu_share": sum(t) / 1e9 / seconds,
+    }
 
 
 def main() -> None:
@@ -70,19 +77,40 @@ def main() -> None:
                 runs.setdefault((str(tree), load), []).append(run_once(tree, load, args.seconds, args.pace_tokens))
     rows = []
     for (tree, load), reps in runs.items():
-        rows.append({"tree": tree, "load": load, "decisions": reps[0]["decisions"], "refused": reps[0]["refused"],
-                     **{k: round(statistics.median(r[k] for r in reps), 3)
-                        for k in ("mean_us", "p50_us", "p99_us", "cpu_share")}})
-    print(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                      "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-                      "python": platform.python_version(), "pace_tokens": args.pace_tokens,
-                      "virtual_seconds": args.seconds, "reps": args.reps, "rows": rows}, indent=2))
+        rows.append(
+            {
+                "tree": tree,
+                "load": load,
+                "decisions": reps[0]["decisions"],
+                "refused": reps[0]["refused"],
+                **{
+                    k: round(statistics.median(r[k] for r in reps), 3)
+                    for k in ("mean_us", "p50_us", "p99_us", "cpu_share")
+                },
+            }
+        )
+    print(
+        json.dumps(
+            {
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+                "python": platform.python_version(),
+                "pace_tokens": args.pace_tokens,
+                "virtual_seconds": args.seconds,
+                "reps": args.reps,
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
     print("| tree | load | decisions | refused | decide µs mean / P50 / P99 | core share deciding |", file=sys.stderr)
     print("|---|---:|---:|---:|---:|---:|", file=sys.stderr)
     for r in rows:
-        print(f"| {Path(r['tree']).name} | {r['load']:g}× | {r['decisions']:,} | {r['refused']:,} | "
-              f"{r['mean_us']:.0f} / {r['p50_us']:.0f} / {r['p99_us']:.0f} | {100 * r['cpu_share']:.1f} % |",
-              file=sys.stderr)
+        print(
+            f"| {Path(r['tree']).name} | {r['load']:g}× | {r['decisions']:,} | {r['refused']:,} | "
+            f"{r['mean_us']:.0f} / {r['p50_us']:.0f} / {r['p99_us']:.0f} | {100 * r['cpu_share']:.1f} % |",
+            file=sys.stderr,
+        )
 
 
 if __name__ == "__main__":

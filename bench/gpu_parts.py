@@ -1,5 +1,6 @@
 """The parts of bench/gpu_check.py that run the model: each fills the dict it is given as it goes, so a part
 that fails later keeps what it measured before."""
+
 from __future__ import annotations
 
 import random
@@ -30,11 +31,21 @@ class Sink:
 
 def make_engine(ckpt: Checkpoint, device: str, max_batch: int, graphs: bool, max_seq_len: int = 512) -> Engine:
     """The engine on `device`, on plain torch (the CPU kernels are never the GPU's code)."""
-    executor = Executor(ckpt, ExecutorConfig(device=device, max_batch=max_batch, max_seq_len=max_seq_len,
-                                             kv_memory_bytes=16 << 30, use_cuda_graphs=graphs, use_kernels=False))
-    if graphs and executor.graphs is None:          # CPU dry run: the padded static path, not captured
-        executor.graphs = GraphRunner(executor.model, executor.backend, executor.num_slots, executor.max_seq_len,
-                                      executor.device, capture=False)
+    executor = Executor(
+        ckpt,
+        ExecutorConfig(
+            device=device,
+            max_batch=max_batch,
+            max_seq_len=max_seq_len,
+            kv_memory_bytes=16 << 30,
+            use_cuda_graphs=graphs,
+            use_kernels=False,
+        ),
+    )
+    if graphs and executor.graphs is None:  # CPU dry run: the padded static path, not captured
+        executor.graphs = GraphRunner(
+            executor.model, executor.backend, executor.num_slots, executor.max_seq_len, executor.device, capture=False
+        )
     return Engine(executor, ckpt.tokenizer, ())
 
 
@@ -43,8 +54,16 @@ def prompts(batch: int, vocab: int, seed: int, longest: int = 64) -> list[tuple[
     return [tuple(rng.randrange(1, vocab) for _ in range(rng.randint(4, longest))) for _ in range(batch)]
 
 
-def add_calls(engine: Engine, sink: Sink, name: str, batch: int, max_tokens: int, seed: int, longest: int = 64,
-              temperature: float = 0.0) -> None:
+def add_calls(
+    engine: Engine,
+    sink: Sink,
+    name: str,
+    batch: int,
+    max_tokens: int,
+    seed: int,
+    longest: int = 64,
+    temperature: float = 0.0,
+) -> None:
     for i, prompt in enumerate(prompts(batch, engine.executor.model.args.vocab_size, seed, longest)):
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i, ignore_eos=True)
         engine.add_request(Request(f"{name}-{i}", prompt, params, engine.clock()), sink)
@@ -77,8 +96,10 @@ def greedy_graph_vs_eager(out: dict, ckpt, device: str, batches: list[int], toke
             runs.append(sink.tokens)
         a, b = runs
         prefix = [next((j for j, (x, y) in enumerate(zip(a[k], b[k])) if x != y), tokens) for k in a]
-        out[str(batch)] = {"identical_sequences": f"{sum(a[k] == b[k] for k in a)}/{batch}",
-                           "min_identical_prefix": min(prefix)}
+        out[str(batch)] = {
+            "identical_sequences": f"{sum(a[k] == b[k] for k in a)}/{batch}",
+            "min_identical_prefix": min(prefix),
+        }
 
 
 def replay_vs_static(out: dict, ckpt, device: str, batches: list[int]) -> None:
@@ -91,13 +112,17 @@ def replay_vs_static(out: dict, ckpt, device: str, batches: list[int]) -> None:
         finish_prompts(engine)
         step = engine.scheduler.schedule(engine.clock())
         n = len(step.decodes)
-        with torch.inference_mode(), attention_kernels(engine.executor.device):    # the kernels the graph has
+        with torch.inference_mode(), attention_kernels(engine.executor.device):  # the kernels the graph has
             bucket = runner.prepare(step.decodes)
             static = runner.forward_static(bucket)[:n].float().clone()
             replayed = runner.replay(step.decodes)[0].float().clone()
-        out[str(batch)] = {"decoding": n, "bucket": list(bucket), "bitwise_equal": bool(torch.equal(static, replayed)),
-                           "max_abs_diff": float((static - replayed).abs().max()) if n else 0.0,
-                           "captured": bucket in runner.graphs}
+        out[str(batch)] = {
+            "decoding": n,
+            "bucket": list(bucket),
+            "bitwise_equal": bool(torch.equal(static, replayed)),
+            "max_abs_diff": float((static - replayed).abs().max()) if n else 0.0,
+            "captured": bucket in runner.graphs,
+        }
         run_all(engine)
 
 
@@ -106,20 +131,29 @@ def sampling_vs_cpu(out: dict, device: str, vocab: int, rows: int = 32) -> None:
     with each filter: the same tokens."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(rows, vocab, generator=g) * 4
-    kinds = [SamplingParams(), SamplingParams(top_p=0.9), SamplingParams(top_k=50), SamplingParams(temperature=0.0),
-             SamplingParams(temperature=0.7, top_k=40, top_p=0.95)]
+    kinds = [
+        SamplingParams(),
+        SamplingParams(top_p=0.9),
+        SamplingParams(top_k=50),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_k=40, top_p=0.95),
+    ]
     params = [SamplingParams(**{**kinds[i % len(kinds)].__dict__, "seed": i}) for i in range(rows)]
     draws = [random.Random(i).randrange(1000) for i in range(rows)]
     on_device = logits.to(device)
-    sample(on_device, params, draws)                    # warm-up
+    sample(on_device, params, draws)  # warm-up
     t0 = time.perf_counter()
     device_tokens = sample(on_device, params, draws)
     device_ms = (time.perf_counter() - t0) * 1e3
     t0 = time.perf_counter()
     host_tokens = sample(logits, params, draws)
     host_ms = (time.perf_counter() - t0) * 1e3
-    out |= {"rows": rows, "identical_tokens": f"{sum(a == b for a, b in zip(device_tokens, host_tokens))}/{rows}",
-            "sample_ms_device_logits": round(device_ms, 2), "sample_ms_host_logits": round(host_ms, 2)}
+    out |= {
+        "rows": rows,
+        "identical_tokens": f"{sum(a == b for a, b in zip(device_tokens, host_tokens))}/{rows}",
+        "sample_ms_device_logits": round(device_ms, 2),
+        "sample_ms_host_logits": round(host_ms, 2),
+    }
 
 
 @torch.inference_mode()
@@ -128,12 +162,19 @@ def first_logits(executor: Executor, prompt: tuple[int, ...]) -> torch.Tensor:
     n, dev = len(prompt), executor.device
     positions = torch.arange(n, device=dev)
     empty = torch.empty(0, dtype=torch.int64, device=dev)
-    meta = AttentionMetadata(slot_ids=torch.zeros(n, dtype=torch.int64, device=dev), positions=positions,
-                             num_decode=0, decode_slots=empty, decode_lens=empty, max_decode_len=0,
-                             prefills=(PrefillChunk(0, n, 0, 0),))
+    meta = AttentionMetadata(
+        slot_ids=torch.zeros(n, dtype=torch.int64, device=dev),
+        positions=positions,
+        num_decode=0,
+        decode_slots=empty,
+        decode_lens=empty,
+        max_decode_len=0,
+        prefills=(PrefillChunk(0, n, 0, 0),),
+    )
     with attention_kernels(dev):
-        logits = executor.model(torch.tensor(prompt, device=dev), positions, torch.tensor([n - 1], device=dev),
-                                executor.backend, meta)
+        logits = executor.model(
+            torch.tensor(prompt, device=dev), positions, torch.tensor([n - 1], device=dev), executor.backend, meta
+        )
     return logits[0].float().cpu()
 
 
@@ -142,9 +183,13 @@ def logits_vs_cpu(out: dict, ckpt, device: str, num_prompts: int = 4) -> None:
     subject, reference = (make_engine(ckpt, d, 1, graphs=False).executor for d in (device, "cpu"))
     for i, prompt in enumerate(prompts(num_prompts, ckpt.args.vocab_size, seed=100)):
         a, b = first_logits(subject, prompt), first_logits(reference, prompt)
-        out[f"prompt{i}"] = {"tokens": len(prompt), "max_abs_diff": round(float((a - b).abs().max()), 4),
-                             "logit_std": round(float(b.std()), 3), "same_argmax": int(a.argmax()) == int(b.argmax()),
-                             "top5_overlap": len(set(a.topk(5).indices.tolist()) & set(b.topk(5).indices.tolist()))}
+        out[f"prompt{i}"] = {
+            "tokens": len(prompt),
+            "max_abs_diff": round(float((a - b).abs().max()), 4),
+            "logit_std": round(float(b.std()), 3),
+            "same_argmax": int(a.argmax()) == int(b.argmax()),
+            "top5_overlap": len(set(a.topk(5).indices.tolist()) & set(b.topk(5).indices.tolist())),
+        }
 
 
 def _sync(device: str) -> None:
@@ -176,8 +221,11 @@ def decode_speed(out: dict, ckpt, device: str, batches: list[int], steps: int) -
     weights once, and every row's KV cache up to its length."""
     weight_bytes = sum(t.numel() * t.element_size() for name, t in ckpt.state_dict.items() if name != "lm_head.weight")
     bandwidth = copy_bandwidth(device, (1 << 30) if device.startswith("cuda") else (64 << 20))
-    out |= {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes_per_token(ckpt),
-            "copy_bandwidth_gbps": round(bandwidth / 1e9, 1)}
+    out |= {
+        "weight_bytes": weight_bytes,
+        "kv_bytes_per_token": kv_bytes_per_token(ckpt),
+        "copy_bandwidth_gbps": round(bandwidth / 1e9, 1),
+    }
     for graphs in (True, False):
         engine = make_engine(ckpt, device, max(batches), graphs, max_seq_len=256)
         for batch in batches:
@@ -192,9 +240,11 @@ def decode_speed(out: dict, ckpt, device: str, batches: list[int], steps: int) -
             elapsed = time.perf_counter() - t0
             floor_bytes = weight_bytes + (context + batch * steps // 2) * kv_bytes_per_token(ckpt)
             out[f"{'graph' if graphs else 'eager'}_b{batch}"] = {
-                "tokens_per_s": round(batch * steps / elapsed, 1), "step_ms": round(elapsed / steps * 1e3, 3),
+                "tokens_per_s": round(batch * steps / elapsed, 1),
+                "step_ms": round(elapsed / steps * 1e3, 3),
                 "device_step_ms_median": round(statistics.median(device_us) / 1e3, 3),
-                "floor_ms": round(floor_bytes / bandwidth * 1e3, 4)}
+                "floor_ms": round(floor_bytes / bandwidth * 1e3, 4),
+            }
             run_all(engine)
     for batch in batches:
         graph, eager = out[f"graph_b{batch}"], out[f"eager_b{batch}"]
@@ -211,18 +261,27 @@ def kernels_used(out: dict, ckpt, device: str, batch: int = 8) -> None:
         engine = make_engine(ckpt, device, batch, graphs, max_seq_len=256)
         add_calls(engine, Sink(), "k", batch, 8, seed=3, longest=16)
         finish_prompts(engine)
-        engine.step()                                   # warm: the profile sees a steady step
+        engine.step()  # warm: the profile sees a steady step
         with profile(activities=[activity]) as prof:
             report = engine.step()
             _sync(device)
-        events = [e for e in prof.key_averages() if (e.device_time_total if activity == ProfilerActivity.CUDA
-                                                     else e.self_cpu_time_total) > 0]
-        key = (lambda e: e.device_time_total) if activity == ProfilerActivity.CUDA else (lambda e: e.self_cpu_time_total)
+        events = [
+            e
+            for e in prof.key_averages()
+            if (e.device_time_total if activity == ProfilerActivity.CUDA else e.self_cpu_time_total) > 0
+        ]
+        key = (
+            (lambda e: e.device_time_total) if activity == ProfilerActivity.CUDA else (lambda e: e.self_cpu_time_total)
+        )
         events.sort(key=key, reverse=True)
         names = [e.key for e in events]
         out["graph_replay" if graphs else "eager_step"] = {
             "used_graph": report.result.used_graph,
-            "attention": [n[:160] for n in names if any(w in n.lower() for w in (
-                "attention", "fmha", "flash", "cudnn", "sdpa", "softmax"))][:8],
-            "top": [{"name": e.key[:160], "us": round(key(e), 1), "calls": e.count} for e in events[:12]]}
+            "attention": [
+                n[:160]
+                for n in names
+                if any(w in n.lower() for w in ("attention", "fmha", "flash", "cudnn", "sdpa", "softmax"))
+            ][:8],
+            "top": [{"name": e.key[:160], "us": round(key(e), 1), "calls": e.count} for e in events[:12]],
+        }
         run_all(engine)

@@ -13,6 +13,7 @@ both sides alike:
 
     python bench/kernels.py [--dtypes bfloat16,float32] [--reps 9] [--skip-ops] [--paths-only]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,12 @@ from services.inference import kernels  # noqa: E402
 HIDDEN, INTERMEDIATE, VOCAB, LAYERS = 576, 1536, 49152, 30
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 # (name, N, K) per layer; qkv and gate_up are the fused projections the executor uses.
-LAYER_SHAPES = (("qkv", 960, HIDDEN), ("o", HIDDEN, HIDDEN), ("gate_up", 2 * INTERMEDIATE, HIDDEN),
-                ("down", HIDDEN, INTERMEDIATE))
+LAYER_SHAPES = (
+    ("qkv", 960, HIDDEN),
+    ("o", HIDDEN, HIDDEN),
+    ("gate_up", 2 * INTERMEDIATE, HIDDEN),
+    ("down", HIDDEN, INTERMEDIATE),
+)
 OP_SHAPES = (*LAYER_SHAPES, ("lm_head", VOCAB, HIDDEN))
 
 
@@ -106,15 +111,15 @@ def bench_stream(ops: kernels.CpuOps, dtype: torch.dtype, reps: int, probe: Band
     """The memory bandwidth of this VM moves by tens of percent within seconds, so the probe takes turns
     with the two steps and the roofline of each row comes from the probe passes of that row."""
     gen = torch.Generator().manual_seed(1)
-    weights = [[(torch.randn(n, k, generator=gen).to(dtype), n, k) for _, n, k in LAYER_SHAPES]
-               for _ in range(LAYERS)]
+    weights = [[(torch.randn(n, k, generator=gen).to(dtype), n, k) for _, n, k in LAYER_SHAPES] for _ in range(LAYERS)]
     weights.append([(torch.randn(VOCAB, HIDDEN, generator=gen).to(dtype), VOCAB, HIDDEN)])
     packed = [[(ops.pack_linear(w), n, k) for w, n, k in layer] for layer in weights]
     num_bytes = sum(w.numel() * w.element_size() for layer in weights for w, _, _ in layer)
-    print(f"\n### full weight stream, {str(dtype).removeprefix('torch.')}: {LAYERS} layers + lm_head, "
-          f"{num_bytes / 1e6:.0f} MB; ms/step median (min)\n")
-    print("| M | F.linear | zeroqueue | speedup | zeroqueue tok/s | zeroqueue GB/s | probe GB/s | "
-          "% of roofline |")
+    print(
+        f"\n### full weight stream, {str(dtype).removeprefix('torch.')}: {LAYERS} layers + lm_head, "
+        f"{num_bytes / 1e6:.0f} MB; ms/step median (min)\n"
+    )
+    print("| M | F.linear | zeroqueue | speedup | zeroqueue tok/s | zeroqueue GB/s | probe GB/s | % of roofline |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for m in (1, 8, 32):
         xs = {k: torch.randn(m, k, generator=gen).to(dtype) for k in (HIDDEN, INTERMEDIATE)}
@@ -131,10 +136,12 @@ def bench_stream(ops: kernels.CpuOps, dtype: torch.dtype, reps: int, probe: Band
 
         ref, ours, reads = time_interleaved([torch_step, our_step, probe], reps)
         ours_s, probe_gbs = statistics.median(ours), probe.gbs(statistics.median(reads))
-        print(f"| {m} | {statistics.median(ref) * 1e3:.1f} ({min(ref) * 1e3:.1f}) | {ours_s * 1e3:.1f} "
-              f"({min(ours) * 1e3:.1f}) | {statistics.median(ref) / ours_s:.2f}× | {m / ours_s:,.0f} | "
-              f"{num_bytes / ours_s / 1e9:.1f} | {probe_gbs:.1f} | "
-              f"{100 * num_bytes / probe_gbs / 1e9 / ours_s:.0f}% |")
+        print(
+            f"| {m} | {statistics.median(ref) * 1e3:.1f} ({min(ref) * 1e3:.1f}) | {ours_s * 1e3:.1f} "
+            f"({min(ours) * 1e3:.1f}) | {statistics.median(ref) / ours_s:.2f}× | {m / ours_s:,.0f} | "
+            f"{num_bytes / ours_s / 1e9:.1f} | {probe_gbs:.1f} | "
+            f"{100 * num_bytes / probe_gbs / 1e9 / ours_s:.0f}% |"
+        )
 
 
 def sdpa_decode(q, k_cache, v_cache, slots, lengths, scale):
@@ -143,14 +150,17 @@ def sdpa_decode(q, k_cache, v_cache, slots, lengths, scale):
     k = k_cache[slots, :, :max_len]
     v = v_cache[slots, :, :max_len]
     mask = torch.arange(max_len)[None, :] < lengths[:, None]
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale,
-                                         enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+    )
     return out.squeeze(2)
 
 
 def bench_attention(ops: kernels.CpuOps, dtype: torch.dtype, reps: int) -> None:
-    print(f"\n### decode attention, {str(dtype).removeprefix('torch.')}: one layer, H={HEADS}, KVH={KV_HEADS}, "
-          f"D={HEAD_DIM}; µs median (min)\n")
+    print(
+        f"\n### decode attention, {str(dtype).removeprefix('torch.')}: one layer, H={HEADS}, KVH={KV_HEADS}, "
+        f"D={HEAD_DIM}; µs median (min)\n"
+    )
     print("| B | context | masked SDPA | zeroqueue.decode_attention | speedup |")
     print("|---:|---:|---:|---:|---:|")
     gen = torch.Generator().manual_seed(2)
@@ -162,10 +172,15 @@ def bench_attention(ops: kernels.CpuOps, dtype: torch.dtype, reps: int) -> None:
         slots = torch.arange(batch)
         lengths = torch.full((batch,), context)
         scale = 1 / math.sqrt(HEAD_DIM)
-        ref, ours = time_pair(lambda: sdpa_decode(q, k_cache, v_cache, slots, lengths, scale),
-                              lambda: ops.decode_attention(q, k_cache, v_cache, slots, lengths, scale), reps)
-        print(f"| {batch} | {context} | {fmt_us(ref)} | {fmt_us(ours)} | "
-              f"{statistics.median(ref) / statistics.median(ours):.2f}× |")
+        ref, ours = time_pair(
+            lambda: sdpa_decode(q, k_cache, v_cache, slots, lengths, scale),
+            lambda: ops.decode_attention(q, k_cache, v_cache, slots, lengths, scale),
+            reps,
+        )
+        print(
+            f"| {batch} | {context} | {fmt_us(ref)} | {fmt_us(ours)} | "
+            f"{statistics.median(ref) / statistics.median(ours):.2f}× |"
+        )
 
 
 def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -185,9 +200,10 @@ def bench_small_ops(ops: kernels.CpuOps, dtype: torch.dtype, reps: int) -> None:
         x = torch.randn(m, HIDDEN, generator=gen).to(dtype)
         gate_up = torch.randn(m, 2 * INTERMEDIATE, generator=gen).to(dtype)
         gate, up = gate_up.split(INTERMEDIATE, -1)
-        cases = (("rms_norm", 2 * LAYERS + 1, lambda: hf_rms_norm(x, weight, 1e-5),
-                  lambda: ops.rms_norm(x, weight, 1e-5)),
-                 ("silu_mul", LAYERS, lambda: F.silu(gate) * up, lambda: ops.silu_mul(gate_up)))
+        cases = (
+            ("rms_norm", 2 * LAYERS + 1, lambda: hf_rms_norm(x, weight, 1e-5), lambda: ops.rms_norm(x, weight, 1e-5)),
+            ("silu_mul", LAYERS, lambda: F.silu(gate) * up, lambda: ops.silu_mul(gate_up)),
+        )
         for name, per_step, ref_fn, our_fn in cases:
             ref, ours = time_pair(ref_fn, our_fn, reps * 20)
             saved_ms = per_step * (statistics.median(ref) - statistics.median(ours)) * 1e3
@@ -200,20 +216,28 @@ def bench_bf16_paths(ops: kernels.CpuOps, reps: int, probe: BandwidthProbe) -> N
     names = [name for name in ops.bf16_paths if name != "amx" or kernels.amx_available()]
     variants = [dataclasses.replace(ops, bf16_path=kernels.BF16_PATHS.index(name)) for name in names]
     gen = torch.Generator().manual_seed(2)
-    packed = [(ops.pack_linear(torch.randn(n, k, generator=gen).to(torch.bfloat16)), n, k)
-              for _ in range(LAYERS) for _, n, k in LAYER_SHAPES]
+    packed = [
+        (ops.pack_linear(torch.randn(n, k, generator=gen).to(torch.bfloat16)), n, k)
+        for _ in range(LAYERS)
+        for _, n, k in LAYER_SHAPES
+    ]
     packed.append((ops.pack_linear(torch.randn(VOCAB, HIDDEN, generator=gen).to(torch.bfloat16)), VOCAB, HIDDEN))
     num_bytes = sum(p.numel() * 2 for p, _, _ in packed)
-    print(f"\n### bf16 linear paths: the full weight stream ({num_bytes / 1e6:.0f} MB), ms/step median (min); "
-          f"this process chose {ops.bf16_path_name}\n")
+    print(
+        f"\n### bf16 linear paths: the full weight stream ({num_bytes / 1e6:.0f} MB), ms/step median (min); "
+        f"this process chose {ops.bf16_path_name}\n"
+    )
     print("| M | " + " | ".join(names) + " | probe GB/s |")
     print("|---:|" + "---:|" * (len(names) + 1))
     for m in (1, 8, 32, 128):
         xs = {k: torch.randn(m, k, generator=gen).to(torch.bfloat16) for k in (HIDDEN, INTERMEDIATE)}
         steps = [functools.partial(_stream, variant, packed, xs) for variant in variants]
         *times, reads = time_interleaved([*steps, probe], max(3, reps // 2) if m == 128 else reps)
-        print(f"| {m} | " + " | ".join(f"{statistics.median(t) * 1e3:.1f} ({min(t) * 1e3:.1f})" for t in times)
-              + f" | {probe.gbs(statistics.median(reads)):.1f} |")
+        print(
+            f"| {m} | "
+            + " | ".join(f"{statistics.median(t) * 1e3:.1f} ({min(t) * 1e3:.1f})" for t in times)
+            + f" | {probe.gbs(statistics.median(reads)):.1f} |"
+        )
 
 
 def _stream(ops: kernels.CpuOps, packed: list, xs: dict) -> None:
@@ -238,9 +262,11 @@ def main() -> None:
     ops = kernels.load_cpu_ops()
     if ops is None:
         sys.exit(f"CPU kernels unavailable: {kernels.reason_unavailable()}")
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    print(f"{now}; {machine()}; {ops.isa} kernels; {torch.get_num_threads()} threads; load average "
-          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    print(
+        f"{now}; {machine()}; {ops.isa} kernels; {torch.get_num_threads()} threads; load average "
+        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}"
+    )
     probe = BandwidthProbe()
     best = max(probe.gbs(t) for t in time_interleaved([probe], 8)[0])
     print(f"read bandwidth: best {best:.1f} GB/s over 8 full passes of a 512 MB buffer (torch.sum, torch.mv)")

@@ -89,9 +89,10 @@ def direct_ingest(url: str, batches: list[list[UsageRecord]]) -> None:
 def grpc_ingest(url: str, batches: list[list[UsageRecord]]) -> None:
     """Metering.RecordUsage on a loopback port, like the outbox shipper: one call per batch, each acknowledged
     before the next is sent. Timed end to end: service start (about 0.1 s), protobuf encoding, auth, ingest."""
+    from zeroqueue.metering.v1 import metering_pb2 as pb
+
     from services.metering.inprocess import MeteringThread
     from services.metering.server import usage_to_pb
-    from zeroqueue.metering.v1 import metering_pb2 as pb
 
     engine = make_engine(url)
     try:
@@ -170,15 +171,28 @@ def make_records(count: int, prefix: str) -> list[UsageRecord]:
         model, unit = MODELS[i % len(MODELS)]
         gpu = unit == "sm_us"
         finished = start_us + 1_000_000 + i * 1_000
-        records.append(UsageRecord(
-            request_id=f"{prefix}-{i:08d}", tenant=f"tenant-{i % NUM_TENANTS}",
-            labels={"cost_center": f"cc-{i % 20}", "team": f"team-{i % 10}"}, model=model,
-            device_kind="cuda" if gpu else "cpu", device_id="GPU-bench" if gpu else "cpu:bench", unit=unit,
-            num_units=132 if gpu else 4, unit_us=1_000 + i % 997 * 1_000, prompt_tokens=i % 500,
-            completion_tokens=i % 200, received_at_us=finished - 50_000, dispatched_at_us=finished - 40_000,
-            first_token_at_us=finished - 30_000, finished_at_us=finished, deadline_at_us=finished + 10_000,
-            deadline_met=True, outcome="ok",
-        ))
+        records.append(
+            UsageRecord(
+                request_id=f"{prefix}-{i:08d}",
+                tenant=f"tenant-{i % NUM_TENANTS}",
+                labels={"cost_center": f"cc-{i % 20}", "team": f"team-{i % 10}"},
+                model=model,
+                device_kind="cuda" if gpu else "cpu",
+                device_id="GPU-bench" if gpu else "cpu:bench",
+                unit=unit,
+                num_units=132 if gpu else 4,
+                unit_us=1_000 + i % 997 * 1_000,
+                prompt_tokens=i % 500,
+                completion_tokens=i % 200,
+                received_at_us=finished - 50_000,
+                dispatched_at_us=finished - 40_000,
+                first_token_at_us=finished - 30_000,
+                finished_at_us=finished,
+                deadline_at_us=finished + 10_000,
+                deadline_met=True,
+                outcome="ok",
+            )
+        )
     return records
 
 
@@ -196,8 +210,14 @@ def bare_insert(url: str, batches: list[list[UsageRecord]]) -> None:
             for record in batch:
                 row = record.to_payload()
                 del row["tenant"]
-                row.update(request_id="bare-" + record.request_id, tenant_id=1, cost_center=record.cost_center,
-                           team=record.team, payload_digest="-", ingested_at_us=0)
+                row.update(
+                    request_id="bare-" + record.request_id,
+                    tenant_id=1,
+                    cost_center=record.cost_center,
+                    team=record.team,
+                    payload_digest="-",
+                    ingested_at_us=0,
+                )
                 rows.append(row)
             with unit_of_work(sessions) as session:
                 session.execute(insert(UsageRow.__table__), rows)
@@ -243,20 +263,30 @@ def generate_usage(engine: Engine, count: int, now_us: int) -> None:
     finished = period.start_us + 1_000_000 + i * step_us
     labels = literal('{"cost_center":"cc-') + cast(i % 20, String) + '","team":"team-' + cast(i % 10, String) + '"}'
     columns = {
-        "request_id": _text("bulk-", i), "tenant_id": 1 + i % NUM_TENANTS,
+        "request_id": _text("bulk-", i),
+        "tenant_id": 1 + i % NUM_TENANTS,
         "labels": cast(labels, JSON) if engine.dialect.name == "postgresql" else labels,
-        "cost_center": _text("cc-", i % 20), "team": _text("team-", i % 10),
+        "cost_center": _text("cc-", i % 20),
+        "team": _text("team-", i % 10),
         "model": case((i % 3 == 0, "m-tiny"), (i % 3 == 1, "m-small"), else_="m-big"),
-        "device_kind": case((gpu, "cuda"), else_="cpu"), "device_id": case((gpu, "GPU-bench"), else_="cpu:bench"),
-        "unit": case((gpu, "sm_us"), else_="core_us"), "num_units": case((gpu, 132), else_=4),
-        "unit_us": 1_000 + (i % 997) * 1_000, "prompt_tokens": i % 500, "completion_tokens": i % 200,
-        "received_at_us": finished - 50_000, "dispatched_at_us": finished - 40_000,
-        "first_token_at_us": finished - 30_000, "finished_at_us": finished,
+        "device_kind": case((gpu, "cuda"), else_="cpu"),
+        "device_id": case((gpu, "GPU-bench"), else_="cpu:bench"),
+        "unit": case((gpu, "sm_us"), else_="core_us"),
+        "num_units": case((gpu, 132), else_=4),
+        "unit_us": 1_000 + (i % 997) * 1_000,
+        "prompt_tokens": i % 500,
+        "completion_tokens": i % 200,
+        "received_at_us": finished - 50_000,
+        "dispatched_at_us": finished - 40_000,
+        "first_token_at_us": finished - 30_000,
+        "finished_at_us": finished,
         "deadline_at_us": case((missed, finished - 1), else_=finished + 10_000),
-        "deadline_met": cast(case((missed, 0), else_=1), Boolean) if engine.dialect.name == "postgresql"
+        "deadline_met": cast(case((missed, 0), else_=1), Boolean)
+        if engine.dialect.name == "postgresql"
         else case((missed, 0), else_=1),
         "outcome": case((missed, "deadline_exceeded"), else_="ok"),
-        "payload_digest": literal("bulk-placeholder"), "ingested_at_us": literal(now_us),
+        "payload_digest": literal("bulk-placeholder"),
+        "ingested_at_us": literal(now_us),
     }
     statement = insert(UsageRow).from_select(list(columns), select(*columns.values()))
     with engine.begin() as connection:
@@ -270,11 +300,15 @@ def generate_idle(engine: Engine, now_us: int) -> None:
     gpu = i % 2 == 1
     wall = case((gpu, 132 * US_PER_MINUTE), else_=4 * US_PER_MINUTE)
     columns = {
-        "record_id": _text("idle-", i), "device_id": case((gpu, "GPU-bench"), else_="cpu:bench"),
-        "unit": case((gpu, "sm_us"), else_="core_us"), "num_units": case((gpu, 132), else_=4),
+        "record_id": _text("idle-", i),
+        "device_id": case((gpu, "GPU-bench"), else_="cpu:bench"),
+        "unit": case((gpu, "sm_us"), else_="core_us"),
+        "num_units": case((gpu, 132), else_=4),
         "minute_start_us": period.start_us + (i // 2) * US_PER_MINUTE,
-        "idle_unit_us": wall // 2, "wall_unit_us": wall,
-        "payload_digest": literal("bulk-placeholder"), "ingested_at_us": literal(now_us),
+        "idle_unit_us": wall // 2,
+        "wall_unit_us": wall,
+        "payload_digest": literal("bulk-placeholder"),
+        "ingested_at_us": literal(now_us),
     }
     with engine.begin() as connection:
         connection.execute(insert(IdleRow).from_select(list(columns), select(*columns.values())))
@@ -335,15 +369,19 @@ def server_version(url: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", default="sqlite,postgresql")
-    parser.add_argument("--postgres", default=os.environ.get(
-        "ZQ_BENCH_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"))
+    parser.add_argument(
+        "--postgres",
+        default=os.environ.get("ZQ_BENCH_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"),
+    )
     parser.add_argument("--records", type=int, default=20_000, help="records per ingest run")
     parser.add_argument("--batch", type=int, default=500)
     parser.add_argument("--big", type=int, default=1_000_000, help="rows for the report timings (0: skip)")
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    print(f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.node()}, {platform.machine()}, "
-          f"{os.cpu_count()} CPUs, Python {platform.python_version()}")
+    print(
+        f"{dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {platform.node()}, {platform.machine()}, "
+        f"{os.cpu_count()} CPUs, Python {platform.python_version()}"
+    )
     table: dict[str, dict[str, float]] = {}
     for backend in args.backends.split(","):
         with fresh_ledger(backend, args.postgres) as url:
@@ -362,18 +400,28 @@ def print_table(table: dict[str, dict[str, float]], args: argparse.Namespace) ->
     print("| metric | " + " | ".join(backends) + " |")
     print("|---|" + "---:|" * len(backends))
     for metric in metrics:
-        cells = [f"{table[b][metric]:,.0f}" if metric.endswith("/s") else f"{table[b][metric]:.2f}"
-                 if metric in table[b] else "" for b in backends]
+        cells = [
+            f"{table[b][metric]:,.0f}"
+            if metric.endswith("/s")
+            else f"{table[b][metric]:.2f}"
+            if metric in table[b]
+            else ""
+            for b in backends
+        ]
         print(f"| {metric} | " + " | ".join(cells) + " |")
     for backend, results in table.items():
         floor = results["bare INSERT records/s"]
-        print(f"\n{backend}: direct ingest runs at {results['direct records/s'] / floor:.2f}× a bare INSERT; "
-              f"replay (all duplicates) at {results['direct replay records/s'] / results['direct records/s']:.2f}× "
-              "first delivery")
+        print(
+            f"\n{backend}: direct ingest runs at {results['direct records/s'] / floor:.2f}× a bare INSERT; "
+            f"replay (all duplicates) at {results['direct replay records/s'] / results['direct records/s']:.2f}× "
+            "first delivery"
+        )
         if "gRPC records/s" in results:
-            print(f"{backend}: gRPC RecordUsage (batches of {args.batch}) runs at "
-                  f"{results['gRPC records/s'] / results['direct records/s']:.2f}× direct ingest; its replay at "
-                  f"{results['gRPC replay records/s'] / results['direct replay records/s']:.2f}× direct replay")
+            print(
+                f"{backend}: gRPC RecordUsage (batches of {args.batch}) runs at "
+                f"{results['gRPC records/s'] / results['direct records/s']:.2f}× direct ingest; its replay at "
+                f"{results['gRPC replay records/s'] / results['direct replay records/s']:.2f}× direct replay"
+            )
 
 
 if __name__ == "__main__":

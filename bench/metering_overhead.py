@@ -19,6 +19,7 @@ billed from there), and the median and mean step interval of each arm. Metering'
 less its control. The outbox's group commit runs on another thread: it delays a call's final message, not the
 engine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,9 +75,9 @@ class TimedEngine(RelayedEngine):
     def _notify(self, report) -> None:
         t0 = time.perf_counter_ns()
         if self.arm == "meter-process":
-            super()._notify(report)                 # the wire digest, into the relay
+            super()._notify(report)  # the wire digest, into the relay
         elif self.arm in ("meter-thread", "none"):
-            Engine._notify(self, report)            # the observers on the engine's thread (none: no observer)
+            Engine._notify(self, report)  # the observers on the engine's thread (none: no observer)
         self.metering_us += (time.perf_counter_ns() - t0) / 1000
 
     def step(self):
@@ -90,17 +91,24 @@ class TimedEngine(RelayedEngine):
 
 def pct(calls: list[float], steps: list[float]) -> dict[str, float]:
     ratios = [c / s for c, s in zip(calls, steps)]
-    return {"us_median": round(statistics.median(calls), 1), "us_p99": round(sorted(calls)[int(0.99 * len(calls))], 1),
-            "pct_median": round(100 * statistics.median(ratios), 3), "pct_mean": round(100 * statistics.mean(ratios), 3)}
+    return {
+        "us_median": round(statistics.median(calls), 1),
+        "us_p99": round(sorted(calls)[int(0.99 * len(calls))], 1),
+        "pct_median": round(100 * statistics.median(ratios), 3),
+        "pct_mean": round(100 * statistics.mean(ratios), 3),
+    }
 
 
 def difference(timed: dict[str, list[float]], steps: dict[str, list[float]], arm: str, control: str) -> dict:
     """An arm's cost less its control's, in µs and as a share of the arm's step (median and mean)."""
     median_us = statistics.median(timed[arm]) - statistics.median(timed[control])
     mean_us = statistics.mean(timed[arm]) - statistics.mean(timed[control])
-    return {"us_median": round(median_us, 1), "us_mean": round(mean_us, 1),
-            "pct_of_step_median": round(100 * median_us / statistics.median(steps[arm]), 3),
-            "pct_of_step_mean": round(100 * mean_us / statistics.mean(steps[arm]), 3)}
+    return {
+        "us_median": round(median_us, 1),
+        "us_mean": round(mean_us, 1),
+        "pct_of_step_median": round(100 * median_us / statistics.median(steps[arm]), 3),
+        "pct_of_step_mean": round(100 * mean_us / statistics.mean(steps[arm]), 3),
+    }
 
 
 def main() -> None:
@@ -137,11 +145,24 @@ def main() -> None:
             engine.arm, engine.observers[:] = arm, observers.get(arm, [])
             while engine.scheduler.num_unfinished + len(engine._inbox) < args.batch:
                 rid = f"r{n}"
-                context = RecordContext("bench", {"team": "bench"}, checkpoint.name, clock.now_epoch_us(),
-                                        clock.now_epoch_us(), clock.now_epoch_us() + 10**9)
+                context = RecordContext(
+                    "bench",
+                    {"team": "bench"},
+                    checkpoint.name,
+                    clock.now_epoch_us(),
+                    clock.now_epoch_us(),
+                    clock.now_epoch_us() + 10**9,
+                )
                 meter.register(rid, context)
-                engine.add_request(Request(rid, (1, 2, 3, 4, 5, 6, 7, 8), SamplingParams(
-                    max_tokens=16, temperature=0.0, ignore_eos=True), clock.now_ns()), engine.relay)
+                engine.add_request(
+                    Request(
+                        rid,
+                        (1, 2, 3, 4, 5, 6, 7, 8),
+                        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+                        clock.now_ns(),
+                    ),
+                    engine.relay,
+                )
                 n += 1
             engine.metering_us, bytes_before = 0.0, conn.num_bytes
             report = engine.step()
@@ -155,19 +176,31 @@ def main() -> None:
         flush_ms = (time.perf_counter() - t0) * 1000
         counts = outbox.counts()
         outbox.close()
-    print(json.dumps({
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores", "model": args.model.name, "batch": args.batch,
-        "steps_per_arm": {arm: len(v) for arm, v in steps_us.items()}, "records": counts,
-        "step_us_median": {arm: round(statistics.median(v), 1) for arm, v in steps_us.items()},
-        "step_us_mean": {arm: round(statistics.mean(v), 1) for arm, v in steps_us.items()},
-        "timed": {arm: pct(metering_us[arm], steps_us[arm]) for arm in ARMS},
-        "metering_cost": {
-            "thread_layout": difference(metering_us, steps_us, "meter-thread", "none"),
-            "process_layout": difference(metering_us, steps_us, "meter-process", "outputs-only")},
-        "message_bytes_per_step": {arm: round(message_bytes[arm] / max(len(steps_us[arm]), 1))
-                                   for arm in ("meter-process", "outputs-only")},
-        "final_outbox_flush_ms": round(flush_ms, 2)}, indent=2))
+    print(
+        json.dumps(
+            {
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+                "model": args.model.name,
+                "batch": args.batch,
+                "steps_per_arm": {arm: len(v) for arm, v in steps_us.items()},
+                "records": counts,
+                "step_us_median": {arm: round(statistics.median(v), 1) for arm, v in steps_us.items()},
+                "step_us_mean": {arm: round(statistics.mean(v), 1) for arm, v in steps_us.items()},
+                "timed": {arm: pct(metering_us[arm], steps_us[arm]) for arm in ARMS},
+                "metering_cost": {
+                    "thread_layout": difference(metering_us, steps_us, "meter-thread", "none"),
+                    "process_layout": difference(metering_us, steps_us, "meter-process", "outputs-only"),
+                },
+                "message_bytes_per_step": {
+                    arm: round(message_bytes[arm] / max(len(steps_us[arm]), 1))
+                    for arm in ("meter-process", "outputs-only")
+                },
+                "final_outbox_flush_ms": round(flush_ms, 2),
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -3,10 +3,12 @@ rate refusing at most 2 % of first attempts), then deadline vs fifo at 0.5×, 1�
 Markdown table of the results against the goals, ready for BENCHMARKS.md.
 
 Every step is a `zeroqueue pulse` command (printed before it runs), so any cell can be rerun by hand.
-Takes roughly (4 × 2 × duration) + 5 probes × 20 s + 1-3 confirmations × duration + 9 replica warm-ups; run it on a quiet machine.
+Takes roughly (4 × 2 × duration) + 5 probes × 20 s + 1-3 confirmations × duration + 9 replica warm-ups; run it on a
+quiet machine.
 
     nice -n 5 .venv/bin/python bench/pulse_matrix.py --duration 60 --out bench/results/pulse
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +28,19 @@ def pulse(args: list[str]) -> None:
 
 
 def common(ns: argparse.Namespace) -> list[str]:
-    out = ["--shape", "fixed", "--prompt-tokens", str(ns.prompt_tokens), "--max-tokens", str(ns.max_tokens),
-           "--deadline-ms", str(ns.deadline_ms), "--seed", str(ns.seed), "--no-progress"]
+    out = [
+        "--shape",
+        "fixed",
+        "--prompt-tokens",
+        str(ns.prompt_tokens),
+        "--max-tokens",
+        str(ns.max_tokens),
+        "--deadline-ms",
+        str(ns.deadline_ms),
+        "--seed",
+        str(ns.seed),
+        "--no-progress",
+    ]
     if ns.model:
         out += ["--model", ns.model]
     if ns.serve_args:
@@ -47,19 +60,25 @@ def table(out: Path) -> str:
     confirmations = capacity.get("confirmations") or []
     if confirmations:
         band = f"{100 * capacity.get('knee_min_rejection', 0):.1f}–{100 * capacity['knee_rejection']:.0f} %"
-        probes += (f"; runs of {capacity['confirm_duration_s']:.0f} s looking for {band}: "
-                   + ", ".join(f"{p['qps']:.1f} → {100 * p['rejection_rate']:.1f} %" for p in confirmations)
-                   + ("" if capacity.get("confirmed") else ", none in the band"))
-    lines = [f"Capacity (1×): {capacity['capacity_qps']:.2f} req/s, the knee: the highest Poisson rate refusing at "
-             f"most {100 * capacity.get('knee_rejection', 0):.0f} % of first attempts (probes of "
-             f"{capacity.get('probe_duration_s', 0):.0f} s, rate → refused: {probes}). Saturation: "
-             f"{capacity.get('saturation_qps', capacity['capacity_qps']):.2f} req/s ({capacity['concurrency']} "
-             f"closed-loop callers). Shape {capacity['shape']['prompt_tokens']}+{capacity['shape']['max_tokens']} "
-             f"tokens, deadline {capacity['deadline_ms']:.0f} ms.", "",
-             "| load | mode | in deadline of admitted | P99/P50 admitted (at the replica) | queue mean / step time mean / step period mean, ms | joined the "
-             "next step | rejection rate | first-retry success | avg retries | goodput req/s | goodput vs fifo "
-             "| goodput vs 1× |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        probes += (
+            f"; runs of {capacity['confirm_duration_s']:.0f} s looking for {band}: "
+            + ", ".join(f"{p['qps']:.1f} → {100 * p['rejection_rate']:.1f} %" for p in confirmations)
+            + ("" if capacity.get("confirmed") else ", none in the band")
+        )
+    lines = [
+        f"Capacity (1×): {capacity['capacity_qps']:.2f} req/s, the knee: the highest Poisson rate refusing at "
+        f"most {100 * capacity.get('knee_rejection', 0):.0f} % of first attempts (probes of "
+        f"{capacity.get('probe_duration_s', 0):.0f} s, rate → refused: {probes}). Saturation: "
+        f"{capacity.get('saturation_qps', capacity['capacity_qps']):.2f} req/s ({capacity['concurrency']} "
+        f"closed-loop callers). Shape {capacity['shape']['prompt_tokens']}+{capacity['shape']['max_tokens']} "
+        f"tokens, deadline {capacity['deadline_ms']:.0f} ms.",
+        "",
+        "| load | mode | in deadline of admitted | P99/P50 admitted (at the replica) "
+        "| queue mean / step time mean / step period mean, ms | joined the "
+        "next step | rejection rate | first-retry success | avg retries | goodput req/s | goodput vs fifo "
+        "| goodput vs 1× |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for load in LOADS:
         for mode in ("deadline", "fifo"):
             s, server = runs[load][mode]["summary"], runs[load][mode].get("server") or {}
@@ -76,7 +95,8 @@ def table(out: Path) -> str:
                 f"| {_f(_pct(server.get('steps_waited', {}).get('next_step_share')), '{:.2f} %')} "
                 f"| {_f(_pct(s['rejection_rate']), '{:.2f} %')} "
                 f"| {_f(_pct(s['first_retry_success_rate']), '{:.2f} %')} | {_f(s['avg_retries_per_rejected'])} "
-                f"| {_f(s['goodput_rps'])} | {_f(vs_fifo, '{:.2f}×')} | {_f(vs_1x, '{:.2f}')} |")
+                f"| {_f(s['goodput_rps'])} | {_f(vs_fifo, '{:.2f}×')} | {_f(vs_1x, '{:.2f}')} |"
+            )
     return "\n".join(lines)
 
 
@@ -100,12 +120,35 @@ def main() -> int:
     ns = p.parse_args()
     out = Path(ns.out)
     if not ns.table_only:
-        pulse(["--capacity", "--duration", str(ns.capacity_duration), "--probe-duration", str(ns.probe_duration),
-               "--confirm-duration", str(ns.duration),
-               "--out", str(out / "capacity"), *common(ns)])
+        pulse(
+            [
+                "--capacity",
+                "--duration",
+                str(ns.capacity_duration),
+                "--probe-duration",
+                str(ns.probe_duration),
+                "--confirm-duration",
+                str(ns.duration),
+                "--out",
+                str(out / "capacity"),
+                *common(ns),
+            ]
+        )
         for load in LOADS:
-            pulse(["--compare", "--load", str(load), "--capacity-json", str(out / "capacity" / "capacity.json"),
-                   "--duration", str(ns.duration), "--out", str(out / f"load-{load}x"), *common(ns)])
+            pulse(
+                [
+                    "--compare",
+                    "--load",
+                    str(load),
+                    "--capacity-json",
+                    str(out / "capacity" / "capacity.json"),
+                    "--duration",
+                    str(ns.duration),
+                    "--out",
+                    str(out / f"load-{load}x"),
+                    *common(ns),
+                ]
+            )
     print(table(out))
     return 0
 

@@ -3,6 +3,7 @@ vocabulary per row (what the sampler did before 2026-11-30), side by side in one
 
     .venv/bin/python bench/sampling.py [--reps 20]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,8 +55,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    modes = {"temperature 0.8": SamplingParams(temperature=0.8, seed=1),
-             "temperature 0.8, top_p 0.9": SamplingParams(temperature=0.8, top_p=0.9, seed=1)}
+    modes = {
+        "temperature 0.8": SamplingParams(temperature=0.8, seed=1),
+        "temperature 0.8, top_p 0.9": SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+    }
     rows = []
     for batch, vocab in ((8, 4096), (32, 4096), (8, 49152), (32, 49152)):
         # logits with a spread like a trained model's (std 4): peaked, the nucleus within a few hundred tokens
@@ -64,10 +67,26 @@ def main() -> None:
             params, index = [p] * batch, list(range(batch))
             ours = time_ms(lambda: sample(logits, params, index), args.reps)
             base = time_ms(lambda: full_sort_sample(logits, params, index), args.reps)
-            rows.append({"batch": batch, "vocab": vocab, "mode": mode, "full_sort_ms": round(base, 2),
-                         "zeroqueue_ms": round(ours, 2), "speedup": round(base / ours, 1)})
-    print(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                      "machine": f"{platform.machine()}, {os.cpu_count()} cores", "rows": rows}, indent=1))
+            rows.append(
+                {
+                    "batch": batch,
+                    "vocab": vocab,
+                    "mode": mode,
+                    "full_sort_ms": round(base, 2),
+                    "zeroqueue_ms": round(ours, 2),
+                    "speedup": round(base / ours, 1),
+                }
+            )
+    print(
+        json.dumps(
+            {
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ precisely; health Check P99 < 50 ms with no failure; and two the soak can judge 
 shape called DEADLINE_INFEASIBLE, no ALREADY_EXISTS unless that tenant had the id running. One JSON summary
 under --out, printed with the host CPU and the date.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,6 +35,19 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from soak_checks import (  # noqa: E402
+    check_ledger,
+    cpu_s,
+    engine_children,
+    host_info,
+    make_tenants,  # noqa: E402
+    outbox_counts,
+    rss_growth,
+    rss_kb,
+    server_figures,
+)
+from zeroqueue.inference.v1 import inference_pb2 as pb  # noqa: E402
+
 from services.client import AsyncClient, ZeroQueueError  # noqa: E402
 from services.pulse.cli import LAG_WARNING_MS  # noqa: E402
 from services.pulse.replicas import default_model, free_port, start_replica  # noqa: E402
@@ -41,12 +55,8 @@ from services.pulse.schedule import LoadSpec, arrival_times  # noqa: E402
 from services.pulse.scrape import scrape  # noqa: E402
 from services.pulse.stats import percentiles  # noqa: E402
 from tests.fuzz_generate import GENERATE, FuzzCall, GenerateFuzzer, Outcome, status_bytes  # noqa: E402
-from zeroqueue.inference.v1 import inference_pb2 as pb  # noqa: E402
 
-from soak_checks import (check_ledger, cpu_s, engine_children, host_info, make_tenants,  # noqa: E402
-                         outbox_counts, rss_growth, rss_kb, server_figures)
-
-PROMPT_TOKENS, MAX_TOKENS, DEADLINE_MS = 64, 32, 2000     # pulse's fixed shape: the one its capacity is of
+PROMPT_TOKENS, MAX_TOKENS, DEADLINE_MS = 64, 32, 2000  # pulse's fixed shape: the one its capacity is of
 RSS_GROWTH_GOAL, HEALTH_P99_GOAL_MS = 0.05, 50.0
 HEALTH_SERVICE = "zeroqueue.inference.v1.Inference"
 
@@ -54,26 +64,27 @@ HEALTH_SERVICE = "zeroqueue.inference.v1.Inference"
 @dataclass
 class Book:
     """What the client saw: admitted call_id -> (tenant, sm_us of its Final or None), tallies, latencies."""
+
     admitted: dict[str, tuple[int, int | None]] = field(default_factory=dict)
-    tally: Counter = field(default_factory=Counter)           # (kind, code, reason)
-    latency_ms: list[float] = field(default_factory=list)     # normal calls that finished: start -> Final
-    recent_ids: deque = field(default_factory=lambda: deque(maxlen=256))   # (tenant, request_id)
-    imprecise: list[dict] = field(default_factory=list)       # bad input not refused precisely
+    tally: Counter = field(default_factory=Counter)  # (kind, code, reason)
+    latency_ms: list[float] = field(default_factory=list)  # normal calls that finished: start -> Final
+    recent_ids: deque = field(default_factory=lambda: deque(maxlen=256))  # (tenant, request_id)
+    imprecise: list[dict] = field(default_factory=list)  # bad input not refused precisely
     num_imprecise: int = 0
     max_lag_ms: float = 0.0
     rss: list[tuple[float, int | None, int | None]] = field(default_factory=list)  # (s, server kB, engine kB)
     health_ms: list[float] = field(default_factory=list)
     health_failures: Counter = field(default_factory=Counter)
-    loop_lag_ms: list[float] = field(default_factory=list)    # this generator's own event-loop delay
+    loop_lag_ms: list[float] = field(default_factory=list)  # this generator's own event-loop delay
     health_slow: list[tuple[float, float]] = field(default_factory=list)  # (s, ms) of Checks over the goal
-    bad_log: list[tuple[float, str, str]] = field(default_factory=list)   # (s, mutation, code): vs health_slow
-    by_minute: dict[int, Counter] = field(default_factory=dict)           # codes per minute: shows a lock-out
-    infeasible_first: int = 0       # soak-shape calls whose first attempt (whole 2 s budget) was "infeasible"
+    bad_log: list[tuple[float, str, str]] = field(default_factory=list)  # (s, mutation, code): vs health_slow
+    by_minute: dict[int, Counter] = field(default_factory=dict)  # codes per minute: shows a lock-out
+    infeasible_first: int = 0  # soak-shape calls whose first attempt (whole 2 s budget) was "infeasible"
     t0: float = field(default_factory=time.monotonic)
     cpu_cores: dict[str, float] = field(default_factory=dict)
-    in_flight: Counter = field(default_factory=Counter)        # (tenant, request_id) of SDK calls not ended
-    shared: set = field(default_factory=set)   # keys two of whose calls ran at once: either may be "in use"
-    wrong_in_use: int = 0           # ALREADY_EXISTS for an id its tenant had no call running with
+    in_flight: Counter = field(default_factory=Counter)  # (tenant, request_id) of SDK calls not ended
+    shared: set = field(default_factory=set)  # keys two of whose calls ran at once: either may be "in use"
+    wrong_in_use: int = 0  # ALREADY_EXISTS for an id its tenant had no call running with
 
     def count(self, kind: str, code: str, reason: str) -> None:
         self.tally[(kind, code, reason)] += 1
@@ -84,23 +95,51 @@ def measure_capacity(replica, args: argparse.Namespace, work: Path) -> dict:
     """The pulse tool's own capacity search (closed-loop saturation, then the knee), against this replica, under
     the replica's first tenant, whose ledger rows the soak's checks leave out."""
     from services import cli
+
     out, seconds = work / "capacity", str(args.capacity_seconds)
-    argv = ["pulse", "--capacity", "--endpoint", replica.address, "--metrics-url", replica.metrics_url,
-            "--api-key", replica.api_key, "--duration", seconds, "--probe-duration", seconds,
-            "--confirm-duration", "0", "--knee-probes", str(args.knee_probes), "--seed", str(args.seed),
-            "--no-progress", "--no-plots", "--out", str(out)]
+    argv = [
+        "pulse",
+        "--capacity",
+        "--endpoint",
+        replica.address,
+        "--metrics-url",
+        replica.metrics_url,
+        "--api-key",
+        replica.api_key,
+        "--duration",
+        seconds,
+        "--probe-duration",
+        seconds,
+        "--confirm-duration",
+        "0",
+        "--knee-probes",
+        str(args.knee_probes),
+        "--seed",
+        str(args.seed),
+        "--no-progress",
+        "--no-plots",
+        "--out",
+        str(out),
+    ]
     if cli.main(argv) != 0:
         raise SystemExit("soak: the capacity measurement failed")
     return json.loads((out / "capacity.json").read_text())
 
 
-async def sdk_call(client: AsyncClient, tenant: int, kind: str, request_id: str, prompt: list[int], book: Book,
-                   rng: random.Random) -> None:
+async def sdk_call(
+    client: AsyncClient, tenant: int, kind: str, request_id: str, prompt: list[int], book: Book, rng: random.Random
+) -> None:
     """One call through the SDK (so refusals are retried as a client would); a `cancel` call is closed by the
     client after a few chunks, mid-stream."""
     t0 = time.monotonic()
-    generation = client.generate(prompt, DEADLINE_MS, max_tokens=MAX_TOKENS, temperature=0.0, request_id=request_id,
-                                 labels={"team": f"team-{tenant}", "cost_center": "soak"})
+    generation = client.generate(
+        prompt,
+        DEADLINE_MS,
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        request_id=request_id,
+        labels={"team": f"team-{tenant}", "cost_center": "soak"},
+    )
     cancel_after = rng.randint(1, 4) if kind == "cancel" else 0
     code, reason, chunks, key = "OK", "", 0, (tenant, request_id)
     if book.in_flight[key] > 0:
@@ -122,7 +161,7 @@ async def sdk_call(client: AsyncClient, tenant: int, kind: str, request_id: str,
     # ids are the tenant's own: ALREADY_EXISTS is right only while another of this tenant's calls with the id runs
     book.wrong_in_use += code == "ALREADY_EXISTS" and key not in book.shared
     if not (left := book.in_flight[key] - 1):
-        del book.in_flight[key]                       # a 30-min run would otherwise keep every id it sent
+        del book.in_flight[key]  # a 30-min run would otherwise keep every id it sent
         book.shared.discard(key)
     else:
         book.in_flight[key] = left
@@ -141,8 +180,9 @@ async def sdk_call(client: AsyncClient, tenant: int, kind: str, request_id: str,
 async def bad_call(channel: grpc.aio.Channel, call: FuzzCall, key: str, tenant: int, book: Book) -> None:
     """A mutated request sent as raw bytes (identity serializers), judged as bench/fuzz.py judges it; one that is
     admitted anyway (a mutation can stay valid) is booked like any admitted call."""
-    stream = channel.unary_stream(GENERATE)(call.raw, timeout=5.0,
-                                            metadata=(("authorization", f"Bearer {key}"), *call.metadata))
+    stream = channel.unary_stream(GENERATE)(
+        call.raw, timeout=5.0, metadata=(("authorization", f"Bearer {key}"), *call.metadata)
+    )
     replies: list[pb.GenerateResponse] = []
     try:
         async for raw in stream:
@@ -155,15 +195,23 @@ async def bad_call(channel: grpc.aio.Channel, call: FuzzCall, key: str, tenant: 
             book.admitted[replies[0].admission.call_id] = (tenant, replies[-1].final.usage.sm_us)
     except grpc.aio.AioRpcError as error:
         size, reason = status_bytes(error.details(), error.trailing_metadata())
-        outcome = Outcome(call.index, call.kind, error.code().name, reason, size, (error.details() or "")[:200],
-                          len(replies))
+        outcome = Outcome(
+            call.index, call.kind, error.code().name, reason, size, (error.details() or "")[:200], len(replies)
+        )
     book.count("bad", outcome.code, outcome.reason)
     book.bad_log.append((round(time.monotonic() - book.t0, 1), call.kind, outcome.code))
     if outcome.failure is not None:
         book.num_imprecise += 1
         if len(book.imprecise) < 20:
-            book.imprecise.append({"index": call.index, "kind": call.kind, "why": outcome.failure,
-                                   "code": outcome.code, "message": outcome.message})
+            book.imprecise.append(
+                {
+                    "index": call.index,
+                    "kind": call.kind,
+                    "why": outcome.failure,
+                    "code": outcome.code,
+                    "message": outcome.message,
+                }
+            )
 
 
 async def sample(server_pid: int, stop: asyncio.Event, book: Book, every_s: float, tick_s: float = 0.1) -> None:
@@ -171,7 +219,7 @@ async def sample(server_pid: int, stop: asyncio.Event, book: Book, every_s: floa
     t0, engine, next_rss = time.monotonic(), None, 0.0
     while not stop.is_set():
         if (now := time.monotonic() - t0) >= next_rss:
-            if rss_kb(engine) is None:                   # first pass, or the engine was replaced
+            if rss_kb(engine) is None:  # first pass, or the engine was replaced
                 engine = next(iter(engine_children(server_pid)), None)
             book.rss.append((round(now, 1), rss_kb(server_pid), rss_kb(engine)))
             next_rss += every_s
@@ -215,7 +263,7 @@ async def offer(args, qps: float, address: str, keys: list[str], model, book: Bo
     clients = [AsyncClient([address], key) for key in keys]
     channel = grpc.aio.insecure_channel(address)
     fuzzer = GenerateFuzzer(args.seed, model.name, model.context_length, model.vocab_size)
-    weights = [len(keys) - i for i in range(len(keys))]       # tenants of unequal size
+    weights = [len(keys) - i for i in range(len(keys))]  # tenants of unequal size
     tasks, fuzz_index, t0 = set(), 0, time.monotonic()
     for index, at_s in enumerate(times):
         if (delay := t0 + at_s - time.monotonic()) > 0:
@@ -223,12 +271,12 @@ async def offer(args, qps: float, address: str, keys: list[str], model, book: Bo
         book.max_lag_ms = max(book.max_lag_ms, (time.monotonic() - t0 - at_s) * 1000)
         tenant, kind = rng.choices(range(len(keys)), weights)[0], pick_kind(rng, args, bool(book.recent_ids))
         if kind == "bad":
-            while (call := fuzzer.call(fuzz_index)).kind == "valid":   # the fuzzer's valid share is no bad input
+            while (call := fuzzer.call(fuzz_index)).kind == "valid":  # the fuzzer's valid share is no bad input
                 fuzz_index += 1
             coro, fuzz_index = bad_call(channel, call, keys[tenant], tenant, book), fuzz_index + 1
         else:
             request_id = f"soak-{args.seed}-{index}"
-            if kind == "reuse":                              # the same tenant's id (maybe still in flight) or another's
+            if kind == "reuse":  # the same tenant's id (maybe still in flight) or another's
                 ids = list(book.recent_ids)[-8:] if rng.random() < 0.5 else book.recent_ids  # recent: in flight
                 owner, request_id = rng.choice(ids)
                 tenant = owner if rng.random() < 0.5 else rng.randrange(len(keys))
@@ -261,8 +309,10 @@ async def soak(args, qps: float, replica, health_address: str, keys: list[str], 
         probe.join(5)
     # cores each used: on 2 shared cores, what the generator takes the replica lacks
     elapsed, cpu1 = time.monotonic() - t0, {k: cpu_s(pid) for k, pid in pids.items()}
-    book.cpu_cores = {"generator": round((time.process_time() - own0) / elapsed, 3),
-                      **{k: round((cpu1[k] - cpu0[k]) / elapsed, 3) for k in pids if cpu0[k] and cpu1[k]}}
+    book.cpu_cores = {
+        "generator": round((time.process_time() - own0) / elapsed, 3),
+        **{k: round((cpu1[k] - cpu0[k]) / elapsed, 3) for k in pids if cpu0[k] and cpu1[k]},
+    }
     return book
 
 
@@ -276,9 +326,12 @@ def settle(replica, data_dir: Path, max_batch: int, timeout_s: float = 60.0) -> 
     t0, state = time.monotonic(), {}
     while time.monotonic() - t0 < timeout_s:
         samples = scrape(replica.metrics_url)
-        state = {"kv_slots_free": samples.get(("zeroqueue_kv_slots_free", ())),
-                 "in_flight": samples.get(("zeroqueue_in_flight", ())), "max_batch": max_batch,
-                 "outbox": outbox_counts(data_dir)}
+        state = {
+            "kv_slots_free": samples.get(("zeroqueue_kv_slots_free", ())),
+            "in_flight": samples.get(("zeroqueue_in_flight", ())),
+            "max_batch": max_batch,
+            "outbox": outbox_counts(data_dir),
+        }
         if state["kv_slots_free"] == max_batch and state["in_flight"] == 0 and state["outbox"]["pending"] == 0:
             break
         time.sleep(0.5)
@@ -287,56 +340,95 @@ def settle(replica, data_dir: Path, max_batch: int, timeout_s: float = 60.0) -> 
 
 def notes_for(book: Book, capacity: dict | None) -> list[str]:
     """What makes a run's figures less than they seem."""
-    notes = [f"the generator sent calls up to {book.max_lag_ms:.0f} ms late: it offered less than claimed"
-             ] if book.max_lag_ms > LAG_WARNING_MS else []
+    notes = (
+        [f"the generator sent calls up to {book.max_lag_ms:.0f} ms late: it offered less than claimed"]
+        if book.max_lag_ms > LAG_WARNING_MS
+        else []
+    )
     knee = next((p for p in (capacity or {}).get("probes", ()) if p["qps"] == capacity["capacity_qps"]), None)
-    if knee and knee["goodput_rps"] < 0.9 * knee["qps"]:    # pulse counts only OVERLOADED as refused
-        notes.append(f"capacity suspect: its knee probe completed {knee['goodput_rps']:.1f} of {knee['qps']:.1f} "
-                     "req/s in deadline (the rest refused otherwise, e.g. DEADLINE_INFEASIBLE)")
+    if knee and knee["goodput_rps"] < 0.9 * knee["qps"]:  # pulse counts only OVERLOADED as refused
+        notes.append(
+            f"capacity suspect: its knee probe completed {knee['goodput_rps']:.1f} of {knee['qps']:.1f} "
+            "req/s in deadline (the rest refused otherwise, e.g. DEADLINE_INFEASIBLE)"
+        )
     return notes
 
 
-def summarize(args, host: dict, qps: float, capacity: dict | None, book: Book, end: dict, server: dict,
-              stopped: dict, ledger: dict) -> dict:
+def summarize(
+    args,
+    host: dict,
+    qps: float,
+    capacity: dict | None,
+    book: Book,
+    end: dict,
+    server: dict,
+    stopped: dict,
+    ledger: dict,
+) -> dict:
     tally: dict[str, dict[str, int]] = {}
     for (kind, code, reason), n in sorted(book.tally.items()):
         tally.setdefault(kind, {})[f"{code}/{reason}" if reason else code] = n
     duration_s = args.minutes * 60
     summary = {
-        "host": host, "config": vars(args), "notes": notes_for(book, capacity), "rate_qps": round(qps, 3),
-        "capacity_qps": (capacity or {}).get("capacity_qps"), "saturation_qps": (capacity or {}).get("saturation_qps"),
-        "calls": sum(book.tally.values()), "tally": tally, "by_minute": {m: dict(c) for m, c in book.by_minute.items()},
-        "client_latency_ms": asdict(percentiles(book.latency_ms)), "cpu_cores": book.cpu_cores,
+        "host": host,
+        "config": vars(args),
+        "notes": notes_for(book, capacity),
+        "rate_qps": round(qps, 3),
+        "capacity_qps": (capacity or {}).get("capacity_qps"),
+        "saturation_qps": (capacity or {}).get("saturation_qps"),
+        "calls": sum(book.tally.values()),
+        "tally": tally,
+        "by_minute": {m: dict(c) for m, c in book.by_minute.items()},
+        "client_latency_ms": asdict(percentiles(book.latency_ms)),
+        "cpu_cores": book.cpu_cores,
         "generator_max_lag_ms": round(book.max_lag_ms, 1),
         "generator_loop_lag_ms": asdict(percentiles(book.loop_lag_ms)),
-        "health_ms": asdict(percentiles(book.health_ms)), "health_failures": dict(book.health_failures),
+        "health_ms": asdict(percentiles(book.health_ms)),
+        "health_failures": dict(book.health_failures),
         "health_slow": book.health_slow,
-        "rss": {"server": rss_growth(book.rss, 1, duration_s), "engine": rss_growth(book.rss, 2, duration_s),
-                "series": book.rss},
-        "infeasible_at_first_attempt": book.infeasible_first, "already_exists_not_in_flight": book.wrong_in_use,
-        "end": end, "after_stop": stopped, "ledger": ledger,
-        "bad_input_imprecise": book.num_imprecise, "bad_input_examples": book.imprecise, "bad_calls": book.bad_log,
-        "server": server, "loadavg_end": os.getloadavg()}
+        "rss": {
+            "server": rss_growth(book.rss, 1, duration_s),
+            "engine": rss_growth(book.rss, 2, duration_s),
+            "series": book.rss,
+        },
+        "infeasible_at_first_attempt": book.infeasible_first,
+        "already_exists_not_in_flight": book.wrong_in_use,
+        "end": end,
+        "after_stop": stopped,
+        "ledger": ledger,
+        "bad_input_imprecise": book.num_imprecise,
+        "bad_input_examples": book.imprecise,
+        "bad_calls": book.bad_log,
+        "server": server,
+        "loadavg_end": os.getloadavg(),
+    }
     summary["goals"] = judge(summary)
     summary["all_goals_met"] = all(summary["goals"].values())
     return summary
 
 
 def judge(s: dict) -> dict[str, bool]:
-    grew, end, box, ledger, p99 = ({p: s["rss"][p]["growth"] for p in ("server", "engine")}, s["end"],
-                                   s["after_stop"]["outbox"], s["ledger"], s["health_ms"]["p99"])
+    grew, end, box, ledger, p99 = (
+        {p: s["rss"][p]["growth"] for p in ("server", "engine")},
+        s["end"],
+        s["after_stop"]["outbox"],
+        s["ledger"],
+        s["health_ms"]["p99"],
+    )
     return {
         "server_rss_growth_lt_5pct": grew["server"] is not None and grew["server"] < RSS_GROWTH_GOAL,
         "engine_rss_growth_lt_5pct": grew["engine"] is not None and grew["engine"] < RSS_GROWTH_GOAL,
         "kv_slots_all_free": end.get("kv_slots_free") == end.get("max_batch") and end.get("in_flight") == 0,
         "outbox_empty": box["pending"] == 0 and not box["dead"] and not box["conflicts"],
-        "no_lost_or_unbilled": not any(ledger[k] for k in ("lost", "duplicated", "unseen_rows", "usage_mismatch",
-                                                            "tenant_mismatch")),
+        "no_lost_or_unbilled": not any(
+            ledger[k] for k in ("lost", "duplicated", "unseen_rows", "usage_mismatch", "tenant_mismatch")
+        ),
         "bad_input_refused_precisely": s["bad_input_imprecise"] == 0,
         "no_infeasible_verdict_for_a_feasible_call": s["infeasible_at_first_attempt"] == 0,
         "request_ids_scoped_to_tenant": s["already_exists_not_in_flight"] == 0,
         "health_p99_lt_50ms": p99 is not None and p99 < HEALTH_P99_GOAL_MS and not s["health_failures"],
-        "replica_stopped_cleanly": s["after_stop"]["returncode"] == 0}
+        "replica_stopped_cleanly": s["after_stop"]["returncode"] == 0,
+    }
 
 
 def run(args: argparse.Namespace, host: dict, stamp: str) -> dict:
@@ -346,20 +438,21 @@ def run(args: argparse.Namespace, host: dict, stamp: str) -> dict:
     print(f"starting a replica on {args.model or default_model()} (warm-up and calibration first) ...", flush=True)
     replica = start_replica(Path(args.model) if args.model else default_model(), "deadline", work, serve_args)
     data_dir, stopped = replica.log_path.parent, {}
-    url = f"sqlite:///{data_dir / 'ledger.db'}"                 # the one start_replica made
+    url = f"sqlite:///{data_dir / 'ledger.db'}"  # the one start_replica made
     try:
         keys, tenant_ids = make_tenants(url, args.tenants, stamp)
         model = asyncio.run(model_info(replica.address, replica.api_key))
         capacity = None if args.rate else measure_capacity(replica, args, work)
         qps = args.rate or args.load * capacity["capacity_qps"]
-        print(f"soak: {qps:.2f} req/s for {args.minutes:g} min, {args.tenants} tenants, on {replica.address}",
-              flush=True)
+        print(
+            f"soak: {qps:.2f} req/s for {args.minutes:g} min, {args.tenants} tenants, on {replica.address}", flush=True
+        )
         before = scrape(replica.metrics_url)
         book = asyncio.run(soak(args, qps, replica, f"127.0.0.1:{health_port}", keys, model))
         end = settle(replica, data_dir, model.max_batch)
         server = server_figures(before, scrape(replica.metrics_url))
     finally:
-        replica.stop()                               # SIGTERM: drains, flushes the outbox into the ledger
+        replica.stop()  # SIGTERM: drains, flushes the outbox into the ledger
         stopped = {"returncode": replica.proc.returncode}
     stopped["outbox"] = outbox_counts(data_dir)
     ledger = check_ledger(url, book.admitted, tenant_ids)
@@ -373,8 +466,10 @@ def _ms(value: float | None) -> str:
 def print_summary(s: dict, path: Path) -> None:
     h = s["host"]
     print(f"\nhost: {h['cpu']}, {h['cores']} cores, flags {h['flags']}; {h['date_utc']}")
-    print(f"rate {s['rate_qps']} req/s (capacity {s['capacity_qps']}, saturation {s['saturation_qps']}); "
-          f"{s['calls']} calls; generator max lag {s['generator_max_lag_ms']} ms; cores used {s['cpu_cores']}")
+    print(
+        f"rate {s['rate_qps']} req/s (capacity {s['capacity_qps']}, saturation {s['saturation_qps']}); "
+        f"{s['calls']} calls; generator max lag {s['generator_max_lag_ms']} ms; cores used {s['cpu_cores']}"
+    )
     for note in s["notes"]:
         print(f"NOTE: {note}")
     for kind, codes in s["tally"].items():
@@ -383,12 +478,16 @@ def print_summary(s: dict, path: Path) -> None:
         r = s["rss"][proc]
         print(f"RSS {proc}: {r.get('start_kb')} -> {r.get('end_kb')} kB (max {r.get('max_kb')}), growth {r['growth']}")
     hm, lag = s["health_ms"], s["generator_loop_lag_ms"]
-    print(f"health ms: p50 {_ms(hm['p50'])} p99 {_ms(hm['p99'])} max {_ms(hm['max'])} over {hm['count']}, "
-          f"failures {s['health_failures']}; generator loop lag p99 {_ms(lag['p99'])} ms")
+    print(
+        f"health ms: p50 {_ms(hm['p50'])} p99 {_ms(hm['p99'])} max {_ms(hm['max'])} over {hm['count']}, "
+        f"failures {s['health_failures']}; generator loop lag p99 {_ms(lag['p99'])} ms"
+    )
     print(f"client latency ms (normal calls): {s['client_latency_ms']}")
-    print(f"judged infeasible with the whole budget: {s['infeasible_at_first_attempt']}; ALREADY_EXISTS with no call "
-          f"running: {s['already_exists_not_in_flight']}; codes by minute: {s['by_minute']}; load average "
-          f"{[round(x, 2) for x in h['loadavg_start']]} -> {[round(x, 2) for x in s['loadavg_end']]}")
+    print(
+        f"judged infeasible with the whole budget: {s['infeasible_at_first_attempt']}; ALREADY_EXISTS with no call "
+        f"running: {s['already_exists_not_in_flight']}; codes by minute: {s['by_minute']}; load average "
+        f"{[round(x, 2) for x in h['loadavg_start']]} -> {[round(x, 2) for x in s['loadavg_end']]}"
+    )
     print(f"end: {s['end']}; after stop: {s['after_stop']}")
     print(f"ledger: { {k: v for k, v in s['ledger'].items() if k != 'examples'} }")
     print(f"bad input not refused precisely: {s['bad_input_imprecise']} {s['bad_input_examples'][:3]}")

@@ -1,4 +1,5 @@
 """bench/soak.py's readings of the host, the replica's processes, its outbox and its ledger (no load here)."""
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,13 @@ def host_info() -> dict:
     model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), "?")
     flags = set(next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), []))
     wanted = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
-    return {"cpu": model, "flags": {f: f in flags for f in wanted}, "cores": cpuinfo.count("processor\t:"),
-            "date_utc": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "loadavg_start": os.getloadavg()}
+    return {
+        "cpu": model,
+        "flags": {f: f in flags for f in wanted},
+        "cores": cpuinfo.count("processor\t:"),
+        "date_utc": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "loadavg_start": os.getloadavg(),
+    }
 
 
 def engine_children(pid: int) -> list[int]:
@@ -53,7 +59,8 @@ def outbox_counts(data_dir: Path) -> dict[str, int]:
     with sqlite3.connect(data_dir / "outbox.db", timeout=10) as conn:
         pending, delivered, dead = conn.execute(
             "SELECT COUNT(*) FILTER (WHERE delivered_at_us IS NULL AND dead_at_us IS NULL), "
-            "COUNT(delivered_at_us), COUNT(dead_at_us) FROM outbox").fetchone()
+            "COUNT(delivered_at_us), COUNT(dead_at_us) FROM outbox"
+        ).fetchone()
         (conflicts,) = conn.execute("SELECT COUNT(*) FROM outbox_conflicts").fetchone()
     return {"pending": pending, "delivered": delivered, "dead": dead, "conflicts": conflicts}
 
@@ -70,20 +77,32 @@ def ledger_rows(url: str, sql: str) -> list:
 def check_ledger(url: str, admitted: dict[str, tuple[int, int | None]], tenant_ids: list[int]) -> dict:
     """Every call seen admitted has exactly one row, with its Final's usage, under its tenant; no row of a soak
     tenant that the client did not see admitted."""
-    rows = ledger_rows(url, "SELECT request_id, COUNT(*), MIN(tenant_id), SUM(unit_us), MIN(outcome) FROM "
-                       f"usage_records WHERE tenant_id IN ({','.join(map(str, tenant_ids))}) GROUP BY request_id")
+    rows = ledger_rows(
+        url,
+        "SELECT request_id, COUNT(*), MIN(tenant_id), SUM(unit_us), MIN(outcome) FROM "
+        f"usage_records WHERE tenant_id IN ({','.join(map(str, tenant_ids))}) GROUP BY request_id",
+    )
     stored = {r[0]: r[1:] for r in rows}
     lost = [cid for cid in admitted if cid not in stored]
     duplicated = [cid for cid, (count, *_) in stored.items() if count != 1]
     unseen = [{"call_id": cid, "outcome": row[3]} for cid, row in stored.items() if cid not in admitted]
-    wrong_usage = [cid for cid, (_, sm_us) in admitted.items()
-                   if sm_us is not None and cid in stored and stored[cid][2] != sm_us]
-    wrong_tenant = [cid for cid, (tenant, _) in admitted.items()
-                    if cid in stored and stored[cid][1] != tenant_ids[tenant]]
-    return {"seen_admitted": len(admitted), "rows": len(stored), "lost": len(lost), "duplicated": len(duplicated),
-            "unseen_rows": len(unseen), "usage_mismatch": len(wrong_usage), "tenant_mismatch": len(wrong_tenant),
-            "rows_by_outcome": dict(Counter(row[3] for row in stored.values())),
-            "examples": {"lost": lost[:10], "unseen": unseen[:10], "usage_mismatch": wrong_usage[:10]}}
+    wrong_usage = [
+        cid for cid, (_, sm_us) in admitted.items() if sm_us is not None and cid in stored and stored[cid][2] != sm_us
+    ]
+    wrong_tenant = [
+        cid for cid, (tenant, _) in admitted.items() if cid in stored and stored[cid][1] != tenant_ids[tenant]
+    ]
+    return {
+        "seen_admitted": len(admitted),
+        "rows": len(stored),
+        "lost": len(lost),
+        "duplicated": len(duplicated),
+        "unseen_rows": len(unseen),
+        "usage_mismatch": len(wrong_usage),
+        "tenant_mismatch": len(wrong_tenant),
+        "rows_by_outcome": dict(Counter(row[3] for row in stored.values())),
+        "examples": {"lost": lost[:10], "unseen": unseen[:10], "usage_mismatch": wrong_usage[:10]},
+    }
 
 
 def rss_growth(series: list, column: int, duration_s: float, warmup_share: float = 0.10) -> dict:
@@ -94,8 +113,13 @@ def rss_growth(series: list, column: int, duration_s: float, warmup_share: float
         return {"samples": len(kept), "growth": None}
     n = max(1, len(kept) // 10)
     start, end = statistics.median(kept[:n]), statistics.median(kept[-n:])
-    return {"samples": len(kept), "start_kb": start, "end_kb": end, "max_kb": max(kept),
-            "growth": round((end - start) / start, 4)}
+    return {
+        "samples": len(kept),
+        "start_kb": start,
+        "end_kb": end,
+        "max_kb": max(kept),
+        "growth": round((end - start) / start, 4),
+    }
 
 
 def make_tenants(url: str, count: int, stamp: str) -> tuple[list[str], list[int]]:
@@ -107,5 +131,8 @@ def make_tenants(url: str, count: int, stamp: str) -> tuple[list[str], list[int]
 
 def server_figures(before: dict, after: dict) -> dict:
     d = delta(after, before)
-    return {**server_view(before, after), "e2e": _histogram_ms(d, "zeroqueue_e2e_seconds"),
-            "ttft": _histogram_ms(d, "zeroqueue_ttft_seconds")}
+    return {
+        **server_view(before, after),
+        "e2e": _histogram_ms(d, "zeroqueue_e2e_seconds"),
+        "ttft": _histogram_ms(d, "zeroqueue_ttft_seconds"),
+    }

@@ -18,6 +18,7 @@ and cosine decay, saved in bfloat16 in the Hugging Face layout our loader reads.
 recorded in the log and model card when it fires, whose reproduction command then adds `--stop-step N
 --minutes 0` to repeat the same cut without a clock.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,7 +28,6 @@ import random
 import sys
 import sysconfig
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,8 +35,17 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 EOS = "<|endoftext|>"
-EXCLUDED_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__", "pydoc_data",
-                 "encodings", "turtledemo"}
+EXCLUDED_DIRS = {
+    "test",
+    "tests",
+    "idlelib",
+    "site-packages",
+    "dist-packages",
+    "__pycache__",
+    "pydoc_data",
+    "encodings",
+    "turtledemo",
+}
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "services/inference/bundled/zq-python-tiny"
 SAMPLE_PROMPTS = ("def ", "import os\n", "class ")
 
@@ -44,7 +53,7 @@ SAMPLE_PROMPTS = ("def ", "import os\n", "class ")
 @dataclass(frozen=True)
 class Corpus:
     stdlib: Path
-    train: list[tuple[str, str]]        # (path relative to stdlib, source)
+    train: list[tuple[str, str]]  # (path relative to stdlib, source)
     heldout: list[tuple[str, str]]
 
 
@@ -61,16 +70,23 @@ def build_corpus(stdlib: Path, seed: int, num_heldout: int) -> Corpus:
         if text.strip():
             files.append((rel.as_posix(), text))
     heldout_idx = set(random.Random(seed).sample(range(len(files)), num_heldout))
-    return Corpus(stdlib, [f for i, f in enumerate(files) if i not in heldout_idx],
-                  [f for i, f in enumerate(files) if i in heldout_idx])
+    return Corpus(
+        stdlib,
+        [f for i, f in enumerate(files) if i not in heldout_idx],
+        [f for i, f in enumerate(files) if i in heldout_idx],
+    )
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(texts, trainer)
     return tokenizer
 
@@ -95,12 +111,24 @@ def unigram_loss(train: torch.Tensor, heldout: torch.Tensor, vocab_size: int) ->
 def build_model(args: argparse.Namespace, vocab_size: int, eos_id: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
-                         max_position_embeddings=args.seq_len, rope_theta=10000.0, rms_norm_eps=1e-5,
-                         tie_word_embeddings=True, initializer_range=0.02, eos_token_id=eos_id, bos_token_id=None,
-                         pad_token_id=None, attn_implementation="sdpa")
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        max_position_embeddings=args.seq_len,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        initializer_range=0.02,
+        eos_token_id=eos_id,
+        bos_token_id=None,
+        pad_token_id=None,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(args.seed)
     return LlamaForCausalLM(config)
 
@@ -108,8 +136,12 @@ def build_model(args: argparse.Namespace, vocab_size: int, eos_id: int):
 def make_optimizer(model, args: argparse.Namespace, total_steps: int):
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
 
     def lr_factor(step: int) -> float:
         if step < args.warmup:
@@ -139,7 +171,7 @@ def evaluate(model, stream: torch.Tensor, seq_len: int, batch: int, max_tokens: 
     starts = torch.arange(n_windows) * seq_len
     total = 0.0
     for i in range(0, n_windows, batch):
-        chunk = starts[i:i + batch]
+        chunk = starts[i : i + batch]
         total += float(forward_loss(model, batch_at(stream, chunk, seq_len), autocast)) * len(chunk)
     model.train()
     return total / n_windows
@@ -163,11 +195,16 @@ def train(model, stream: torch.Tensor, heldout: torch.Tensor, args: argparse.Nam
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
         if step % args.log_every == 0 or step == args.steps - 1:
             elapsed = time.monotonic() - started
-            point = {"step": step, "train_loss": round(ema, 4), "lr": round(sched.get_last_lr()[0], 7),
-                     "elapsed_s": round(elapsed, 1)}
+            point = {
+                "step": step,
+                "train_loss": round(ema, 4),
+                "lr": round(sched.get_last_lr()[0], 7),
+                "elapsed_s": round(elapsed, 1),
+            }
             if step % args.eval_every == 0 and step > 0:
-                point["heldout_loss"] = round(evaluate(model, heldout, args.seq_len, args.batch,
-                                                       args.eval_tokens // 4, args.bf16_autocast), 4)
+                point["heldout_loss"] = round(
+                    evaluate(model, heldout, args.seq_len, args.batch, args.eval_tokens // 4, args.bf16_autocast), 4
+                )
             log["curve"].append(point)
             tok_s = (step + 1) * args.batch * args.seq_len / max(elapsed, 1e-9)
             print(json.dumps(point | {"tokens_per_s": round(tok_s)}), flush=True)
@@ -177,8 +214,11 @@ def train(model, stream: torch.Tensor, heldout: torch.Tensor, args: argparse.Nam
             log["stopped_by_time_budget"] = True
             print(f"time budget of {args.minutes} min reached at step {step}", flush=True)
             break
-    log.update(steps_done=step + 1, train_time_s=round(time.monotonic() - started, 1),
-               tokens_seen=(step + 1) * args.batch * args.seq_len)
+    log.update(
+        steps_done=step + 1,
+        train_time_s=round(time.monotonic() - started, 1),
+        tokens_seen=(step + 1) * args.batch * args.seq_len,
+    )
     return log
 
 
@@ -190,11 +230,20 @@ def save_checkpoint(model, tokenizer: Tokenizer, out: Path, seq_len: int) -> Non
     model = model.to(torch.bfloat16)
     model.generation_config = GenerationConfig(eos_token_id=eos_id, bos_token_id=None, pad_token_id=eos_id)
     model.save_pretrained(out, safe_serialization=True)
-    (out / "model.safetensors").chmod(0o644)        # save_pretrained leaves it owner-only; serving may be another user
+    (out / "model.safetensors").chmod(0o644)  # save_pretrained leaves it owner-only; serving may be another user
     tokenizer.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "model_max_length": seq_len,
-        "clean_up_tokenization_spaces": False}, indent=2) + "\n")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": EOS,
+                "model_max_length": seq_len,
+                "clean_up_tokenization_spaces": False,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 @torch.no_grad()
@@ -207,24 +256,33 @@ def samples(model, tokenizer: Tokenizer, max_new_tokens: int = 48) -> list[dict]
         ids = torch.tensor([tokenizer.encode(prompt).ids])
         for temperature in (0.0, 0.8):
             torch.manual_seed(i)
-            kwargs = ({"do_sample": True, "temperature": temperature, "top_k": 0} if temperature
-                      else {"do_sample": False})
+            kwargs = (
+                {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature else {"do_sample": False}
+            )
             gen = model.generate(ids, max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=eos_id, **kwargs)
-            out.append({"prompt": prompt, "temperature": temperature,
-                        "text": tokenizer.decode(gen[0, ids.shape[1]:].tolist(), skip_special_tokens=False)})
+            out.append(
+                {
+                    "prompt": prompt,
+                    "temperature": temperature,
+                    "text": tokenizer.decode(gen[0, ids.shape[1] :].tolist(), skip_special_tokens=False),
+                }
+            )
     return out
 
 
 def write_model_card(out: Path, report: dict) -> None:
     r, shape = report, report["shape"]
     size_mb = (out / "model.safetensors").stat().st_size / 1e6
-    eos_md = EOS.replace("|", "\\|")     # a pipe ends a table cell even inside backticks
+    eos_md = EOS.replace("|", "\\|")  # a pipe ends a table cell even inside backticks
     lines = [
-        "# zq-python-tiny", "",
+        "# zq-python-tiny",
+        "",
         "The model `make serve` ships with: a small Llama-family model trained by zeroqueue from scratch on the "
         "Python standard library's own sources, so the service streams Python-like text on a machine with no "
-        "network. It is a demonstration model, not a useful code assistant.", "",
-        "| | |", "|---|---|",
+        "network. It is a demonstration model, not a useful code assistant.",
+        "",
+        "| | |",
+        "|---|---|",
         f"| architecture | LlamaForCausalLM: hidden {shape['hidden']}, {shape['layers']} layers, "
         f"{shape['heads']} heads "
         f"({shape['kv_heads']} KV heads, head_dim {shape['head_dim']}), intermediate {shape['intermediate']}, "
@@ -235,8 +293,7 @@ def write_model_card(out: Path, report: dict) -> None:
         f"({r['corpus']['train_tokens']:,} tokens); {r['corpus']['heldout_files']} files held out "
         f"({r['corpus']['heldout_tokens']:,} tokens); excluded dirs: "
         f"{', '.join(f'`{d}`' for d in sorted(EXCLUDED_DIRS))} |",
-        f"| tokenizer | byte-level BPE (`tokenizers`), vocab {r['vocab_size']}, EOS `{eos_md}` "
-        "between files |",
+        f"| tokenizer | byte-level BPE (`tokenizers`), vocab {r['vocab_size']}, EOS `{eos_md}` between files |",
         f"| training | seed {r['seed']}, {r['steps_done']} steps"
         f"{' (cut short by --minutes; --stop-step repeats the cut)' if r['stopped_by_time_budget'] else ''}"
         f" x {shape['batch']} x {shape['seq_len']} tokens = "
@@ -247,12 +304,25 @@ def write_model_card(out: Path, report: dict) -> None:
         f"| final train loss | {r['final_train_loss']:.3f} nats/token (first {r['eval_tokens']:,} training tokens) |",
         f"| held-out loss | {r['heldout_loss']:.3f} nats/token, perplexity {math.exp(r['heldout_loss']):.1f} "
         f"(unigram baseline {r['unigram_heldout_loss']:.3f}, uniform ln(vocab) {math.log(r['vocab_size']):.3f}) |",
-        "", "Reproduce (from the repository root):", "", "```", r["reproduce"], "```", "",
-        "Samples (bf16 weights, transformers `generate`, 48 new tokens; temperature 0.8 is seeded):", "",
+        "",
+        "Reproduce (from the repository root):",
+        "",
+        "```",
+        r["reproduce"],
+        "```",
+        "",
+        "Samples (bf16 weights, transformers `generate`, 48 new tokens; temperature 0.8 is seeded):",
+        "",
     ]
     for s in report["samples"]:
-        lines += [f"prompt {s['prompt']!r}, temperature {s['temperature']}:", "", "```python",
-                  (s["prompt"] + s["text"]).replace("```", "` ` `"), "```", ""]
+        lines += [
+            f"prompt {s['prompt']!r}, temperature {s['temperature']}:",
+            "",
+            "```python",
+            (s["prompt"] + s["text"]).replace("```", "` ` `"),
+            "```",
+            "",
+        ]
     (out / "MODEL_CARD.md").write_text("\n".join(lines))
 
 
@@ -276,8 +346,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-lr-ratio", type=float, default=0.1)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--stop-step", type=int, default=None,
-                   help="end after this many steps on the --steps schedule (repeats a run --minutes cut short)")
+    p.add_argument(
+        "--stop-step",
+        type=int,
+        default=None,
+        help="end after this many steps on the --steps schedule (repeats a run --minutes cut short)",
+    )
     p.add_argument("--bf16-autocast", action="store_true", help="bf16 autocast for the forward pass")
     p.add_argument("--num-heldout", type=int, default=16, help="stdlib files held out for evaluation")
     p.add_argument("--eval-tokens", type=int, default=65536)
@@ -296,8 +370,11 @@ def main(argv: list[str] | None = None) -> None:
     vocab_size, eos_id = tokenizer.get_vocab_size(), tokenizer.token_to_id(EOS)
     stream = encode_stream(tokenizer, [t for _, t in corpus.train])
     heldout = encode_stream(tokenizer, [t for _, t in corpus.heldout])
-    print(f"corpus: {len(corpus.train)} train files ({len(stream):,} tokens), {len(corpus.heldout)} held out "
-          f"({len(heldout):,} tokens): {', '.join(p for p, _ in corpus.heldout)}", flush=True)
+    print(
+        f"corpus: {len(corpus.train)} train files ({len(stream):,} tokens), {len(corpus.heldout)} held out "
+        f"({len(heldout):,} tokens): {', '.join(p for p, _ in corpus.heldout)}",
+        flush=True,
+    )
     model = build_model(args, vocab_size, eos_id)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params:,} parameters, vocab {vocab_size}", flush=True)
@@ -309,16 +386,31 @@ def main(argv: list[str] | None = None) -> None:
     if size > 25_000_000:
         sys.exit(f"{args.out / 'model.safetensors'} is {size / 1e6:.1f} MB, over the 25 MB budget")
     report = {
-        "python": sys.version.split()[0], "torch": torch.__version__, "seed": args.seed, "threads": args.threads,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "seed": args.seed,
+        "threads": args.threads,
         "command": "nice -n 10 .venv/bin/python " + " ".join(["bench/train_default_model.py", *(argv or sys.argv[1:])]),
-        "shape": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "head_dim",
-                                                  "intermediate", "seq_len", "batch")},
-        "vocab_size": vocab_size, "num_parameters": n_params, "lr": args.lr, "warmup": args.warmup,
-        "bf16_autocast": args.bf16_autocast, "eval_tokens": args.eval_tokens,
-        "corpus": {"stdlib": str(stdlib), "train_files": len(corpus.train), "train_tokens": len(stream),
-                   "heldout_files": len(corpus.heldout), "heldout_tokens": len(heldout),
-                   "heldout_paths": [p for p, _ in corpus.heldout]},
-        "final_train_loss": round(final_train, 4), "heldout_loss": round(final_heldout, 4),
+        "shape": {
+            k: getattr(args, k)
+            for k in ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate", "seq_len", "batch")
+        },
+        "vocab_size": vocab_size,
+        "num_parameters": n_params,
+        "lr": args.lr,
+        "warmup": args.warmup,
+        "bf16_autocast": args.bf16_autocast,
+        "eval_tokens": args.eval_tokens,
+        "corpus": {
+            "stdlib": str(stdlib),
+            "train_files": len(corpus.train),
+            "train_tokens": len(stream),
+            "heldout_files": len(corpus.heldout),
+            "heldout_tokens": len(heldout),
+            "heldout_paths": [p for p, _ in corpus.heldout],
+        },
+        "final_train_loss": round(final_train, 4),
+        "heldout_loss": round(final_heldout, 4),
         "heldout_perplexity": round(math.exp(final_heldout), 2),
         "unigram_heldout_loss": round(unigram_loss(stream, heldout, vocab_size), 4),
         "model_safetensors_bytes": size,
@@ -326,6 +418,7 @@ def main(argv: list[str] | None = None) -> None:
     cut = f" --stop-step {log['steps_done']} --minutes 0" if log["stopped_by_time_budget"] else ""
     report["reproduce"] = report["command"] + cut
     from transformers import LlamaForCausalLM
+
     report["samples"] = samples(LlamaForCausalLM.from_pretrained(args.out, dtype=torch.bfloat16), tokenizer)
     (args.out / "training_log.json").write_text(json.dumps(report, indent=1) + "\n")
     write_model_card(args.out, report)

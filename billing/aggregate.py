@@ -76,9 +76,11 @@ class UsageAggregate:
 def check_int64(name: str, value: int, where: str) -> int:
     """``value`` if a signed 64-bit column can hold it; AmountOutOfRange naming ``where`` otherwise."""
     if not -MAX_INT64 - 1 <= value <= MAX_INT64:
-        raise AmountOutOfRange(f"period: the {name} of {where} ({value}) exceeds what the ledger stores "
-                               "(2^63-1); split the usage over more price versions or check the price",
-                               field="period")
+        raise AmountOutOfRange(
+            f"period: the {name} of {where} ({value}) exceeds what the ledger stores "
+            "(2^63-1); split the usage over more price versions or check the price",
+            field="period",
+        )
     return value
 
 
@@ -156,7 +158,11 @@ def aggregate_usage(
             if aggregate is None:
                 until = schedule.valid_until(price)
                 aggregate = merged[(key, model, unit, price.id)] = UsageAggregate(
-                    key, model, unit, price, max(start_us, price.effective_from_us),
+                    key,
+                    model,
+                    unit,
+                    price,
+                    max(start_us, price.effective_from_us),
                     end_us if until is None else min(end_us, until),
                 )
             _accumulate(aggregate, sums)

@@ -48,8 +48,7 @@ def insert_new(session: Session, table: Table, key: str, rows: Sequence[dict[str
         for name in names
     ]
     source = func.unnest(*arrays).table_valued(*names).render_derived(name="src")
-    values = [cast(source.c[name], JSON) if isinstance(table.c[name].type, JSON) else source.c[name]
-              for name in names]
+    values = [cast(source.c[name], JSON) if isinstance(table.c[name].type, JSON) else source.c[name] for name in names]
     statement = (
         postgresql.insert(table)
         .from_select(names, select(*values))

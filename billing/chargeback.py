@@ -126,12 +126,7 @@ def _check_groupings(by: Sequence[str]) -> tuple[str, ...]:
 
 
 def chargeback_report(
-    session: Session,
-    period: str,
-    by: Sequence[str],
-    *,
-    tenant: str | None = None,
-    now_us: int | None = None,
+    session: Session, period: str, by: Sequence[str], *, tenant: str | None = None, now_us: int | None = None
 ) -> ChargebackReport:
     """The chargeback report for ``period`` grouped by ``by`` (any of :data:`GROUPINGS`).
 
@@ -144,23 +139,34 @@ def chargeback_report(
     aggregates = aggregate_usage(session, bounds.start_us, bounds.end_us, group_by=group_by, tenant_id=tenant_id)
     totals: dict[tuple[object, ...], list[int]] = {}
     for agg in aggregates:
-        key = (*[_text(name, value, bounds.start_us) for name, value in zip(group_by, agg.key, strict=True)],
-               agg.unit, agg.price.currency)
+        key = (
+            *[_text(name, value, bounds.start_us) for name, value in zip(group_by, agg.key, strict=True)],
+            agg.unit,
+            agg.price.currency,
+        )
         sums = totals.setdefault(key, [0] * 6)
-        for index, value in enumerate((agg.num_requests, agg.num_requests - agg.num_missed, agg.unit_us,
-                                       agg.prompt_tokens, agg.completion_tokens, agg.net_micros)):
+        for index, value in enumerate(
+            (
+                agg.num_requests,
+                agg.num_requests - agg.num_missed,
+                agg.unit_us,
+                agg.prompt_tokens,
+                agg.completion_tokens,
+                agg.net_micros,
+            )
+        ):
             sums[index] += value
     for key, sums in totals.items():
-        for name, value in zip(("requests", "requests", "unit·µs", "prompt tokens", "completion tokens", "cost"),
-                               sums, strict=True):
+        for name, value in zip(
+            ("requests", "requests", "unit·µs", "prompt tokens", "completion tokens", "cost"), sums, strict=True
+        ):
             check_int64(name, value, f"{' / '.join(map(str, key[:-1]))} in {bounds.name}")
     rows = tuple(
         ChargebackRow(tuple(zip(group_by, key[: len(group_by)], strict=True)), key[-2], key[-1], *sums)  # type: ignore[arg-type]
         for key, sums in sorted(totals.items())
     )
     devices, timeline = ((), ()) if tenant is not None else _utilisation(session, bounds.start_us, bounds.end_us)
-    return ChargebackReport(period, group_by, tenant, rows, devices, timeline,
-                            clock_us() if now_us is None else now_us)
+    return ChargebackReport(period, group_by, tenant, rows, devices, timeline, clock_us() if now_us is None else now_us)
 
 
 def _text(name: str, value: object, start_us: int) -> str:
@@ -183,15 +189,26 @@ def _utilisation(
         )
     }
     device_rows = session.execute(
-        select(IdleRow.device_id, IdleRow.unit, func.max(IdleRow.num_units),
-               *exact_sum(IdleRow.wall_unit_us), *exact_sum(IdleRow.idle_unit_us))
+        select(
+            IdleRow.device_id,
+            IdleRow.unit,
+            func.max(IdleRow.num_units),
+            *exact_sum(IdleRow.wall_unit_us),
+            *exact_sum(IdleRow.idle_unit_us),
+        )
         .where(*in_period)
         .group_by(IdleRow.device_id, IdleRow.unit)
         .order_by(IdleRow.device_id)
     )
     devices = tuple(
-        DeviceUtilisation(device, unit, num_units, check_int64("wall unit·µs", joined(wall_high, wall_low), where),
-                          check_int64("idle unit·µs", joined(idle_high, idle_low), where), billed.get(device, 0))
+        DeviceUtilisation(
+            device,
+            unit,
+            num_units,
+            check_int64("wall unit·µs", joined(wall_high, wall_low), where),
+            check_int64("idle unit·µs", joined(idle_high, idle_low), where),
+            billed.get(device, 0),
+        )
         for device, unit, num_units, wall_high, wall_low, idle_high, idle_low in device_rows
     )
     day = ((IdleRow.minute_start_us - start_us) // US_PER_DAY).label("day")
@@ -202,8 +219,9 @@ def _utilisation(
         .order_by(day, IdleRow.unit)
     )
     timeline = tuple(
-        UtilisationPoint(day_label(start_us + index * US_PER_DAY), unit, joined(wall_high, wall_low),
-                         joined(idle_high, idle_low))
+        UtilisationPoint(
+            day_label(start_us + index * US_PER_DAY), unit, joined(wall_high, wall_low), joined(idle_high, idle_low)
+        )
         for index, unit, wall_high, wall_low, idle_high, idle_low in points
     )
     return devices, timeline

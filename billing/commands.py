@@ -54,8 +54,9 @@ def add_price(
     try:
         moment = dt.datetime.fromisoformat(effective_from.replace("Z", "+00:00"))
     except ValueError as error:
-        raise InvalidPrice(f"effective_from must be ISO 8601, got {effective_from!r}",
-                           field="effective_from") from error
+        raise InvalidPrice(
+            f"effective_from must be ISO 8601, got {effective_from!r}", field="effective_from"
+        ) from error
     if moment.tzinfo is None:
         raise InvalidPrice("effective_from needs a time zone (e.g. Z)", field="effective_from")
     with _sessions(url) as factory, unit_of_work(factory) as session:
@@ -75,8 +76,7 @@ def invoice(url: str | None, tenant: str, period: str, finalize: bool = False, f
         return render_invoice(current, fmt)
 
 
-def chargeback(url: str | None, period: str, by: Sequence[str], fmt: str = "csv",
-               tenant: str | None = None) -> str:
+def chargeback(url: str | None, period: str, by: Sequence[str], fmt: str = "csv", tenant: str | None = None) -> str:
     """The chargeback report for ``period`` grouped by ``by`` as CSV, JSON or HTML."""
     parse_format(fmt)
     with _sessions(url) as factory, unit_of_work(factory) as session:

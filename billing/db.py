@@ -28,7 +28,7 @@ def default_data_dir() -> Path:
 def is_default_data_dir(path: Path) -> bool:
     try:
         return path.expanduser().absolute() == default_data_dir().absolute()
-    except RuntimeError:        # no home directory to be found (no $HOME, no passwd entry)
+    except RuntimeError:  # no home directory to be found (no $HOME, no passwd entry)
         return False
 
 
@@ -105,13 +105,17 @@ def unit_of_work(factory: sessionmaker[Session]) -> Iterator[Session]:
 
 # SQLSTATE (PostgreSQL) or extended result code (SQLite) of an IntegrityError -> what it means
 _UNIQUE = {"23505", "SQLITE_CONSTRAINT_UNIQUE", "SQLITE_CONSTRAINT_PRIMARYKEY"}
-_REFUSED = {"23001", "SQLITE_CONSTRAINT_TRIGGER"}      # the append-only and finalized-invoice triggers
+_REFUSED = {"23001", "SQLITE_CONSTRAINT_TRIGGER"}  # the append-only and finalized-invoice triggers
 # A CHECK names the field it guards (SQLite's check triggers of migration 0003 say "CHECK constraint failed: …")
 CONSTRAINT_FIELDS = {
-    "ck_invoices_period_format": "period", "ck_usage_records_unit_us_range": "unit_us",
-    "ck_usage_records_num_units_range": "num_units", "ck_usage_records_tokens_range": "prompt_tokens",
-    "ck_usage_records_times_range": "finished_at_us", "ck_idle_records_num_units_range": "num_units",
-    "ck_idle_records_minute_range": "minute_start_us", "ck_idle_records_wall_range": "wall_unit_us",
+    "ck_invoices_period_format": "period",
+    "ck_usage_records_unit_us_range": "unit_us",
+    "ck_usage_records_num_units_range": "num_units",
+    "ck_usage_records_tokens_range": "prompt_tokens",
+    "ck_usage_records_times_range": "finished_at_us",
+    "ck_idle_records_num_units_range": "num_units",
+    "ck_idle_records_minute_range": "minute_start_us",
+    "ck_idle_records_wall_range": "wall_unit_us",
     "ck_prices_price_range": "price_micros",
 }
 MAX_DETAIL_CHARS = 200
@@ -122,9 +126,10 @@ def ledger_error(error: BaseException) -> BillingError | None:
     if isinstance(error, sa_exc.DBAPIError) and error.connection_invalidated:
         return LedgerUnavailable("the ledger database dropped the connection; nothing was stored, retry")
     if isinstance(error, sa_exc.OperationalError) and _detail(error).startswith("integer overflow"):
-        return DataRejected("the ledger refused a value: integer overflow")     # SQLite's arithmetic, not an outage
-    if isinstance(error, (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError,
-                          sa_exc.DisconnectionError)):
+        return DataRejected("the ledger refused a value: integer overflow")  # SQLite's arithmetic, not an outage
+    if isinstance(
+        error, (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError, sa_exc.DisconnectionError)
+    ):
         return LedgerUnavailable("the ledger database is unavailable; nothing was stored, retry")
     if isinstance(error, sa_exc.DataError):
         return DataRejected(f"the ledger refused a value: {_detail(error)}")

@@ -142,9 +142,7 @@ class MissingPrice(FailedPrecondition):
     reason = "MISSING_PRICE"
 
     def __init__(self, model: str, unit: str, at_us: int) -> None:
-        super().__init__(
-            f"model: no price for model {model!r} unit {unit!r} in force at {at_us} µs", field="model"
-        )
+        super().__init__(f"model: no price for model {model!r} unit {unit!r} in force at {at_us} µs", field="model")
         self.model, self.unit, self.at_us = model, unit, at_us
 
 
@@ -158,9 +156,7 @@ class InvoiceFinalized(FailedPrecondition):
     reason = "INVOICE_FINALIZED"
 
     def __init__(self, invoice_id: int, status: str) -> None:
-        super().__init__(
-            f"invoice_id: invoice {invoice_id} is {status} and cannot be changed", field="invoice_id"
-        )
+        super().__init__(f"invoice_id: invoice {invoice_id} is {status} and cannot be changed", field="invoice_id")
         self.invoice_id, self.status = invoice_id, status
 
 

@@ -105,16 +105,37 @@ _STORED = ("num_requests", "unit_us", "prompt_tokens", "completion_tokens", "amo
 def _line_rows(aggregates: list[UsageAggregate], period: str) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     for agg in sorted(aggregates, key=lambda a: (a.model, a.unit, a.from_us)):
-        common = dict(model=agg.model, unit=agg.unit, price_id=agg.price.id,
-                      price_micros=agg.price.price_micros, usage_from_us=agg.from_us, usage_to_us=agg.to_us)
-        rows.append(dict(common, kind=LineKind.USAGE.value, num_requests=agg.num_requests,
-                         unit_us=agg.unit_us, prompt_tokens=agg.prompt_tokens,
-                         completion_tokens=agg.completion_tokens, amount_micros=agg.charge_micros))
+        common = dict(
+            model=agg.model,
+            unit=agg.unit,
+            price_id=agg.price.id,
+            price_micros=agg.price.price_micros,
+            usage_from_us=agg.from_us,
+            usage_to_us=agg.to_us,
+        )
+        rows.append(
+            dict(
+                common,
+                kind=LineKind.USAGE.value,
+                num_requests=agg.num_requests,
+                unit_us=agg.unit_us,
+                prompt_tokens=agg.prompt_tokens,
+                completion_tokens=agg.completion_tokens,
+                amount_micros=agg.charge_micros,
+            )
+        )
         if agg.num_missed:
-            rows.append(dict(common, kind=LineKind.SLA_CREDIT.value, num_requests=agg.num_missed,
-                             unit_us=agg.missed_unit_us, prompt_tokens=agg.missed_prompt_tokens,
-                             completion_tokens=agg.missed_completion_tokens,
-                             amount_micros=-agg.sla_credit_micros))
+            rows.append(
+                dict(
+                    common,
+                    kind=LineKind.SLA_CREDIT.value,
+                    num_requests=agg.num_missed,
+                    unit_us=agg.missed_unit_us,
+                    prompt_tokens=agg.missed_prompt_tokens,
+                    completion_tokens=agg.missed_completion_tokens,
+                    amount_micros=-agg.sla_credit_micros,
+                )
+            )
     for position, row in enumerate(rows):
         row["position"] = position
         for name in _STORED:
@@ -126,8 +147,7 @@ def _currency(aggregates: list[UsageAggregate], period: Period) -> str:
     currencies = sorted({agg.price.currency for agg in aggregates})
     if len(currencies) > 1:
         raise CurrencyMismatch(
-            f"period: usage in {period.name} is priced in several currencies ({', '.join(currencies)})",
-            field="period",
+            f"period: usage in {period.name} is priced in several currencies ({', '.join(currencies)})", field="period"
         )
     return currencies[0] if currencies else DEFAULT_CURRENCY
 
@@ -148,9 +168,7 @@ def _refresh(session: Session, invoice: Invoice, now_us: int) -> None:
     session.flush()
 
 
-def create_or_refresh_draft(
-    session: Session, tenant: str, period: str, *, now_us: int | None = None
-) -> InvoiceView:
+def create_or_refresh_draft(session: Session, tenant: str, period: str, *, now_us: int | None = None) -> InvoiceView:
     """The tenant's draft for ``period`` ('YYYY-MM', ASCII digits: the one spelling stored), created or
     recomputed from the ledger."""
     bounds = parse_period(period)
@@ -159,9 +177,17 @@ def create_or_refresh_draft(
     open_invoice = (Invoice.tenant_id == tenant_id, Invoice.period == bounds.name, Invoice.status != "void")
     session.execute(
         dialect_insert(session, Invoice.__table__)
-        .values(tenant_id=tenant_id, period=bounds.name, status=InvoiceStatus.DRAFT.value,
-                currency=DEFAULT_CURRENCY, total_micros=0, period_start_us=bounds.start_us,
-                period_end_us=bounds.end_us, created_at_us=now_us, refreshed_at_us=now_us)
+        .values(
+            tenant_id=tenant_id,
+            period=bounds.name,
+            status=InvoiceStatus.DRAFT.value,
+            currency=DEFAULT_CURRENCY,
+            total_micros=0,
+            period_start_us=bounds.start_us,
+            period_end_us=bounds.end_us,
+            created_at_us=now_us,
+            refreshed_at_us=now_us,
+        )
         .on_conflict_do_nothing(index_elements=["tenant_id", "period"], index_where=OPEN_INVOICE_PREDICATE)
     )
     invoice = session.scalars(
@@ -176,8 +202,7 @@ def create_or_refresh_draft(
 def _lock(session: Session, invoice_id: int) -> Invoice:
     check_invoice_id(invoice_id)
     invoice = session.scalars(
-        select(Invoice).where(Invoice.id == invoice_id).with_for_update()
-        .execution_options(populate_existing=True)
+        select(Invoice).where(Invoice.id == invoice_id).with_for_update().execution_options(populate_existing=True)
     ).first()
     if invoice is None:
         raise InvoiceNotFound(invoice_id)
@@ -221,8 +246,7 @@ def issue_credit_note(
 ) -> CreditNoteView:
     """Credit part of a finalized invoice; all credit notes together may not exceed its total."""
     if not isinstance(amount_micros, int) or isinstance(amount_micros, bool) or not 0 < amount_micros <= MAX_INT64:
-        raise InvalidArgument(f"amount_micros must be a positive integer, got {amount_micros!r}",
-                              field="amount_micros")
+        raise InvalidArgument(f"amount_micros must be a positive integer, got {amount_micros!r}", field="amount_micros")
     if not isinstance(reason, str) or not 1 <= len(reason) <= 500:
         raise InvalidArgument("reason must be 1..500 characters", field="reason")
     if "\x00" in reason:
@@ -239,8 +263,13 @@ def issue_credit_note(
             f"amount_micros: {amount_micros} exceeds the invoice balance of {view.balance_micros}",
             field="amount_micros",
         )
-    note = CreditNote(invoice_id=invoice_id, amount_micros=amount_micros, currency=invoice.currency,
-                      reason=reason, created_at_us=clock_us() if now_us is None else now_us)
+    note = CreditNote(
+        invoice_id=invoice_id,
+        amount_micros=amount_micros,
+        currency=invoice.currency,
+        reason=reason,
+        created_at_us=clock_us() if now_us is None else now_us,
+    )
     session.add(note)
     session.flush()
     return CreditNoteView(note.id, invoice_id, amount_micros, note.currency, reason, note.created_at_us)
@@ -262,8 +291,9 @@ def get_invoice(session: Session, invoice_id: int, *, tenant: str | None = None)
 def check_invoice_id(invoice_id: object) -> None:
     """Invoice ids are the database's INTEGER: 1..2^31-1 (a larger one would be refused by PostgreSQL)."""
     if not isinstance(invoice_id, int) or isinstance(invoice_id, bool) or not 1 <= invoice_id <= MAX_INT32:
-        raise InvalidArgument(f"invoice_id must be an integer in [1, {MAX_INT32}], got {invoice_id!r}",
-                              field="invoice_id")
+        raise InvalidArgument(
+            f"invoice_id must be an integer in [1, {MAX_INT32}], got {invoice_id!r}", field="invoice_id"
+        )
 
 
 def list_invoices(
@@ -287,17 +317,39 @@ def _view(session: Session, invoice: Invoice, tenant: str) -> InvoiceView:
     )
     notes = session.scalars(select(CreditNote).where(CreditNote.invoice_id == invoice.id).order_by(CreditNote.id))
     return InvoiceView(
-        invoice.id, tenant, invoice.period, InvoiceStatus(invoice.status), invoice.currency,
-        invoice.total_micros, invoice.period_start_us, invoice.period_end_us, invoice.created_at_us,
-        invoice.refreshed_at_us, invoice.finalized_at_us, invoice.voided_at_us,
+        invoice.id,
+        tenant,
+        invoice.period,
+        InvoiceStatus(invoice.status),
+        invoice.currency,
+        invoice.total_micros,
+        invoice.period_start_us,
+        invoice.period_end_us,
+        invoice.created_at_us,
+        invoice.refreshed_at_us,
+        invoice.finalized_at_us,
+        invoice.voided_at_us,
         tuple(
-            InvoiceLineView(line.position, LineKind(line.kind), line.model, line.unit, line.price_id,
-                            line.price_micros, line.usage_from_us, line.usage_to_us, line.num_requests,
-                            line.unit_us, line.prompt_tokens, line.completion_tokens, line.amount_micros)
+            InvoiceLineView(
+                line.position,
+                LineKind(line.kind),
+                line.model,
+                line.unit,
+                line.price_id,
+                line.price_micros,
+                line.usage_from_us,
+                line.usage_to_us,
+                line.num_requests,
+                line.unit_us,
+                line.prompt_tokens,
+                line.completion_tokens,
+                line.amount_micros,
+            )
             for line in lines
         ),
-        tuple(CreditNoteView(n.id, n.invoice_id, n.amount_micros, n.currency, n.reason, n.created_at_us)
-              for n in notes),
+        tuple(
+            CreditNoteView(n.id, n.invoice_id, n.amount_micros, n.currency, n.reason, n.created_at_us) for n in notes
+        ),
     )
 
 

@@ -84,9 +84,7 @@ def _usage_row(record: UsageRecord, tenant_id: int, digest: str, now_us: int) ->
     return row
 
 
-def ingest_usage(
-    session: Session, records: Sequence[UsageRecord], *, now_us: int | None = None
-) -> list[IngestResult]:
+def ingest_usage(session: Session, records: Sequence[UsageRecord], *, now_us: int | None = None) -> list[IngestResult]:
     """Store each usage record at most once; one result per record, in input order.
 
     Raises :class:`UnknownTenant` (before writing anything) if a record names a
@@ -104,9 +102,7 @@ def ingest_usage(
     return _ingest(session, UsageRow.__table__, "request_id", RecordKind.USAGE, records, digests, rows, now_us)
 
 
-def ingest_idle(
-    session: Session, records: Sequence[IdleRecord], *, now_us: int | None = None
-) -> list[IngestResult]:
+def ingest_idle(session: Session, records: Sequence[IdleRecord], *, now_us: int | None = None) -> list[IngestResult]:
     """Store each idle record at most once, with the same duplicate/conflict rules as usage."""
     if not records:
         return []

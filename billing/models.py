@@ -25,15 +25,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from billing.period import US_PER_MINUTE
-from billing.records import (
-    MAX_NUM_UNITS,
-    MAX_RECORD_WALL_US,
-    MAX_TIME_US,
-    MAX_TOKENS,
-    DeviceKind,
-    Outcome,
-    Unit,
-)
+from billing.records import MAX_NUM_UNITS, MAX_RECORD_WALL_US, MAX_TIME_US, MAX_TOKENS, DeviceKind, Outcome, Unit
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -74,7 +66,7 @@ def one_of(column: str, enum: type[StrEnum]) -> str:
 
 # The bounds of billing/records.py and the ASCII 'YYYY-MM' of billing/period.py, as the database enforces
 # them (migration 0003: CHECK constraints on PostgreSQL, BEFORE triggers on SQLite, the same expressions).
-MAX_PRICE_MICROS = 1_000_000_000       # 1,000 currency units per unit·second: far above any real price
+MAX_PRICE_MICROS = 1_000_000_000  # 1,000 currency units per unit·second: far above any real price
 _DIGIT = "('0', '1', '2', '3', '4', '5', '6', '7', '8', '9')"
 _MONTH = ", ".join(f"'{month:02d}'" for month in range(1, 13))
 PERIOD_FORMAT = (
@@ -127,22 +119,19 @@ class UsageRow(Base):
         CheckConstraint(one_of("unit", Unit), name="unit"),
         CheckConstraint(one_of("outcome", Outcome), name="outcome"),
         CheckConstraint("num_units > 0", name="num_units_positive"),
-        CheckConstraint(
-            "unit_us >= 0 AND prompt_tokens >= 0 AND completion_tokens >= 0", name="non_negative"
-        ),
+        CheckConstraint("unit_us >= 0 AND prompt_tokens >= 0 AND completion_tokens >= 0", name="non_negative"),
         CheckConstraint("finished_at_us >= received_at_us", name="finished_after_received"),
         CheckConstraint(f"num_units <= {MAX_NUM_UNITS}", name="num_units_range"),
         CheckConstraint(f"unit_us <= num_units * {MAX_RECORD_WALL_US}", name="unit_us_range"),
-        CheckConstraint(f"prompt_tokens <= {MAX_TOKENS} AND completion_tokens <= {MAX_TOKENS}",
-                        name="tokens_range"),
+        CheckConstraint(f"prompt_tokens <= {MAX_TOKENS} AND completion_tokens <= {MAX_TOKENS}", name="tokens_range"),
         CheckConstraint(USAGE_TIMES, name="times_range"),
         Index(None, "tenant_id", "finished_at_us", "id"),
         Index(None, "finished_at_us", "id"),
     )
 
     id: Mapped[int] = mapped_column(BigIntPK, primary_key=True)
-    request_id: Mapped[str] = mapped_column(String(128), unique=True)      # the call's, made by its replica
-    client_request_id: Mapped[str] = mapped_column(String(128), server_default="")     # the caller's; reusable
+    request_id: Mapped[str] = mapped_column(String(128), unique=True)  # the call's, made by its replica
+    client_request_id: Mapped[str] = mapped_column(String(128), server_default="")  # the caller's; reusable
     tenant_id: Mapped[int] = mapped_column(Integer, ForeignKey("tenants.id"))
     labels: Mapped[dict[str, Any]]
     cost_center: Mapped[str | None] = mapped_column(String(128), index=True)

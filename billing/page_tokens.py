@@ -40,8 +40,10 @@ def page_token_key(session: Session) -> bytes:
     """The ledger's signing key."""
     found = session.scalar(select(LedgerSecret.secret).where(LedgerSecret.name == SECRET_NAME))
     if found is None:
-        raise FailedPrecondition("page_token: the ledger has no page-token secret (made by revision 0003); "
-                                 "run `zeroqueue migrate`", field="page_token")
+        raise FailedPrecondition(
+            "page_token: the ledger has no page-token secret (made by revision 0003); run `zeroqueue migrate`",
+            field="page_token",
+        )
     return bytes.fromhex(found)
 
 

@@ -28,7 +28,7 @@ def datetime_to_us(moment: dt.datetime) -> int:
 
 
 def us_to_datetime(at_us: int) -> dt.datetime:
-    return dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc) + dt.timedelta(microseconds=at_us)
+    return dt.datetime(1970, 1, 1, tzinfo=dt.UTC) + dt.timedelta(microseconds=at_us)
 
 
 def day_label(at_us: int) -> str:
@@ -56,8 +56,8 @@ def parse_period(period: str, *, field: str = "period") -> Period:
     year, month = int(match.group(1)), int(match.group(2))
     if not (1970 <= year <= 9998 and 1 <= month <= 12):
         raise InvalidPeriod(period, field=field)
-    start = dt.datetime(year, month, 1, tzinfo=dt.timezone.utc)
-    end = dt.datetime(year + month // 12, month % 12 + 1, 1, tzinfo=dt.timezone.utc)
+    start = dt.datetime(year, month, 1, tzinfo=dt.UTC)
+    end = dt.datetime(year + month // 12, month % 12 + 1, 1, tzinfo=dt.UTC)
     return Period(f"{year:04d}-{month:02d}", datetime_to_us(start), datetime_to_us(end))
 
 

@@ -63,8 +63,10 @@ def _validate(model: str, unit: str, price_micros: int, currency: str, effective
         raise InvalidPrice(error.message, field="model") from None
     if unit not in {member.value for member in Unit}:
         raise InvalidPrice(f"unit must be sm_us or core_us, got {unit!r}", field="unit")
-    for name, value, maximum in (("price_micros", price_micros, MAX_PRICE_MICROS),
-                                 ("effective_from_us", effective_from_us, MAX_INT64)):
+    for name, value, maximum in (
+        ("price_micros", price_micros, MAX_PRICE_MICROS),
+        ("effective_from_us", effective_from_us, MAX_INT64),
+    ):
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= maximum:
             raise InvalidPrice(f"{name} must be an integer in [0, {maximum}], got {value!r}", field=name)
     if not isinstance(currency, str) or not _CURRENCY.fullmatch(currency):
@@ -84,9 +86,7 @@ def add_price(
     """Add a price version in force from ``effective_from_us`` until the next version."""
     _validate(model, unit, price_micros, currency, effective_from_us)
     clash = session.scalar(
-        select(Price.id).where(
-            Price.model == model, Price.unit == unit, Price.effective_from_us == effective_from_us
-        )
+        select(Price.id).where(Price.model == model, Price.unit == unit, Price.effective_from_us == effective_from_us)
     )
     if clash is not None:
         raise PriceExists(
@@ -145,10 +145,7 @@ class PriceSchedule:
     def boundaries(self, start_us: int, end_us: int) -> list[int]:
         """``start_us``, every price change strictly inside the range, and ``end_us``, sorted."""
         inside = {
-            v.effective_from_us
-            for vs in self._versions.values()
-            for v in vs
-            if start_us < v.effective_from_us < end_us
+            v.effective_from_us for vs in self._versions.values() for v in vs if start_us < v.effective_from_us < end_us
         }
         return [start_us, *sorted(inside), end_us]
 

@@ -34,8 +34,12 @@ def private_dir(path: Path, *, narrow_existing: bool = False) -> Path:
         if narrow_existing:
             _narrow(path, DIR_MODE)
         elif stat.S_IMODE(path.stat().st_mode) & 0o077:
-            log.warning("directory_open_to_others", path=str(path), mode=oct(stat.S_IMODE(path.stat().st_mode)),
-                        hint="the ledger and outbox files in it are 0600; chmod 700 it to hide their names too")
+            log.warning(
+                "directory_open_to_others",
+                path=str(path),
+                mode=oct(stat.S_IMODE(path.stat().st_mode)),
+                hint="the ledger and outbox files in it are 0600; chmod 700 it to hide their names too",
+            )
     return path
 
 

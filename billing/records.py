@@ -33,7 +33,7 @@ MAX_INT32 = 2**31 - 1
 # A month's total then overflows a signed 64-bit integer only past 9.2e18 unit·µs of one tenant, model and unit:
 # 3.4 million units busy the whole month (or 840 records each claiming 4,096 units for 31 days). Should it
 # happen anyway, the invoice or report is refused naming the period (AmountOutOfRange), never an overflow.
-MAX_TIME_US = 7_258_118_400_000_000          # 2200-01-01T00:00:00Z
+MAX_TIME_US = 7_258_118_400_000_000  # 2200-01-01T00:00:00Z
 MAX_NUM_UNITS = 4_096
 MAX_RECORD_WALL_US = 31 * US_PER_DAY
 MAX_TOKENS = MAX_INT32
@@ -81,9 +81,7 @@ def check_text(name: str, value: object, max_chars: int = MAX_ID_CHARS) -> None:
 
 def check_tenant_name(name: str, value: object) -> None:
     if not isinstance(value, str) or not _TENANT.fullmatch(value):
-        raise InvalidRecord(
-            f"{name} must match [a-z0-9][a-z0-9._-]{{0,62}}, got {value!r}", field=name
-        )
+        raise InvalidRecord(f"{name} must match [a-z0-9][a-z0-9._-]{{0,62}}, got {value!r}", field=name)
 
 
 def check_int(name: str, value: object, *, minimum: int = 0, maximum: int = MAX_INT64, why: str = "") -> None:
@@ -108,8 +106,7 @@ def freeze_labels(labels: object) -> Mapping[str, str]:
     for key, value in labels.items():
         if not isinstance(key, str) or not _LABEL_KEY.fullmatch(key) or len(key) > MAX_LABEL_KEY_CHARS:
             raise InvalidRecord(
-                f"labels: key {key!r} must match [a-z][a-z0-9_.-]* and be at most "
-                f"{MAX_LABEL_KEY_CHARS} characters",
+                f"labels: key {key!r} must match [a-z][a-z0-9_.-]* and be at most {MAX_LABEL_KEY_CHARS} characters",
                 field=f"labels.{key}",
             )
         check_text(f"labels.{key}", value, MAX_LABEL_VALUE_CHARS)
@@ -134,14 +131,12 @@ def _check_device(kind: object, device_id: object, unit: object, num_units: obje
     check_enum("unit", unit, Unit)
     if UNIT_OF_KIND[DeviceKind(kind)] != unit:
         raise InvalidRecord(
-            f"unit must be {UNIT_OF_KIND[DeviceKind(kind)].value} on a {kind} device, got {unit!r}",
-            field="unit",
+            f"unit must be {UNIT_OF_KIND[DeviceKind(kind)].value} on a {kind} device, got {unit!r}", field="unit"
         )
     expected_prefix = ("cpu:",) if kind == DeviceKind.CPU else ("GPU-", "MIG-")
     if not device_id.startswith(expected_prefix):  # type: ignore[union-attr]
         raise InvalidRecord(
-            f"device_id of a {kind} device must start with {' or '.join(expected_prefix)}, "
-            f"got {device_id!r}",
+            f"device_id of a {kind} device must start with {' or '.join(expected_prefix)}, got {device_id!r}",
             field="device_id",
         )
     check_int("num_units", num_units, minimum=1, maximum=MAX_NUM_UNITS)
@@ -181,8 +176,7 @@ class UsageRecord:
         if self.client_request_id:
             check_text("client_request_id", self.client_request_id)
         _check_device(self.device_kind, self.device_id, self.unit, self.num_units)
-        check_int("unit_us", self.unit_us, maximum=self.num_units * MAX_RECORD_WALL_US,
-                  why=" (num_units × 31 days)")
+        check_int("unit_us", self.unit_us, maximum=self.num_units * MAX_RECORD_WALL_US, why=" (num_units × 31 days)")
         for name in ("prompt_tokens", "completion_tokens"):
             check_int(name, getattr(self, name), maximum=MAX_TOKENS)
         self._check_times()
@@ -196,8 +190,9 @@ class UsageRecord:
             check_int(name, getattr(self, name), minimum=1, maximum=MAX_TIME_US - 1, why=" (before 2200)")
         check_int("deadline_at_us", self.deadline_at_us, minimum=1)
         if self.first_token_at_us is not None:
-            check_int("first_token_at_us", self.first_token_at_us, minimum=1, maximum=MAX_TIME_US - 1,
-                      why=" (before 2200)")
+            check_int(
+                "first_token_at_us", self.first_token_at_us, minimum=1, maximum=MAX_TIME_US - 1, why=" (before 2200)"
+            )
         order = [("received_at_us", self.received_at_us), ("dispatched_at_us", self.dispatched_at_us)]
         if self.first_token_at_us is not None:
             order.append(("first_token_at_us", self.first_token_at_us))
@@ -211,17 +206,12 @@ class UsageRecord:
     def _check_deadline(self) -> None:
         on_time = self.finished_at_us <= self.deadline_at_us
         if self.deadline_met and not on_time:
-            raise InvalidRecord(
-                "deadline_met is true but finished_at_us is after deadline_at_us", field="deadline_met"
-            )
+            raise InvalidRecord("deadline_met is true but finished_at_us is after deadline_at_us", field="deadline_met")
         if self.outcome == Outcome.DEADLINE_EXCEEDED and self.deadline_met:
-            raise InvalidRecord(
-                "deadline_met must be false when outcome is deadline_exceeded", field="deadline_met"
-            )
+            raise InvalidRecord("deadline_met must be false when outcome is deadline_exceeded", field="deadline_met")
         if self.outcome == Outcome.OK and self.deadline_met != on_time:
             raise InvalidRecord(
-                "deadline_met must equal finished_at_us <= deadline_at_us when outcome is ok",
-                field="deadline_met",
+                "deadline_met must equal finished_at_us <= deadline_at_us when outcome is ok", field="deadline_met"
             )
 
     @property
@@ -258,8 +248,7 @@ class IdleRecord:
         check_enum("unit", self.unit, Unit)
         kind = DeviceKind.CUDA if self.unit == Unit.SM_US else DeviceKind.CPU
         _check_device(kind, self.device_id, self.unit, self.num_units)
-        check_int("minute_start_us", self.minute_start_us, minimum=0, maximum=MAX_TIME_US - 1,
-                  why=" (before 2200)")
+        check_int("minute_start_us", self.minute_start_us, minimum=0, maximum=MAX_TIME_US - 1, why=" (before 2200)")
         if self.minute_start_us % US_PER_MINUTE:
             raise InvalidRecord("minute_start_us must be aligned to a UTC minute", field="minute_start_us")
         check_int("idle_unit_us", self.idle_unit_us)
@@ -267,9 +256,7 @@ class IdleRecord:
         if self.idle_unit_us > self.wall_unit_us:
             raise InvalidRecord("idle_unit_us must not exceed wall_unit_us", field="idle_unit_us")
         if self.wall_unit_us > US_PER_MINUTE * self.num_units:
-            raise InvalidRecord(
-                "wall_unit_us must not exceed one minute × num_units", field="wall_unit_us"
-            )
+            raise InvalidRecord("wall_unit_us must not exceed one minute × num_units", field="wall_unit_us")
 
     @property
     def busy_unit_us(self) -> int:

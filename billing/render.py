@@ -49,54 +49,99 @@ def _iso(at_us: int | None) -> str | None:
 
 def invoice_dict(invoice: InvoiceView) -> dict[str, object]:
     return {
-        "id": invoice.id, "tenant": invoice.tenant, "period": invoice.period,
-        "status": invoice.status.value, "currency": invoice.currency,
-        "total_micros": invoice.total_micros, "total": format_micros(invoice.total_micros),
-        "credited_micros": invoice.credited_micros, "balance_micros": invoice.balance_micros,
+        "id": invoice.id,
+        "tenant": invoice.tenant,
+        "period": invoice.period,
+        "status": invoice.status.value,
+        "currency": invoice.currency,
+        "total_micros": invoice.total_micros,
+        "total": format_micros(invoice.total_micros),
+        "credited_micros": invoice.credited_micros,
+        "balance_micros": invoice.balance_micros,
         "balance": format_micros(invoice.balance_micros),
-        "period_start": _iso(invoice.period_start_us), "period_end": _iso(invoice.period_end_us),
-        "created_at": _iso(invoice.created_at_us), "refreshed_at": _iso(invoice.refreshed_at_us),
-        "finalized_at": _iso(invoice.finalized_at_us), "voided_at": _iso(invoice.voided_at_us),
+        "period_start": _iso(invoice.period_start_us),
+        "period_end": _iso(invoice.period_end_us),
+        "created_at": _iso(invoice.created_at_us),
+        "refreshed_at": _iso(invoice.refreshed_at_us),
+        "finalized_at": _iso(invoice.finalized_at_us),
+        "voided_at": _iso(invoice.voided_at_us),
         "lines": [
             {
-                "position": line.position, "kind": line.kind.value, "description": line.description,
-                "model": line.model, "unit": line.unit, "price_id": line.price_id,
-                "price_micros": line.price_micros, "num_requests": line.num_requests,
-                "unit_us": line.unit_us, "prompt_tokens": line.prompt_tokens,
+                "position": line.position,
+                "kind": line.kind.value,
+                "description": line.description,
+                "model": line.model,
+                "unit": line.unit,
+                "price_id": line.price_id,
+                "price_micros": line.price_micros,
+                "num_requests": line.num_requests,
+                "unit_us": line.unit_us,
+                "prompt_tokens": line.prompt_tokens,
                 "completion_tokens": line.completion_tokens,
-                "amount_micros": line.amount_micros, "amount": format_micros(line.amount_micros),
-                "usage_from": _iso(line.usage_from_us), "usage_to": _iso(line.usage_to_us),
+                "amount_micros": line.amount_micros,
+                "amount": format_micros(line.amount_micros),
+                "usage_from": _iso(line.usage_from_us),
+                "usage_to": _iso(line.usage_to_us),
             }
             for line in invoice.lines
         ],
         "credit_notes": [
-            {"id": note.id, "amount_micros": note.amount_micros, "amount": format_micros(note.amount_micros),
-             "reason": note.reason, "created_at": _iso(note.created_at_us)}
+            {
+                "id": note.id,
+                "amount_micros": note.amount_micros,
+                "amount": format_micros(note.amount_micros),
+                "reason": note.reason,
+                "created_at": _iso(note.created_at_us),
+            }
             for note in invoice.credit_notes
         ],
     }
 
 
 INVOICE_CSV_COLUMNS = (
-    "invoice_id", "tenant", "period", "status", "currency", "position", "kind", "model", "unit",
-    "price_micros", "num_requests", "unit_us", "prompt_tokens", "completion_tokens",
-    "amount_micros", "amount",
+    "invoice_id",
+    "tenant",
+    "period",
+    "status",
+    "currency",
+    "position",
+    "kind",
+    "model",
+    "unit",
+    "price_micros",
+    "num_requests",
+    "unit_us",
+    "prompt_tokens",
+    "completion_tokens",
+    "amount_micros",
+    "amount",
 )
 
 
 def invoice_csv(invoice: InvoiceView) -> str:
     head = (invoice.id, invoice.tenant, invoice.period, invoice.status.value, invoice.currency)
     rows: list[Sequence[object]] = [
-        (*head, line.position, line.kind.value, line.model, line.unit, line.price_micros,
-         line.num_requests, line.unit_us, line.prompt_tokens, line.completion_tokens,
-         line.amount_micros, format_micros(line.amount_micros))
+        (
+            *head,
+            line.position,
+            line.kind.value,
+            line.model,
+            line.unit,
+            line.price_micros,
+            line.num_requests,
+            line.unit_us,
+            line.prompt_tokens,
+            line.completion_tokens,
+            line.amount_micros,
+            format_micros(line.amount_micros),
+        )
         for line in invoice.lines
     ]
-    rows.append((*head, "", "total", "", "", "", "", "", "", "", invoice.total_micros,
-                 format_micros(invoice.total_micros)))
+    rows.append(
+        (*head, "", "total", "", "", "", "", "", "", "", invoice.total_micros, format_micros(invoice.total_micros))
+    )
     rows.extend(
-        (*head, "", "credit_note", "", "", "", "", "", "", "", -note.amount_micros,
-         format_micros(-note.amount_micros))
+        (*head, "", "credit_note", "", "", "", "", "", "", "", -note.amount_micros, format_micros(-note.amount_micros))
         for note in invoice.credit_notes
     )
     return _csv(INVOICE_CSV_COLUMNS, rows)
@@ -109,14 +154,28 @@ def invoice_html(invoice: InvoiceView) -> str:
         f"{invoice.currency}</b>. Balance after credit notes: {format_micros(invoice.balance_micros)}.</p>",
         _table(
             ("#", "Description", "Requests", "Unit·µs", "Tokens in", "Tokens out", f"Amount ({invoice.currency})"),
-            [(line.position, line.description, line.num_requests, line.unit_us, line.prompt_tokens,
-              line.completion_tokens, format_micros(line.amount_micros)) for line in invoice.lines],
+            [
+                (
+                    line.position,
+                    line.description,
+                    line.num_requests,
+                    line.unit_us,
+                    line.prompt_tokens,
+                    line.completion_tokens,
+                    format_micros(line.amount_micros),
+                )
+                for line in invoice.lines
+            ],
         ),
         "<p>Each line sums its usage first, then rounds once, half up, to a micro-unit.</p>",
     ]
     if invoice.credit_notes:
-        body.append(_table(("Credit note", "Reason", f"Amount ({invoice.currency})"),
-                           [(n.id, n.reason, format_micros(-n.amount_micros)) for n in invoice.credit_notes]))
+        body.append(
+            _table(
+                ("Credit note", "Reason", f"Amount ({invoice.currency})"),
+                [(n.id, n.reason, format_micros(-n.amount_micros)) for n in invoice.credit_notes],
+            )
+        )
     if invoice.lines:
         labels = [f"{line.model} {line.kind.value}" for line in invoice.lines]
         amounts = [line.amount_micros for line in invoice.lines]
@@ -129,38 +188,83 @@ def invoice_html(invoice: InvoiceView) -> str:
 
 def chargeback_dict(report: ChargebackReport) -> dict[str, object]:
     return {
-        "period": report.period, "group_by": list(report.group_by), "tenant": report.tenant,
+        "period": report.period,
+        "group_by": list(report.group_by),
+        "tenant": report.tenant,
         "generated_at": _iso(report.generated_at_us),
         "rows": [
-            {**dict(row.group), "unit": row.unit, "currency": row.currency,
-             "num_requests": row.num_requests, "num_deadline_met": row.num_deadline_met,
-             "num_admitted": row.num_admitted, "attainment": row.attainment, "unit_us": row.unit_us,
-             "prompt_tokens": row.prompt_tokens, "completion_tokens": row.completion_tokens,
-             "cost_micros": row.cost_micros, "cost": format_micros(row.cost_micros)}
+            {
+                **dict(row.group),
+                "unit": row.unit,
+                "currency": row.currency,
+                "num_requests": row.num_requests,
+                "num_deadline_met": row.num_deadline_met,
+                "num_admitted": row.num_admitted,
+                "attainment": row.attainment,
+                "unit_us": row.unit_us,
+                "prompt_tokens": row.prompt_tokens,
+                "completion_tokens": row.completion_tokens,
+                "cost_micros": row.cost_micros,
+                "cost": format_micros(row.cost_micros),
+            }
             for row in report.rows
         ],
         "devices": [
-            {"device_id": d.device_id, "unit": d.unit, "num_units": d.num_units,
-             "wall_unit_us": d.wall_unit_us, "idle_unit_us": d.idle_unit_us, "busy_unit_us": d.busy_unit_us,
-             "billed_unit_us": d.billed_unit_us, "unaccounted_unit_us": d.unaccounted_unit_us,
-             "utilisation_ppm": d.utilisation_ppm, "utilisation": percent_text(d.busy_unit_us, d.wall_unit_us)}
+            {
+                "device_id": d.device_id,
+                "unit": d.unit,
+                "num_units": d.num_units,
+                "wall_unit_us": d.wall_unit_us,
+                "idle_unit_us": d.idle_unit_us,
+                "busy_unit_us": d.busy_unit_us,
+                "billed_unit_us": d.billed_unit_us,
+                "unaccounted_unit_us": d.unaccounted_unit_us,
+                "utilisation_ppm": d.utilisation_ppm,
+                "utilisation": percent_text(d.busy_unit_us, d.wall_unit_us),
+            }
             for d in report.devices
         ],
         "timeline": [
-            {"day": p.day, "unit": p.unit, "wall_unit_us": p.wall_unit_us, "idle_unit_us": p.idle_unit_us,
-             "utilisation_ppm": p.utilisation_ppm}
+            {
+                "day": p.day,
+                "unit": p.unit,
+                "wall_unit_us": p.wall_unit_us,
+                "idle_unit_us": p.idle_unit_us,
+                "utilisation_ppm": p.utilisation_ppm,
+            }
             for p in report.timeline
         ],
     }
 
 
 def chargeback_csv(report: ChargebackReport) -> str:
-    columns = (*report.group_by, "unit", "currency", "num_requests", "num_deadline_met", "attainment",
-               "unit_us", "prompt_tokens", "completion_tokens", "cost_micros", "cost")
+    columns = (
+        *report.group_by,
+        "unit",
+        "currency",
+        "num_requests",
+        "num_deadline_met",
+        "attainment",
+        "unit_us",
+        "prompt_tokens",
+        "completion_tokens",
+        "cost_micros",
+        "cost",
+    )
     rows = [
-        (*(value for _, value in row.group), row.unit, row.currency, row.num_requests, row.num_deadline_met,
-         row.attainment, row.unit_us, row.prompt_tokens, row.completion_tokens, row.cost_micros,
-         format_micros(row.cost_micros))
+        (
+            *(value for _, value in row.group),
+            row.unit,
+            row.currency,
+            row.num_requests,
+            row.num_deadline_met,
+            row.attainment,
+            row.unit_us,
+            row.prompt_tokens,
+            row.completion_tokens,
+            row.cost_micros,
+            format_micros(row.cost_micros),
+        )
         for row in report.rows
     ]
     return _csv(columns, rows)
@@ -171,24 +275,46 @@ def chargeback_html(report: ChargebackReport) -> str:
     body = [
         f"<h1>Chargeback {report.period}, by {html.escape(grouping)}</h1>",
         _table(
-            (*report.group_by, "Unit", "Requests", "Deadline attainment", "Unit·µs", "Tokens in",
-             "Tokens out", "Cost"),
-            [(*(v for _, v in row.group), row.unit, row.num_requests, row.attainment, row.unit_us,
-              row.prompt_tokens, row.completion_tokens, f"{format_micros(row.cost_micros)} {row.currency}")
-             for row in report.rows],
+            (*report.group_by, "Unit", "Requests", "Deadline attainment", "Unit·µs", "Tokens in", "Tokens out", "Cost"),
+            [
+                (
+                    *(v for _, v in row.group),
+                    row.unit,
+                    row.num_requests,
+                    row.attainment,
+                    row.unit_us,
+                    row.prompt_tokens,
+                    row.completion_tokens,
+                    f"{format_micros(row.cost_micros)} {row.currency}",
+                )
+                for row in report.rows
+            ],
         ),
     ]
     if report.rows:
-        chart = _bar_chart([row.label for row in report.rows], [row.cost_micros for row in report.rows],
-                           f"Cost by {grouping}")
+        chart = _bar_chart(
+            [row.label for row in report.rows], [row.cost_micros for row in report.rows], f"Cost by {grouping}"
+        )
         body.append(_img(chart, "cost by group"))
     if report.devices:
         body.append("<h2>Device utilisation</h2>")
-        body.append(_table(
-            ("Device", "Unit", "Units", "Wall unit·µs", "Idle unit·µs", "Billed unit·µs", "Utilisation"),
-            [(d.device_id, d.unit, d.num_units, d.wall_unit_us, d.idle_unit_us, d.billed_unit_us,
-              percent_text(d.busy_unit_us, d.wall_unit_us)) for d in report.devices],
-        ))
+        body.append(
+            _table(
+                ("Device", "Unit", "Units", "Wall unit·µs", "Idle unit·µs", "Billed unit·µs", "Utilisation"),
+                [
+                    (
+                        d.device_id,
+                        d.unit,
+                        d.num_units,
+                        d.wall_unit_us,
+                        d.idle_unit_us,
+                        d.billed_unit_us,
+                        percent_text(d.busy_unit_us, d.wall_unit_us),
+                    )
+                    for d in report.devices
+                ],
+            )
+        )
     if report.timeline:
         body.append(_img(_utilisation_chart(report), "utilisation over time"))
     return _page(f"Chargeback {report.period}", body)
@@ -207,17 +333,19 @@ def _csv(columns: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
 
 def _table(header: Sequence[object], rows: Iterable[Sequence[object]]) -> str:
     head = "".join(f"<th>{html.escape(str(cell))}</th>" for cell in header)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(str(cell))}</td>" for cell in row) + "</tr>" for row in rows
-    )
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(cell))}</td>" for cell in row) + "</tr>" for row in rows)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def _page(title: str, body: Sequence[str]) -> str:
-    style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
-             "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}")
-    return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
-            f"<style>{style}</style></head><body>{''.join(body)}</body></html>\n")
+    style = (
+        "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+        "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}"
+    )
+    return (
+        f"<!doctype html><html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
+        f"<style>{style}</style></head><body>{''.join(body)}</body></html>\n"
+    )
 
 
 def _img(png: bytes, alt: str) -> str:

@@ -41,8 +41,7 @@ class Principal:
         """Allow access to ``tenant``'s usage and invoices: its own keys and admin keys only."""
         if not self.is_admin and self.tenant != tenant:
             raise PermissionDenied(  # the name asked for is not repeated: a refusal says nothing of others
-                f"tenant: this key belongs to tenant {self.tenant!r} and reaches only its own data",
-                field="tenant",
+                f"tenant: this key belongs to tenant {self.tenant!r} and reaches only its own data", field="tenant"
             )
 
     def require_admin(self, action: str) -> None:
@@ -117,13 +116,12 @@ def _info(row: ApiKey, tenant: str | None) -> ApiKeyInfo:
 def authenticate(session: Session, key: str | None) -> Principal:
     """The principal behind ``key``; :class:`Unauthenticated` if it is missing, unknown or revoked."""
     if not key:
-        raise Unauthenticated("authorization: missing API key (send 'authorization: Bearer <key>')",
-                              field="authorization")
+        raise Unauthenticated(
+            "authorization: missing API key (send 'authorization: Bearer <key>')", field="authorization"
+        )
     digest = hash_key(key)
     found = session.execute(
-        select(ApiKey, Tenant.name)
-        .outerjoin(Tenant, Tenant.id == ApiKey.tenant_id)
-        .where(ApiKey.key_sha256 == digest)
+        select(ApiKey, Tenant.name).outerjoin(Tenant, Tenant.id == ApiKey.tenant_id).where(ApiKey.key_sha256 == digest)
     ).first()
     if found is None or not hmac.compare_digest(found[0].key_sha256, digest):
         raise Unauthenticated("authorization: unknown API key", field="authorization")

@@ -7,6 +7,7 @@ A cached principal lives `ttl_s` (a revoked key keeps working at most that long)
 key is remembered `negative_ttl_s`, so a storm of bad keys costs one lookup per key, not one per call.
 Concurrent calls with the same key share one lookup.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,6 +18,7 @@ from typing import Protocol
 
 import grpc
 from sqlalchemy.orm import Session, sessionmaker
+from zeroqueue.metering.v1 import metering_pb2 as pb
 
 from billing import tenants
 from billing.db import ledger_errors, unit_of_work
@@ -24,7 +26,6 @@ from billing.errors import Unauthenticated
 from billing.models import Role
 from billing.tenants import Principal, hash_key
 from services.errors import AuthUnavailable
-from zeroqueue.metering.v1 import metering_pb2 as pb
 
 AUTHORIZATION = "authorization"
 DEFAULT_TTL_S = 30.0
@@ -45,8 +46,7 @@ def bearer_key(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None
 
 
 def missing_key() -> Unauthenticated:
-    return Unauthenticated("authorization: missing API key (send 'authorization: Bearer <key>')",
-                           field="authorization")
+    return Unauthenticated("authorization: missing API key (send 'authorization: Bearer <key>')", field="authorization")
 
 
 class Authenticator(Protocol):
@@ -58,9 +58,15 @@ class Authenticator(Protocol):
 class PrincipalCache:
     """Bounded LRU of key digest -> (expiry, Principal | Unauthenticated), with single-flight lookups."""
 
-    def __init__(self, lookup: Callable[[str], Awaitable[Principal]], *, ttl_s: float = DEFAULT_TTL_S,
-                 negative_ttl_s: float = DEFAULT_NEGATIVE_TTL_S, max_entries: int = DEFAULT_MAX_ENTRIES,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        lookup: Callable[[str], Awaitable[Principal]],
+        *,
+        ttl_s: float = DEFAULT_TTL_S,
+        negative_ttl_s: float = DEFAULT_NEGATIVE_TTL_S,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if max_entries < 1:
             raise ValueError("max_entries must be at least 1")
         self._lookup, self._clock = lookup, clock
@@ -90,7 +96,7 @@ class PrincipalCache:
     def _settle(self, digest: str, done: asyncio.Future) -> None:
         self._pending.pop(digest, None)
         if not done.cancelled():
-            done.exception()    # a failed lookup (ledger down) is not cached; mark it seen if nobody waited
+            done.exception()  # a failed lookup (ledger down) is not cached; mark it seen if nobody waited
 
     async def _resolve(self, key: str, digest: str) -> Principal | Unauthenticated:
         try:
@@ -130,7 +136,7 @@ class LedgerAuthenticator:
     def _lookup_sync(self, key: str) -> Principal:
         # a ledger outage is billing.errors.LedgerUnavailable (UNAVAILABLE), not a raw driver error (INTERNAL);
         # like every failed lookup it is not cached, so the next call asks again
-        with ledger_errors(), unit_of_work(self.sessions) as session:   # read-only: the commit ends it
+        with ledger_errors(), unit_of_work(self.sessions) as session:  # read-only: the commit ends it
             return tenants.authenticate(session, key)
 
 
@@ -147,13 +153,16 @@ class RemoteAuthenticator:
     async def _lookup(self, key: str) -> Principal:
         try:
             reply: pb.Principal = await self.stub.WhoAmI(
-                pb.WhoAmIRequest(), metadata=((AUTHORIZATION, f"Bearer {key}"),), timeout=self.timeout_s)
+                pb.WhoAmIRequest(), metadata=((AUTHORIZATION, f"Bearer {key}"),), timeout=self.timeout_s
+            )
         except grpc.aio.AioRpcError as error:
             if error.code() == grpc.StatusCode.UNAUTHENTICATED:
-                raise Unauthenticated(error.details() or "authorization: unknown API key",
-                                      field="authorization") from error
-            raise AuthUnavailable(f"the metering service could not check the API key: "
-                                  f"{error.code().name}: {error.details()}") from error
+                raise Unauthenticated(
+                    error.details() or "authorization: unknown API key", field="authorization"
+                ) from error
+            raise AuthUnavailable(
+                f"the metering service could not check the API key: {error.code().name}: {error.details()}"
+            ) from error
         # WhoAmI does not reveal key ids; 0 marks a principal resolved remotely.
         return Principal(reply.tenant or None, Role(reply.role), 0)
 

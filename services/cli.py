@@ -1,4 +1,5 @@
 """The `zeroqueue` command."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,8 +14,18 @@ from services.cli_billing import add_billing_commands, fails_cleanly
 from services.logs import configure_logging
 from services.pulse.cli import add_pulse
 
-UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
-         "kb": 10**3, "mb": 10**6, "gb": 10**9}
+UNITS = {
+    "": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -22,8 +33,6 @@ def parse_bytes(text: str) -> int:
     if not match or match.group(2).lower() not in UNITS:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GiB)")
     return int(float(match.group(1)) * UNITS[match.group(2).lower()])
-
-
 
 
 def add_serve(sub: argparse._SubParsersAction) -> None:
@@ -38,14 +47,24 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-seq-len", type=int, default=1024, help="tokens per KV slot (prompt + output)")
     p.add_argument("--kv-memory", type=parse_bytes, default=parse_bytes("2GiB"), help="KV cache budget")
     p.add_argument("--max-batched-tokens", type=int, default=256, help="tokens per engine step")
-    p.add_argument("--pace-tokens", type=_non_negative_int, default=0, metavar="N",
-                   help="paced steps: each step lasts at least as long as it would with N more prompt tokens, so "
-                        "arrivals do not lengthen running calls (tighter latency spread, higher median at low "
-                        "load); 0: unpaced")
-    p.add_argument("--stream-interval-ms", type=_non_negative_int, default=0, metavar="MS",
-                   help="least time between a call's token messages after its first: tokens in between go in the "
-                        "next message (first token and end never wait); fewer messages, less CPU on both ends. "
-                        "0: a message per engine step")
+    p.add_argument(
+        "--pace-tokens",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="paced steps: each step lasts at least as long as it would with N more prompt tokens, so "
+        "arrivals do not lengthen running calls (tighter latency spread, higher median at low "
+        "load); 0: unpaced",
+    )
+    p.add_argument(
+        "--stream-interval-ms",
+        type=_non_negative_int,
+        default=0,
+        metavar="MS",
+        help="least time between a call's token messages after its first: tokens in between go in the "
+        "next message (first token and end never wait); fewer messages, less CPU on both ends. "
+        "0: a message per engine step",
+    )
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: all cores but one)")
@@ -53,22 +72,43 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--safety-margin-pct", type=float, default=5.0)
     p.add_argument("--data-dir", default=None, help="outbox and default ledger ($ZEROQUEUE_HOME or ~/.zeroqueue)")
     p.add_argument("--ledger", metavar="URL", default=None, help="embedded metering: the ledger database URL")
-    p.add_argument("--metering", metavar="ADDRESS", default=None,
-                   help="remote metering service; usage is shipped there and API keys checked there")
-    p.add_argument("--metering-key", default=os.environ.get("ZEROQUEUE_METERING_KEY"),
-                   help="admin key for --metering (default: $ZEROQUEUE_METERING_KEY)")
+    p.add_argument(
+        "--metering",
+        metavar="ADDRESS",
+        default=None,
+        help="remote metering service; usage is shipped there and API keys checked there",
+    )
+    p.add_argument(
+        "--metering-key",
+        default=os.environ.get("ZEROQUEUE_METERING_KEY"),
+        help="admin key for --metering (default: $ZEROQUEUE_METERING_KEY)",
+    )
     p.add_argument("--metering-ca", metavar="PEM", default=None, help="CA certificates to reach --metering over TLS")
     p.add_argument("--tls-cert", metavar="PEM", default=None, help="serve over TLS: certificate chain")
     p.add_argument("--tls-key", metavar="PEM", default=None, help="serve over TLS: private key")
-    p.add_argument("--health-port", type=int, default=None,
-                   help="also serve gRPC health in plaintext on this port (for kubelet probes under TLS)")
-    p.add_argument("--demo-tenant", metavar="NAME", default=None,
-                   help="embedded ledger with no tenant yet: create this one and print its key (make serve)")
-    p.add_argument("--engine-thread", action="store_true",
-                   help="run the engine on a thread of the server process instead of its own process")
-    p.add_argument("--pin-cpus", action="store_true",
-                   help="CPU engine process on the last --threads cores, the server on the others (on 2 cores it "
-                        "starved the server under overload: see BENCHMARKS.md)")
+    p.add_argument(
+        "--health-port",
+        type=int,
+        default=None,
+        help="also serve gRPC health in plaintext on this port (for kubelet probes under TLS)",
+    )
+    p.add_argument(
+        "--demo-tenant",
+        metavar="NAME",
+        default=None,
+        help="embedded ledger with no tenant yet: create this one and print its key (make serve)",
+    )
+    p.add_argument(
+        "--engine-thread",
+        action="store_true",
+        help="run the engine on a thread of the server process instead of its own process",
+    )
+    p.add_argument(
+        "--pin-cpus",
+        action="store_true",
+        help="CPU engine process on the last --threads cores, the server on the others (on 2 cores it "
+        "starved the server under overload: see BENCHMARKS.md)",
+    )
     p.add_argument("--json-logs", action=argparse.BooleanOptionalAction, default=True)
     p.set_defaults(run=fails_cleanly(run_serve))
 
@@ -85,16 +125,37 @@ def run_serve(args: argparse.Namespace) -> int:
     from services.inference.executor import ExecutorConfig
 
     config = ServeConfig(
-        model_dir=args.model, host=args.host, port=args.port, admission=args.admission,
-        default_deadline_ms=args.default_deadline_ms, metrics_port=args.metrics_port, dtype=args.dtype,
-        executor=ExecutorConfig(device=args.device, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
-                                kv_memory_bytes=args.kv_memory, num_threads=args.threads),
-        max_num_batched_tokens=args.max_batched_tokens, margin_ms=args.safety_margin_ms,
-        margin_fraction=args.safety_margin_pct / 100, data_dir=args.data_dir, ledger_url=args.ledger,
-        metering_address=args.metering, metering_key=args.metering_key, metering_ca=args.metering_ca,
-        tls_cert=args.tls_cert, tls_key=args.tls_key, health_port=args.health_port,
-        engine_process=not args.engine_thread, pin_cpus=args.pin_cpus, json_logs=args.json_logs,
-        pace_tokens=args.pace_tokens, stream_interval_ms=args.stream_interval_ms)
+        model_dir=args.model,
+        host=args.host,
+        port=args.port,
+        admission=args.admission,
+        default_deadline_ms=args.default_deadline_ms,
+        metrics_port=args.metrics_port,
+        dtype=args.dtype,
+        executor=ExecutorConfig(
+            device=args.device,
+            max_batch=args.max_batch,
+            max_seq_len=args.max_seq_len,
+            kv_memory_bytes=args.kv_memory,
+            num_threads=args.threads,
+        ),
+        max_num_batched_tokens=args.max_batched_tokens,
+        margin_ms=args.safety_margin_ms,
+        margin_fraction=args.safety_margin_pct / 100,
+        data_dir=args.data_dir,
+        ledger_url=args.ledger,
+        metering_address=args.metering,
+        metering_key=args.metering_key,
+        metering_ca=args.metering_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        health_port=args.health_port,
+        engine_process=not args.engine_thread,
+        pin_cpus=args.pin_cpus,
+        json_logs=args.json_logs,
+        pace_tokens=args.pace_tokens,
+        stream_interval_ms=args.stream_interval_ms,
+    )
     if args.demo_tenant and not args.metering:
         ensure_demo_tenant(args.ledger, args.demo_tenant, args.data_dir)
     return asyncio.run(_serve(lambda: InferenceApp(config)))
@@ -104,8 +165,7 @@ def ensure_demo_tenant(ledger: str | None, name: str, data_dir_arg: str | None) 
     """First run of an embedded ledger: create a tenant and show its key once (also kept, readable by you
     alone, in the data directory, since a demo without its key is no demo)."""
     from billing import commands
-    from billing.db import (
-        data_dir, default_ledger_url, is_default_data_dir, make_engine, session_factory, unit_of_work)
+    from billing.db import data_dir, default_ledger_url, is_default_data_dir, make_engine, session_factory, unit_of_work
     from billing.private_files import private_dir, write_private
     from billing.tenants import list_tenants
 
@@ -120,7 +180,7 @@ def ensure_demo_tenant(ledger: str | None, name: str, data_dir_arg: str | None) 
     key = commands.create_tenant(url, name)
     home = Path(data_dir_arg) if data_dir_arg else data_dir()
     key_file = private_dir(home, narrow_existing=is_default_data_dir(home)) / f"{name}.key"
-    write_private(key_file, key + "\n")          # 0600 from its creation, never readable by others first
+    write_private(key_file, key + "\n")  # 0600 from its creation, never readable by others first
     print(f"zeroqueue: created tenant {name!r}; its API key (shown once, kept in {key_file}):\n  {key}", flush=True)
 
 
@@ -166,7 +226,8 @@ def run_health(args: argparse.Namespace) -> int:
     with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
+            )
         except grpc.RpcError as error:
             print(f"{args.address} {args.service or '(server)'}: {error.code().name}", file=sys.stderr)
             return 2

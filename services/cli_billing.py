@@ -3,6 +3,7 @@
 Every one takes `--ledger URL` (default: the SQLite file in $ZEROQUEUE_HOME or ~/.zeroqueue). A domain
 error (unknown tenant, finalized invoice, unmigrated ledger, ...) prints one line to stderr and exits 1.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,12 +21,14 @@ KEY_NOTICE = "This API key is shown only once and cannot be recovered (only its 
 
 def fails_cleanly(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """Expected failures become one line on stderr and exit status 1; anything else is a bug and keeps its trace."""
+
     @functools.wraps(run)
     def wrapper(args: argparse.Namespace) -> int:
         from sqlalchemy.exc import OperationalError
 
         from billing.errors import BillingError
         from services.metering.schema import LedgerNotMigrated
+
         try:
             return run(args)
         except (BillingError, LedgerNotMigrated) as error:
@@ -36,17 +39,20 @@ def fails_cleanly(run: Callable[[argparse.Namespace], int]) -> Callable[[argpars
             message = f"{error.strerror or error}: {error.filename}" if error.filename else str(error)
         print(f"zeroqueue: error: {message}", file=sys.stderr)
         return ERROR_EXIT
+
     return wrapper
 
 
 def ledger_url(args: argparse.Namespace) -> str:
     from billing.db import default_ledger_url
+
     return args.ledger or default_ledger_url()
 
 
 def require_migrated(url: str) -> None:
     from billing.db import make_engine
     from services.metering.schema import check_schema_at_head
+
     engine = make_engine(url)
     try:
         check_schema_at_head(engine)
@@ -64,16 +70,22 @@ def emit(text: str, output: str | None) -> None:
 
 def _parser(sub: argparse._SubParsersAction, name: str, help_text: str, run: Callable) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help=help_text)
-    p.add_argument("--ledger", metavar="URL", default=None,
-                   help="ledger database URL (default: SQLite in $ZEROQUEUE_HOME or ~/.zeroqueue)")
+    p.add_argument(
+        "--ledger",
+        metavar="URL",
+        default=None,
+        help="ledger database URL (default: SQLite in $ZEROQUEUE_HOME or ~/.zeroqueue)",
+    )
     p.set_defaults(run=fails_cleanly(run))
     return p
 
 
 # --- metering ------------------------------------------------------------------------------------------------
 
+
 def run_metering(args: argparse.Namespace) -> int:
     from services.metering.app import MeteringApp
+
     if (args.tls_cert is None) != (args.tls_key is None):
         print("zeroqueue: error: --tls-cert and --tls-key go together", file=sys.stderr)
         return ERROR_EXIT
@@ -100,10 +112,12 @@ async def _serve_metering(app) -> int:  # type: ignore[no-untyped-def]
 
 # --- ledger administration ---------------------------------------------------------------------------------------
 
+
 def run_migrate(args: argparse.Namespace) -> int:
     from billing import commands
     from billing.db import make_engine
     from services.metering.schema import check_schema_at_head
+
     url = ledger_url(args)
     commands.migrate(url)
     engine = make_engine(url)
@@ -116,6 +130,7 @@ def run_migrate(args: argparse.Namespace) -> int:
 
 def run_tenants_create(args: argparse.Namespace) -> int:
     from billing import commands
+
     url = ledger_url(args)
     require_migrated(url)
     print(commands.create_tenant(url, args.name))
@@ -125,6 +140,7 @@ def run_tenants_create(args: argparse.Namespace) -> int:
 
 def run_keys_create_admin(args: argparse.Namespace) -> int:
     from billing import commands
+
     url = ledger_url(args)
     require_migrated(url)
     print(commands.create_admin_key(url))
@@ -136,6 +152,7 @@ def run_keys_create_admin(args: argparse.Namespace) -> int:
 def ledger_session(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """One unit of work on the command's (migrated) ledger; this command is the caller that commits."""
     from billing.db import make_engine, session_factory, unit_of_work
+
     url = ledger_url(args)
     require_migrated(url)
     engine = make_engine(url)
@@ -148,6 +165,7 @@ def ledger_session(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 def run_keys_list(args: argparse.Namespace) -> int:
     from billing import tenants
+
     with ledger_session(args) as session:
         for k in tenants.list_keys(session, args.tenant):
             state = "revoked" if k.revoked_at_us is not None else "active"
@@ -157,6 +175,7 @@ def run_keys_list(args: argparse.Namespace) -> int:
 
 def run_keys_revoke(args: argparse.Namespace) -> int:
     from billing import tenants
+
     with ledger_session(args) as session:
         info = tenants.revoke_key(session, args.key_id)
     print(f"key {info.id} ({info.tenant or 'admin'}, {info.key_prefix}…) revoked", file=sys.stderr)
@@ -165,18 +184,23 @@ def run_keys_revoke(args: argparse.Namespace) -> int:
 
 def run_prices_add(args: argparse.Namespace) -> int:
     from billing import commands
+
     url = ledger_url(args)
     require_migrated(url)
     price = commands.add_price(url, args.model, args.unit, args.price_micros, args.currency, args.effective_from)
-    print(f"price {price.id}: {price.model} {price.unit} at {price.price_micros} micro-{price.currency} per "
-          f"{'SM' if price.unit == 'sm_us' else 'core'}·second from {args.effective_from}")
+    print(
+        f"price {price.id}: {price.model} {price.unit} at {price.price_micros} micro-{price.currency} per "
+        f"{'SM' if price.unit == 'sm_us' else 'core'}·second from {args.effective_from}"
+    )
     return 0
 
 
 # --- reports -------------------------------------------------------------------------------------------------
 
+
 def run_invoice(args: argparse.Namespace) -> int:
     from billing import commands
+
     url = ledger_url(args)
     require_migrated(url)
     emit(commands.invoice(url, args.tenant, args.period, args.finalize, args.format), args.output)
@@ -185,6 +209,7 @@ def run_invoice(args: argparse.Namespace) -> int:
 
 def run_chargeback(args: argparse.Namespace) -> int:
     from billing import commands
+
     url = ledger_url(args)
     require_migrated(url)
     by = [name.strip() for name in args.by.split(",") if name.strip()]
@@ -203,15 +228,18 @@ def add_billing_commands(sub: argparse._SubParsersAction) -> None:
     _parser(sub, "migrate", "create or upgrade the ledger schema (Alembic, to head)", run_migrate)
 
     tenants = sub.add_parser("tenants", help="manage tenants").add_subparsers(required=True, metavar="ACTION")
-    _parser(tenants, "create", "create a tenant and print its first API key (once)", run_tenants_create) \
-        .add_argument("name", help="lowercase name: [a-z0-9][a-z0-9._-]{0,62}")
+    _parser(tenants, "create", "create a tenant and print its first API key (once)", run_tenants_create).add_argument(
+        "name", help="lowercase name: [a-z0-9][a-z0-9._-]{0,62}"
+    )
 
     keys = sub.add_parser("keys", help="manage API keys").add_subparsers(required=True, metavar="ACTION")
     _parser(keys, "create-admin", "create an admin key (all tenants) and print it (once)", run_keys_create_admin)
-    _parser(keys, "list", "list keys (id, tenant, role, prefix, created, revoked); never the keys", run_keys_list) \
-        .add_argument("--tenant", default=None)
-    _parser(keys, "revoke", "revoke a key by id (replicas stop accepting it within their 30 s cache)",
-            run_keys_revoke).add_argument("key_id", type=int)
+    _parser(
+        keys, "list", "list keys (id, tenant, role, prefix, created, revoked); never the keys", run_keys_list
+    ).add_argument("--tenant", default=None)
+    _parser(
+        keys, "revoke", "revoke a key by id (replicas stop accepting it within their 30 s cache)", run_keys_revoke
+    ).add_argument("key_id", type=int)
 
     prices = sub.add_parser("prices", help="the price book").add_subparsers(required=True, metavar="ACTION")
     p = _parser(prices, "add", "add a price version (never edits an old one)", run_prices_add)
@@ -228,8 +256,9 @@ def add_billing_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--format", choices=("json", "csv", "html"), default="json")
     p.add_argument("--output", default=None, help="write to this file instead of stdout")
 
-    p = _parser(sub, "chargeback", "usage, cost and deadline attainment by group, and device utilisation",
-                run_chargeback)
+    p = _parser(
+        sub, "chargeback", "usage, cost and deadline attainment by group, and device utilisation", run_chargeback
+    )
     p.add_argument("--period", required=True, help="UTC calendar month, YYYY-MM")
     p.add_argument("--by", default="cost_center", help="comma-separated: cost_center, team, model, tenant, day")
     p.add_argument("--tenant", default=None, help="only this tenant's usage (no device utilisation)")

@@ -4,6 +4,7 @@ Handlers raise these; `rpc_errors` turns them into a status with google.rpc deta
 RetryInfo) and trailing metadata. Anything else that escapes a handler is a bug: it is logged with its
 stack and answered INTERNAL with an ErrorInfo naming the request, never a bare UNKNOWN.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,8 +29,8 @@ DOMAIN = "zeroqueue.dev"
 # client drops some replies as "received metadata size exceeds ..." RESOURCE_EXHAUSTED, which reads as overload.
 # The message travels twice (grpc-message, percent-encoded: up to 3 bytes per byte; and inside the base64
 # grpc-status-details-bin), so: a message of at most 512 bytes, a whole google.rpc.Status of at most 3 KiB.
-MAX_ECHO_CHARS = 64             # what a status repeats of a client's string
-MAX_VIOLATIONS = 20             # field violations listed; one more says how many were left out
+MAX_ECHO_CHARS = 64  # what a status repeats of a client's string
+MAX_VIOLATIONS = 20  # field violations listed; one more says how many were left out
 MAX_STATUS_MESSAGE_BYTES = 512
 MAX_STATUS_BYTES = 3072
 
@@ -57,6 +58,7 @@ def clip(text: str, max_chars: int = MAX_ECHO_CHARS) -> str:
 
 class InvalidArgument(ServiceError):
     """One or more request fields are wrong; `violations` name them (the status lists at most MAX_VIOLATIONS)."""
+
     code = grpc.StatusCode.INVALID_ARGUMENT
     reason = "INVALID_ARGUMENT"
 
@@ -72,13 +74,19 @@ class InvalidArgument(ServiceError):
 class MalformedRequest(InvalidArgument):
     """The request's bytes are not a message of the method's type: corrupt wire format, or a string field that is
     not UTF-8. `problem` names the field when it can be found."""
+
     reason = "MALFORMED_REQUEST"
 
     def __init__(self, message_type: str, problem: FieldViolation | None = None, detail: str = "") -> None:
         named = problem is not None and bool(problem.field)
         super().__init__([problem] if named else [])
-        why = (f"{problem.field} {problem.description}" if named else
-               problem.description if problem is not None else clip(detail or "corrupt wire format", 128))
+        why = (
+            f"{problem.field} {problem.description}"
+            if named
+            else problem.description
+            if problem is not None
+            else clip(detail or "corrupt wire format", 128)
+        )
         self.message = f"the request is not a valid {message_type}: {why}"
         self.metadata = {"message_type": message_type}
 
@@ -86,13 +94,15 @@ class MalformedRequest(InvalidArgument):
 class RequestTooLarge(InvalidArgument):
     """The request's bytes exceed what any valid request of the method can hold; refused before parsing.
     `largest` names the field that holds most of them."""
+
     code = grpc.StatusCode.OUT_OF_RANGE
     reason = "REQUEST_TOO_LARGE"
 
     def __init__(self, size_bytes: int, max_bytes: int, largest: FieldViolation | None = None) -> None:
         super().__init__([largest] if largest is not None else [])
         self.message = f"the request is {size_bytes} bytes; this method accepts at most {max_bytes}" + (
-            f" ({largest.field} {largest.description})" if largest is not None else "")
+            f" ({largest.field} {largest.description})" if largest is not None else ""
+        )
         self.metadata = {"size_bytes": str(size_bytes), "max_bytes": str(max_bytes)}
 
 
@@ -100,20 +110,35 @@ class Overloaded(ServiceError):
     """Admission does not take the call now; capacity for it frees after retry_after_ms. `cause` says why not
     now (admission's Reject.reason) and `reserved` whether a slot, or its turn, is held for a retry then: the
     message and the ErrorInfo say the same."""
+
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
     reason = "OVERLOADED"
 
-    def __init__(self, retry_after_ms: int, predicted_finish_ms: int, budget_ms: int,
-                 within_budget: bool = True, cause: str = "deadline", reserved: bool = False) -> None:
+    def __init__(
+        self,
+        retry_after_ms: int,
+        predicted_finish_ms: int,
+        budget_ms: int,
+        within_budget: bool = True,
+        cause: str = "deadline",
+        reserved: bool = False,
+    ) -> None:
         # a hint at or past the call's remaining time is for another replica or a fresh call, never this one
         self.within_budget = within_budget and retry_after_ms < budget_ms
         self.reserved = reserved and self.within_budget
         self.retry_after_ms = retry_after_ms
         why = _WHY.get(cause, _WHY["deadline"]).format(finish=predicted_finish_ms, budget=budget_ms)
-        super().__init__(f"{why}; {self._next_step(cause == 'step_budget')}",
-                         {"retry_after_ms": str(retry_after_ms), "predicted_finish_ms": str(predicted_finish_ms),
-                          "budget_ms": str(budget_ms), "retry_within_budget": str(self.within_budget).lower(),
-                          "cause": cause, "retry_reserved": str(self.reserved).lower()})
+        super().__init__(
+            f"{why}; {self._next_step(cause == 'step_budget')}",
+            {
+                "retry_after_ms": str(retry_after_ms),
+                "predicted_finish_ms": str(predicted_finish_ms),
+                "budget_ms": str(budget_ms),
+                "retry_within_budget": str(self.within_budget).lower(),
+                "cause": cause,
+                "retry_reserved": str(self.reserved).lower(),
+            },
+        )
 
     def _next_step(self, for_turn: bool) -> str:
         hint, held = self.retry_after_ms, "its turn is held" if for_turn else "a slot is reserved for it"
@@ -135,25 +160,28 @@ class Overloaded(ServiceError):
 
 _WHY = {
     "slots_full": "slots full: every slot is taken, by running calls or reserved retries, at some point of its "
-                  "predicted run ({finish} ms of a {budget} ms budget)",
+    "predicted run ({finish} ms of a {budget} ms budget)",
     "step_budget": "the next engine steps' token budget is taken by prompts ahead of it (its run would end in "
-                   "{finish} ms of a {budget} ms budget)",
+    "{finish} ms of a {budget} ms budget)",
     "deadline": "predicted finish in {finish} ms exceeds the budget of {budget} ms, less the safety margin, under "
-                "the current load",
+    "the current load",
     "delays_admitted": "joining now would push an admitted call past its deadline (its own predicted finish, "
-                       "{finish} ms, fits the budget of {budget} ms)",
+    "{finish} ms, fits the budget of {budget} ms)",
 }
 
 
 class DeadlineInfeasible(ServiceError):
     """Even an idle server could not finish inside the budget: retrying with it is pointless."""
+
     code = grpc.StatusCode.DEADLINE_EXCEEDED
     reason = "DEADLINE_INFEASIBLE"
 
     def __init__(self, budget_ms: int, min_budget_ms: int) -> None:
-        super().__init__(f"a budget of {budget_ms} ms cannot be met even on an idle server; "
-                         f"the minimum feasible budget is {min_budget_ms} ms",
-                         {"min_budget_ms": str(min_budget_ms), "budget_ms": str(budget_ms)})
+        super().__init__(
+            f"a budget of {budget_ms} ms cannot be met even on an idle server; "
+            f"the minimum feasible budget is {min_budget_ms} ms",
+            {"min_budget_ms": str(min_budget_ms), "budget_ms": str(budget_ms)},
+        )
 
 
 class DeadlineExpired(ServiceError):
@@ -163,6 +191,7 @@ class DeadlineExpired(ServiceError):
 
 class DeadlineMissed(ServiceError):
     """An admitted request ran out of time (the cost model mispredicted); it counts as a deadline miss."""
+
     code = grpc.StatusCode.DEADLINE_EXCEEDED
     reason = "DEADLINE_MISSED"
 
@@ -190,12 +219,14 @@ LedgerUnavailable = billing.LedgerUnavailable
 
 class UsageNotRecorded(ServiceError):
     """The request ran but its usage record could not be made durable; it is not reported as done."""
+
     code = grpc.StatusCode.INTERNAL
     reason = "USAGE_NOT_RECORDED"
 
 
 class AuthUnavailable(ServiceError):
     """The service that checks API keys could not be asked; the key is neither accepted nor refused."""
+
     code = grpc.StatusCode.UNAVAILABLE
     reason = "AUTH_UNAVAILABLE"
 
@@ -235,17 +266,27 @@ def status_for(error: Exception) -> RpcStatus:
         code = next(c for cls, c in _BILLING_CODES.items() if isinstance(error, cls))
         details = [error_details_pb2.ErrorInfo(reason=error.reason, domain=DOMAIN)]
         if error.field and code == grpc.StatusCode.INVALID_ARGUMENT:
-            details.append(error_details_pb2.BadRequest(field_violations=[
-                error_details_pb2.BadRequest.FieldViolation(field=error.field, description=error.message)]))
+            details.append(
+                error_details_pb2.BadRequest(
+                    field_violations=[
+                        error_details_pb2.BadRequest.FieldViolation(field=error.field, description=error.message)
+                    ]
+                )
+            )
         return RpcStatus(code, error.message, details)
     if not isinstance(error, ServiceError):
-        return RpcStatus(grpc.StatusCode.INTERNAL, "unexpected server error; it has been logged",
-                         [error_details_pb2.ErrorInfo(reason="UNEXPECTED", domain=DOMAIN)])
+        return RpcStatus(
+            grpc.StatusCode.INTERNAL,
+            "unexpected server error; it has been logged",
+            [error_details_pb2.ErrorInfo(reason="UNEXPECTED", domain=DOMAIN)],
+        )
     details = [error_details_pb2.ErrorInfo(reason=error.reason, domain=DOMAIN, metadata=error.metadata)]
     trailing = [_server_time()]
     if isinstance(error, InvalidArgument) and error.violations:
-        listed = [error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
-                  for v in error.violations[:MAX_VIOLATIONS]]
+        listed = [
+            error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
+            for v in error.violations[:MAX_VIOLATIONS]
+        ]
         if len(error.violations) > MAX_VIOLATIONS:
             listed.append(_more(len(error.violations) - MAX_VIOLATIONS))
         details.append(error_details_pb2.BadRequest(field_violations=listed))
@@ -253,10 +294,9 @@ def status_for(error: Exception) -> RpcStatus:
         delay = duration_pb2.Duration()
         delay.FromMilliseconds(error.retry_after_ms)
         details.append(error_details_pb2.RetryInfo(retry_delay=delay))
-        trailing += [("retry-after-ms", str(error.retry_after_ms)),
-                     ("grpc-retry-pushback-ms", str(error.pushback_ms))]
+        trailing += [("retry-after-ms", str(error.retry_after_ms)), ("grpc-retry-pushback-ms", str(error.pushback_ms))]
     elif isinstance(error, DeadlineInfeasible):
-        trailing.append(("grpc-retry-pushback-ms", "-1"))     # tells gRPC retry policies not to retry
+        trailing.append(("grpc-retry-pushback-ms", "-1"))  # tells gRPC retry policies not to retry
     return RpcStatus(error.code, error.message, details, tuple(trailing))
 
 
@@ -269,18 +309,26 @@ def _more(count: int) -> error_details_pb2.BadRequest.FieldViolation:
 
 def _clip_bytes(text: str, max_bytes: int) -> str:
     data = text.encode()
-    return text if len(data) <= max_bytes else data[:max_bytes - 3].decode(errors="ignore") + "…"
+    return text if len(data) <= max_bytes else data[: max_bytes - 3].decode(errors="ignore") + "…"
 
 
 def _clipped(detail):
     """A detail whose every string is short: what is left when a status is still too large."""
     if isinstance(detail, error_details_pb2.BadRequest):
-        return error_details_pb2.BadRequest(field_violations=[
-            error_details_pb2.BadRequest.FieldViolation(field=clip(v.field, 128), description=clip(v.description, 256))
-            for v in detail.field_violations])
+        return error_details_pb2.BadRequest(
+            field_violations=[
+                error_details_pb2.BadRequest.FieldViolation(
+                    field=clip(v.field, 128), description=clip(v.description, 256)
+                )
+                for v in detail.field_violations
+            ]
+        )
     if isinstance(detail, error_details_pb2.ErrorInfo):
-        return error_details_pb2.ErrorInfo(reason=detail.reason, domain=detail.domain, metadata={
-            clip(k): clip(v, 128) for k, v in list(detail.metadata.items())[:16]})
+        return error_details_pb2.ErrorInfo(
+            reason=detail.reason,
+            domain=detail.domain,
+            metadata={clip(k): clip(v, 128) for k, v in list(detail.metadata.items())[:16]},
+        )
     return detail
 
 
@@ -311,9 +359,13 @@ def _bounded(status: RpcStatus) -> status_pb2.Status:
             violations.pop()
             hidden += 1
     if proto.ByteSize() > MAX_STATUS_BYTES:
-        details = [error_details_pb2.ErrorInfo(reason=clip(d.reason), domain=d.domain)
-                   if isinstance(d, error_details_pb2.ErrorInfo) else d
-                   for d in status.details if isinstance(d, (error_details_pb2.ErrorInfo, error_details_pb2.RetryInfo))]
+        details = [
+            error_details_pb2.ErrorInfo(reason=clip(d.reason), domain=d.domain)
+            if isinstance(d, error_details_pb2.ErrorInfo)
+            else d
+            for d in status.details
+            if isinstance(d, (error_details_pb2.ErrorInfo, error_details_pb2.RetryInfo))
+        ]
         proto = status_pb2.Status(code=code, message=message, details=[_pack(d) for d in details])
     return proto
 
@@ -333,8 +385,12 @@ class _Status(grpc.Status):
 
 
 @contextlib.asynccontextmanager
-async def rpc_errors(context: grpc.aio.ServicerContext, method: str, request_id: str = "",
-                     before_abort: Callable[[grpc.StatusCode], None] | None = None) -> AsyncIterator[None]:
+async def rpc_errors(
+    context: grpc.aio.ServicerContext,
+    method: str,
+    request_id: str = "",
+    before_abort: Callable[[grpc.StatusCode], None] | None = None,
+) -> AsyncIterator[None]:
     """Wraps one RPC handler: domain errors become their status; an unexpected error is logged as a bug.
     `before_abort` sees the code of a domain error's status just before it is handed to gRPC."""
     try:
@@ -351,9 +407,11 @@ async def rpc_errors(context: grpc.aio.ServicerContext, method: str, request_id:
         # for load is a debug line (zeroqueue_rejections counts them): an overload refuses hundreds a second,
         # and the log must not be what takes the engine's CPU
         emit = log.debug if status.code is grpc.StatusCode.RESOURCE_EXHAUSTED else log.info
-        asyncio.get_running_loop().call_soon(functools.partial(
-            emit, "rpc_error", method=method, request_id=request_id, code=status.code.name,
-            reason=error.reason))
+        asyncio.get_running_loop().call_soon(
+            functools.partial(
+                emit, "rpc_error", method=method, request_id=request_id, code=status.code.name, reason=error.reason
+            )
+        )
         await context.abort_with_status(grpc_status)
     except Exception as error:  # noqa: BLE001 - last resort: a bug, answered INTERNAL with an ErrorInfo
         log.exception("rpc_unexpected_error", method=method, request_id=request_id)

@@ -8,6 +8,7 @@ every other refusal: INVALID_ARGUMENT / OUT_OF_RANGE with an ErrorInfo, and a Ba
 a short scan of the wire format finds it. A client-streaming method (reflection's) has each message parsed as
 its handler reads it. grpcio's own servicers (health, reflection) are registered here too: services/standard.py.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,31 +23,38 @@ from google.protobuf import message_factory
 from services import errors
 from services.errors import FieldViolation, rpc_errors
 
-_MAX_SCANNED_TAGS = 4096       # the locating scan is a Python loop on the event loop: it gives up after this
+_MAX_SCANNED_TAGS = 4096  # the locating scan is a Python loop on the event loop: it gives up after this
 
 
-def add_servicer(server: grpc.aio.Server, service: _descriptor.ServiceDescriptor, servicer: object,
-                 max_request_bytes: int | None = None) -> None:
+def add_servicer(
+    server: grpc.aio.Server,
+    service: _descriptor.ServiceDescriptor,
+    servicer: object,
+    max_request_bytes: int | None = None,
+) -> None:
     """Like the generated add_XServicer_to_server, for every method of `service`; `max_request_bytes` bounds
     each request before it is parsed (None: the server's receive limit only)."""
     handlers = {}
     for method in service.methods:
         if _not_implemented(servicer, method.name):
-            continue        # unregistered: gRPC itself answers UNIMPLEMENTED, as for any unknown method
+            continue  # unregistered: gRPC itself answers UNIMPLEMENTED, as for any unknown method
         parse = _parser(method, max_request_bytes)
         behavior = getattr(servicer, method.name)
         serialize = message_factory.GetMessageClass(method.output_type).SerializeToString
         if method.client_streaming and method.server_streaming:
             handlers[method.name] = grpc.stream_stream_rpc_method_handler(
-                _bidirectional(behavior, parse, method.name), response_serializer=serialize)
+                _bidirectional(behavior, parse, method.name), response_serializer=serialize
+            )
         elif method.client_streaming:
             raise TypeError(f"{method.full_name}: client streaming with a unary reply is not parsed here")
         elif method.server_streaming:
             handlers[method.name] = grpc.unary_stream_rpc_method_handler(
-                _streaming(behavior, parse, method.name), response_serializer=serialize)
+                _streaming(behavior, parse, method.name), response_serializer=serialize
+            )
         else:
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                _unary(behavior, parse, method.name), response_serializer=serialize)
+                _unary(behavior, parse, method.name), response_serializer=serialize
+            )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     server.add_registered_method_handlers(service.full_name, handlers)
 
@@ -62,6 +70,7 @@ def _unary(behavior, parse, name: str):
         async with rpc_errors(context, name):
             request = parse(raw)
         return await behavior(request, context)
+
     return handler
 
 
@@ -77,6 +86,7 @@ def _streaming(behavior, parse, name: str):
         async with contextlib.aclosing(behavior(request, context)) as responses:
             async for response in responses:
                 yield response
+
     return handler
 
 
@@ -84,12 +94,14 @@ def _bidirectional(behavior, parse, name: str):
     async def handler(raw_requests, context: grpc.aio.ServicerContext):
         async def requests():
             async for raw in raw_requests:
-                async with rpc_errors(context, name):     # aborts the call: the servicer's loop ends there
+                async with rpc_errors(context, name):  # aborts the call: the servicer's loop ends there
                     request = parse(raw)
                 yield request
+
         async with contextlib.aclosing(behavior(requests(), context)) as responses:
             async for response in responses:
                 yield response
+
     return handler
 
 
@@ -103,8 +115,9 @@ def _parser(method: _descriptor.MethodDescriptor, max_bytes: int | None) -> Call
         try:
             return message_class.FromString(raw)
         except (_message.DecodeError, RecursionError) as exc:
-            detail = str(exc).rpartition(": ")[2]       # upb: "Error parsing message with type 'X': <why>"
+            detail = str(exc).rpartition(": ")[2]  # upb: "Error parsing message with type 'X': <why>"
             raise errors.MalformedRequest(descriptor.full_name, locate_problem(descriptor, raw), detail) from None
+
     return parse
 
 
@@ -152,7 +165,7 @@ def _fields(descriptor: _descriptor.Descriptor, raw: bytes, prefix: str, budget:
         elif wire == 2:
             length, start = _varint(raw, pos, name)
             pos = start + length
-        elif wire in (3, 4):            # groups: upb keeps them as unknown fields, or reports the mismatch
+        elif wire in (3, 4):  # groups: upb keeps them as unknown fields, or reports the mismatch
             continue
         else:
             raise _Corrupt(name, f"has wire type {wire}, which does not exist")

@@ -11,6 +11,7 @@ enums, services and fields but not methods (grpc/grpc#34743): `grpcurl describe 
 with "Symbol not found". The servicer reads symbols only through the pool it is given, so a pool that also
 resolves methods fixes every lookup (file_containing_symbol) without touching grpcio-reflection's internals.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -60,4 +61,4 @@ def enable_reflection(service_names: Iterable[str], server: grpc.aio.Server) -> 
     add_servicer(server, REFLECTION, servicer, MAX_REQUEST_BYTES)
 
 
-SERVICE_NAMES = (HEALTH.full_name, reflection.SERVICE_NAME)     # what a host lists beside its own services
+SERVICE_NAMES = (HEALTH.full_name, reflection.SERVICE_NAME)  # what a host lists beside its own services

@@ -1,4 +1,5 @@
 """Tiny checkpoints built by the tests themselves, in the Hugging Face layout (no downloads)."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,12 @@ def build_tokenizer(vocab_size: int = 320) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(CORPUS * 20, trainer)
     return tokenizer
 
@@ -33,9 +38,18 @@ def save_hf_checkpoint(root: Path, kind: str = "llama", seed: int = 0, dtype: st
 
     tokenizer = build_tokenizer()
     eos_id = tokenizer.token_to_id(EOS)
-    common = dict(vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=160,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  eos_token_id=eos_id, bos_token_id=None, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=eos_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
     common.update(overrides)
     torch.manual_seed(seed)
     if kind == "qwen2":

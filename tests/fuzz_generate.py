@@ -6,6 +6,7 @@ again alone with `GenerateFuzzer(seed, ...).call(index)`. Nothing here talks to 
 test_fuzz.py sends 2,000 of them, bench/fuzz.py 100,000. Send `call.raw` as the request bytes, e.g. with
 `channel.unary_stream(GENERATE, request_serializer=None, response_deserializer=None)`.
 """
+
 from __future__ import annotations
 
 import random
@@ -18,26 +19,77 @@ from zeroqueue.inference.v1 import inference_pb2 as pb
 GENERATE = "/zeroqueue.inference.v1.Inference/Generate"
 FIELDS = tuple(f.name for f in pb.GenerateRequest.DESCRIPTOR.fields)
 _STRING_FIELDS = {f.number: f.name for f in pb.GenerateRequest.DESCRIPTOR.fields if f.type == f.TYPE_STRING}
-_WORDS = ("def", "add", "(a, b)", ":\n", "    return", " a + b", "class", "Point", "for i in range(10)", "print",
-          "The quick brown fox", "Überraschung!", "東京", "🙂", "\t", " ", "\n")
+_WORDS = (
+    "def",
+    "add",
+    "(a, b)",
+    ":\n",
+    "    return",
+    " a + b",
+    "class",
+    "Point",
+    "for i in range(10)",
+    "print",
+    "The quick brown fox",
+    "Überraschung!",
+    "東京",
+    "🙂",
+    "\t",
+    " ",
+    "\n",
+)
 _BAD_UTF8 = (b"\xff", b"\xfe\xff", b"\xc0\xaf", b"\xed\xa0\x80", b"\xe6\x9d", b"\xf4\x90\x80\x80", b"\x80", b"a\xffb")
-_FLOATS = (float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1e-45, 1.2e-38, 1e-30, 1e-6, 1e-4, 0.5, 1.0,
-           1.0000001, 2.0, 100.0, 3.4e38, -1e-45, -1.0)
-_INT32 = (0, 1, -1, 2, 7, 255, 256, 511, 512, 4096, 2**31 - 1, -2**31, 2**30)
-_HEADER_VALUES = ("0", "1", "3", "999999", "1000000", "-1", "+1", "1.5", " 2", "0x10", "abc", "", "9" * 4301,
-                  "9" * 5000, "1" * 7, "00000000000000000001")
+_FLOATS = (
+    float("nan"),
+    float("inf"),
+    float("-inf"),
+    -0.0,
+    0.0,
+    1e-45,
+    1.2e-38,
+    1e-30,
+    1e-6,
+    1e-4,
+    0.5,
+    1.0,
+    1.0000001,
+    2.0,
+    100.0,
+    3.4e38,
+    -1e-45,
+    -1.0,
+)
+_INT32 = (0, 1, -1, 2, 7, 255, 256, 511, 512, 4096, 2**31 - 1, -(2**31), 2**30)
+_HEADER_VALUES = (
+    "0",
+    "1",
+    "3",
+    "999999",
+    "1000000",
+    "-1",
+    "+1",
+    "1.5",
+    " 2",
+    "0x10",
+    "abc",
+    "",
+    "9" * 4301,
+    "9" * 5000,
+    "1" * 7,
+    "00000000000000000001",
+)
 
 
 @dataclass(frozen=True)
 class FuzzCall:
     index: int
-    kind: str                                   # valid | field:<names> | bytes:<mutation> | header:<name>
-    raw: bytes                                  # the request's bytes as sent (possibly not a valid message)
+    kind: str  # valid | field:<names> | bytes:<mutation> | header:<name>
+    raw: bytes  # the request's bytes as sent (possibly not a valid message)
     metadata: tuple[tuple[str, str], ...] = ()  # besides the caller's authorization
 
 
 def varint(value: int) -> bytes:
-    value &= (1 << 64) - 1                      # negative int32/int64: ten bytes, as protobuf encodes them
+    value &= (1 << 64) - 1  # negative int32/int64: ten bytes, as protobuf encodes them
     out = bytearray()
     while True:
         byte, value = value & 0x7F, value >> 7
@@ -58,8 +110,14 @@ class GenerateFuzzer:
     """`model`, `context_length` and `vocab_size` are the replica's (ListModels), so that boundaries are hit;
     `max_request_bytes` bounds how large a generated request gets (a few cross the server's own bound)."""
 
-    def __init__(self, seed: int, model: str = "", context_length: int = 256, vocab_size: int = 320,
-                 max_request_bytes: int = 256 << 10) -> None:
+    def __init__(
+        self,
+        seed: int,
+        model: str = "",
+        context_length: int = 256,
+        vocab_size: int = 320,
+        max_request_bytes: int = 256 << 10,
+    ) -> None:
         self.seed, self.model = seed, model
         self.context_length, self.vocab_size = context_length, vocab_size
         self.max_request_bytes = max_request_bytes
@@ -123,20 +181,42 @@ class GenerateFuzzer:
         return rng.choice(alphabet) * rng.choice((65, 129, 1000, 10_000, self.max_request_bytes // 2))
 
     def _mutate_model(self, rng, m) -> None:
-        m.model = rng.choice(("gpt-9", self.model + "x", self.model.upper() or "X", " ", "\x00", "é" * 100,
-                              self._long(rng), "\u202e" + self.model))
+        m.model = rng.choice(
+            (
+                "gpt-9",
+                self.model + "x",
+                self.model.upper() or "X",
+                " ",
+                "\x00",
+                "é" * 100,
+                self._long(rng),
+                "\u202e" + self.model,
+            )
+        )
 
     def _mutate_prompt(self, rng, m) -> None:
         del m.prompt_token_ids[:]
-        m.prompt = rng.choice(("", " ", "\x00", "\ufeff", "\U0010ffff", "x " * self.context_length,
-                               "🙂" * (self.context_length * 2), self._long(rng, "x y"), self._text(rng, 200),
-                               "x" * (self.context_length * 32 + 1), "\r\n" * 100))
+        m.prompt = rng.choice(
+            (
+                "",
+                " ",
+                "\x00",
+                "\ufeff",
+                "\U0010ffff",
+                "x " * self.context_length,
+                "🙂" * (self.context_length * 2),
+                self._long(rng, "x y"),
+                self._text(rng, 200),
+                "x" * (self.context_length * 32 + 1),
+                "\r\n" * 100,
+            )
+        )
 
     def _mutate_prompt_token_ids(self, rng, m) -> None:
         m.ClearField("prompt")
         choice = rng.randrange(6)
         if choice == 0:
-            ids = [rng.choice((-1, self.vocab_size, 2**31 - 1, -2**31))]
+            ids = [rng.choice((-1, self.vocab_size, 2**31 - 1, -(2**31)))]
         elif choice == 1:
             ids = [rng.randrange(self.vocab_size) for _ in range(self.context_length + rng.choice((-1, 0, 1, 50)))]
         elif choice == 2:
@@ -180,8 +260,19 @@ class GenerateFuzzer:
             m.stop.append(self._long(rng))
 
     def _mutate_request_id(self, rng, m) -> None:
-        m.request_id = rng.choice(("has spaces!", "é", "\x00", "a" * 128, "a" * 129, self._long(rng), "../../etc",
-                                   "id\nnewline", f"fuzz-{self.seed}-{rng.getrandbits(64):x}"))
+        m.request_id = rng.choice(
+            (
+                "has spaces!",
+                "é",
+                "\x00",
+                "a" * 128,
+                "a" * 129,
+                self._long(rng),
+                "../../etc",
+                "id\nnewline",
+                f"fuzz-{self.seed}-{rng.getrandbits(64):x}",
+            )
+        )
 
     def _mutate_labels(self, rng, m) -> None:
         m.labels.clear()
@@ -202,6 +293,7 @@ class GenerateFuzzer:
 
 # --- raw-bytes mutations of a valid serialized request ----------------------------------------------------------
 
+
 def _flip_bits(fuzzer, rng, raw: bytes) -> bytes:
     data = bytearray(raw)
     for _ in range(rng.randint(1, 4)):
@@ -221,7 +313,7 @@ def _insert_random(fuzzer, rng, raw: bytes) -> bytes:
 
 def _delete_span(fuzzer, rng, raw: bytes) -> bytes:
     i = rng.randrange(len(raw))
-    return raw[:i] + raw[i + rng.randint(1, 8):]
+    return raw[:i] + raw[i + rng.randint(1, 8) :]
 
 
 def _random_bytes(fuzzer, rng, raw: bytes) -> bytes:
@@ -250,8 +342,7 @@ def _bad_utf8_label(fuzzer, rng, raw: bytes) -> bytes:
 def _wrong_wire_type(fuzzer, rng, raw: bytes) -> bytes:
     number = rng.randint(1, 11)
     wire = rng.choice((0, 1, 2, 5))
-    body = {0: varint(rng.getrandbits(40)), 1: rng.randbytes(8), 5: rng.randbytes(4),
-            2: varint(3) + b"abc"}[wire]
+    body = {0: varint(rng.getrandbits(40)), 1: rng.randbytes(8), 5: rng.randbytes(4), 2: varint(3) + b"abc"}[wire]
     return raw + tag(number, wire) + body
 
 
@@ -301,28 +392,47 @@ def _huge_request(fuzzer, rng, raw: bytes) -> bytes:
     return raw + delimited(number, b"\x01" * size)
 
 
-_BYTE_MUTATIONS = (_flip_bits, _truncate, _insert_random, _delete_span, _random_bytes, _overlong_varint,
-                   _truncated_varint, _bad_utf8, _bad_utf8, _bad_utf8_label, _wrong_wire_type, _nonexistent_wire_type,
-                   _group, _length_past_end, _field_number_zero, _huge_field_number, _duplicate_fields, _unpacked_ids,
-                   _packed_ids_bad, _float_payload, _huge_request)
+_BYTE_MUTATIONS = (
+    _flip_bits,
+    _truncate,
+    _insert_random,
+    _delete_span,
+    _random_bytes,
+    _overlong_varint,
+    _truncated_varint,
+    _bad_utf8,
+    _bad_utf8,
+    _bad_utf8_label,
+    _wrong_wire_type,
+    _nonexistent_wire_type,
+    _group,
+    _length_past_end,
+    _field_number_zero,
+    _huge_field_number,
+    _duplicate_fields,
+    _unpacked_ids,
+    _packed_ids_bad,
+    _float_payload,
+    _huge_request,
+)
 
 
 # --- sending a call and judging its answer (grpc only: no server code) -------------------------------------------
 
-SOFT_METADATA_BYTES = 8 << 10       # gRPC's default soft limit on received metadata: a larger status may be dropped
-_SAFE = " !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~"     # what grpc-message leaves unescaped besides letters and digits
+SOFT_METADATA_BYTES = 8 << 10  # gRPC's default soft limit on received metadata: a larger status may be dropped
+_SAFE = " !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~"  # what grpc-message leaves unescaped besides letters and digits
 
 
 @dataclass(frozen=True)
 class Outcome:
     index: int
     kind: str
-    code: str                       # a grpc.StatusCode name; OK for a stream that ended
-    reason: str = ""                # the ErrorInfo's
-    status_bytes: int = 0           # grpc-message percent-encoded + grpc-status-details-bin base64-encoded
+    code: str  # a grpc.StatusCode name; OK for a stream that ended
+    reason: str = ""  # the ErrorInfo's
+    status_bytes: int = 0  # grpc-message percent-encoded + grpc-status-details-bin base64-encoded
     message: str = ""
     num_replies: int = 0
-    final: bool = False             # the stream's last message was a Final
+    final: bool = False  # the stream's last message was a Final
 
     @property
     def failure(self) -> str | None:
@@ -370,8 +480,9 @@ async def send(channel, call: FuzzCall, metadata: tuple = (), timeout: float = 5
             replies.append(reply)
     except grpc.aio.AioRpcError as error:
         size, reason = status_bytes(error.details(), error.trailing_metadata())
-        return Outcome(call.index, call.kind, error.code().name, reason, size, (error.details() or "")[:300],
-                       len(replies))
+        return Outcome(
+            call.index, call.kind, error.code().name, reason, size, (error.details() or "")[:300], len(replies)
+        )
     final = bool(replies) and pb.GenerateResponse.FromString(replies[-1]).WhichOneof("kind") == "final"
     return Outcome(call.index, call.kind, "OK", num_replies=len(replies), final=final)
 
@@ -386,7 +497,7 @@ class Tally:
         self.max_status: Outcome | None = None
         self.failures: list[tuple[Outcome, str]] = []
         self.num_failures = 0
-        self.num_admitted = 0           # calls that got their Admission message: each must be billed once
+        self.num_admitted = 0  # calls that got their Admission message: each must be billed once
         self.keep = keep
 
     def add(self, outcome: Outcome) -> None:
@@ -412,8 +523,10 @@ class Tally:
         for (code, reason), n in sorted(self.counts.items(), key=lambda item: -item[1]):
             lines.append(f"  {n:>8}  {code:<20} {reason}")
         if self.max_status is not None:
-            lines.append(f"largest status: {self.max_status_bytes} bytes (call {self.max_status.index}, "
-                         f"{self.max_status.kind}, {self.max_status.code})")
+            lines.append(
+                f"largest status: {self.max_status_bytes} bytes (call {self.max_status.index}, "
+                f"{self.max_status.kind}, {self.max_status.code})"
+            )
         lines.append(f"failures: {self.num_failures}")
         for outcome, why in self.failures:
             lines.append(f"  call {outcome.index} {outcome.kind}: {why}: {outcome.code} {outcome.message[:160]!r}")

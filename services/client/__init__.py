@@ -1,18 +1,51 @@
 """zeroqueue client SDK: deadline-aware Generate calls that retry rejections the way the server asks.
 
-    from services.client import Client, AsyncClient, Rejected
+from services.client import Client, AsyncClient, Rejected
 """
+
 from .aio import AsyncClient, AsyncGeneration
 from .client import Client, Generation
-from .errors import (DeadlineExceeded, DeadlineInfeasible, InvalidRequest, PermissionDenied, Rejected,
-                     RequestIdInUse, ServerError, Unauthenticated, Unavailable, ZeroQueueError)
+from .errors import (
+    DeadlineExceeded,
+    DeadlineInfeasible,
+    InvalidRequest,
+    PermissionDenied,
+    Rejected,
+    RequestIdInUse,
+    ServerError,
+    Unauthenticated,
+    Unavailable,
+    ZeroQueueError,
+)
 from .policy import RetryConfig, RetryPolicy
 from .results import Admission, AttemptRecord, CallReport, Chunk, ModelInfo, Result, Timings, Usage
 from .status import Failure, FieldViolation
 
 __all__ = [
-    "Admission", "AsyncClient", "AsyncGeneration", "AttemptRecord", "CallReport", "Chunk", "Client",
-    "DeadlineExceeded", "DeadlineInfeasible", "Failure", "FieldViolation", "Generation", "InvalidRequest",
-    "ModelInfo", "PermissionDenied", "Rejected", "RequestIdInUse", "Result", "RetryConfig", "RetryPolicy",
-    "ServerError", "Timings", "Unauthenticated", "Unavailable", "Usage", "ZeroQueueError",
+    "Admission",
+    "AsyncClient",
+    "AsyncGeneration",
+    "AttemptRecord",
+    "CallReport",
+    "Chunk",
+    "Client",
+    "DeadlineExceeded",
+    "DeadlineInfeasible",
+    "Failure",
+    "FieldViolation",
+    "Generation",
+    "InvalidRequest",
+    "ModelInfo",
+    "PermissionDenied",
+    "Rejected",
+    "RequestIdInUse",
+    "Result",
+    "RetryConfig",
+    "RetryPolicy",
+    "ServerError",
+    "Timings",
+    "Unauthenticated",
+    "Unavailable",
+    "Usage",
+    "ZeroQueueError",
 ]

@@ -1,11 +1,12 @@
 """The asyncio client, same semantics as client.Client. Construct it inside the event loop that uses it.
 
-    async with AsyncClient(["10.0.0.1:50051", "10.0.0.2:50051"], api_key=key) as client:
-        generation = client.generate("def fib(n):", deadline_ms=2_000, max_tokens=64)
-        async for chunk in generation:
-            print(chunk.text, end="")
-        print(generation.result.usage, generation.report.num_attempts)
+async with AsyncClient(["10.0.0.1:50051", "10.0.0.2:50051"], api_key=key) as client:
+    generation = client.generate("def fib(n):", deadline_ms=2_000, max_tokens=64)
+    async for chunk in generation:
+        print(chunk.text, end="")
+    print(generation.result.usage, generation.report.num_attempts)
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -14,9 +15,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 import grpc
-
 from zeroqueue.inference.v1 import inference_pb2 as pb
 from zeroqueue.inference.v1 import inference_pb2_grpc
+
 from .call import Attempt, CallDriver, build_request
 from .client import channel_credentials
 from .policy import RetryConfig, RetryPolicy
@@ -80,29 +81,62 @@ class AsyncGeneration(AsyncIterator[Chunk]):
 
 
 class AsyncClient:
-    def __init__(self, endpoints: Sequence[str], api_key: str, tls: bool | grpc.ChannelCredentials = False, *,
-                 retry: RetryConfig | None = None, channel_options: Sequence[tuple[str, object]] = (),
-                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
-                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-                 rand: Callable[[], float] = random.random) -> None:
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        api_key: str,
+        tls: bool | grpc.ChannelCredentials = False,
+        *,
+        retry: RetryConfig | None = None,
+        channel_options: Sequence[tuple[str, object]] = (),
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        rand: Callable[[], float] = random.random,
+    ) -> None:
         if not endpoints:
             raise ValueError("at least one endpoint")
         self.endpoints = tuple(endpoints)
         self.api_key = api_key
         credentials = channel_credentials(tls)
         options = list(channel_options)
-        self._channels = [grpc.aio.secure_channel(e, credentials, options=options) if credentials
-                          else grpc.aio.insecure_channel(e, options=options) for e in self.endpoints]
+        self._channels = [
+            grpc.aio.secure_channel(e, credentials, options=options)
+            if credentials
+            else grpc.aio.insecure_channel(e, options=options)
+            for e in self.endpoints
+        ]
         self._stubs = [inference_pb2_grpc.InferenceStub(c) for c in self._channels]
         self.policy = RetryPolicy(retry or RetryConfig(), len(self.endpoints), clock, wall_clock, rand)
         self._sleep = sleep
 
-    def generate(self, prompt: str | Sequence[int], deadline_ms: float, *, max_tokens: int = 64, model: str = "",
-                 temperature: float | None = None, top_p: float | None = None, top_k: int = 0,
-                 seed: int | None = None, stop: Sequence[str] = (), request_id: str | None = None,
-                 labels: Mapping[str, str] | None = None) -> AsyncGeneration:
-        request = build_request(prompt, max_tokens, model=model, temperature=temperature, top_p=top_p, top_k=top_k,
-                                seed=seed, stop=stop, request_id=request_id, labels=labels)
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        deadline_ms: float,
+        *,
+        max_tokens: int = 64,
+        model: str = "",
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        request_id: str | None = None,
+        labels: Mapping[str, str] | None = None,
+    ) -> AsyncGeneration:
+        request = build_request(
+            prompt,
+            max_tokens,
+            model=model,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=stop,
+            request_id=request_id,
+            labels=labels,
+        )
         if not deadline_ms > 0:
             raise ValueError(f"deadline_ms must be > 0, got {deadline_ms}")
         return AsyncGeneration(self, request, deadline_ms)
@@ -111,8 +145,9 @@ class AsyncClient:
         return await self.generate(prompt, deadline_ms, **options).collect()
 
     async def list_models(self, endpoint: int = 0, timeout_s: float = 5.0) -> list[ModelInfo]:
-        reply = await self._stubs[endpoint].ListModels(pb.ListModelsRequest(), timeout=timeout_s,
-                                                       metadata=(("authorization", f"Bearer {self.api_key}"),))
+        reply = await self._stubs[endpoint].ListModels(
+            pb.ListModelsRequest(), timeout=timeout_s, metadata=(("authorization", f"Bearer {self.api_key}"),)
+        )
         return models_from(reply)
 
     def _driver(self, request: pb.GenerateRequest, deadline_ms: float) -> CallDriver:
@@ -123,8 +158,9 @@ class AsyncClient:
             if driver.delay_s > 0:
                 await self._sleep(driver.delay_s)
             attempt = driver.begin()
-            call = self._stubs[attempt.endpoint].Generate(attempt.request, timeout=attempt.timeout_s,
-                                                          metadata=attempt.metadata)
+            call = self._stubs[attempt.endpoint].Generate(
+                attempt.request, timeout=attempt.timeout_s, metadata=attempt.metadata
+            )
             try:
                 first = await call.read()
             except grpc.aio.AioRpcError as error:

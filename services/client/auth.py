@@ -1,18 +1,26 @@
 """Client-side interceptors that attach `authorization: Bearer <key>` to every call."""
+
 from __future__ import annotations
 
 import collections
 
 import grpc
 
-_Details = collections.namedtuple("_Details", ("method", "timeout", "metadata", "credentials", "wait_for_ready",
-                                               "compression"))
+_Details = collections.namedtuple(
+    "_Details", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+)
 
 
 def _with_key(details: grpc.ClientCallDetails, key: str) -> _Details:
     metadata = [*(details.metadata or ()), ("authorization", f"Bearer {key}")]
-    return _Details(details.method, details.timeout, metadata, details.credentials,
-                    getattr(details, "wait_for_ready", None), getattr(details, "compression", None))
+    return _Details(
+        details.method,
+        details.timeout,
+        metadata,
+        details.credentials,
+        getattr(details, "wait_for_ready", None),
+        getattr(details, "compression", None),
+    )
 
 
 class BearerAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):

@@ -1,5 +1,6 @@
 """One Generate call's bookkeeping, shared by the sync and asyncio transports: the request, each attempt's
 metadata and timeout, the policy's verdict on a failure, and the report. The transports only do the I/O."""
+
 from __future__ import annotations
 
 import uuid
@@ -7,29 +8,45 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import grpc
-
 from zeroqueue.inference.v1 import inference_pb2 as pb
+
 from .errors import ZeroQueueError, error_for
 from .policy import CallState, GiveUp, Retry, RetryPolicy
-from .results import (Admission, AttemptRecord, CallReport, Chunk, Result, admission_from, chunk_from,
-                      result_from)
+from .results import Admission, AttemptRecord, CallReport, Chunk, Result, admission_from, chunk_from, result_from
 from .status import Failure
 
 RETRY_ATTEMPT_KEY = "x-retry-attempt"
 
 
-def build_request(prompt: str | Sequence[int], max_tokens: int, *, model: str = "", temperature: float | None = None,
-                  top_p: float | None = None, top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
-                  request_id: str | None = None, labels: Mapping[str, str] | None = None) -> pb.GenerateRequest:
+def build_request(
+    prompt: str | Sequence[int],
+    max_tokens: int,
+    *,
+    model: str = "",
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int = 0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    request_id: str | None = None,
+    labels: Mapping[str, str] | None = None,
+) -> pb.GenerateRequest:
     """A GenerateRequest; a prompt given as token ids goes in prompt_token_ids. The request_id is the
     caller's or a fresh one, and every attempt of the call carries the same one."""
     if isinstance(prompt, str):
         text, token_ids = prompt, ()
     else:
         text, token_ids = "", tuple(int(t) for t in prompt)
-    request = pb.GenerateRequest(model=model, prompt=text, prompt_token_ids=token_ids, max_tokens=max_tokens,
-                                 top_k=top_k, stop=list(stop), request_id=request_id or uuid.uuid4().hex,
-                                 labels=dict(labels or {}))
+    request = pb.GenerateRequest(
+        model=model,
+        prompt=text,
+        prompt_token_ids=token_ids,
+        max_tokens=max_tokens,
+        top_k=top_k,
+        stop=list(stop),
+        request_id=request_id or uuid.uuid4().hex,
+        labels=dict(labels or {}),
+    )
     if temperature is not None:
         request.temperature = temperature
     if top_p is not None:
@@ -48,8 +65,14 @@ class Attempt:
 
 
 class CallDriver:
-    def __init__(self, policy: RetryPolicy, endpoints: Sequence[str], api_key: str, request: pb.GenerateRequest,
-                 deadline_ms: float) -> None:
+    def __init__(
+        self,
+        policy: RetryPolicy,
+        endpoints: Sequence[str],
+        api_key: str,
+        request: pb.GenerateRequest,
+        deadline_ms: float,
+    ) -> None:
         self.policy = policy
         self.endpoints = endpoints
         self.auth = ("authorization", f"Bearer {api_key}")
@@ -83,8 +106,17 @@ class CallDriver:
             request.model = self.state.model
         timeout_s = max(self.policy.remaining_s(self.state), 0.0)
         metadata = (self.auth,) if number == 0 else (self.auth, (RETRY_ATTEMPT_KEY, str(number)))
-        self.records.append(AttemptRecord(number, self.endpoints[self.next.endpoint], self.state.model,
-                                          self._since_start(), timeout_s, self.next.delay_s, self.next.reason))
+        self.records.append(
+            AttemptRecord(
+                number,
+                self.endpoints[self.next.endpoint],
+                self.state.model,
+                self._since_start(),
+                timeout_s,
+                self.next.delay_s,
+                self.next.reason,
+            )
+        )
         return Attempt(self.next.endpoint, request, timeout_s, metadata)
 
     def failed(self, attempt: Attempt, failure: Failure) -> ZeroQueueError | None:
@@ -134,8 +166,13 @@ class CallDriver:
     def protocol_error(self, what: str) -> ZeroQueueError:
         """The stream broke the contract (no admission first, no final last): a server bug, never retried."""
         self.gave_up = "protocol"
-        failure = Failure(grpc.StatusCode.INTERNAL, f"protocol error: {what}", reason="PROTOCOL",
-                          after_admission=self.admission is not None, num_tokens_delivered=self.num_tokens)
+        failure = Failure(
+            grpc.StatusCode.INTERNAL,
+            f"protocol error: {what}",
+            reason="PROTOCOL",
+            after_admission=self.admission is not None,
+            num_tokens_delivered=self.num_tokens,
+        )
         if self.records and self.records[-1].outcome == "pending":
             self._settle("INTERNAL", "PROTOCOL")
         return error_for(failure, self.report())

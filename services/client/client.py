@@ -9,6 +9,7 @@
 A call starts when its iteration does. Retries (see policy.py) happen before the first chunk; once the
 server has admitted the call, a failure is raised to the caller as it is.
 """
+
 from __future__ import annotations
 
 import random
@@ -16,9 +17,9 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import grpc
-
 from zeroqueue.inference.v1 import inference_pb2 as pb
 from zeroqueue.inference.v1 import inference_pb2_grpc
+
 from .call import Attempt, CallDriver, build_request
 from .policy import RetryConfig, RetryPolicy
 from .results import CallReport, Chunk, ModelInfo, Result, models_from
@@ -85,29 +86,63 @@ class Client:
     """Thread-safe; one channel per endpoint. `tls`: False (plaintext), True (system roots) or credentials.
     `clock`, `wall_clock`, `sleep` and `rand` are there for tests."""
 
-    def __init__(self, endpoints: Sequence[str], api_key: str, tls: bool | grpc.ChannelCredentials = False, *,
-                 retry: RetryConfig | None = None, channel_options: Sequence[tuple[str, object]] = (),
-                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
-                 sleep: Callable[[float], None] = time.sleep, rand: Callable[[], float] = random.random) -> None:
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        api_key: str,
+        tls: bool | grpc.ChannelCredentials = False,
+        *,
+        retry: RetryConfig | None = None,
+        channel_options: Sequence[tuple[str, object]] = (),
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] = time.sleep,
+        rand: Callable[[], float] = random.random,
+    ) -> None:
         if not endpoints:
             raise ValueError("at least one endpoint")
         self.endpoints = tuple(endpoints)
         self.api_key = api_key
         credentials = channel_credentials(tls)
-        self._channels = [grpc.secure_channel(e, credentials, options=list(channel_options)) if credentials
-                          else grpc.insecure_channel(e, options=list(channel_options)) for e in self.endpoints]
+        self._channels = [
+            grpc.secure_channel(e, credentials, options=list(channel_options))
+            if credentials
+            else grpc.insecure_channel(e, options=list(channel_options))
+            for e in self.endpoints
+        ]
         self._stubs = [inference_pb2_grpc.InferenceStub(c) for c in self._channels]
         self.policy = RetryPolicy(retry or RetryConfig(), len(self.endpoints), clock, wall_clock, rand)
         self._sleep = sleep
 
-    def generate(self, prompt: str | Sequence[int], deadline_ms: float, *, max_tokens: int = 64, model: str = "",
-                 temperature: float | None = None, top_p: float | None = None, top_k: int = 0,
-                 seed: int | None = None, stop: Sequence[str] = (), request_id: str | None = None,
-                 labels: Mapping[str, str] | None = None) -> Generation:
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        deadline_ms: float,
+        *,
+        max_tokens: int = 64,
+        model: str = "",
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        request_id: str | None = None,
+        labels: Mapping[str, str] | None = None,
+    ) -> Generation:
         """A call whose whole life, retries included, fits in `deadline_ms`. A prompt given as a sequence of
         ints is sent as token ids."""
-        request = build_request(prompt, max_tokens, model=model, temperature=temperature, top_p=top_p, top_k=top_k,
-                                seed=seed, stop=stop, request_id=request_id, labels=labels)
+        request = build_request(
+            prompt,
+            max_tokens,
+            model=model,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=stop,
+            request_id=request_id,
+            labels=labels,
+        )
         if not deadline_ms > 0:
             raise ValueError(f"deadline_ms must be > 0, got {deadline_ms}")
         return Generation(self, request, deadline_ms)
@@ -116,8 +151,9 @@ class Client:
         return self.generate(prompt, deadline_ms, **options).collect()
 
     def list_models(self, endpoint: int = 0, timeout_s: float = 5.0) -> list[ModelInfo]:
-        reply = self._stubs[endpoint].ListModels(pb.ListModelsRequest(), timeout=timeout_s,
-                                                 metadata=(("authorization", f"Bearer {self.api_key}"),))
+        reply = self._stubs[endpoint].ListModels(
+            pb.ListModelsRequest(), timeout=timeout_s, metadata=(("authorization", f"Bearer {self.api_key}"),)
+        )
         return models_from(reply)
 
     def _driver(self, request: pb.GenerateRequest, deadline_ms: float) -> CallDriver:
@@ -129,8 +165,9 @@ class Client:
             if driver.delay_s > 0:
                 self._sleep(driver.delay_s)
             attempt = driver.begin()
-            call = self._stubs[attempt.endpoint].Generate(attempt.request, timeout=attempt.timeout_s,
-                                                          metadata=attempt.metadata)
+            call = self._stubs[attempt.endpoint].Generate(
+                attempt.request, timeout=attempt.timeout_s, metadata=attempt.metadata
+            )
             try:
                 first = next(call)
             except grpc.RpcError as error:

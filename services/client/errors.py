@@ -3,6 +3,7 @@
 Every one carries the `failure` (code, message, ErrorInfo reason and metadata) and the call's `report`
 (its attempts and time spent waiting), so a caller can log how the call went even when it failed.
 """
+
 from __future__ import annotations
 
 import grpc

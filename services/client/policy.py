@@ -13,6 +13,7 @@ The rules, in order:
   - Go to another endpoint that is neither busy nor down, at once; otherwise wait for the endpoint that
     frees first. Never wait past the call's deadline: give up instead, at once.
 """
+
 from __future__ import annotations
 
 import random
@@ -31,8 +32,8 @@ RETRYABLE = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVA
 @dataclass(frozen=True)
 class RetryConfig:
     max_attempts: int = 8
-    jitter_fraction: float = 0.1        # jitter added to a hint: up to this share of it ...
-    max_jitter_ms: float = 20.0         # ... and at most this: the replica holds a retry's slot ~50 ms past the hint
+    jitter_fraction: float = 0.1  # jitter added to a hint: up to this share of it ...
+    max_jitter_ms: float = 20.0  # ... and at most this: the replica holds a retry's slot ~50 ms past the hint
     skew_threshold_s: float = 2.0
     backoff_base_ms: float = 25.0
     backoff_max_ms: float = 2_000.0
@@ -54,12 +55,12 @@ class RetryConfig:
 class Retry:
     endpoint: int
     delay_s: float
-    reason: str             # failover, hint, clock_skew, no_hint, unavailable, fallback_model
+    reason: str  # failover, hint, clock_skew, no_hint, unavailable, fallback_model
 
 
 @dataclass(frozen=True)
 class GiveUp:
-    why: str                # not_retryable, after_admission, deadline, max_attempts, no_room_within_deadline
+    why: str  # not_retryable, after_admission, deadline, max_attempts, no_room_within_deadline
 
 
 Decision = Retry | GiveUp
@@ -78,9 +79,9 @@ class EndpointBoard:
     """What the client knows of each endpoint, shared by all its calls (a busy replica is busy for everyone)."""
 
     def __init__(self, num_endpoints: int) -> None:
-        self.free_at_s = [0.0] * num_endpoints      # monotonic time from which the endpoint may be tried
-        self.why = [""] * num_endpoints             # what set free_at_s: hint, clock_skew, no_hint, unavailable
-        self.num_down = [0] * num_endpoints         # consecutive UNAVAILABLE answers
+        self.free_at_s = [0.0] * num_endpoints  # monotonic time from which the endpoint may be tried
+        self.why = [""] * num_endpoints  # what set free_at_s: hint, clock_skew, no_hint, unavailable
+        self.num_down = [0] * num_endpoints  # consecutive UNAVAILABLE answers
         self.next_rr = 0
         self.lock = threading.Lock()
 
@@ -93,8 +94,14 @@ class EndpointBoard:
 
 
 class RetryPolicy:
-    def __init__(self, config: RetryConfig, num_endpoints: int, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time, rand: Callable[[], float] = random.random) -> None:
+    def __init__(
+        self,
+        config: RetryConfig,
+        num_endpoints: int,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        rand: Callable[[], float] = random.random,
+    ) -> None:
         if num_endpoints < 1:
             raise ValueError("at least one endpoint")
         self.config = config
@@ -117,7 +124,7 @@ class RetryPolicy:
         with self.board.lock:
             order = self.board.order_after(self.board.next_rr - 1)
             busy = {e: self.board.free_at_s[e] for e in order if self.board.free_at_s[e] > now}
-            pick = min(order, key=lambda e: (e in busy, busy.get(e, 0.0)))     # stable: rr order among free
+            pick = min(order, key=lambda e: (e in busy, busy.get(e, 0.0)))  # stable: rr order among free
             self.board.next_rr = (pick + 1) % len(self.board)
             return pick
 
@@ -167,8 +174,10 @@ class RetryPolicy:
         hint_ms = failure.retry_after_ms
         if hint_ms is None or hint_ms < 0:
             return self.rand() * self._backoff_cap_s(num_attempts), "no_hint"
-        if failure.server_time_us is not None and \
-                abs(failure.server_time_us / 1e6 - self.wall_clock()) > self.config.skew_threshold_s:
+        if (
+            failure.server_time_us is not None
+            and abs(failure.server_time_us / 1e6 - self.wall_clock()) > self.config.skew_threshold_s
+        ):
             return self.rand() * self._backoff_cap_s(num_attempts), "clock_skew"
         jitter_ms = self.rand() * min(self.config.max_jitter_ms, self.config.jitter_fraction * hint_ms)
         return (hint_ms + jitter_ms) / 1000, "hint"

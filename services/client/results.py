@@ -2,6 +2,7 @@
 
 Protobuf becomes these plain dataclasses here and nowhere else in the SDK.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,15 +15,16 @@ _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 @dataclass(frozen=True)
 class AttemptRecord:
     """One try of a call. Times are seconds since the call began, on the client's monotonic clock."""
-    number: int                     # 0 is the first try; it is what x-retry-attempt said
+
+    number: int  # 0 is the first try; it is what x-retry-attempt said
     endpoint: str
     model: str
     started_s: float
-    timeout_s: float                # the gRPC deadline this attempt carried: the call's remaining budget
-    waited_s: float                 # slept before this attempt
-    wait_reason: str                # "" (first), failover, hint, clock_skew, no_hint, unavailable, fallback_model
-    outcome: str = "pending"        # admitted, or the status code name of its failure
-    reason: str = ""                # ErrorInfo.reason of a failure
+    timeout_s: float  # the gRPC deadline this attempt carried: the call's remaining budget
+    waited_s: float  # slept before this attempt
+    wait_reason: str  # "" (first), failover, hint, clock_skew, no_hint, unavailable, fallback_model
+    outcome: str = "pending"  # admitted, or the status code name of its failure
+    reason: str = ""  # ErrorInfo.reason of a failure
     retry_after_ms: int | None = None
 
 
@@ -30,8 +32,8 @@ class AttemptRecord:
 class CallReport:
     request_id: str
     attempts: tuple[AttemptRecord, ...]
-    elapsed_s: float                # call start -> the report was made (its end, for a finished call)
-    gave_up: str = ""               # why the SDK stopped retrying: not_retryable, deadline, max_attempts, ...
+    elapsed_s: float  # call start -> the report was made (its end, for a finished call)
+    gave_up: str = ""  # why the SDK stopped retrying: not_retryable, deadline, max_attempts, ...
 
     @property
     def num_attempts(self) -> int:
@@ -62,7 +64,7 @@ class CallReport:
 class Chunk:
     text: str
     token_ids: tuple[int, ...]
-    emitted_at_us: int              # server clock
+    emitted_at_us: int  # server clock
 
 
 @dataclass(frozen=True)
@@ -75,14 +77,14 @@ class Admission:
     deadline_at_us: int
     budget_ms: int
     prompt_tokens: int
-    call_id: str = ""               # the replica's id of this call: the ledger's key for its usage record
+    call_id: str = ""  # the replica's id of this call: the ledger's key for its usage record
 
 
 @dataclass(frozen=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int
-    device_us: int                  # SM·µs on a GPU, core·µs on a CPU: see unit
+    device_us: int  # SM·µs on a GPU, core·µs on a CPU: see unit
     unit: str
     device_kind: str
     device_id: str
@@ -92,6 +94,7 @@ class Usage:
 @dataclass(frozen=True)
 class Timings:
     """Server clock, µs."""
+
     received_at_us: int
     first_scheduled_at_us: int
     first_token_at_us: int
@@ -107,7 +110,7 @@ class Result:
     request_id: str
     text: str
     token_ids: tuple[int, ...]
-    finish_reason: str              # stop | length
+    finish_reason: str  # stop | length
     usage: Usage
     timings: Timings
     admission: Admission
@@ -125,8 +128,17 @@ class ModelInfo:
 
 
 def admission_from(msg: pb.Admission, endpoint: str) -> Admission:
-    return Admission(msg.request_id, endpoint, msg.received_at_us, msg.dispatched_at_us, msg.predicted_finish_at_us,
-                     msg.deadline_at_us, msg.budget_ms, msg.prompt_tokens, msg.call_id)
+    return Admission(
+        msg.request_id,
+        endpoint,
+        msg.received_at_us,
+        msg.dispatched_at_us,
+        msg.predicted_finish_at_us,
+        msg.deadline_at_us,
+        msg.budget_ms,
+        msg.prompt_tokens,
+        msg.call_id,
+    )
 
 
 def chunk_from(msg: pb.TokenChunk) -> Chunk:
@@ -135,15 +147,33 @@ def chunk_from(msg: pb.TokenChunk) -> Chunk:
 
 def result_from(final: pb.Final, admission: Admission, chunks: list[Chunk], report: CallReport) -> Result:
     u, t = final.usage, final.timings
-    usage = Usage(u.prompt_tokens, u.completion_tokens, u.sm_us, u.unit, u.device_kind, u.device_id,
-                  u.num_compute_units)
-    timings = Timings(t.received_at_us, t.first_scheduled_at_us, t.first_token_at_us, t.finished_at_us, t.queue_us,
-                      t.ttft_us, t.total_us, t.deadline_met)
-    return Result(admission.request_id, "".join(c.text for c in chunks),
-                  tuple(i for c in chunks for i in c.token_ids), _FINISH.get(final.finish_reason, "unspecified"),
-                  usage, timings, admission, report)
+    usage = Usage(
+        u.prompt_tokens, u.completion_tokens, u.sm_us, u.unit, u.device_kind, u.device_id, u.num_compute_units
+    )
+    timings = Timings(
+        t.received_at_us,
+        t.first_scheduled_at_us,
+        t.first_token_at_us,
+        t.finished_at_us,
+        t.queue_us,
+        t.ttft_us,
+        t.total_us,
+        t.deadline_met,
+    )
+    return Result(
+        admission.request_id,
+        "".join(c.text for c in chunks),
+        tuple(i for c in chunks for i in c.token_ids),
+        _FINISH.get(final.finish_reason, "unspecified"),
+        usage,
+        timings,
+        admission,
+        report,
+    )
 
 
 def models_from(reply: pb.ListModelsResponse) -> list[ModelInfo]:
-    return [ModelInfo(m.name, m.context_length, m.vocab_size, m.max_batch, m.device_kind,
-                      m.state == pb.WARMUP_STATE_READY) for m in reply.models]
+    return [
+        ModelInfo(m.name, m.context_length, m.vocab_size, m.max_batch, m.device_kind, m.state == pb.WARMUP_STATE_READY)
+        for m in reply.models
+    ]

@@ -3,6 +3,7 @@
 Read from the call's trailing metadata (`grpc-status-details-bin` is a google.rpc.Status), so the sync and
 asyncio transports share one parser.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
@@ -25,12 +26,12 @@ class FieldViolation:
 class Failure:
     code: grpc.StatusCode
     message: str
-    reason: str = ""                                 # ErrorInfo.reason, e.g. OVERLOADED, DEADLINE_INFEASIBLE
+    reason: str = ""  # ErrorInfo.reason, e.g. OVERLOADED, DEADLINE_INFEASIBLE
     error_metadata: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-    retry_after_ms: int | None = None                # RetryInfo, else the retry-after-ms trailer
-    server_time_us: int | None = None                # x-server-time: the server's clock when it answered
-    violations: tuple[FieldViolation, ...] = ()      # google.rpc.BadRequest
-    after_admission: bool = False                    # the server had admitted the call (stream had begun)
+    retry_after_ms: int | None = None  # RetryInfo, else the retry-after-ms trailer
+    server_time_us: int | None = None  # x-server-time: the server's clock when it answered
+    violations: tuple[FieldViolation, ...] = ()  # google.rpc.BadRequest
+    after_admission: bool = False  # the server had admitted the call (stream had begun)
     num_tokens_delivered: int = 0
 
 
@@ -45,8 +46,9 @@ def _int(value: str | None) -> int | None:
         return None
 
 
-def _details(raw: bytes | None) -> tuple[error_details_pb2.ErrorInfo | None, error_details_pb2.RetryInfo | None,
-                                         error_details_pb2.BadRequest | None]:
+def _details(
+    raw: bytes | None,
+) -> tuple[error_details_pb2.ErrorInfo | None, error_details_pb2.RetryInfo | None, error_details_pb2.BadRequest | None]:
     found: dict[str, object] = {}
     if raw:
         try:
@@ -62,8 +64,13 @@ def _details(raw: bytes | None) -> tuple[error_details_pb2.ErrorInfo | None, err
     return found.get("ErrorInfo"), found.get("RetryInfo"), found.get("BadRequest")  # type: ignore[return-value]
 
 
-def parse_failure(code: grpc.StatusCode, message: str | None, trailing: Iterable[tuple[str, str | bytes]] | None,
-                  after_admission: bool = False, num_tokens_delivered: int = 0) -> Failure:
+def parse_failure(
+    code: grpc.StatusCode,
+    message: str | None,
+    trailing: Iterable[tuple[str, str | bytes]] | None,
+    after_admission: bool = False,
+    num_tokens_delivered: int = 0,
+) -> Failure:
     pairs: dict[str, str | bytes] = {}
     for key, value in trailing or ():
         pairs.setdefault(key.lower(), value)
@@ -74,11 +81,16 @@ def parse_failure(code: grpc.StatusCode, message: str | None, trailing: Iterable
         retry_after_ms = _int(_text(pairs["retry-after-ms"]))
     server_time = pairs.get("x-server-time")
     return Failure(
-        code=code, message=message or "", reason=info.reason if info else "",
-        error_metadata=MappingProxyType(dict(info.metadata) if info else {}), retry_after_ms=retry_after_ms,
+        code=code,
+        message=message or "",
+        reason=info.reason if info else "",
+        error_metadata=MappingProxyType(dict(info.metadata) if info else {}),
+        retry_after_ms=retry_after_ms,
         server_time_us=_int(_text(server_time)) if server_time is not None else None,
         violations=tuple(FieldViolation(v.field, v.description) for v in (bad.field_violations if bad else ())),
-        after_admission=after_admission, num_tokens_delivered=num_tokens_delivered)
+        after_admission=after_admission,
+        num_tokens_delivered=num_tokens_delivered,
+    )
 
 
 def failure_from_rpc(error: grpc.RpcError, after_admission: bool = False, num_tokens_delivered: int = 0) -> Failure:

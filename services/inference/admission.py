@@ -6,6 +6,7 @@ steps each still needs: between two finishes the batch is constant, so each phas
 steps × the step time at that batch size, and a call's finish is the expected time of all phases up to its
 own plus `num_deviations` of their combined spread. Pending prompt tokens add their marginal cost to everyone.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -53,9 +54,9 @@ class Commitment:
 class AdmissionConfig:
     num_slots: int
     max_num_batched_tokens: int
-    margin_ms: float = 20.0                 # fixed part of the safety margin
-    margin_fraction: float = 0.05           # proportional part, of the budget
-    pace_tokens: int = 0                    # paced steps: each lasts as long as with this many more prompt tokens
+    margin_ms: float = 20.0  # fixed part of the safety margin
+    margin_fraction: float = 0.05  # proportional part, of the budget
+    pace_tokens: int = 0  # paced steps: each lasts as long as with this many more prompt tokens
 
     def margin_ns(self, budget_ns: int) -> int:
         return int(self.margin_ms * NS_PER_MS + self.margin_fraction * budget_ns)
@@ -71,21 +72,21 @@ class Admit:
 
 
 # Why a call is not admitted now (Reject.reason); the refusal's message and ErrorInfo say the same.
-SLOTS_FULL = "slots_full"           # every slot is taken (running calls, reserved retries) at some point of its run
-STEP_BUDGET = "step_budget"         # a slot is free, but the next steps' token budget is taken by prompts ahead
-DEADLINE = "deadline"               # its own predicted finish is past its deadline less the margin
-DELAYS_ADMITTED = "delays_admitted"     # it would push an admitted call past a deadline it was predicted to meet
+SLOTS_FULL = "slots_full"  # every slot is taken (running calls, reserved retries) at some point of its run
+STEP_BUDGET = "step_budget"  # a slot is free, but the next steps' token budget is taken by prompts ahead
+DEADLINE = "deadline"  # its own predicted finish is past its deadline less the margin
+DELAYS_ADMITTED = "delays_admitted"  # it would push an admitted call past a deadline it was predicted to meet
 
 
 @dataclass(frozen=True)
 class Reject:
     retry_after_ms: int
     predicted_finish_ns: int
-    within_budget: bool = True      # False: no time inside this call's own budget works; the hint is when
-                                    # the replica frees up, for a call with a fresh budget
-    reason: str = DEADLINE          # why not now: one of the four above
-    reserved: bool = False          # a slot is reserved for a retry at the hint (STEP_BUDGET: its turn is held);
-                                    # False: a best guess, every reservation was taken
+    within_budget: bool = True  # False: no time inside this call's own budget works; the hint is when
+    # the replica frees up, for a call with a fresh budget
+    reason: str = DEADLINE  # why not now: one of the four above
+    reserved: bool = False  # a slot is reserved for a retry at the hint (STEP_BUDGET: its turn is held);
+    # False: a best guess, every reservation was taken
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ def peak_occupancy(intervals: list[tuple[int, int]], start: int, end: int) -> in
         if e < end:
             events.append((e, -1))
     peak = current = open_at_start
-    for _, delta in sorted(events):         # at a tie an interval ends before another starts
+    for _, delta in sorted(events):  # at a tie an interval ends before another starts
         current += delta
         peak = max(peak, current)
     return peak
@@ -129,7 +130,7 @@ class Predictor:
     def __init__(self, cost: CostModel, config: AdmissionConfig, max_batch: int | None = None) -> None:
         self.cost = cost
         self.config = config
-        self._max_batch = max_batch or 2 * config.num_slots + 1     # most commitments in one prediction
+        self._max_batch = max_batch or 2 * config.num_slots + 1  # most commitments in one prediction
         self._cheapest_us: float | None = None
 
     def finish_times(self, commitments: list[Commitment], now_ns: int) -> dict[str, int]:
@@ -146,7 +147,7 @@ class Predictor:
             if generated == 0:
                 prefill_tokens += prompt
                 if prompt > budget:
-                    remaining += (prompt - 1) // budget       # chunk steps before the first token
+                    remaining += (prompt - 1) // budget  # chunk steps before the first token
             context_left += prompt + max_tokens
             order.append((remaining, prompt + max_tokens, c.request_id))
         order.sort(key=itemgetter(0))
@@ -182,8 +183,9 @@ class Predictor:
             self._cheapest_us = min(self.cost.raw_step_us(n + pace) for n in range(1, self._max_batch + 1))
         return self._cheapest_us
 
-    def meets_deadlines(self, commitments: list[Commitment], new: Commitment, at_ns: int,
-                        before: dict[str, int]) -> tuple[bool, int]:
+    def meets_deadlines(
+        self, commitments: list[Commitment], new: Commitment, at_ns: int, before: dict[str, int]
+    ) -> tuple[bool, int]:
         """Whether `new`, joining at `at_ns`, meets its deadline and pushes no commitment past a deadline it
         was predicted to meet; also `new`'s predicted finish."""
         after = self.finish_times([*commitments, new], at_ns)
@@ -214,8 +216,14 @@ class AdmissionController:
 
     max_retry_candidates = 8
 
-    def __init__(self, cost: CostModel, config: AdmissionConfig, reservation_grace_ms: float = 50.0,
-                 max_reservations: int | None = None, retry_hold_ms: float = 50.0) -> None:
+    def __init__(
+        self,
+        cost: CostModel,
+        config: AdmissionConfig,
+        reservation_grace_ms: float = 50.0,
+        max_reservations: int | None = None,
+        retry_hold_ms: float = 50.0,
+    ) -> None:
         # a rejection storm must not grow the work of every decision: at most this many reservations
         self.max_reservations = config.num_slots if max_reservations is None else max_reservations
         self.predictor = Predictor(cost, config, max_batch=config.num_slots + self.max_reservations + 1)
@@ -224,7 +232,7 @@ class AdmissionController:
         self.lateness = Lateness()
         self.reservation_grace_ns = int(reservation_grace_ms * NS_PER_MS)
         self.retry_hold_ns = int(retry_hold_ms * NS_PER_MS)
-        self.turns: dict[str, int] = {}     # refused for the step budget: request_id -> when its turn lapses
+        self.turns: dict[str, int] = {}  # refused for the step budget: request_id -> when its turn lapses
 
     @property
     def num_admitted(self) -> int:
@@ -239,7 +247,7 @@ class AdmissionController:
         held = self.commitments.get(new.request_id)
         on_time = held is not None and held.is_reservation
         if on_time:
-            del self.commitments[new.request_id]            # a retry takes up its own reservation
+            del self.commitments[new.request_id]  # a retry takes up its own reservation
         has_turn = on_time or self.turns.pop(new.request_id, None) is not None
         idle = self.predictor.finish_times([new], now_ns)[new.request_id]
         if idle > new.deadline_ns - self.predictor.margin_for(new, now_ns):
@@ -249,7 +257,8 @@ class AdmissionController:
         why, finish_ns = self._fits_at(new, now_ns, admitted, finishes, ahead_of_later_reservations=on_time)
         if why is None:
             wait_ns = self._steps_until_room(admitted) * int(
-                self.predictor.cost.step_us(self.config.max_num_batched_tokens) * 1000)
+                self.predictor.cost.step_us(self.config.max_num_batched_tokens) * 1000
+            )
             if wait_ns and not (has_turn and wait_ns <= self.retry_hold_ns):
                 # it would not join the very next step: a short refusal that holds no slot, only its turn
                 if held_turn := len(self.turns) < self.max_reservations:
@@ -259,11 +268,10 @@ class AdmissionController:
             return Admit(finish_ns + wait_ns)
         retry = self._earliest_retry(new, now_ns, admitted, finishes)
         if retry is None:
-            frees_ns = min((self.lateness.stretch(now_ns, f) for f in finishes.values() if f > now_ns),
-                           default=now_ns)
+            frees_ns = min((self.lateness.stretch(now_ns, f) for f in finishes.values() if f > now_ns), default=now_ns)
             return Reject(_ms(frees_ns - now_ns), finish_ns, within_budget=False, reason=why)
         at_ns, retry_finish_ns = retry
-        if on_time and at_ns - now_ns <= self.retry_hold_ns:     # its slot frees a little late: held for it
+        if on_time and at_ns - now_ns <= self.retry_hold_ns:  # its slot frees a little late: held for it
             self.commitments[new.request_id] = new
             return Admit(retry_finish_ns)
         until_ns = self.lateness.stretch(at_ns, retry_finish_ns)
@@ -279,8 +287,15 @@ class AdmissionController:
         """How long past its hinted time a refused call's reservation or turn waits for its retry."""
         return max(self.reservation_grace_ns, wait_ns // 10)
 
-    def _fits_at(self, new: Commitment, at_ns: int, admitted: list[Commitment], finishes: dict[str, int],
-                 ahead_of_later_reservations: bool = False, finish_unused: bool = False) -> tuple[str | None, int]:
+    def _fits_at(
+        self,
+        new: Commitment,
+        at_ns: int,
+        admitted: list[Commitment],
+        finishes: dict[str, int],
+        ahead_of_later_reservations: bool = False,
+        finish_unused: bool = False,
+    ) -> tuple[str | None, int]:
         """None if `new` joining at `at_ns` meets every deadline and finds a free slot for its whole run, else
         why not (SLOTS_FULL, DEADLINE, DELAYS_ADMITTED); and `new`'s predicted finish from then.
         `admitted` are the running calls as they will be at `at_ns`, `finishes` their finishes from then.
@@ -294,7 +309,7 @@ class AdmissionController:
         stretch = self.lateness.stretch
         intervals = [(at_ns, stretch(at_ns, finishes[c.request_id])) for c in admitted]
         intervals += [(r.reserved_from_ns, r.reserved_until_ns) for r in reservations]
-        if finish_unused:   # the calendar is full before even the shortest run `new` could have ends: a quick no
+        if finish_unused:  # the calendar is full before even the shortest run `new` could have ends: a quick no
             shortest_ns = self.lateness.stretch(at_ns, self.predictor.earliest_finish(new, at_ns))
             if peak_occupancy(intervals, at_ns, shortest_ns) >= self.config.num_slots:
                 return SLOTS_FULL, 0
@@ -304,14 +319,15 @@ class AdmissionController:
             return SLOTS_FULL, self.predictor.finish_times([*admitted, new], at_ns)[new.request_id]
         ok, finish_ns = self.predictor.meets_deadlines(admitted, new, at_ns, finishes)
         due = [r for r in reservations if r.reserved_from_ns < finish_ns and r.reserved_until_ns > at_ns]
-        if ok and due:      # retries arriving during the run share its steps: count them as running too
-            ok, finish_ns = self.predictor.meets_deadlines(admitted + due, new, at_ns,
-                                                           self.predictor.finish_times(admitted + due, at_ns))
+        if ok and due:  # retries arriving during the run share its steps: count them as running too
+            ok, finish_ns = self.predictor.meets_deadlines(
+                admitted + due, new, at_ns, self.predictor.finish_times(admitted + due, at_ns)
+            )
         holds_until = self.lateness.stretch(at_ns, finish_ns)
         # slots before deadlines, as the quick answers above (finish_unused: no reason wanted, no count after a no)
         if (ok or not finish_unused) and peak_occupancy(intervals, at_ns, holds_until) >= self.config.num_slots:
             return SLOTS_FULL, finish_ns
-        if not ok:          # meets_deadlines said no, for its own deadline or for another's
+        if not ok:  # meets_deadlines said no, for its own deadline or for another's
             own_limit_ns = new.deadline_ns - self.predictor.margin_for(new, at_ns)
             return (DEADLINE if finish_ns > own_limit_ns else DELAYS_ADMITTED), finish_ns
         return None, finish_ns
@@ -324,7 +340,7 @@ class AdmissionController:
         budget = self.config.max_num_batched_tokens
         decoding = sum(1 for c in admitted if c.num_generated > 0)
         pending = sum(c.num_prompt_tokens for c in admitted if c.num_generated == 0)
-        excess = decoding + pending - budget        # tokens ahead of the new call that the next step cannot take
+        excess = decoding + pending - budget  # tokens ahead of the new call that the next step cannot take
         return 0 if excess < 0 else excess // max(budget - decoding, 1) + 1
 
     def _reservations(self) -> list[Commitment]:
@@ -336,8 +352,9 @@ class AdmissionController:
         held = sum(1 for r in reservations if r.reserved_from_ns <= at_ns < r.reserved_until_ns)
         return num_running + held >= self.config.num_slots
 
-    def _earliest_retry(self, new: Commitment, now_ns: int, admitted: list[Commitment],
-                        finishes: dict[str, int]) -> tuple[int, int] | None:
+    def _earliest_retry(
+        self, new: Commitment, now_ns: int, admitted: list[Commitment], finishes: dict[str, int]
+    ) -> tuple[int, int] | None:
         """The first moment a slot frees (a call finishes or a reservation ends) from which `new` would be
         admitted inside its own deadline, with its predicted finish from then; None if there is none."""
         slot_ends = {rid: self.lateness.stretch(now_ns, f) for rid, f in finishes.items()}
@@ -346,14 +363,15 @@ class AdmissionController:
         # a running call still holds its slot at a candidate time iff it is predicted to end after it and has
         # tokens left (_progressed leaves it short of max_tokens then): counted before copying anything
         holding = sorted(slot_ends[c.request_id] for c in admitted if c.num_generated < c.max_tokens)
-        for at_ns in sorted(frees)[:self.max_retry_candidates]:
+        for at_ns in sorted(frees)[: self.max_retry_candidates]:
             if at_ns >= new.deadline_ns:
                 break
             if self._full_at(at_ns, len(holding) - bisect.bisect_right(holding, at_ns), reservations):
                 continue
             later = _progressed(admitted, slot_ends, now_ns, at_ns)
-            why, finish_ns = self._fits_at(new, at_ns, later, self.predictor.finish_times(later, at_ns),
-                                           finish_unused=True)
+            why, finish_ns = self._fits_at(
+                new, at_ns, later, self.predictor.finish_times(later, at_ns), finish_unused=True
+            )
             if why is None:
                 return at_ns, finish_ns
         return None
@@ -394,7 +412,13 @@ def _progressed(admitted: list[Commitment], finishes: dict[str, int], now_ns: in
         # a plain copy: dataclasses.replace costs more than the prediction that follows
         generated, max_tokens = c.num_generated, c.max_tokens
         remaining = max_tokens - generated if max_tokens > generated else 0
-        later.append(Commitment(c.request_id, c.num_prompt_tokens, max_tokens, c.deadline_ns,
-                                generated + remaining * (at_ns - now_ns) // max(finish_ns - now_ns, 1)))
+        later.append(
+            Commitment(
+                c.request_id,
+                c.num_prompt_tokens,
+                max_tokens,
+                c.deadline_ns,
+                generated + remaining * (at_ns - now_ns) // max(finish_ns - now_ns, 1),
+            )
+        )
     return later
-

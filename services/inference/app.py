@@ -1,6 +1,7 @@
 """Wires a serving replica: gRPC server (inference, health, reflection), warm-up and calibration,
 the engine (its own process by default, engine_process.py), Prometheus metrics, and a graceful drain on
 shutdown."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,12 +16,14 @@ import structlog
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 from prometheus_client import start_http_server
+from zeroqueue.inference.v1 import inference_pb2
 
 from billing.db import data_dir
 from services.metering.app import MAX_MESSAGE_BYTES as METERING_MAX_MESSAGE_BYTES
 from services.metering.app import server_credentials
-from services.standard import SERVICE_NAMES as STANDARD_SERVICES, add_health, enable_reflection
-from zeroqueue.inference.v1 import inference_pb2
+from services.standard import SERVICE_NAMES as STANDARD_SERVICES
+from services.standard import add_health, enable_reflection
+
 from .admission import AdmissionConfig, AdmissionController
 from .clock import Clock
 from .costmodel import CostModel
@@ -51,7 +54,7 @@ SERVER_OPTIONS = [
     ("grpc.absolute_max_metadata_size", 16 << 10),
     # clients re-resolve DNS only when a connection ends: recycle them, so new replicas get traffic
     ("grpc.max_connection_age_ms", 5 * 60_000),
-    ("grpc.max_connection_age_grace_ms", 2 * 60_000),   # streams in flight finish first
+    ("grpc.max_connection_age_grace_ms", 2 * 60_000),  # streams in flight finish first
 ]
 
 
@@ -60,28 +63,28 @@ class ServeConfig:
     model_dir: str
     host: str = "127.0.0.1"
     port: int = 50051
-    admission: str = "deadline"             # deadline | fifo
+    admission: str = "deadline"  # deadline | fifo
     default_deadline_ms: int = 30_000
     metrics_port: int | None = None
     dtype: str = "auto"
     executor: ExecutorConfig = ExecutorConfig()
-    engine_process: bool = True             # the engine in a child process (False: a thread of this one)
-    pin_cpus: bool = False                  # engine process on cores of its own, this process on the rest (CPU)
-    json_logs: bool | None = None           # the engine process logs like this one (None: structlog's default)
+    engine_process: bool = True  # the engine in a child process (False: a thread of this one)
+    pin_cpus: bool = False  # engine process on cores of its own, this process on the rest (CPU)
+    json_logs: bool | None = None  # the engine process logs like this one (None: structlog's default)
     max_num_batched_tokens: int = 256
-    pace_tokens: int = 0                    # paced steps with room for this prompt chunk (pacing.py); 0: unpaced
-    stream_interval_ms: int = 0             # least time between a call's token messages after its first; 0: each step
+    pace_tokens: int = 0  # paced steps with room for this prompt chunk (pacing.py); 0: unpaced
+    stream_interval_ms: int = 0  # least time between a call's token messages after its first; 0: each step
     margin_ms: float = 20.0
     margin_fraction: float = 0.05
-    data_dir: str | None = None             # the outbox (and the default ledger); $ZEROQUEUE_HOME or ~/.zeroqueue
-    ledger_url: str | None = None           # embedded metering: the ledger database
-    metering_address: str | None = None     # remote metering: ship usage and check keys there
-    metering_key: str | None = None         # admin key for RecordUsage on the remote metering service
-    metering_ca: str | None = None          # PEM roots to reach the metering service over TLS
-    tls_cert: str | None = None             # serve over TLS with this certificate chain and key (PEM)
+    data_dir: str | None = None  # the outbox (and the default ledger); $ZEROQUEUE_HOME or ~/.zeroqueue
+    ledger_url: str | None = None  # embedded metering: the ledger database
+    metering_address: str | None = None  # remote metering: ship usage and check keys there
+    metering_key: str | None = None  # admin key for RecordUsage on the remote metering service
+    metering_ca: str | None = None  # PEM roots to reach the metering service over TLS
+    tls_cert: str | None = None  # serve over TLS with this certificate chain and key (PEM)
     tls_key: str | None = None
-    health_port: int | None = None          # plaintext gRPC health only (kubelet probes cannot speak TLS)
-    limits: RequestLimits = RequestLimits()     # what one Generate request may hold (server.py)
+    health_port: int | None = None  # plaintext gRPC health only (kubelet probes cannot speak TLS)
+    limits: RequestLimits = RequestLimits()  # what one Generate request may hold (server.py)
 
 
 def receive_limit(limits: RequestLimits, context_length: int, hosts_metering: bool) -> int:
@@ -102,11 +105,12 @@ class StepStats:
     cost model learns a step's period, its interval plus the idle the engine held after it (which comes with
     the next step), against the step padded with a prompt chunk: that is what admission predicts then."""
 
-    def __init__(self, cost: CostModel | None, metrics: ServiceMetrics, num_slots: int, steps: StepLog,
-                 pace_tokens: int = 0) -> None:
+    def __init__(
+        self, cost: CostModel | None, metrics: ServiceMetrics, num_slots: int, steps: StepLog, pace_tokens: int = 0
+    ) -> None:
         self.cost, self.metrics, self.num_slots, self.steps = cost, metrics, num_slots, steps
         self.pace_tokens = pace_tokens
-        self._last: StepDigest | None = None    # the step whose period ends when the next one begins
+        self._last: StepDigest | None = None  # the step whose period ends when the next one begins
 
     def on_step(self, digest: StepDigest) -> None:
         self.metrics.free_slots.set(digest.num_free_slots)
@@ -114,7 +118,7 @@ class StepStats:
             return
         self.steps.add(digest.began_ns)
         interval_us = digest.interval_ns // 1000
-        if self.cost is not None:        # before _last moves on to this step
+        if self.cost is not None:  # before _last moves on to this step
             self._observe_cost(digest)
             self.metrics.cost_ratio.set(self.cost.ratio)
             self.metrics.cost_deviation.set(self.cost.deviation)
@@ -134,7 +138,7 @@ class StepStats:
             self.cost.observe(rows, last.context_tokens, (last.interval_ns + digest.paced_ns) // 1000)
 
     def on_idle(self, now_ns: int) -> None:
-        self.metrics.free_slots.set(self.num_slots)     # idle: nothing holds a slot
+        self.metrics.free_slots.set(self.num_slots)  # idle: nothing holds a slot
 
 
 class InferenceApp:
@@ -147,10 +151,16 @@ class InferenceApp:
         self.metrics = ServiceMetrics()
         self.checkpoint = load_checkpoint(config.model_dir, config.dtype)
         self.credentials = server_credentials(config.tls_cert, config.tls_key)
-        self.link = MeteringLink(Path(config.data_dir) if config.data_dir else data_dir(), config.ledger_url,
-                                 config.metering_address, config.metering_key, config.metering_ca)
-        self.servicer = InferenceServicer(self.checkpoint.name, self.checkpoint.tokenizer, self.link.authenticator,
-                                          config.limits)
+        self.link = MeteringLink(
+            Path(config.data_dir) if config.data_dir else data_dir(),
+            config.ledger_url,
+            config.metering_address,
+            config.metering_key,
+            config.metering_ca,
+        )
+        self.servicer = InferenceServicer(
+            self.checkpoint.name, self.checkpoint.tokenizer, self.link.authenticator, config.limits
+        )
         self.meter: Meter | None = None
         self.health = health_aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
@@ -173,8 +183,9 @@ class InferenceApp:
     async def start(self) -> int:
         """Listens at once (health says NOT_SERVING), warms up and calibrates, then says SERVING."""
         context_length = self.context_length
-        self.server = grpc.aio.server(options=[*SERVER_OPTIONS, ("grpc.max_receive_message_length",
-                                                                 self.receive_bytes(context_length))])
+        self.server = grpc.aio.server(
+            options=[*SERVER_OPTIONS, ("grpc.max_receive_message_length", self.receive_bytes(context_length))]
+        )
         self.servicer.add_to_server(self.server, context_length)
         add_health(self.server, self.health)
         hosted = self.link.attach(self.server)
@@ -200,7 +211,7 @@ class InferenceApp:
             start_http_server(self.config.metrics_port, addr=self.config.host, registry=self.metrics.registry)
         log.info("listening", address=f"{self.config.host}:{self.port}", state="warming_up")
         service = await asyncio.to_thread(self._warm_up)
-        if isinstance(self.engine, Engine):     # the engine thread: a device fault stops it, from that thread
+        if isinstance(self.engine, Engine):  # the engine thread: a device fault stops it, from that thread
             loop = asyncio.get_running_loop()
             self.engine.on_lost = lambda why: loop.call_soon_threadsafe(self._engine_lost, why)
         self.engine.start()
@@ -212,9 +223,15 @@ class InferenceApp:
         return self.port
 
     def _warm_up(self) -> InferenceService:
-        spec = EngineSpec(str(self.checkpoint.path), self.config.dtype, self.config.executor,
-                          self.config.max_num_batched_tokens, make_executor=self.make_executor,
-                          json_logs=self.config.json_logs, pace_tokens=self.config.pace_tokens)
+        spec = EngineSpec(
+            str(self.checkpoint.path),
+            self.config.dtype,
+            self.config.executor,
+            self.config.max_num_batched_tokens,
+            make_executor=self.make_executor,
+            json_logs=self.config.json_logs,
+            pace_tokens=self.config.pace_tokens,
+        )
         if self.config.engine_process:
             split = self._cpu_split()
             if split is not None:
@@ -229,28 +246,52 @@ class InferenceApp:
         else:
             engine, ready = build_engine(spec, self.checkpoint)
         cost = CostModel(list(ready.cost_rows), list(ready.cost_row_us), ready.cost_us_per_context_token)
-        admission_config = AdmissionConfig(ready.num_slots, ready.max_num_batched_tokens,
-                                           self.config.margin_ms, self.config.margin_fraction,
-                                           pace_tokens=self.config.pace_tokens)
+        admission_config = AdmissionConfig(
+            ready.num_slots,
+            ready.max_num_batched_tokens,
+            self.config.margin_ms,
+            self.config.margin_fraction,
+            pace_tokens=self.config.pace_tokens,
+        )
         if self.config.admission == "fifo":
             admission, observed_cost = FifoAdmission(), None
         else:
             admission, observed_cost = AdmissionController(cost, admission_config), cost
             engine.set_expiry_guard(int(cost.step_us(ready.num_slots) * 1000))
         steps = StepLog()
-        engine.observers.append(StepStats(observed_cost, self.metrics, ready.num_slots, steps,
-                                          self.config.pace_tokens))
+        engine.observers.append(StepStats(observed_cost, self.metrics, ready.num_slots, steps, self.config.pace_tokens))
         info = ready.info
-        self.meter = Meter(Device(info.kind, info.device_id, info.unit, info.num_compute_units), uuid.uuid4().hex[:12],
-                           self.clock.epoch_us, self.link.outbox.append, started_ns=self.clock.now_ns(),
-                           count=self.metrics.count_usage)
+        self.meter = Meter(
+            Device(info.kind, info.device_id, info.unit, info.num_compute_units),
+            uuid.uuid4().hex[:12],
+            self.clock.epoch_us,
+            self.link.outbox.append,
+            started_ns=self.clock.now_ns(),
+            count=self.metrics.count_usage,
+        )
         self.metrics.compute_units.set(info.num_compute_units)
         engine.observers.append(self.meter)
         self.engine = engine
-        card = ModelCard(self.checkpoint.name, ready.max_seq_len, str(self.checkpoint.dtype).removeprefix("torch."),
-                         self.checkpoint.args.vocab_size, ready.num_slots, info)
-        return InferenceService(engine, card, admission, self.metrics, self.clock, self.meter, self.link.outbox,
-                                steps, self.config.default_deadline_ms, self.config.stream_interval_ms)
+        card = ModelCard(
+            self.checkpoint.name,
+            ready.max_seq_len,
+            str(self.checkpoint.dtype).removeprefix("torch."),
+            self.checkpoint.args.vocab_size,
+            ready.num_slots,
+            info,
+        )
+        return InferenceService(
+            engine,
+            card,
+            admission,
+            self.metrics,
+            self.clock,
+            self.meter,
+            self.link.outbox,
+            steps,
+            self.config.default_deadline_ms,
+            self.config.stream_interval_ms,
+        )
 
     def _cpu_split(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         """The engine's cores and this process's, when pinning applies: a CPU engine with a core to spare."""
@@ -265,9 +306,8 @@ class InferenceApp:
         if self.service is not None:
             self.service.state = WarmupState.FAILED
         log.error("replica_failed", why=why)
-        for name in ("", INFERENCE_SERVICE, LIVENESS):     # liveness too: only a restart brings it back
-            asyncio.get_running_loop().create_task(
-                self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING))
+        for name in ("", INFERENCE_SERVICE, LIVENESS):  # liveness too: only a restart brings it back
+            asyncio.get_running_loop().create_task(self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING))
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stops admitting (NOT_SERVING), lets admitted calls finish inside their deadlines, then exits.

@@ -1,4 +1,5 @@
 """Calibrates the cost model at warm-up by running synthetic steps through the real engine path."""
+
 from __future__ import annotations
 
 import itertools
@@ -26,9 +27,12 @@ def _decode_step_us(engine: Engine, batch: int, prompt_len: int, num_steps: int,
     prefill_steps = -(-batch * prompt_len // engine.scheduler.config.max_num_batched_tokens)
     for i in range(batch):
         prompt = tuple(rng.randrange(vocab) for _ in range(prompt_len))
-        request = Request(f"calibrate-{batch}-{prompt_len}-{i}", prompt,
-                          SamplingParams(max_tokens=prefill_steps + num_steps + 1, temperature=0.0, ignore_eos=True),
-                          engine.clock())
+        request = Request(
+            f"calibrate-{batch}-{prompt_len}-{i}",
+            prompt,
+            SamplingParams(max_tokens=prefill_steps + num_steps + 1, temperature=0.0, ignore_eos=True),
+            engine.clock(),
+        )
         engine.add_request(request, _Discard())
     times = []
     while engine.has_work:
@@ -43,8 +47,15 @@ def _prefill_step_us(engine: Engine, num_tokens: int, repeats: int, rng: random.
     times = []
     for r in range(repeats):
         prompt = tuple(rng.randrange(vocab) for _ in range(num_tokens))
-        engine.add_request(Request(f"calibrate-prefill-{num_tokens}-{r}", prompt,
-                                   SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), engine.clock()), _Discard())
+        engine.add_request(
+            Request(
+                f"calibrate-prefill-{num_tokens}-{r}",
+                prompt,
+                SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                engine.clock(),
+            ),
+            _Discard(),
+        )
         report = engine.step()
         times.append(report.interval_ns / 1000)
         while engine.has_work:
@@ -58,7 +69,7 @@ def calibrate(engine: Engine, num_steps: int = 6, repeats: int = 3, seed: int = 
     rng = random.Random(seed)
     slots = engine.executor.num_slots
     budget = engine.scheduler.config.max_num_batched_tokens
-    _decode_step_us(engine, 1, 4, 2, rng)       # first steps pay one-time costs; keep them out
+    _decode_step_us(engine, 1, 4, 2, rng)  # first steps pay one-time costs; keep them out
     rows, row_us = [], []
     max_prompt = engine.executor.max_seq_len - 1
     for n in sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 512, slots, budget}):

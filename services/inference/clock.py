@@ -1,4 +1,5 @@
 """One clock for the service: monotonic for deadlines and intervals, anchored to the epoch for reports."""
+
 from __future__ import annotations
 
 import time

@@ -1,4 +1,5 @@
 """Model hyper-parameters, read from a Hugging Face `config.json`."""
+
 from __future__ import annotations
 
 import math
@@ -44,7 +45,8 @@ class ModelArgs:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})")
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
@@ -64,13 +66,17 @@ class ModelArgs:
 
     @property
     def num_parameters(self) -> int:
-        per_layer = (self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
-                     + 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size)
+        per_layer = (
+            self.hidden_size * (self.q_size + 2 * self.kv_size)
+            + self.q_size * self.hidden_size
+            + 3 * self.hidden_size * self.intermediate_size
+            + 2 * self.hidden_size
+        )
         embed = self.vocab_size * self.hidden_size
         return embed * (1 if self.tie_word_embeddings else 2) + per_layer * self.num_hidden_layers + self.hidden_size
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> "ModelArgs":
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelArgs:
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")

@@ -10,22 +10,22 @@ MAX_STEP_JUMP times the running ratio: a real slowdown is a run of slow steps an
 as it goes, but one stalled step (the host preempted for a second) must not inflate every prediction so far
 that every call is refused as infeasible; nothing would then run, and no step could bring the ratio back.
 """
+
 from __future__ import annotations
 
 import bisect
 import threading
 from dataclasses import dataclass, field
 
-
 MAX_STEP_JUMP = 4.0
 
 
 @dataclass
 class CostModel:
-    rows: list[int]                     # calibration points, ascending
-    row_us: list[float]                 # step time at each point, context excluded
+    rows: list[int]  # calibration points, ascending
+    row_us: list[float]  # step time at each point, context excluded
     us_per_context_token: float
-    alpha: float = 0.05                 # weight of the newest step in the running ratio
+    alpha: float = 0.05  # weight of the newest step in the running ratio
     num_deviations: float = 3.0
     ratio: float = 1.0
     deviation: float = 0.05
@@ -52,7 +52,7 @@ class CostModel:
         elif len(self.rows) == 1:
             base = self.row_us[0] * max(num_rows, 1) / max(self.rows[0], 1)
         else:
-            lo = min(max(i - 1, 0), len(self.rows) - 2)     # extrapolate with the nearest segment
+            lo = min(max(i - 1, 0), len(self.rows) - 2)  # extrapolate with the nearest segment
             slope = (self.row_us[lo + 1] - self.row_us[lo]) / (self.rows[lo + 1] - self.rows[lo])
             base = self.row_us[lo] + slope * (num_rows - self.rows[lo])
         return max(base, self.row_us[0] * 0.5)
@@ -83,9 +83,14 @@ class CostModel:
             self.deviation += self.alpha * (abs(ratio - self.ratio) - self.deviation)
 
     def to_dict(self) -> dict:
-        return {"rows": self.rows, "row_us": [round(u, 1) for u in self.row_us],
-                "us_per_context_token": self.us_per_context_token, "ratio": round(self.ratio, 4),
-                "deviation": round(self.deviation, 4), "num_observed": self.num_observed}
+        return {
+            "rows": self.rows,
+            "row_us": [round(u, 1) for u in self.row_us],
+            "us_per_context_token": self.us_per_context_token,
+            "ratio": round(self.ratio, 4),
+            "deviation": round(self.deviation, 4),
+            "num_observed": self.num_observed,
+        }
 
 
 def fit_context_cost(short_ctx: int, short_us: float, long_ctx: int, long_us: float) -> float:

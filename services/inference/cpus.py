@@ -5,6 +5,7 @@ thread is ever scheduled into the middle of an engine step. Off by default: on t
 then has one core for gRPC, admission and relaying tokens, and under 2-4x overload it fell behind
 (BENCHMARKS.md, "Pulse"); with cores to spare for the server it is the layout to try.
 """
+
 from __future__ import annotations
 
 import os
@@ -39,5 +40,5 @@ def pin(cpus: Sequence[int]) -> None:
     for tid in threads:
         try:
             os.sched_setaffinity(tid, cpus)
-        except ProcessLookupError:          # a thread that ended meanwhile
+        except ProcessLookupError:  # a thread that ended meanwhile
             pass

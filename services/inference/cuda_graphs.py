@@ -5,6 +5,7 @@ A graph is captured per (batch bucket, context bucket) over static input buffers
 how far back a replay's attention reads the cache: without it every replay would gather and attend over the
 whole configured context, so a step's cost would follow `max_seq_len` rather than the calls' real lengths.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,8 +27,8 @@ CUDA_ATTENTION_KERNELS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTEN
 
 
 class Bucket(NamedTuple):
-    batch: int          # rows the graph computes, padding included
-    context: int        # cache positions [0, context) its attention reads
+    batch: int  # rows the graph computes, padding included
+    context: int  # cache positions [0, context) its attention reads
 
 
 def attention_kernels(device: torch.device) -> contextlib.AbstractContextManager:
@@ -52,8 +53,15 @@ class GraphRunner:
     check's dry run exercise everything here but the capture itself.
     """
 
-    def __init__(self, model: Transformer, backend: AttentionBackend, num_slots: int, max_seq_len: int,
-                 device: torch.device, capture: bool = True) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        backend: AttentionBackend,
+        num_slots: int,
+        max_seq_len: int,
+        device: torch.device,
+        capture: bool = True,
+    ) -> None:
         self.model, self.backend, self.device = model, backend, device
         self.scratch_slot = backend.cache.scratch_slot
         self.buckets = [b for b in BATCH_BUCKETS if b < num_slots] + [num_slots]
@@ -80,9 +88,14 @@ class GraphRunner:
     def forward_static(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's forward over the static buffers, run eagerly: logits [batch, vocab]."""
         bs = bucket.batch
-        meta = AttentionMetadata(slot_ids=self.slots[:bs], positions=self.positions[:bs], num_decode=bs,
-                                 decode_slots=self.slots[:bs], decode_lens=self.lens[:bs],
-                                 max_decode_len=bucket.context)
+        meta = AttentionMetadata(
+            slot_ids=self.slots[:bs],
+            positions=self.positions[:bs],
+            num_decode=bs,
+            decode_slots=self.slots[:bs],
+            decode_lens=self.lens[:bs],
+            max_decode_len=bucket.context,
+        )
         return self.model(self.input_ids[:bs], self.positions[:bs], self.rows[:bs], self.backend, meta)
 
     @torch.inference_mode()
@@ -109,7 +122,7 @@ class GraphRunner:
     def prepare(self, decodes: Sequence[ScheduledSeq]) -> Bucket:
         """Copies the step's inputs into the static buffers, padded to its bucket; returns the bucket."""
         n, bucket = len(decodes), self.bucket(decodes)
-        host = self.host[:, :bucket.batch]
+        host = self.host[:, : bucket.batch]
         host[0].zero_()
         host[1].zero_()
         host[2].fill_(self.scratch_slot)
@@ -119,14 +132,14 @@ class GraphRunner:
         host[2, :n] = torch.tensor([s.slot for s in decodes])
         host[3, :n] = host[1, :n] + 1
         for buffer, row in zip((self.input_ids, self.positions, self.slots, self.lens), host):
-            buffer[:bucket.batch].copy_(row, non_blocking=True)
+            buffer[: bucket.batch].copy_(row, non_blocking=True)
         return bucket
 
     def replay(self, decodes: Sequence[ScheduledSeq]) -> tuple[torch.Tensor, Bucket]:
         """logits [n, vocab] of a decode-only step, from the bucket's graph (or eagerly when not captured)."""
         bucket = self.prepare(decodes)
         if bucket not in self.graphs:
-            return self.forward_static(bucket)[:len(decodes)], bucket
+            return self.forward_static(bucket)[: len(decodes)], bucket
         graph, logits = self.graphs[bucket]
         graph.replay()
-        return logits[:len(decodes)], bucket
+        return logits[: len(decodes)], bucket

@@ -5,6 +5,7 @@ carries a partial stop string; once a stop string appears, the text before it is
 Which stop string ends the text does not depend on how the text was split into tokens: it is the one
 that is complete first when the text is read character by character.
 """
+
 from __future__ import annotations
 
 from tokenizers import Tokenizer
@@ -17,13 +18,13 @@ class Detokenizer:
         self.stream = DecodeStream(skip_special_tokens=True)
         self.stop = tuple(s for s in stop if s)
         self.text = ""
-        self.num_emitted = 0          # characters of `text` already released
+        self.num_emitted = 0  # characters of `text` already released
         self.stopped = False
 
     def push(self, token_id: int) -> str:
         """Adds one token; returns the text that may be released now. Sets `stopped` on a stop string."""
         self.text += self.stream.step(self.tokenizer, token_id) or ""
-        pending = self.text[self.num_emitted:]
+        pending = self.text[self.num_emitted :]
         # the stop string that is complete first, character by character, wins (ties: the longer one)
         hits = [(i + len(s), i) for s, i in ((s, pending.find(s)) for s in self.stop) if i >= 0]
         if hits:
@@ -46,6 +47,6 @@ class Detokenizer:
         return longest
 
     def _release(self, num_chars: int) -> str:
-        out = self.text[self.num_emitted:self.num_emitted + num_chars]
+        out = self.text[self.num_emitted : self.num_emitted + num_chars]
         self.num_emitted += num_chars
         return out

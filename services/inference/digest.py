@@ -4,6 +4,7 @@ observers work on the engine's thread and in the server process across a pipe. N
 Named tuples, not dataclasses: a digest is built on every step. Across the pipe it travels as plain tuples of
 ints and strings (`step_wire`), which pickle several times faster than a dataclass (bench/metering_overhead.py).
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -20,15 +21,15 @@ class EndedRequest(NamedTuple):
 
 
 class StepDigest(NamedTuple):
-    began_ns: int                   # step() entered: taking new requests and scheduling count too
+    began_ns: int  # step() entered: taking new requests and scheduling count too
     ended_ns: int
-    ran: bool                       # the executor ran; False when requests only ended (cancelled, expired)
-    work: tuple[tuple[str, int], ...]   # (request_id, tokens run): decodes first (1 each), then prompt chunks
-    context_tokens: int             # positions the decode rows attended to, summed
+    ran: bool  # the executor ran; False when requests only ended (cancelled, expired)
+    work: tuple[tuple[str, int], ...]  # (request_id, tokens run): decodes first (1 each), then prompt chunks
+    context_tokens: int  # positions the decode rows attended to, summed
     ended: tuple[EndedRequest, ...]  # finished, cancelled or expired in this step
-    num_unfinished: int             # requests still in the engine after this step
+    num_unfinished: int  # requests still in the engine after this step
     num_free_slots: int
-    paced_ns: int = 0               # idle on purpose before this step (paced steps): billed to no one
+    paced_ns: int = 0  # idle on purpose before this step (paced steps): billed to no one
 
     @property
     def interval_ns(self) -> int:
@@ -45,11 +46,25 @@ class StepDigest(NamedTuple):
     @classmethod
     def from_wire(cls, wire: tuple) -> StepDigest:
         """The digest that `step_wire` shipped, rebuilt in the server process (off the engine's core)."""
-        (began_ns, ended_ns, ran, decode_ids, prefills, context_tokens, ended, num_unfinished, num_free_slots,
-         paced_ns) = wire
+        (
+            began_ns,
+            ended_ns,
+            ran,
+            decode_ids,
+            prefills,
+            context_tokens,
+            ended,
+            num_unfinished,
+            num_free_slots,
+            paced_ns,
+        ) = wire
         work = tuple([(rid, 1) for rid in decode_ids]) + prefills
-        ended = tuple([EndedRequest(rid, RequestStatus(status), prompt, output, first)
-                       for rid, status, prompt, output, first in ended])
+        ended = tuple(
+            [
+                EndedRequest(rid, RequestStatus(status), prompt, output, first)
+                for rid, status, prompt, output, first in ended
+            ]
+        )
         return cls(began_ns, ended_ns, ran, work, context_tokens, ended, num_unfinished, num_free_slots, paced_ns)
 
 
@@ -59,14 +74,31 @@ def step_wire(report, num_free_slots: int) -> tuple:
     cost model and the metrics run in the server process). Decodes go as bare request ids (1 token each),
     statuses as ints: fewer objects to build and to pickle."""
     decodes, prefills = report.scheduled.decodes, report.scheduled.prefills
-    ended = tuple([(r.request_id, int(r.status), len(r.prompt_token_ids), len(r.output_token_ids), r.first_token_ns)
-                   for r in report.ended]) if report.ended else ()
-    return (report.began_ns, report.ended_ns, report.result is not None,
-            tuple([s.request.request_id for s in decodes]),
-            tuple([(s.request.request_id, len(s.token_ids)) for s in prefills]) if prefills else (),
-            report.scheduled.context_tokens, ended, report.num_unfinished, num_free_slots, report.paced_ns)
+    ended = (
+        tuple(
+            [
+                (r.request_id, int(r.status), len(r.prompt_token_ids), len(r.output_token_ids), r.first_token_ns)
+                for r in report.ended
+            ]
+        )
+        if report.ended
+        else ()
+    )
+    return (
+        report.began_ns,
+        report.ended_ns,
+        report.result is not None,
+        tuple([s.request.request_id for s in decodes]),
+        tuple([(s.request.request_id, len(s.token_ids)) for s in prefills]) if prefills else (),
+        report.scheduled.context_tokens,
+        ended,
+        report.num_unfinished,
+        num_free_slots,
+        report.paced_ns,
+    )
 
 
 def ended_request(request: Request) -> EndedRequest:
-    return EndedRequest(request.request_id, request.status, request.num_prompt_tokens, request.num_output_tokens,
-                        request.first_token_ns)
+    return EndedRequest(
+        request.request_id, request.status, request.num_prompt_tokens, request.num_output_tokens, request.first_token_ns
+    )

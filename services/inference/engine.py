@@ -1,5 +1,6 @@
 """The step loop: schedule, run, update, emit. It runs on its own thread; other threads talk to it
 through `add_request` and `cancel`, which take effect at the start of the very next step."""
+
 from __future__ import annotations
 
 import threading
@@ -22,13 +23,14 @@ log = structlog.get_logger(__name__)
 
 class RequestOutput(NamedTuple):
     """A named tuple: made for every token, and (as a plain tuple) pickled to the server process."""
+
     request_id: str
-    token_ids: tuple[int, ...]      # new tokens since the previous output (stop tokens are not streamed)
-    text: str                       # new text; held back while it may be the start of a stop string
-    time_ns: int                    # engine clock when the step that produced it ended
-    num_output_tokens: int          # generated so far, stop tokens included
+    token_ids: tuple[int, ...]  # new tokens since the previous output (stop tokens are not streamed)
+    text: str  # new text; held back while it may be the start of a stop string
+    time_ns: int  # engine clock when the step that produced it ended
+    num_output_tokens: int  # generated so far, stop tokens included
     finish_reason: str | None = None  # set on a request's last output
-    first_scheduled_ns: int | None = None   # start of the first step that ran the request
+    first_scheduled_ns: int | None = None  # start of the first step that ran the request
 
 
 class OutputSink(Protocol):
@@ -38,14 +40,14 @@ class OutputSink(Protocol):
 @dataclass(frozen=True)
 class StepReport:
     scheduled: SchedulerOutput
-    result: StepResult | None       # None when nothing ran but requests ended (cancelled, expired)
+    result: StepResult | None  # None when nothing ran but requests ended (cancelled, expired)
     updates: tuple[StepUpdate, ...]
-    ended: tuple[Request, ...]      # requests that finished, were cancelled or expired in this step
-    began_ns: int                   # step() entered: taking new requests and scheduling count too
-    started_ns: int                 # handed to the executor
+    ended: tuple[Request, ...]  # requests that finished, were cancelled or expired in this step
+    began_ns: int  # step() entered: taking new requests and scheduling count too
+    started_ns: int  # handed to the executor
     ended_ns: int
-    num_unfinished: int             # requests still in the engine after this step
-    paced_ns: int = 0               # the engine idled this long on purpose (paced steps) before this step
+    num_unfinished: int  # requests still in the engine after this step
+    paced_ns: int = 0  # the engine idled this long on purpose (paced steps) before this step
 
     @property
     def interval_ns(self) -> int:
@@ -54,6 +56,7 @@ class StepReport:
 
 class StepObserver(Protocol):
     """Sees every step before its outputs are emitted (the meter must record usage before a final message)."""
+
     def on_step(self, digest: StepDigest) -> None: ...
 
     def on_idle(self, now_ns: int) -> None: ...
@@ -66,22 +69,31 @@ class _Stream:
 
 
 class Engine:
-    def __init__(self, executor: Executor, tokenizer, eos_token_ids: Sequence[int] = (),
-                 max_num_batched_tokens: int = 256, clock: Callable[[], int] = time.monotonic_ns,
-                 observers: Sequence[StepObserver] = ()) -> None:
+    def __init__(
+        self,
+        executor: Executor,
+        tokenizer,
+        eos_token_ids: Sequence[int] = (),
+        max_num_batched_tokens: int = 256,
+        clock: Callable[[], int] = time.monotonic_ns,
+        observers: Sequence[StepObserver] = (),
+    ) -> None:
         self.executor = executor
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.scheduler = Scheduler(SchedulerConfig(executor.num_slots, executor.max_seq_len,
-                                                   max(max_num_batched_tokens, executor.num_slots + 1)))
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                executor.num_slots, executor.max_seq_len, max(max_num_batched_tokens, executor.num_slots + 1)
+            )
+        )
         self.clock = clock
         self.observers = list(observers)
-        self.expiry_guard_ns = 0        # the service sets this to about one step
+        self.expiry_guard_ns = 0  # the service sets this to about one step
         self.last_interval_ns = 0
-        self.idle_tick_s = 1.0          # how often observers hear of idle time while there is no work
-        self.pacer: Pacer | None = None     # paced steps (pacing.py); None: each step starts when the last ends
+        self.idle_tick_s = 1.0  # how often observers hear of idle time while there is no work
+        self.pacer: Pacer | None = None  # paced steps (pacing.py); None: each step starts when the last ends
         self.on_lost: Callable[[str], None] | None = None  # the loop stopped on a device fault (engine thread)
-        self._paced_ns = 0              # idled out since the last reported step
+        self._paced_ns = 0  # idled out since the last reported step
         self._streams: dict[str, _Stream] = {}
         self._inbox: list[tuple[Request, OutputSink] | str] = []
         self._lock = threading.Lock()
@@ -92,7 +104,9 @@ class Engine:
     # ---- called from any thread ----
     def add_request(self, request: Request, sink: OutputSink) -> None:
         """Queues `request` for the next step; the model's end-of-sequence ids stop it unless ignore_eos."""
-        stop_ids = request.sampling.stop_token_ids | (frozenset() if request.sampling.ignore_eos else self.eos_token_ids)
+        stop_ids = request.sampling.stop_token_ids | (
+            frozenset() if request.sampling.ignore_eos else self.eos_token_ids
+        )
         if stop_ids != request.sampling.stop_token_ids:
             request.sampling = replace(request.sampling, stop_token_ids=stop_ids)
         with self._wake:
@@ -140,8 +154,17 @@ class Engine:
         ended = (*closed, *(u.request for u in updates if u.request.is_finished))
         if result is None and not ended:
             return None
-        report = StepReport(scheduled, result, updates, ended, began_ns, started_ns, ended_ns,
-                            self.scheduler.num_unfinished, self._paced_ns)
+        report = StepReport(
+            scheduled,
+            result,
+            updates,
+            ended,
+            began_ns,
+            started_ns,
+            ended_ns,
+            self.scheduler.num_unfinished,
+            self._paced_ns,
+        )
         self._paced_ns = 0
         if result is not None:
             self.last_interval_ns = report.interval_ns
@@ -158,8 +181,9 @@ class Engine:
         if self.pacer is None or report is None or report.result is None:
             return
         scheduled, context_tokens = report.scheduled, report.scheduled.context_tokens
-        self.pacer.observe(scheduled.num_tokens, scheduled.num_tokens - len(scheduled.decodes), context_tokens,
-                           report.interval_ns)
+        self.pacer.observe(
+            scheduled.num_tokens, scheduled.num_tokens - len(scheduled.decodes), context_tokens, report.interval_ns
+        )
         if report.num_unfinished == 0:
             return
         floor_ns = self.pacer.floor_ns(scheduled.num_seqs, context_tokens)
@@ -175,12 +199,20 @@ class Engine:
             return
         decodes, prefills = report.scheduled.decodes, report.scheduled.prefills
         # list comprehensions: this runs every step, and they take 2/3 of the time of unpacked generators
-        work = tuple([(s.request.request_id, 1) for s in decodes]
-                     + [(s.request.request_id, len(s.token_ids)) for s in prefills])
-        digest = StepDigest(report.began_ns, report.ended_ns, report.result is not None, work,
-                            report.scheduled.context_tokens,
-                            tuple([ended_request(r) for r in report.ended]), report.num_unfinished,
-                            self.scheduler.num_free_slots, report.paced_ns)
+        work = tuple(
+            [(s.request.request_id, 1) for s in decodes] + [(s.request.request_id, len(s.token_ids)) for s in prefills]
+        )
+        digest = StepDigest(
+            report.began_ns,
+            report.ended_ns,
+            report.result is not None,
+            work,
+            report.scheduled.context_tokens,
+            tuple([ended_request(r) for r in report.ended]),
+            report.num_unfinished,
+            self.scheduler.num_free_slots,
+            report.paced_ns,
+        )
         for observer in self.observers:
             observer.on_step(digest)
 
@@ -252,20 +284,35 @@ class Engine:
         streamed = token is not None and token not in request.sampling.stop_token_ids
         stream = self._streams[request.request_id]
         if request.is_finished:
-            if request.status is not RequestStatus.FINISHED_ERROR:     # a failed text has nothing more to give
+            if request.status is not RequestStatus.FINISHED_ERROR:  # a failed text has nothing more to give
                 text += stream.detokenizer.flush()
             del self._streams[request.request_id]
-        output = RequestOutput(request.request_id, (token,) if streamed else (), text, time_ns,
-                               request.num_output_tokens, request.status.finish_reason, request.first_scheduled_ns)
+        output = RequestOutput(
+            request.request_id,
+            (token,) if streamed else (),
+            text,
+            time_ns,
+            request.num_output_tokens,
+            request.status.finish_reason,
+            request.first_scheduled_ns,
+        )
         if output.token_ids or output.text or output.finish_reason:
             stream.sink.put(output)
 
     def _close(self, request: Request, time_ns: int) -> None:
         stream = self._streams.pop(request.request_id, None)
         if stream is not None:
-            stream.sink.put(RequestOutput(request.request_id, (), stream.detokenizer.flush(), time_ns,
-                                          request.num_output_tokens, request.status.finish_reason,
-                                          request.first_scheduled_ns))
+            stream.sink.put(
+                RequestOutput(
+                    request.request_id,
+                    (),
+                    stream.detokenizer.flush(),
+                    time_ns,
+                    request.num_output_tokens,
+                    request.status.finish_reason,
+                    request.first_scheduled_ns,
+                )
+            )
 
     def fail_all(self) -> None:
         """After a failed step: every request ends with "error", observers first, then its stream."""

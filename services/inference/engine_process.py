@@ -10,6 +10,7 @@ Pipes: server -> engine carries ("add", Request), ("cancel", request_id), ("stop
 ("ready", Ready), ("failed", text) before ready, then ("step", step_wire | None, [RequestOutput tuple]),
 ("idle", now_ns) and ("stopped",).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,6 +27,7 @@ import structlog
 
 from services import errors
 from services.logs import configure_logging
+
 from .calibration import calibrate
 from .costmodel import CostModel
 from .cpus import pin
@@ -42,15 +44,16 @@ log = structlog.get_logger(__name__)
 @dataclass(frozen=True)
 class EngineSpec:
     """Everything the child needs to build the engine; picklable."""
+
     model_dir: str
     dtype: str
     executor: ExecutorConfig
     max_num_batched_tokens: int
     calibrate: bool = True
-    make_executor: Callable[..., Executor] = Executor   # a module-level callable: it crosses by reference
-    json_logs: bool | None = None                       # configure structlog like the server (None: leave it)
-    cpus: tuple[int, ...] = ()                          # the cores the engine process runs on (empty: any)
-    pace_tokens: int = 0                                # paced steps (pacing.py) with this chunk; 0: unpaced
+    make_executor: Callable[..., Executor] = Executor  # a module-level callable: it crosses by reference
+    json_logs: bool | None = None  # configure structlog like the server (None: leave it)
+    cpus: tuple[int, ...] = ()  # the cores the engine process runs on (empty: any)
+    pace_tokens: int = 0  # paced steps (pacing.py) with this chunk; 0: unpaced
 
 
 @dataclass(frozen=True)
@@ -59,12 +62,12 @@ class Ready:
     num_slots: int
     max_seq_len: int
     max_num_batched_tokens: int
-    cost_rows: tuple[int, ...] = ()      # the calibrated cost model, empty without calibration
+    cost_rows: tuple[int, ...] = ()  # the calibrated cost model, empty without calibration
     cost_row_us: tuple[float, ...] = ()
     cost_us_per_context_token: float = 0.0
 
 
-DEVICE_FAULT_EXIT = 3      # the child's exit status after a device fault
+DEVICE_FAULT_EXIT = 3  # the child's exit status after a device fault
 
 
 class EngineFailed(RuntimeError):
@@ -73,12 +76,13 @@ class EngineFailed(RuntimeError):
 
 # ---------------------------------------------------------------- the child
 
+
 class _Relay:
     """In the child: the sink of every request; ships each step's digest and outputs in one message."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
-        self.wire: tuple | None = None          # the step's digest (step_wire), set by the engine
+        self.wire: tuple | None = None  # the step's digest (step_wire), set by the engine
         self.outputs: list[RequestOutput] = []
 
     def put(self, output: RequestOutput) -> None:
@@ -100,6 +104,7 @@ class RelayedEngine(Engine):
     """The engine as the child runs it: with a relay, each step's digest goes to it as its wire form, built
     straight from the step's report (the observers are in the server process), and the relay ships it with the
     step's outputs. Without one (the --engine-thread layout) it is a plain Engine."""
+
     relay: _Relay | None = None
 
     def step(self):
@@ -127,17 +132,24 @@ def build_engine(spec: EngineSpec, checkpoint: Checkpoint | None = None) -> tupl
         raise ValueError("paced steps need the calibrated cost model (calibrate=True)")
     checkpoint = checkpoint or load_checkpoint(spec.model_dir, spec.dtype)
     executor = spec.make_executor(checkpoint, spec.executor)
-    engine = RelayedEngine(executor, checkpoint.tokenizer, checkpoint.eos_token_ids,
-                            max_num_batched_tokens=spec.max_num_batched_tokens)
-    ready = Ready(executor.info, executor.num_slots, executor.max_seq_len,
-                  engine.scheduler.config.max_num_batched_tokens)
+    engine = RelayedEngine(
+        executor, checkpoint.tokenizer, checkpoint.eos_token_ids, max_num_batched_tokens=spec.max_num_batched_tokens
+    )
+    ready = Ready(
+        executor.info, executor.num_slots, executor.max_seq_len, engine.scheduler.config.max_num_batched_tokens
+    )
     if spec.calibrate:
         cost = calibrate(engine)
-        ready = replace(ready, cost_rows=tuple(cost.rows), cost_row_us=tuple(cost.row_us),
-                                    cost_us_per_context_token=cost.us_per_context_token)
-        if spec.pace_tokens:        # a copy of the calibration, which the pacer scales by the steps it measures
-            engine.pacer = Pacer(CostModel(list(cost.rows), list(cost.row_us), cost.us_per_context_token),
-                                 spec.pace_tokens)
+        ready = replace(
+            ready,
+            cost_rows=tuple(cost.rows),
+            cost_row_us=tuple(cost.row_us),
+            cost_us_per_context_token=cost.us_per_context_token,
+        )
+        if spec.pace_tokens:  # a copy of the calibration, which the pacer scales by the steps it measures
+            engine.pacer = Pacer(
+                CostModel(list(cost.rows), list(cost.row_us), cost.us_per_context_token), spec.pace_tokens
+            )
     return engine, ready
 
 
@@ -147,7 +159,7 @@ def engine_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None
     # must not end the engine under calls the server is still finishing
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if spec.cpus:                       # before the first parallel region: OpenMP's threads inherit the mask
+    if spec.cpus:  # before the first parallel region: OpenMP's threads inherit the mask
         pin(spec.cpus)
     if spec.json_logs is not None:
         configure_logging(spec.json_logs)
@@ -196,12 +208,13 @@ def _take_messages(engine: RelayedEngine, relay: _Relay, inbox: Connection) -> b
                 engine.set_expiry_guard(args[0])
             elif kind == "stop":
                 stop = True
-    except (EOFError, OSError):         # the server is gone: nobody is left to stream to or to bill
+    except (EOFError, OSError):  # the server is gone: nobody is left to stream to or to bill
         os._exit(0)
     return stop
 
 
 # ---------------------------------------------------------------- the server side
+
 
 @dataclass
 class _Tracked:
@@ -215,6 +228,7 @@ class _Tracked:
 class EngineClient:
     """Stands in for `Engine` in the server process: the same add_request / cancel / observers, with the
     engine in a child process. `on_lost` is called (on the event loop) if the child dies while serving."""
+
     spec: EngineSpec
     clock: Callable[[], int]
     observers: list[StepObserver] = field(default_factory=list)
@@ -229,18 +243,21 @@ class EngineClient:
 
     def launch(self) -> Ready:
         """Starts the child and waits until it has warmed up and calibrated (blocking: call off the loop)."""
-        context = multiprocessing.get_context("spawn")     # never fork a process that runs gRPC threads
+        context = multiprocessing.get_context("spawn")  # never fork a process that runs gRPC threads
         engine_in, self._to_engine = context.Pipe(duplex=False)
         self._from_engine, engine_out = context.Pipe(duplex=False)
-        self._process = context.Process(target=engine_main, args=(self.spec, engine_in, engine_out),
-                                        name="zeroqueue-engine", daemon=True)
+        self._process = context.Process(
+            target=engine_main, args=(self.spec, engine_in, engine_out), name="zeroqueue-engine", daemon=True
+        )
         self._process.start()
         engine_in.close()
         engine_out.close()
         try:
             kind, *rest = self._from_engine.recv()
         except EOFError:
-            raise EngineFailed(f"the engine process exited with code {self._process.exitcode} while warming up")
+            raise EngineFailed(
+                f"the engine process exited with code {self._process.exitcode} while warming up"
+            ) from None
         if kind != "ready":
             self._process.join(10)
             raise EngineFailed(f"the engine process could not start: {rest[0]}")
@@ -265,14 +282,14 @@ class EngineClient:
     def add_request(self, request: Request, sink: OutputSink) -> None:
         try:
             self._send(("add", request))
-        except OSError:     # the child died and the loop has not read its end yet
-            raise errors.NotServing("the engine process is gone; try another replica", {"state": "failed"})
+        except OSError:  # the child died and the loop has not read its end yet
+            raise errors.NotServing("the engine process is gone; try another replica", {"state": "failed"}) from None
         self._tracked[request.request_id] = _Tracked(sink, request.num_prompt_tokens)
 
     def cancel(self, request_id: str) -> None:
         try:
             self._send(("cancel", request_id))
-        except OSError:     # nothing left to cancel: the loss ends every call the child had
+        except OSError:  # nothing left to cancel: the loss ends every call the child had
             pass
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -304,10 +321,12 @@ class EngineClient:
         except (EOFError, OSError):
             self._loop.remove_reader(conn.fileno())
             if not self._stopping:
-                self._process.join(1)       # it has closed its end: it is exiting, and its status says why
+                self._process.join(1)  # it has closed its end: it is exiting, and its status says why
                 code = self._process.exitcode
-                self._lose(f"the engine process exited with code {code}"
-                           + (" after a device fault" if code == DEVICE_FAULT_EXIT else ""))
+                self._lose(
+                    f"the engine process exited with code {code}"
+                    + (" after a device fault" if code == DEVICE_FAULT_EXIT else "")
+                )
 
     def _dispatch(self, message: tuple) -> None:
         kind = message[0]
@@ -338,8 +357,10 @@ class EngineClient:
         """The child died: its requests end with "error", billed for what the meter saw, as in-thread."""
         log.error("engine_process_lost", why=why, in_flight=len(self._tracked))
         now_ns = self.clock()
-        ended = tuple(EndedRequest(rid, RequestStatus.FINISHED_ERROR, t.num_prompt_tokens, t.num_output_tokens,
-                                   t.first_token_ns) for rid, t in self._tracked.items())
+        ended = tuple(
+            EndedRequest(rid, RequestStatus.FINISHED_ERROR, t.num_prompt_tokens, t.num_output_tokens, t.first_token_ns)
+            for rid, t in self._tracked.items()
+        )
         digest = StepDigest(now_ns, now_ns, False, (), 0, ended, 0, 0)
         for observer in self.observers:
             observer.on_step(digest)

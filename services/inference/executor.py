@@ -5,6 +5,7 @@ context bucket over static input buffers (cuda_graphs.py); steps with prompt chu
 same model runs eagerly, with packed-weight kernels where the CPU supports them. Every step reports its
 measured device time.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,41 +19,41 @@ from . import kernels
 from .attention import AttentionBackend, AttentionMetadata, KVCache, PrefillChunk
 from .cpus import allowed_cpus, engine_threads
 from .cuda_graphs import GraphRunner, attention_kernels
-from .packed import pack_model
 from .loader import Checkpoint
 from .model import Transformer
 from .nvml import gpu_facts
+from .packed import pack_model
 from .sampler import sample
-from .scheduler import ScheduledSeq, SchedulerOutput
+from .scheduler import SchedulerOutput
 
 log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
 class ExecutorConfig:
-    device: str = "auto"                    # auto | cpu | cuda | cuda:N
-    max_batch: int = 32                     # KV slots, unless kv_memory_bytes allows fewer
-    max_seq_len: int = 1024                 # tokens per slot, capped by the model's context
-    kv_memory_bytes: int = 2 << 30          # budget for the static KV cache
-    num_threads: int = 0                    # CPU threads; 0: all cores this process may use but one
-    use_kernels: bool = True                # CPU: packed-weight kernels when the CPU supports them
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    max_batch: int = 32  # KV slots, unless kv_memory_bytes allows fewer
+    max_seq_len: int = 1024  # tokens per slot, capped by the model's context
+    kv_memory_bytes: int = 2 << 30  # budget for the static KV cache
+    num_threads: int = 0  # CPU threads; 0: all cores this process may use but one
+    use_kernels: bool = True  # CPU: packed-weight kernels when the CPU supports them
     use_cuda_graphs: bool = True
 
 
 @dataclass(frozen=True)
 class DeviceInfo:
-    kind: str                   # cpu | cuda
+    kind: str  # cpu | cuda
     name: str
-    device_id: str              # GPU UUID, or cpu:<host>
-    num_compute_units: int      # SMs on a GPU, cores on a CPU
-    unit: str                   # sm_us | core_us
+    device_id: str  # GPU UUID, or cpu:<host>
+    num_compute_units: int  # SMs on a GPU, cores on a CPU
+    unit: str  # sm_us | core_us
 
 
 @dataclass(frozen=True)
 class StepResult:
-    sampled: dict[str, int]     # request id -> new token
-    device_time_us: int         # measured: CUDA events around the forward on a GPU, a clock around the step on CPU
-    num_padded_seqs: int        # sequences the step computed, padding of a graph bucket included
+    sampled: dict[str, int]  # request id -> new token
+    device_time_us: int  # measured: CUDA events around the forward on a GPU, a clock around the step on CPU
+    num_padded_seqs: int  # sequences the step computed, padding of a graph bucket included
     used_graph: bool
 
 
@@ -83,14 +84,14 @@ def _cpu_threads(requested: int) -> int:
 
 def describe_device(device: torch.device) -> DeviceInfo:
     if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)       # SMs of the device or MIG slice we were given
+        props = torch.cuda.get_device_properties(device)  # SMs of the device or MIG slice we were given
         torch_uuid = str(props.uuid)
         facts = gpu_facts(torch_uuid)
         if facts is not None:
             uuid = facts.uuid
         elif torch_uuid.startswith(("GPU-", "MIG-")):
             uuid = torch_uuid
-        else:       # torch's UUID has no prefix; CUDA names a slice "<GPU> MIG <profile>"
+        else:  # torch's UUID has no prefix; CUDA names a slice "<GPU> MIG <profile>"
             uuid = ("MIG-" if " MIG " in props.name else "GPU-") + torch_uuid
         return DeviceInfo("cuda", facts.name if facts else props.name, uuid, props.multi_processor_count, "sm_us")
     return DeviceInfo("cpu", "cpu", f"cpu:{os.uname().nodename}", torch.get_num_threads(), "core_us")
@@ -102,16 +103,24 @@ class Executor:
         self.device = _pick_device(config.device)
         if self.device.type == "cpu":
             torch.set_num_threads(_cpu_threads(config.num_threads))
-        else:       # streams, events and graphs go to the current device: make it ours (cuda:N, N > 0)
+        else:  # streams, events and graphs go to the current device: make it ours (cuda:N, N > 0)
             torch.cuda.set_device(self.device)
         args = checkpoint.args
         self.max_seq_len = min(config.max_seq_len, args.max_position_embeddings)
-        slot_bytes = KVCache.bytes_per_slot(args.num_hidden_layers, args.num_key_value_heads, self.max_seq_len,
-                                            args.head_dim, checkpoint.dtype)
+        slot_bytes = KVCache.bytes_per_slot(
+            args.num_hidden_layers, args.num_key_value_heads, self.max_seq_len, args.head_dim, checkpoint.dtype
+        )
         self.num_slots = max(1, min(config.max_batch, config.kv_memory_bytes // slot_bytes - 1))
         self.model = self._build_model(checkpoint)
-        self.kv_cache = KVCache(args.num_hidden_layers, self.num_slots, args.num_key_value_heads, self.max_seq_len,
-                                args.head_dim, checkpoint.dtype, self.device)
+        self.kv_cache = KVCache(
+            args.num_hidden_layers,
+            self.num_slots,
+            args.num_key_value_heads,
+            self.max_seq_len,
+            args.head_dim,
+            checkpoint.dtype,
+            self.device,
+        )
         # the kernels take bf16 and fp32 weights; fp16 runs on plain torch
         kernel_dtype = checkpoint.dtype in (torch.bfloat16, torch.float32)
         self.cpu_ops = self._cpu_ops() if self.device.type == "cpu" and kernel_dtype else None
@@ -125,12 +134,18 @@ class Executor:
         self.graphs: GraphRunner | None = None
         if self.device.type == "cuda" and config.use_cuda_graphs:
             self.graphs = GraphRunner(self.model, self.backend, self.num_slots, self.max_seq_len, self.device)
-        log.info("executor_ready", device=self.info.name, slots=self.num_slots, max_seq_len=self.max_seq_len,
-                 kv_mib=self.kv_cache.num_bytes >> 20, kernels=self.cpu_ops is not None,
-                 kernels_isa=self.cpu_ops.isa if self.cpu_ops is not None else None,
-                 bf16_linears=self.cpu_ops.bf16_path_name if self.cpu_ops is not None else None,
-                 graph_buckets=self.graphs.buckets if self.graphs else [],
-                 graph_contexts=self.graphs.context_buckets if self.graphs else [])
+        log.info(
+            "executor_ready",
+            device=self.info.name,
+            slots=self.num_slots,
+            max_seq_len=self.max_seq_len,
+            kv_mib=self.kv_cache.num_bytes >> 20,
+            kernels=self.cpu_ops is not None,
+            kernels_isa=self.cpu_ops.isa if self.cpu_ops is not None else None,
+            bf16_linears=self.cpu_ops.bf16_path_name if self.cpu_ops is not None else None,
+            graph_buckets=self.graphs.buckets if self.graphs else [],
+            graph_contexts=self.graphs.context_buckets if self.graphs else [],
+        )
 
     def _build_model(self, checkpoint: Checkpoint) -> Transformer:
         with torch.device("meta"):
@@ -177,8 +192,9 @@ class Executor:
 
     def _sample(self, step: SchedulerOutput, logits: torch.Tensor) -> dict[str, int]:
         sample_seqs = [s for s in (*step.decodes, *step.prefills) if s.sample]
-        tokens = sample(logits, [s.request.sampling for s in sample_seqs],
-                        [s.request.num_output_tokens for s in sample_seqs])
+        tokens = sample(
+            logits, [s.request.sampling for s in sample_seqs], [s.request.num_output_tokens for s in sample_seqs]
+        )
         return {s.request.request_id: t for s, t in zip(sample_seqs, tokens)}
 
     def _eager(self, step: SchedulerOutput) -> torch.Tensor:
@@ -199,9 +215,15 @@ class Executor:
         num_decode = len(step.decodes)
         slot_ids, pos = self._ints(slots), self._ints(positions)
         decode_lens = pos[:num_decode] + 1
-        meta = AttentionMetadata(slot_ids=slot_ids, positions=pos, num_decode=num_decode,
-                                 decode_slots=slot_ids[:num_decode], decode_lens=decode_lens,
-                                 max_decode_len=max(positions[:num_decode], default=0) + 1, prefills=tuple(chunks))
+        meta = AttentionMetadata(
+            slot_ids=slot_ids,
+            positions=pos,
+            num_decode=num_decode,
+            decode_slots=slot_ids[:num_decode],
+            decode_lens=decode_lens,
+            max_decode_len=max(positions[:num_decode], default=0) + 1,
+            prefills=tuple(chunks),
+        )
         return self.model(self._ints(tokens), pos, self._ints(rows), self.backend, meta)
 
     def _ints(self, values: list[int]) -> torch.Tensor:

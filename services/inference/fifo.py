@@ -1,4 +1,5 @@
 """The comparator of `zeroqueue serve --admission fifo`: what queueing servers do. No torch."""
+
 from __future__ import annotations
 
 from .admission import Admit, Commitment, Decision

@@ -2,6 +2,7 @@
 
 For tests and benchmarks that drive a server and look inside it at the same time.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,23 +18,27 @@ from pathlib import Path
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
+from zeroqueue.inference.v1 import inference_pb2_grpc
 
 from billing import commands
 from services.client.auth import authorized_channel
 from services.inference.app import InferenceApp, ServeConfig
 from services.inference.executor import Executor
-from zeroqueue.inference.v1 import inference_pb2 as pb
-from zeroqueue.inference.v1 import inference_pb2_grpc
 
 
 class ServerThread:
     """Without a data_dir it gets a fresh temporary one; without a ledger or metering service, a fresh SQLite
     ledger there with one tenant, whose key `stub()` sends."""
 
-    def __init__(self, config: ServeConfig, step_floor_s: float = 0.0, tenant: str = "acme",
-                 make_executor: Callable[..., Executor] | None = None) -> None:
+    def __init__(
+        self,
+        config: ServeConfig,
+        step_floor_s: float = 0.0,
+        tenant: str = "acme",
+        make_executor: Callable[..., Executor] | None = None,
+    ) -> None:
         self.step_floor_s = step_floor_s
-        self.make_executor = make_executor          # module-level, to cross into the engine process
+        self.make_executor = make_executor  # module-level, to cross into the engine process
         self.key = ""
         if config.data_dir is None:
             config = replace(config, data_dir=tempfile.mkdtemp(prefix="zeroqueue-"))
@@ -48,7 +53,7 @@ class ServerThread:
         self.app: InferenceApp | None = None
         self.port = 0
 
-    def start(self, wait_ready: bool = True) -> "ServerThread":
+    def start(self, wait_ready: bool = True) -> ServerThread:
         self.thread.start()
         self.app = self.run(self._make_app())
         self.started: Future = asyncio.run_coroutine_threadsafe(self.app.start(), self.loop)
@@ -65,14 +70,15 @@ class ServerThread:
             return InferenceApp(self.config, make_executor=self.make_executor)
         floor = self.step_floor_s
         # a partial of a module-level class: it can cross into the engine process
-        return InferenceApp(self.config, make_executor=functools.partial(SlowExecutor, floor_s=floor)
-                            if floor else Executor)
+        return InferenceApp(
+            self.config, make_executor=functools.partial(SlowExecutor, floor_s=floor) if floor else Executor
+        )
 
     def run(self, coro, timeout: float = 60):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def stop(self, grace_s: float = 10.0) -> None:
-        if not self.thread.is_alive():          # stopped already
+        if not self.thread.is_alive():  # stopped already
             return
         if self.app is not None:
             self.run(self.app.stop(grace_s), timeout=grace_s + 30)
@@ -115,4 +121,3 @@ def status_details(error: grpc.RpcError) -> dict:
                 detail.Unpack(message)
                 found[cls.DESCRIPTOR.name] = message
     return found
-

@@ -1,4 +1,5 @@
 """How much later than predicted admitted calls really finish, which is when their KV slots really free."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,6 +10,7 @@ class Lateness:
     """How much later than predicted admitted calls really finish: a prediction assumes nothing else joins,
     but later arrivals share the steps. Running mean and mean absolute deviation of actual/predicted time
     to finish; slots are expected to free `factor` times later than predicted."""
+
     alpha: float = 0.05
     mean: float = 1.0
     deviation: float = 0.0

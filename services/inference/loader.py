@@ -2,6 +2,7 @@
 
 Every problem with the directory is one `CheckpointError` naming the file and what is wrong with it.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,14 @@ from tokenizers import Tokenizer
 
 from .config import ConfigError, ModelArgs
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _FUSED = {  # our fused parameter -> the Hugging Face parameters concatenated into it, in order
@@ -95,21 +102,34 @@ def _expected_shapes(a: ModelArgs) -> dict[str, tuple[int, ...]]:
     if not a.tie_word_embeddings:
         shapes["lm_head.weight"] = (a.vocab_size, a.hidden_size)
     per_layer = {
-        "self_attn.q_proj.weight": (a.q_size, a.hidden_size), "self_attn.k_proj.weight": (a.kv_size, a.hidden_size),
-        "self_attn.v_proj.weight": (a.kv_size, a.hidden_size), "self_attn.o_proj.weight": (a.hidden_size, a.q_size),
+        "self_attn.q_proj.weight": (a.q_size, a.hidden_size),
+        "self_attn.k_proj.weight": (a.kv_size, a.hidden_size),
+        "self_attn.v_proj.weight": (a.kv_size, a.hidden_size),
+        "self_attn.o_proj.weight": (a.hidden_size, a.q_size),
         "mlp.gate_proj.weight": (a.intermediate_size, a.hidden_size),
         "mlp.up_proj.weight": (a.intermediate_size, a.hidden_size),
         "mlp.down_proj.weight": (a.hidden_size, a.intermediate_size),
-        "input_layernorm.weight": (a.hidden_size,), "post_attention_layernorm.weight": (a.hidden_size,),
+        "input_layernorm.weight": (a.hidden_size,),
+        "post_attention_layernorm.weight": (a.hidden_size,),
     }
     if a.attention_bias:
-        per_layer.update({"self_attn.q_proj.bias": (a.q_size,), "self_attn.k_proj.bias": (a.kv_size,),
-                          "self_attn.v_proj.bias": (a.kv_size,)})
+        per_layer.update(
+            {
+                "self_attn.q_proj.bias": (a.q_size,),
+                "self_attn.k_proj.bias": (a.kv_size,),
+                "self_attn.v_proj.bias": (a.kv_size,),
+            }
+        )
     if a.o_proj_bias:
         per_layer["self_attn.o_proj.bias"] = (a.hidden_size,)
     if a.mlp_bias:
-        per_layer.update({"mlp.gate_proj.bias": (a.intermediate_size,), "mlp.up_proj.bias": (a.intermediate_size,),
-                          "mlp.down_proj.bias": (a.hidden_size,)})
+        per_layer.update(
+            {
+                "mlp.gate_proj.bias": (a.intermediate_size,),
+                "mlp.up_proj.bias": (a.intermediate_size,),
+                "mlp.down_proj.bias": (a.hidden_size,),
+            }
+        )
     for i in range(a.num_hidden_layers):
         shapes.update({f"model.layers.{i}.{k}": v for k, v in per_layer.items()})
     return shapes
@@ -129,8 +149,9 @@ def _check(tensors: dict[str, tuple[torch.Tensor, Path]], args: ModelArgs, root:
             raise CheckpointError(f, f"tensor {name} has shape {tuple(tensor.shape)}, config.json implies {shape}")
 
 
-def _to_our_layout(tensors: dict[str, tuple[torch.Tensor, Path]], args: ModelArgs,
-                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _to_our_layout(
+    tensors: dict[str, tuple[torch.Tensor, Path]], args: ModelArgs, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     def get(name: str) -> torch.Tensor:
         return tensors[name][0].to(dtype)
 
@@ -189,7 +210,13 @@ def load_checkpoint(path: str | Path, dtype: str = "auto") -> Checkpoint:
     torch_dtype = resolve_dtype(dtype, config)
     tensors = _read_tensors(_weight_files(root))
     _check(tensors, args, root)
-    return Checkpoint(path=root, name=root.name, args=args, dtype=torch_dtype,
-                      state_dict=_to_our_layout(tensors, args, torch_dtype), tokenizer=tokenizer,
-                      eos_token_ids=_eos_ids(root, config, tokenizer),
-                      bos_token_id=config.get("bos_token_id"))
+    return Checkpoint(
+        path=root,
+        name=root.name,
+        args=args,
+        dtype=torch_dtype,
+        state_dict=_to_our_layout(tensors, args, torch_dtype),
+        tokenizer=tokenizer,
+        eos_token_ids=_eos_ids(root, config, tokenizer),
+        bos_token_id=config.get("bos_token_id"),
+    )

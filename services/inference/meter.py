@@ -1,7 +1,8 @@
 """Per-request device time, split exactly from every engine step. No torch here.
 
 The engine alternates between steps and waiting for work, and the meter (in the server process, fed step
-digests; or on the engine's thread with --engine-thread) accounts for every µs of it: a step is billed from the end of the one before it (or from when work arrived after an idle
+digests; or on the engine's thread with --engine-thread) accounts for every µs of it: a step is billed from the end of
+the one before it (or from when work arrived after an idle
 spell) to its own end, so the host work between back-to-back steps, during which the device is held
 for those requests, is billed too; time with no request at all is idle, and so is the time a paced engine
 idles out between steps (pacing.py: held for arrivals, used by no one). Hence, exactly,
@@ -10,6 +11,7 @@ A step's cost is split over its requests by the tokens each had in it (a decode 
 chunk its length), in integer unit·µs with largest-remainder rounding, so the parts add up to the
 whole. Padding rows of a graph bucket carry no weight: their cost falls on the real requests.
 """
+
 from __future__ import annotations
 
 import functools
@@ -23,9 +25,13 @@ from .digest import EndedRequest, StepDigest
 from .request import RequestStatus
 
 US_PER_MINUTE = 60_000_000
-_OUTCOMES = {RequestStatus.FINISHED_STOPPED: "ok", RequestStatus.FINISHED_LENGTH: "ok",
-             RequestStatus.FINISHED_CANCELLED: "cancelled", RequestStatus.FINISHED_EXPIRED: "deadline_exceeded",
-             RequestStatus.FINISHED_ERROR: "error"}
+_OUTCOMES = {
+    RequestStatus.FINISHED_STOPPED: "ok",
+    RequestStatus.FINISHED_LENGTH: "ok",
+    RequestStatus.FINISHED_CANCELLED: "cancelled",
+    RequestStatus.FINISHED_EXPIRED: "deadline_exceeded",
+    RequestStatus.FINISHED_ERROR: "error",
+}
 
 
 def split_exact(total: int, weights: Sequence[int]) -> list[int]:
@@ -36,12 +42,12 @@ def split_exact(total: int, weights: Sequence[int]) -> list[int]:
     weight_sum = sum(weights)
     if weight_sum == 0:
         raise ValueError("at least one weight must be positive")
-    if weight_sum == len(weights):              # all ones, every decode-only step: the same rule, cheaper
+    if weight_sum == len(weights):  # all ones, every decode-only step: the same rule, cheaper
         share, extra = divmod(total, len(weights))
         return [share + (i < extra) for i in range(len(weights))]
     parts = [total * w // weight_sum for w in weights]
     remainders = [total * w % weight_sum for w in weights]
-    for i in sorted(range(len(weights)), key=lambda i: (-remainders[i], i))[:total - sum(parts)]:
+    for i in sorted(range(len(weights)), key=lambda i: (-remainders[i], i))[: total - sum(parts)]:
         parts[i] += 1
     return parts
 
@@ -49,13 +55,14 @@ def split_exact(total: int, weights: Sequence[int]) -> list[int]:
 @dataclass(frozen=True)
 class RecordContext:
     """What the service knows of a request that the engine does not."""
+
     tenant: str
     labels: Mapping[str, str]
     model: str
     received_at_us: int
     dispatched_at_us: int
     deadline_at_us: int
-    client_request_id: str = ""         # the caller's request_id (the record's own id is the call's)
+    client_request_id: str = ""  # the caller's request_id (the record's own id is the call's)
 
 
 @dataclass(frozen=True)
@@ -76,18 +83,19 @@ class MinuteTotals:
 class Meter:
     """Engine-thread observer. `write` receives finished requests' records (as builders, so validation
     happens off this thread) and closed minutes' idle records, before the engine emits the final outputs."""
+
     device: Device
     boot_id: str
-    epoch_us: Callable[[int], int]              # engine clock ns -> µs since the epoch
+    epoch_us: Callable[[int], int]  # engine clock ns -> µs since the epoch
     write: Callable[[list[Callable[[], UsageRecord]], list[IdleRecord]], None]
     started_ns: int
-    count: Callable[[str, str, str, int], None] | None = None   # (tenant, cost_center, unit, unit_us) per record
+    count: Callable[[str, str, str, int], None] | None = None  # (tenant, cost_center, unit, unit_us) per record
     contexts: dict[str, RecordContext] = field(default_factory=dict)
     usage_unit_us: dict[str, int] = field(default_factory=dict)
     minutes: dict[int, MinuteTotals] = field(default_factory=dict)
     billed_unit_us: int = 0
     idle_unit_us: int = 0
-    _close_due_us: int = 0                      # no minute can close before this epoch µs
+    _close_due_us: int = 0  # no minute can close before this epoch µs
     _last_ns: int = 0
     _busy: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -135,7 +143,7 @@ class Meter:
     def _bill_step(self, digest: StepDigest) -> None:
         if self._busy:
             start_ns = self._last_ns
-            if digest.paced_ns:     # the engine idled on purpose between the steps (paced): no one's usage
+            if digest.paced_ns:  # the engine idled on purpose between the steps (paced): no one's usage
                 start_ns = min(start_ns + digest.paced_ns, digest.began_ns)
                 self._account(self._last_ns, start_ns, idle=True)
         else:
@@ -178,9 +186,17 @@ class Meter:
         for minute in sorted(closed):
             totals = self.minutes.pop(minute)
             if totals.wall_us:
-                records.append(IdleRecord(f"{d.device_id}:{self.boot_id}:{minute // US_PER_MINUTE}", d.device_id,
-                                          d.unit, d.num_units, minute, totals.idle_us * d.num_units,
-                                          totals.wall_us * d.num_units))
+                records.append(
+                    IdleRecord(
+                        f"{d.device_id}:{self.boot_id}:{minute // US_PER_MINUTE}",
+                        d.device_id,
+                        d.unit,
+                        d.num_units,
+                        minute,
+                        totals.idle_us * d.num_units,
+                        totals.wall_us * d.num_units,
+                    )
+                )
         return records
 
     def _record(self, request: EndedRequest, ended_ns: int) -> Callable[[], UsageRecord]:
@@ -195,10 +211,24 @@ class Meter:
         if self.count is not None:
             self.count(ctx.tenant, ctx.labels.get("cost_center", ""), d.unit, unit_us)
         return functools.partial(
-            UsageRecord, request_id=request.request_id, tenant=ctx.tenant, labels=ctx.labels, model=ctx.model,
-            device_kind=d.kind, device_id=d.device_id, unit=d.unit, num_units=d.num_units,
-            unit_us=unit_us, prompt_tokens=request.num_prompt_tokens,
-            completion_tokens=request.num_output_tokens, received_at_us=ctx.received_at_us,
-            dispatched_at_us=ctx.dispatched_at_us, first_token_at_us=first_token_us, finished_at_us=finished_us,
-            deadline_at_us=ctx.deadline_at_us, deadline_met=met, outcome=outcome,
-            client_request_id=ctx.client_request_id)
+            UsageRecord,
+            request_id=request.request_id,
+            tenant=ctx.tenant,
+            labels=ctx.labels,
+            model=ctx.model,
+            device_kind=d.kind,
+            device_id=d.device_id,
+            unit=d.unit,
+            num_units=d.num_units,
+            unit_us=unit_us,
+            prompt_tokens=request.num_prompt_tokens,
+            completion_tokens=request.num_output_tokens,
+            received_at_us=ctx.received_at_us,
+            dispatched_at_us=ctx.dispatched_at_us,
+            first_token_at_us=first_token_us,
+            finished_at_us=finished_us,
+            deadline_at_us=ctx.deadline_at_us,
+            deadline_met=met,
+            outcome=outcome,
+            client_request_id=ctx.client_request_id,
+        )

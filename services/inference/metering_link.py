@@ -5,6 +5,7 @@ its own port, checks keys against the ledger and ships its outbox straight into 
 (`--metering ADDRESS`): keys are checked with the metering service's WhoAmI and usage is shipped with
 RecordUsage under an admin key. Either way, records go through the local outbox first.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import grpc
 import structlog
+from zeroqueue.metering.v1 import metering_pb2_grpc
 
 from billing.db import default_ledger_url, make_engine, session_factory
 from services.auth import Authenticator, LedgerAuthenticator, RemoteAuthenticator
@@ -19,7 +21,6 @@ from services.metering.app import METERING_SERVICE, add_metering_to_server
 from services.metering.outbox import Outbox
 from services.metering.schema import check_schema_at_head
 from services.metering.shipper import GrpcSink, LedgerSink, Shipper, Sink
-from zeroqueue.metering.v1 import metering_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
@@ -27,8 +28,14 @@ log = structlog.get_logger(__name__)
 class MeteringLink:
     """Construct inside a running event loop (the remote mode opens an aio channel)."""
 
-    def __init__(self, data_dir: Path, ledger_url: str | None = None, metering_address: str | None = None,
-                 metering_key: str | None = None, metering_ca: str | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        ledger_url: str | None = None,
+        metering_address: str | None = None,
+        metering_key: str | None = None,
+        metering_ca: str | None = None,
+    ) -> None:
         self.outbox = Outbox(data_dir / "outbox.db")
         self.channel: grpc.aio.Channel | None = None
         self.db = None
@@ -36,8 +43,9 @@ class MeteringLink:
         self.authenticator: Authenticator
         if metering_address:
             if not metering_key:
-                raise ValueError("--metering needs an admin key (--metering-key or ZEROQUEUE_METERING_KEY) "
-                                 "to ship usage records")
+                raise ValueError(
+                    "--metering needs an admin key (--metering-key or ZEROQUEUE_METERING_KEY) to ship usage records"
+                )
             if metering_ca:
                 roots = Path(metering_ca).read_bytes()
                 self.channel = grpc.aio.secure_channel(metering_address, grpc.ssl_channel_credentials(roots))

@@ -1,4 +1,5 @@
 """Prometheus metrics of the inference service, on a registry owned by the service instance."""
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -10,7 +11,7 @@ ADMISSION_BUCKETS_S = tuple(i * 50e-6 for i in range(1, 41)) + (0.003, 0.005, 0.
 RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4)
 
 
-MAX_COST_CENTERS = 64        # cost_center comes from callers: more distinct values than this count as "_other"
+MAX_COST_CENTERS = 64  # cost_center comes from callers: more distinct values than this count as "_other"
 
 
 class ServiceMetrics:
@@ -19,57 +20,94 @@ class ServiceMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.requests = Counter("zeroqueue_requests", "Generate calls by outcome", ["outcome"], registry=r)
-        self.rejections = Counter("zeroqueue_rejections", "Calls refused at admission, by reason", ["reason"],
-                                  registry=r)
-        self.retry_attempts = Counter("zeroqueue_retry_attempts", "Admission decisions by attempt number (0 for a "
-                                      "first attempt; 1, 2, 3+ from x-retry-attempt) and result",
-                                      ["attempt", "result"], registry=r)
-        self.device_unit_us = Counter("zeroqueue_device_unit_us", "Device time of finished calls: SM·µs on a GPU, "
-                                      "core·µs on a CPU (unit says which)", ["tenant", "cost_center", "unit"],
-                                      registry=r)
-        self.compute_units = Gauge("zeroqueue_device_compute_units", "SMs (GPU) or cores (CPU) the engine runs on",
-                                   registry=r)
-        self.deadline_misses = Counter("zeroqueue_deadline_misses", "Admitted calls that missed their deadline",
-                                       registry=r)
-        self.queue_time = Histogram("zeroqueue_queue_time_seconds", "Received to first engine step",
-                                    buckets=LATENCY_BUCKETS_S, registry=r)
-        self.steps_waited = Histogram("zeroqueue_steps_waited", "Engine steps that began between a call's admission "
-                                      "and the step that first ran it: 0 when it joined the very next step",
-                                      buckets=(0, 1, 2, 3, 5, 10, 20, 50), registry=r)
-        self.ttft = Histogram("zeroqueue_ttft_seconds", "Received to first token", buckets=LATENCY_BUCKETS_S,
-                              registry=r)
-        self.inter_token = Histogram("zeroqueue_inter_token_seconds", "Between consecutive token messages",
-                                     buckets=LATENCY_BUCKETS_S, registry=r)
-        self.e2e = Histogram("zeroqueue_e2e_seconds", "Received to finished, admitted calls that completed",
-                             buckets=LATENCY_BUCKETS_S, registry=r)
-        self.admission_time = Histogram("zeroqueue_admission_seconds", "Arrival to admission decision",
-                                        buckets=ADMISSION_BUCKETS_S,
-                                        registry=r)
-        self.relay_lag = Histogram("zeroqueue_relay_lag_seconds",
-                                   "Engine step end to its output taken up by the call's stream on the event loop "
-                                   "(the oldest output of each message): how far the server runs behind the engine",
-                                   buckets=LATENCY_BUCKETS_S, registry=r)
-        self.usage_durable = Histogram("zeroqueue_usage_durable_seconds",
-                                       "Engine finish to the call's usage record durable in the outbox, which the "
-                                       "final message waits for", buckets=LATENCY_BUCKETS_S, registry=r)
-        self.refusal_reply_time = Histogram("zeroqueue_refusal_reply_seconds",
-                                            "Arrival to a refusal (RESOURCE_EXHAUSTED) handed to gRPC: the decision "
-                                            "and the status details", buckets=ADMISSION_BUCKETS_S,
-                                            registry=r)
-        self.step_time = Histogram("zeroqueue_step_seconds", "Engine step interval", buckets=STEP_BUCKETS_S,
-                                   registry=r)
-        self.step_period = Histogram("zeroqueue_step_period_seconds",
-                                     "Start of one engine step to the start of the next while calls stay in "
-                                     "flight: the cadence an arriving call waits on (paced steps idle in it)",
-                                     buckets=STEP_BUCKETS_S, registry=r)
-        self.batch_size = Histogram("zeroqueue_batch_size", "Sequences per engine step",
-                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
-        self.finish_error = Histogram("zeroqueue_finish_prediction_ratio",
-                                      "Actual / predicted time to finish, admitted calls", buckets=RATIO_BUCKETS,
-                                      registry=r)
+        self.rejections = Counter(
+            "zeroqueue_rejections", "Calls refused at admission, by reason", ["reason"], registry=r
+        )
+        self.retry_attempts = Counter(
+            "zeroqueue_retry_attempts",
+            "Admission decisions by attempt number (0 for a first attempt; 1, 2, 3+ from x-retry-attempt) and result",
+            ["attempt", "result"],
+            registry=r,
+        )
+        self.device_unit_us = Counter(
+            "zeroqueue_device_unit_us",
+            "Device time of finished calls: SM·µs on a GPU, core·µs on a CPU (unit says which)",
+            ["tenant", "cost_center", "unit"],
+            registry=r,
+        )
+        self.compute_units = Gauge(
+            "zeroqueue_device_compute_units", "SMs (GPU) or cores (CPU) the engine runs on", registry=r
+        )
+        self.deadline_misses = Counter(
+            "zeroqueue_deadline_misses", "Admitted calls that missed their deadline", registry=r
+        )
+        self.queue_time = Histogram(
+            "zeroqueue_queue_time_seconds", "Received to first engine step", buckets=LATENCY_BUCKETS_S, registry=r
+        )
+        self.steps_waited = Histogram(
+            "zeroqueue_steps_waited",
+            "Engine steps that began between a call's admission "
+            "and the step that first ran it: 0 when it joined the very next step",
+            buckets=(0, 1, 2, 3, 5, 10, 20, 50),
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "zeroqueue_ttft_seconds", "Received to first token", buckets=LATENCY_BUCKETS_S, registry=r
+        )
+        self.inter_token = Histogram(
+            "zeroqueue_inter_token_seconds", "Between consecutive token messages", buckets=LATENCY_BUCKETS_S, registry=r
+        )
+        self.e2e = Histogram(
+            "zeroqueue_e2e_seconds",
+            "Received to finished, admitted calls that completed",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.admission_time = Histogram(
+            "zeroqueue_admission_seconds", "Arrival to admission decision", buckets=ADMISSION_BUCKETS_S, registry=r
+        )
+        self.relay_lag = Histogram(
+            "zeroqueue_relay_lag_seconds",
+            "Engine step end to its output taken up by the call's stream on the event loop "
+            "(the oldest output of each message): how far the server runs behind the engine",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.usage_durable = Histogram(
+            "zeroqueue_usage_durable_seconds",
+            "Engine finish to the call's usage record durable in the outbox, which the final message waits for",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.refusal_reply_time = Histogram(
+            "zeroqueue_refusal_reply_seconds",
+            "Arrival to a refusal (RESOURCE_EXHAUSTED) handed to gRPC: the decision and the status details",
+            buckets=ADMISSION_BUCKETS_S,
+            registry=r,
+        )
+        self.step_time = Histogram("zeroqueue_step_seconds", "Engine step interval", buckets=STEP_BUCKETS_S, registry=r)
+        self.step_period = Histogram(
+            "zeroqueue_step_period_seconds",
+            "Start of one engine step to the start of the next while calls stay in "
+            "flight: the cadence an arriving call waits on (paced steps idle in it)",
+            buckets=STEP_BUCKETS_S,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "zeroqueue_batch_size", "Sequences per engine step", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r
+        )
+        self.finish_error = Histogram(
+            "zeroqueue_finish_prediction_ratio",
+            "Actual / predicted time to finish, admitted calls",
+            buckets=RATIO_BUCKETS,
+            registry=r,
+        )
         self.cost_ratio = Gauge("zeroqueue_cost_model_ratio", "Running measured/calibrated step time", registry=r)
-        self.cost_deviation = Gauge("zeroqueue_cost_model_deviation", "Running mean absolute deviation of that "
-                                    "ratio; predictions use ratio + 3 deviations", registry=r)
+        self.cost_deviation = Gauge(
+            "zeroqueue_cost_model_deviation",
+            "Running mean absolute deviation of that ratio; predictions use ratio + 3 deviations",
+            registry=r,
+        )
         self.in_flight = Gauge("zeroqueue_in_flight", "Admitted calls not yet finished", registry=r)
         self.free_slots = Gauge("zeroqueue_kv_slots_free", "Free KV cache slots", registry=r)
 

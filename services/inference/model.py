@@ -3,6 +3,7 @@
 Tokens of a step are flattened: T tokens from several sequences, each with its own position and KV slot.
 The attention backend (attention.py) owns the static KV cache and knows which tokens belong together.
 """
+
 from __future__ import annotations
 
 import math
@@ -67,7 +68,7 @@ class RotaryEmbedding(nn.Module):
     def build(self, device: torch.device, dtype: torch.dtype) -> None:
         inv_freq = rope_inv_freq(self.args)
         positions = torch.arange(self.max_seq_len, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]          # [max_seq_len, head_dim/2]
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_seq_len, head_dim/2]
         self.cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1).to(device=device, dtype=dtype)
         # the sign of rotate_half folded into sin: [-sin, sin], so rotating needs no negation op
         self.sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1).to(device=device, dtype=dtype)
@@ -89,21 +90,22 @@ class Attention(nn.Module):
         super().__init__()
         self.args = args
         self.layer_idx = layer_idx
-        self.scale = args.head_dim ** -0.5
+        self.scale = args.head_dim**-0.5
         # q, k and v share one matmul: [hidden] -> [q_size + 2 * kv_size]
         self.qkv_proj = nn.Linear(args.hidden_size, args.q_size + 2 * args.kv_size, bias=args.attention_bias)
         self.o_proj = nn.Linear(args.q_size, args.hidden_size, bias=args.o_proj_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                backend: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend, meta: AttentionMetadata
+    ) -> torch.Tensor:
         a = self.args
-        qkv = self.qkv_proj(x)                                      # [T, q_size + 2 * kv_size]
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         heads = a.num_attention_heads + a.num_key_value_heads
         # q and k are adjacent in qkv: rotate them in one go, [T, H + KVH, D]
-        qk = apply_rotary(qkv[:, :a.q_size + a.kv_size].view(-1, heads, a.head_dim), cos, sin)
-        q, k = qk.split([a.num_attention_heads, a.num_key_value_heads], dim=1)    # [T, H, D], [T, KVH, D]
-        v = qkv[:, a.q_size + a.kv_size:].view(-1, a.num_key_value_heads, a.head_dim)   # [T, KVH, D]
-        out = backend.forward(self.layer_idx, q, k, v, self.scale, meta)            # [T, H, D]
+        qk = apply_rotary(qkv[:, : a.q_size + a.kv_size].view(-1, heads, a.head_dim), cos, sin)
+        q, k = qk.split([a.num_attention_heads, a.num_key_value_heads], dim=1)  # [T, H, D], [T, KVH, D]
+        v = qkv[:, a.q_size + a.kv_size :].view(-1, a.num_key_value_heads, a.head_dim)  # [T, KVH, D]
+        out = backend.forward(self.layer_idx, q, k, v, self.scale, meta)  # [T, H, D]
         return self.o_proj(out.reshape(-1, a.q_size))
 
 
@@ -134,8 +136,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                backend: AttentionBackend, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        backend: AttentionBackend,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (this layer's MLP output, the residual stream before it); the stream is
         residual + x, each residual add done by the norm that follows it (fused on the CPU path)."""
         if residual is None:
@@ -149,8 +158,14 @@ class DecoderLayer(nn.Module):
 class DecoderStack(nn.ModuleList):
     """The decoder layers, run in order; a ModuleList, so the weights keep their names (layers.{i}.…)."""
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, backend: AttentionBackend,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, hidden], positions [T] -> (the last layer's MLP output, the residual stream before it)."""
         cos, sin = rotary(positions)
         residual = None
@@ -169,8 +184,14 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(args, max_seq_len)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
-                backend: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_indices: torch.Tensor,
+        backend: AttentionBackend,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """input_ids, positions [T] -> fp32 logits [N, vocab] for the N rows picked by logits_indices."""
         # [T, hidden] each
         h, residual = self.layers(self.embed_tokens(input_ids), positions, self.rotary, backend, meta)

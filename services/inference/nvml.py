@@ -3,6 +3,7 @@
 The usage record names the device by its NVML UUID (`GPU-…`, or `MIG-…` for a MIG slice), which is how
 `nvidia-smi` and DCGM name it too; the SM count comes from torch, which sees the slice the process got.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ log = structlog.get_logger(__name__)
 
 @dataclass(frozen=True)
 class GpuFacts:
-    uuid: str               # GPU-… or MIG-…
+    uuid: str  # GPU-… or MIG-…
     name: str
     is_mig_slice: bool
     mig_mode_enabled: bool
@@ -32,14 +33,14 @@ def _candidates(pynvml):
         handle = pynvml.nvmlDeviceGetHandleByIndex(i)
         try:
             enabled = pynvml.nvmlDeviceGetMigMode(handle)[0] == pynvml.NVML_DEVICE_MIG_ENABLE
-        except pynvml.NVMLError:    # a GPU without MIG says Not Supported
+        except pynvml.NVMLError:  # a GPU without MIG says Not Supported
             enabled = False
         yield handle, handle, False, enabled
         if enabled:
             for j in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
                 try:
                     yield pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, j), handle, True, True
-                except pynvml.NVMLError:    # an empty slot says Not Found
+                except pynvml.NVMLError:  # an empty slot says Not Found
                     continue
 
 
@@ -47,8 +48,14 @@ def _find(pynvml, wanted: str) -> GpuFacts | None:
     for handle, parent, is_mig, mig_mode in _candidates(pynvml):
         uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
         if uuid.endswith(wanted):
-            return GpuFacts(uuid, _text(pynvml.nvmlDeviceGetName(parent)), is_mig, mig_mode,
-                            _text(pynvml.nvmlSystemGetDriverVersion()), pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+            return GpuFacts(
+                uuid,
+                _text(pynvml.nvmlDeviceGetName(parent)),
+                is_mig,
+                mig_mode,
+                _text(pynvml.nvmlSystemGetDriverVersion()),
+                pynvml.nvmlDeviceGetMemoryInfo(handle).total,
+            )
     return None
 
 
@@ -56,6 +63,7 @@ def gpu_facts(cuda_uuid: str) -> GpuFacts | None:
     """Facts of the device whose UUID torch reports (with or without the GPU-/MIG- prefix), or None."""
     try:
         import pynvml
+
         pynvml.nvmlInit()
     except Exception as exc:  # noqa: BLE001 - NVML raises its own error types, or the library is missing
         log.warning("nvml_unavailable", error=str(exc))

@@ -12,6 +12,7 @@ back-to-back steps of the calibration (measured with the bundled model on a 2-co
 0.8-1.0 ms, sleeping or spinning alike), and the floor is meant to fit a step with a chunk as it runs paced.
 The idle part of a step is not billed (the meter counts it idle).
 """
+
 from __future__ import annotations
 
 import time
@@ -23,11 +24,11 @@ from .costmodel import CostModel
 
 @dataclass
 class Pacer:
-    cost: CostModel                 # calibrated; read here, never corrected (the server's copy is)
+    cost: CostModel  # calibrated; read here, never corrected (the server's copy is)
     chunk_tokens: int
     sleep: Callable[[float], None] = field(default=time.sleep, repr=False)
-    alpha: float = 0.05             # weight of the newest step with prompt tokens in `ratio`
-    ratio: float = 1.0              # measured / calibrated time of steps that carried prompt tokens
+    alpha: float = 0.05  # weight of the newest step with prompt tokens in `ratio`
+    ratio: float = 1.0  # measured / calibrated time of steps that carried prompt tokens
 
     def __post_init__(self) -> None:
         if self.chunk_tokens <= 0:

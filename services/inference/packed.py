@@ -1,13 +1,14 @@
 """The model's layers on the CPU kernels (services/inference/kernels): linear layers with weights packed once;
 RMSNorm (with the residual add before it), SiLU·up, and the rotary embedding with the KV-cache write, each in
 one op instead of several small ones; and a step's layers all in one op."""
+
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from .kernels import CpuOps
 from .attention import AttentionBackend, AttentionMetadata
+from .kernels import CpuOps
 from .model import Attention, DecoderStack, RMSNorm, RotaryEmbedding, SiluAndMul
 
 
@@ -44,14 +45,23 @@ class KernelAttention(nn.Module):
         super().__init__()
         self.ops, self.args, self.layer_idx, self.scale = ops, attn.args, attn.layer_idx, attn.scale
         self.qkv_proj, self.o_proj = attn.qkv_proj, attn.o_proj
-        self.tables = (rotary,)         # a tuple: the model owns the module (and rebuilds its tables)
+        self.tables = (rotary,)  # a tuple: the model owns the module (and rebuilds its tables)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                backend: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend, meta: AttentionMetadata
+    ) -> torch.Tensor:
         a, rotary, layer = self.args, self.tables[0], self.layer_idx
-        q = self.ops.rope_cache(self.qkv_proj(x), rotary.cos, rotary.sin, meta.positions, meta.slot_ids,
-                                backend.cache.k_layers[layer], backend.cache.v_layers[layer],
-                                a.num_attention_heads, a.num_key_value_heads)            # [T, H, D]
+        q = self.ops.rope_cache(
+            self.qkv_proj(x),
+            rotary.cos,
+            rotary.sin,
+            meta.positions,
+            meta.slot_ids,
+            backend.cache.k_layers[layer],
+            backend.cache.v_layers[layer],
+            a.num_attention_heads,
+            a.num_key_value_heads,
+        )  # [T, H, D]
         return self.o_proj(backend.attend(layer, q, self.scale, meta).reshape(-1, a.q_size))
 
 
@@ -76,24 +86,55 @@ class KernelDecoderStack(DecoderStack):
         attn = stack[0].self_attn
         self.heads, self.kv_heads = attn.args.num_attention_heads, attn.args.num_key_value_heads
         self.eps, self.scale = stack[0].input_layernorm.eps, attn.scale
-        linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-                   for layer in stack]
+        linears = [
+            (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            for layer in stack
+        ]
         self.out_features = [lin.out_features for lin in linears[0]]
-        self.weights = [w for layer, (qkv, o, gate_up, down) in zip(stack, linears)
-                        for w in (layer.input_layernorm.weight, qkv.packed, o.packed,
-                                  layer.post_attention_layernorm.weight, gate_up.packed, down.packed)]
+        self.weights = [
+            w
+            for layer, (qkv, o, gate_up, down) in zip(stack, linears)
+            for w in (
+                layer.input_layernorm.weight,
+                qkv.packed,
+                o.packed,
+                layer.post_attention_layernorm.weight,
+                gate_up.packed,
+                down.packed,
+            )
+        ]
         self.biases = [lin.bias for four in linears for lin in four]
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, backend: AttentionBackend,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if backend.decode_kernel is None:       # a head size the attention kernel is not built for
+    def forward(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if backend.decode_kernel is None:  # a head size the attention kernel is not built for
             return super().forward(h, positions, rotary, backend, meta)
         # the op reads the whole cos/sin tables at each row's position: no per-step lookup of them here
         decode_only = meta.num_decode == h.shape[0]
-        lengths = meta.decode_lens if decode_only else meta.positions + 1       # [T]: each row sees [0, pos]
-        return self.ops.decode_layers(h, self.weights, self.biases, self.out_features, rotary.cos, rotary.sin,
-                                      meta.positions, meta.slot_ids, lengths, backend.cache.k, backend.cache.v,
-                                      self.heads, self.kv_heads, self.eps, self.scale)
+        lengths = meta.decode_lens if decode_only else meta.positions + 1  # [T]: each row sees [0, pos]
+        return self.ops.decode_layers(
+            h,
+            self.weights,
+            self.biases,
+            self.out_features,
+            rotary.cos,
+            rotary.sin,
+            meta.positions,
+            meta.slot_ids,
+            lengths,
+            backend.cache.k,
+            backend.cache.v,
+            self.heads,
+            self.kv_heads,
+            self.eps,
+            self.scale,
+        )
 
 
 def pack_model(model: nn.Module, ops: CpuOps) -> int:
@@ -102,15 +143,22 @@ def pack_model(model: nn.Module, ops: CpuOps) -> int:
     gathers their packed weights)."""
     swaps = {Attention: lambda m: KernelAttention(m, model.rotary, ops)}
     count = _swap(model, swaps)
-    swaps = {nn.Linear: lambda m: PackedLinear(m, ops), RMSNorm: lambda m: KernelRMSNorm(m, ops),
-             SiluAndMul: lambda m: KernelSiluAndMul(ops)}
+    swaps = {
+        nn.Linear: lambda m: PackedLinear(m, ops),
+        RMSNorm: lambda m: KernelRMSNorm(m, ops),
+        SiluAndMul: lambda m: KernelSiluAndMul(ops),
+    }
     count += _swap(model, swaps)
     return count + _swap(model, {DecoderStack: lambda m: KernelDecoderStack(m, ops)})
 
 
 def _swap(model: nn.Module, swaps: dict) -> int:
-    targets = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children() if type(child) in swaps]
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) in swaps
+    ]
     for parent, name, child in targets:
         setattr(parent, name, swaps[type(child)](child))
     return len(targets)

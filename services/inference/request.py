@@ -1,4 +1,5 @@
 """A generation request as the engine sees it. No torch here: the scheduler imports this."""
+
 from __future__ import annotations
 
 import enum
@@ -7,6 +8,7 @@ from dataclasses import dataclass, field
 
 class RequestStatus(enum.IntEnum):
     """Ordered: everything from FINISHED_STOPPED on counts as finished."""
+
     WAITING = 0
     RUNNING = 1
     FINISHED_STOPPED = 2
@@ -36,13 +38,13 @@ _FINISH_REASONS = {
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0        # 0 means greedy
-    top_p: float = 1.0              # nucleus mass in (0, 1]
-    top_k: int = 0                  # 0 means no top-k filter
-    seed: int = 0                   # makes sampling reproducible whatever else shares the batch
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus mass in (0, 1]
+    top_k: int = 0  # 0 means no top-k filter
+    seed: int = 0  # makes sampling reproducible whatever else shares the batch
     stop_token_ids: frozenset[int] = frozenset()
     stop: tuple[str, ...] = ()
-    ignore_eos: bool = False        # keep going past end-of-sequence (benchmarks, calibration)
+    ignore_eos: bool = False  # keep going past end-of-sequence (benchmarks, calibration)
 
     @property
     def greedy(self) -> bool:
@@ -54,14 +56,14 @@ class Request:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
-    arrival_ns: int                 # engine clock (monotonic)
+    arrival_ns: int  # engine clock (monotonic)
     deadline_ns: int | None = None  # engine clock; None means no deadline
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0    # tokens whose k/v are in the cache
+    num_computed_tokens: int = 0  # tokens whose k/v are in the cache
     slot: int | None = None
-    first_scheduled_ns: int | None = None   # start of the first step that ran it
-    first_token_ns: int | None = None       # end of the step that produced its first token
+    first_scheduled_ns: int | None = None  # start of the first step that ran it
+    first_token_ns: int | None = None  # end of the step that produced its first token
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -7,6 +7,7 @@ Whatever the device, the device computes the argmax and picks out the rows to sa
 the host, and every draw is made there on fp32: one host sync per step, and the same logits draw the same
 token on a CPU and on a GPU.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -55,8 +56,9 @@ def _nucleus(probs: torch.Tensor, ids: torch.Tensor, top_p: float) -> tuple[torc
     return probs[:keep], ids[:keep]
 
 
-def to_host(logits: torch.Tensor,
-            params: Sequence[SamplingParams]) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+def to_host(
+    logits: torch.Tensor, params: Sequence[SamplingParams]
+) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
     """logits [N, V] fp32 on the step's device -> (argmax [N] on the host, the rows to sample, their logits
     [len(rows), V] on the host, or None when every row is greedy). The only part that touches the device."""
     rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -71,7 +73,7 @@ def to_host(logits: torch.Tensor,
 
 def draw(scaled: torch.Tensor, params: SamplingParams, index: int) -> int:
     """Temperature-scaled logits [V] fp32 on the host -> the token drawn by the index-th number of the seed."""
-    if not 0 < params.top_k < scaled.shape[0] and params.top_p >= 1.0:    # no filter: vocabulary order, no sort
+    if not 0 < params.top_k < scaled.shape[0] and params.top_p >= 1.0:  # no filter: vocabulary order, no sort
         probs, ids = torch.softmax(scaled, dim=-1), None
     else:
         probs, ids = _filtered_probs(scaled, params)

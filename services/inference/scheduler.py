@@ -3,6 +3,7 @@
 Each step runs one decode token for every running request past its prompt, then spends what is left of the
 step's token budget on prompt chunks, oldest request first, so a long prompt never stalls running decodes.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -14,9 +15,9 @@ from .request import Request, RequestStatus
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    num_slots: int                  # KV slots, the most sequences that can be in flight
-    max_seq_len: int                # tokens one slot holds
-    max_num_batched_tokens: int = 256   # tokens per step: decodes plus prefill chunks
+    num_slots: int  # KV slots, the most sequences that can be in flight
+    max_seq_len: int  # tokens one slot holds
+    max_num_batched_tokens: int = 256  # tokens per step: decodes plus prefill chunks
 
     def __post_init__(self) -> None:
         if self.num_slots <= 0 or self.max_seq_len <= 0:
@@ -29,9 +30,9 @@ class SchedulerConfig:
 class ScheduledSeq:
     request: Request
     slot: int
-    start_pos: int                  # position of the first token run this step
-    token_ids: tuple[int, ...]      # tokens run this step
-    sample: bool                    # the last token's logits are sampled into a new token
+    start_pos: int  # position of the first token run this step
+    token_ids: tuple[int, ...]  # tokens run this step
+    sample: bool  # the last token's logits are sampled into a new token
 
     @property
     def num_tokens(self) -> int:
@@ -40,9 +41,9 @@ class ScheduledSeq:
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    decodes: tuple[ScheduledSeq, ...]       # one token each
-    prefills: tuple[ScheduledSeq, ...]      # prompt chunks
-    expired: tuple[Request, ...]            # ended before this step; their slots are already free
+    decodes: tuple[ScheduledSeq, ...]  # one token each
+    prefills: tuple[ScheduledSeq, ...]  # prompt chunks
+    expired: tuple[Request, ...]  # ended before this step; their slots are already free
 
     @property
     def num_tokens(self) -> int:
@@ -65,7 +66,7 @@ class SchedulerOutput:
 @dataclass(frozen=True)
 class StepUpdate:
     request: Request
-    new_token_id: int | None        # None while the prompt is still being filled
+    new_token_id: int | None  # None while the prompt is still being filled
 
 
 class Scheduler:
@@ -104,12 +105,18 @@ class Scheduler:
 
     def schedule(self, now_ns: int, expiry_guard_ns: int = 0) -> SchedulerOutput:
         """Picks the next step's work; requests whose deadline falls within `expiry_guard_ns` end first."""
-        expired = [r for r in (*self.running, *self.waiting)
-                   if r.deadline_ns is not None and r.deadline_ns - expiry_guard_ns <= now_ns]
+        expired = [
+            r
+            for r in (*self.running, *self.waiting)
+            if r.deadline_ns is not None and r.deadline_ns - expiry_guard_ns <= now_ns
+        ]
         for request in expired:
             self._finish(request, RequestStatus.FINISHED_EXPIRED)
-        decodes = [ScheduledSeq(r, r.slot, r.num_computed_tokens, (r.token_at(r.num_computed_tokens),), True)
-                   for r in self.running if not r.is_prefilling]
+        decodes = [
+            ScheduledSeq(r, r.slot, r.num_computed_tokens, (r.token_at(r.num_computed_tokens),), True)
+            for r in self.running
+            if not r.is_prefilling
+        ]
         budget = self.config.max_num_batched_tokens - len(decodes)
         prefills = []
         for request in self.running:
@@ -131,7 +138,7 @@ class Scheduler:
         updates = []
         for seq in (*output.decodes, *output.prefills):
             request = seq.request
-            if request.is_finished:          # cancelled while the step ran
+            if request.is_finished:  # cancelled while the step ran
                 continue
             request.num_computed_tokens += seq.num_tokens
             token = sampled.get(request.request_id) if seq.sample else None
@@ -146,7 +153,7 @@ class Scheduler:
     def _chunk(self, request: Request, budget: int) -> ScheduledSeq:
         start = request.num_computed_tokens
         n = min(budget, request.num_remaining_prompt_tokens)
-        tokens = request.prompt_token_ids[start:start + n]
+        tokens = request.prompt_token_ids[start : start + n]
         return ScheduledSeq(request, request.slot, start, tokens, sample=start + n == request.num_prompt_tokens)
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:

@@ -4,13 +4,14 @@ server.py turns protobuf into a validated GenerateSpec and calls `submit`, then 
 Everything here runs on the event loop thread; the engine runs in its own process (engine_process.py) or,
 with --engine-thread, on a thread of this one.
 """
+
 from __future__ import annotations
 
 import asyncio
 import enum
 import uuid
-from concurrent.futures import Future
 from collections.abc import AsyncIterator, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import structlog
@@ -18,7 +19,8 @@ import structlog
 from billing.records import UsageRecord
 from services import errors
 from services.metering.outbox import Outbox
-from .admission import Admit, AdmissionController, Commitment, Infeasible, Reject
+
+from .admission import AdmissionController, Admit, Commitment, Infeasible, Reject
 from .clock import Clock
 from .engine import Engine, RequestOutput
 from .engine_process import EngineClient
@@ -43,7 +45,7 @@ class WarmupState(enum.Enum):
     WARMING_UP = "warming_up"
     READY = "ready"
     DRAINING = "draining"
-    FAILED = "failed"                   # the engine died; this replica cannot serve
+    FAILED = "failed"  # the engine died; this replica cannot serve
 
 
 class BudgetSource(enum.Enum):
@@ -74,6 +76,7 @@ class GenerateSpec:
 class Ticket:
     """One admitted call. The engine, the meter and the outbox know it by `call_id`, which this replica made;
     the caller's request_id is an idempotency key scoped to its tenant (`key`), never a handle."""
+
     spec: GenerateSpec
     tenant: str
     call_id: str
@@ -90,7 +93,7 @@ class Ticket:
     finished_ns: int | None = None
     finish_reason: str | None = None
     num_output_tokens: int = 0
-    usage_on_disk: Future | None = None         # the outbox resolves it once the usage record is durable
+    usage_on_disk: Future | None = None  # the outbox resolves it once the usage record is durable
     usage: UsageRecord | None = None
 
     @property
@@ -117,11 +120,12 @@ def admission_key(tenant: str, request_id: str) -> str:
 class _LoopSink:
     """Hands engine outputs to the request's queue on the event loop (from the engine's thread, or from the
     loop itself when the engine runs in its own process)."""
+
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
     def put(self, output: RequestOutput) -> None:
-        if _running_loop() is self.loop:        # the engine process's relay: no wake-up through the self-pipe
+        if _running_loop() is self.loop:  # the engine process's relay: no wake-up through the self-pipe
             self.queue.put_nowait(output)
         else:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, output)
@@ -131,9 +135,12 @@ def _merged(outputs: list[RequestOutput]) -> RequestOutput:
     """Consecutive outputs of one call as one: their tokens and text in order, the time of the first (when
     the message's first token was produced), the state of the last."""
     first = outputs[0]
-    return outputs[-1]._replace(token_ids=tuple(t for o in outputs for t in o.token_ids),
-                                text="".join(o.text for o in outputs), time_ns=first.time_ns,
-                                first_scheduled_ns=first.first_scheduled_ns)
+    return outputs[-1]._replace(
+        token_ids=tuple(t for o in outputs for t in o.token_ids),
+        text="".join(o.text for o in outputs),
+        time_ns=first.time_ns,
+        first_scheduled_ns=first.first_scheduled_ns,
+    )
 
 
 def _attempt_label(attempt: int) -> str:
@@ -141,9 +148,19 @@ def _attempt_label(attempt: int) -> str:
 
 
 class InferenceService:
-    def __init__(self, engine: Engine | EngineClient, card: ModelCard, admission: AdmissionController | FifoAdmission,
-                 metrics: ServiceMetrics, clock: Clock, meter: Meter, outbox: Outbox, steps: StepLog,
-                 default_budget_ms: int = 30_000, stream_interval_ms: int = 0) -> None:
+    def __init__(
+        self,
+        engine: Engine | EngineClient,
+        card: ModelCard,
+        admission: AdmissionController | FifoAdmission,
+        metrics: ServiceMetrics,
+        clock: Clock,
+        meter: Meter,
+        outbox: Outbox,
+        steps: StepLog,
+        default_budget_ms: int = 30_000,
+        stream_interval_ms: int = 0,
+    ) -> None:
         self.engine = engine
         self.meter = meter
         self.outbox = outbox
@@ -153,9 +170,9 @@ class InferenceService:
         self.clock = clock
         self.steps = steps
         self.default_budget_ms = default_budget_ms
-        self.stream_interval_ns = stream_interval_ms * 1_000_000     # 0: a message per engine step
+        self.stream_interval_ns = stream_interval_ms * 1_000_000  # 0: a message per engine step
         self.state = WarmupState.WARMING_UP
-        self.in_flight: dict[tuple[str, str], Ticket] = {}      # (tenant, request_id) -> its admitted call
+        self.in_flight: dict[tuple[str, str], Ticket] = {}  # (tenant, request_id) -> its admitted call
         self.drained = asyncio.Event()
 
     @property
@@ -168,21 +185,21 @@ class InferenceService:
             return self.default_budget_ms * 1_000_000, BudgetSource.SERVER_DEFAULT
         return int(time_remaining_s * 1e9), BudgetSource.CLIENT_DEADLINE
 
-    def submit(self, spec: GenerateSpec, tenant: str, received_ns: int, budget_ns: int,
-               source: BudgetSource) -> Ticket:
+    def submit(self, spec: GenerateSpec, tenant: str, received_ns: int, budget_ns: int, source: BudgetSource) -> Ticket:
         """Admits the call into the next engine step, or raises the domain error that says why not."""
         if self.state is not WarmupState.READY:
-            raise errors.NotServing(f"replica is {self.state.value}; try another replica",
-                                    {"state": self.state.value})
-        if (tenant, spec.request_id) in self.in_flight:       # only the tenant's own ids: no one else's is seen
-            raise errors.RequestIdInUse(f"request_id {spec.request_id!r} is already in flight",
-                                        {"request_id": spec.request_id})
+            raise errors.NotServing(f"replica is {self.state.value}; try another replica", {"state": self.state.value})
+        if (tenant, spec.request_id) in self.in_flight:  # only the tenant's own ids: no one else's is seen
+            raise errors.RequestIdInUse(
+                f"request_id {spec.request_id!r} is already in flight", {"request_id": spec.request_id}
+            )
         if budget_ns <= 0:
             self.metrics.rejections.labels("deadline_expired").inc()
             raise errors.DeadlineExpired("the call's deadline had already passed when it arrived")
         deadline_ns = received_ns + budget_ns
-        commitment = Commitment(admission_key(tenant, spec.request_id), len(spec.prompt_token_ids),
-                                spec.sampling.max_tokens, deadline_ns)
+        commitment = Commitment(
+            admission_key(tenant, spec.request_id), len(spec.prompt_token_ids), spec.sampling.max_tokens, deadline_ns
+        )
         now_ns = self.clock.now_ns()
         decision = self.admission.decide(commitment, now_ns)
         decided_ns = self.clock.now_ns()
@@ -193,26 +210,57 @@ class InferenceService:
             raise errors.DeadlineInfeasible(budget_ns // 1_000_000, decision.min_budget_ms)
         if isinstance(decision, Reject):
             self._count_decision(attempt, "overloaded")
-            raise errors.Overloaded(decision.retry_after_ms, (decision.predicted_finish_ns - now_ns) // 1_000_000,
-                                    budget_ns // 1_000_000, decision.within_budget, decision.reason,
-                                    decision.reserved)
+            raise errors.Overloaded(
+                decision.retry_after_ms,
+                (decision.predicted_finish_ns - now_ns) // 1_000_000,
+                budget_ns // 1_000_000,
+                decision.within_budget,
+                decision.reason,
+                decision.reserved,
+            )
         assert isinstance(decision, Admit)
         self._count_decision(attempt, "admitted")
         call_id = uuid.uuid4().hex
-        request = Request(call_id, spec.prompt_token_ids, spec.sampling, arrival_ns=received_ns,
-                          deadline_ns=deadline_ns if self.deadline_mode else None)
+        request = Request(
+            call_id,
+            spec.prompt_token_ids,
+            spec.sampling,
+            arrival_ns=received_ns,
+            deadline_ns=deadline_ns if self.deadline_mode else None,
+        )
         sink = _LoopSink(asyncio.get_running_loop())
-        ticket = Ticket(spec, tenant, call_id, request, sink.queue, received_ns, decided_ns, deadline_ns,
-                        budget_ns // 1_000_000, source, decision.predicted_finish_ns or deadline_ns)
+        ticket = Ticket(
+            spec,
+            tenant,
+            call_id,
+            request,
+            sink.queue,
+            received_ns,
+            decided_ns,
+            deadline_ns,
+            budget_ns // 1_000_000,
+            source,
+            decision.predicted_finish_ns or deadline_ns,
+        )
         self.in_flight[ticket.key] = ticket
         self.metrics.in_flight.set(len(self.in_flight))
         epoch = self.clock.epoch_us
-        self.meter.register(call_id, RecordContext(tenant, spec.labels, self.card.name, epoch(received_ns),
-                                                   epoch(decided_ns), epoch(deadline_ns), spec.request_id))
+        self.meter.register(
+            call_id,
+            RecordContext(
+                tenant,
+                spec.labels,
+                self.card.name,
+                epoch(received_ns),
+                epoch(decided_ns),
+                epoch(deadline_ns),
+                spec.request_id,
+            ),
+        )
         ticket.usage_on_disk = self.outbox.expect(call_id)
         try:
             self.engine.add_request(request, sink)
-        except errors.NotServing:       # the engine process died under us: undo the admission, then say so
+        except errors.NotServing:  # the engine process died under us: undo the admission, then say so
             self._withdraw(ticket)
             raise
         return ticket
@@ -273,8 +321,7 @@ class InferenceService:
                 self.metrics.ttft.observe((output.time_ns - ticket.received_ns) / 1e9)
                 first_step_ns = ticket.first_scheduled_ns or output.time_ns
                 self.metrics.queue_time.observe((first_step_ns - ticket.received_ns) / 1e9)
-                self.metrics.steps_waited.observe(self.steps.steps_began_between(ticket.dispatched_ns,
-                                                                                 first_step_ns))
+                self.metrics.steps_waited.observe(self.steps.steps_began_between(ticket.dispatched_ns, first_step_ns))
             else:
                 self.metrics.inter_token.observe((output.time_ns - last_ns) / 1e9)
             last_ns = output.time_ns
@@ -287,8 +334,9 @@ class InferenceService:
         try:
             ticket.usage = await asyncio.wrap_future(ticket.usage_on_disk)
         except Exception as exc:  # noqa: BLE001 - whatever kept the record off the disk
-            raise errors.UsageNotRecorded(f"the usage of this request could not be recorded ({exc}); "
-                                          "its result is withheld") from exc
+            raise errors.UsageNotRecorded(
+                f"the usage of this request could not be recorded ({exc}); its result is withheld"
+            ) from exc
 
     def close(self, ticket: Ticket) -> None:
         """Ends the call's bookkeeping; a call that ends before its stream did is cancelled in the engine."""
@@ -308,13 +356,22 @@ class InferenceService:
             self.metrics.deadline_misses.inc()
         self.metrics.requests.labels(outcome).inc()
         self._untrack(ticket)
-        log.info("request_done", request_id=ticket.spec.request_id, call_id=ticket.call_id, tenant=ticket.tenant,
-                 outcome=outcome,
-                 prompt_tokens=len(ticket.spec.prompt_token_ids), completion_tokens=ticket.num_output_tokens,
-                 budget_ms=ticket.budget_ms, predicted_finish_ms=(ticket.predicted_finish_ns - ticket.received_ns)
-                 // 1_000_000, actual_finish_ms=((ticket.finished_ns or self.clock.now_ns()) - ticket.received_ns)
-                 // 1_000_000, ttft_ms=None if ticket.first_token_ns is None else
-                 (ticket.first_token_ns - ticket.received_ns) // 1_000_000, deadline_met=ticket.deadline_met)
+        log.info(
+            "request_done",
+            request_id=ticket.spec.request_id,
+            call_id=ticket.call_id,
+            tenant=ticket.tenant,
+            outcome=outcome,
+            prompt_tokens=len(ticket.spec.prompt_token_ids),
+            completion_tokens=ticket.num_output_tokens,
+            budget_ms=ticket.budget_ms,
+            predicted_finish_ms=(ticket.predicted_finish_ns - ticket.received_ns) // 1_000_000,
+            actual_finish_ms=((ticket.finished_ns or self.clock.now_ns()) - ticket.received_ns) // 1_000_000,
+            ttft_ms=None
+            if ticket.first_token_ns is None
+            else (ticket.first_token_ns - ticket.received_ns) // 1_000_000,
+            deadline_met=ticket.deadline_met,
+        )
         if self.state is WarmupState.DRAINING and not self.in_flight:
             self.drained.set()
 

@@ -1,5 +1,6 @@
 """Runs the Metering service alone (`zeroqueue metering`), or adds it to another gRPC server in the same
 process (`add_metering_to_server`, for `make serve`)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -10,12 +11,14 @@ import structlog
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 from sqlalchemy.orm import Session, sessionmaker
+from zeroqueue.metering.v1 import metering_pb2
 
 from billing.db import make_engine, session_factory
 from services.auth import Authenticator, LedgerAuthenticator
-from services.standard import SERVICE_NAMES as STANDARD_SERVICES, add_health, enable_reflection
 from services.parsing import add_servicer
-from zeroqueue.metering.v1 import metering_pb2
+from services.standard import SERVICE_NAMES as STANDARD_SERVICES
+from services.standard import add_health, enable_reflection
+
 from .schema import check_schema_at_head
 from .server import MeteringServicer
 
@@ -23,11 +26,12 @@ log = structlog.get_logger(__name__)
 METERING_SERVICE = metering_pb2.DESCRIPTOR.services_by_name["Metering"].full_name
 LIVENESS = "liveness"
 DEFAULT_PORT = 50052
-MAX_MESSAGE_BYTES = 16 << 20    # a full RecordUsage batch (10,000 records) fits with room to spare
+MAX_MESSAGE_BYTES = 16 << 20  # a full RecordUsage batch (10,000 records) fits with room to spare
 
 
-def add_metering_to_server(server: grpc.aio.Server, sessions: sessionmaker[Session],
-                           authenticator: Authenticator) -> MeteringServicer:
+def add_metering_to_server(
+    server: grpc.aio.Server, sessions: sessionmaker[Session], authenticator: Authenticator
+) -> MeteringServicer:
     """Registers Metering on `server`; the host adds METERING_SERVICE to its own health and reflection."""
     servicer = MeteringServicer(sessions, authenticator)
     # requests parsed in the handlers: a malformed one is INVALID_ARGUMENT with an ErrorInfo (services/parsing.py)
@@ -47,9 +51,15 @@ def server_credentials(tls_cert: str | None, tls_key: str | None) -> grpc.Server
 class MeteringApp:
     """The Metering service with health ('', METERING_SERVICE, 'liveness') and reflection, on its own port."""
 
-    def __init__(self, ledger_url: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
-                 tls_cert: str | None = None, tls_key: str | None = None,
-                 authenticator: Authenticator | None = None) -> None:
+    def __init__(
+        self,
+        ledger_url: str,
+        host: str = "127.0.0.1",
+        port: int = DEFAULT_PORT,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        authenticator: Authenticator | None = None,
+    ) -> None:
         self.host, self.port = host, port
         self.credentials = server_credentials(tls_cert, tls_key)
         self.engine = make_engine(ledger_url)
@@ -73,8 +83,13 @@ class MeteringApp:
         await self.server.start()
         for name in ("", METERING_SERVICE, LIVENESS):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("metering_serving", address=f"{self.host}:{self.port}", tls=self.credentials is not None,
-                 ledger=self.engine.url.render_as_string(hide_password=True), revision=revision)
+        log.info(
+            "metering_serving",
+            address=f"{self.host}:{self.port}",
+            tls=self.credentials is not None,
+            ledger=self.engine.url.render_as_string(hide_password=True),
+            revision=revision,
+        )
         return self.port
 
     async def stop(self, grace_s: float = 5.0) -> None:

@@ -2,14 +2,15 @@
 
 For tests and benchmarks that call it through gRPC with plain synchronous stubs.
 """
+
 from __future__ import annotations
 
 import asyncio
 import threading
 
 import grpc
-
 from zeroqueue.metering.v1 import metering_pb2_grpc
+
 from .app import MeteringApp
 
 

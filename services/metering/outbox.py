@@ -6,6 +6,7 @@ acknowledged them (accepted, or a duplicate of what it already holds). A restart
 crash left behind and ships it. Conflicts and invalid records are set aside as dead letters, loudly,
 never dropped.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,8 @@ from pathlib import Path
 
 import structlog
 
-from billing.errors import InvalidRecord
 from billing.db import is_default_data_dir
+from billing.errors import InvalidRecord
 from billing.private_files import private_sqlite
 from billing.records import IdleRecord, UsageRecord
 
@@ -80,7 +81,7 @@ def _decode(kind: str, payload: str) -> UsageRecord | IdleRecord:
 class Outbox:
     def __init__(self, path: Path) -> None:
         self.path = path
-        private_sqlite(path, narrow_dir=is_default_data_dir(path.parent))     # 0600 from the start, its -wal too
+        private_sqlite(path, narrow_dir=is_default_data_dir(path.parent))  # 0600 from the start, its -wal too
         with _connect(path) as conn:
             conn.executescript(SCHEMA)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -143,7 +144,7 @@ class Outbox:
             conn.execute("BEGIN IMMEDIATE")
             conflicts = self._insert(conn, rows)
             conn.execute("COMMIT")
-        except sqlite3.Error as exc:                # the disk failed us: callers must not claim success
+        except sqlite3.Error as exc:  # the disk failed us: callers must not claim success
             log.error("outbox_write_failed", error=str(exc), records=len(rows))
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
@@ -156,8 +157,9 @@ class Outbox:
             if error is not None:
                 future.set_exception(error)
             elif record.request_id in conflicts:
-                future.set_exception(OutboxConflict(f"usage record {record.request_id} conflicts with one "
-                                                    "the outbox already holds"))
+                future.set_exception(
+                    OutboxConflict(f"usage record {record.request_id} conflicts with one the outbox already holds")
+                )
             else:
                 future.set_result(record)
         with self.written:
@@ -169,23 +171,28 @@ class Outbox:
         go to outbox_conflicts. An id already present with the same payload is the same record: no loss."""
         conflicts = set()
         for kind, record_id, payload, created_at_us in rows:
-            if conn.execute("INSERT INTO outbox (kind, record_id, payload, created_at_us) VALUES (?, ?, ?, ?) "
-                            "ON CONFLICT (record_id) DO NOTHING", (kind, record_id, payload, created_at_us)).rowcount:
+            if conn.execute(
+                "INSERT INTO outbox (kind, record_id, payload, created_at_us) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT (record_id) DO NOTHING",
+                (kind, record_id, payload, created_at_us),
+            ).rowcount:
                 continue
             (held,) = conn.execute("SELECT payload FROM outbox WHERE record_id = ?", (record_id,)).fetchone()
             if held == payload:
                 log.warning("outbox_duplicate", kind=kind, record_id=record_id)
                 continue
             log.error("outbox_conflict", kind=kind, record_id=record_id)
-            conn.execute("INSERT INTO outbox_conflicts (kind, record_id, payload, created_at_us) VALUES (?, ?, ?, ?)",
-                         (kind, record_id, payload, created_at_us))
+            conn.execute(
+                "INSERT INTO outbox_conflicts (kind, record_id, payload, created_at_us) VALUES (?, ?, ?, ?)",
+                (kind, record_id, payload, created_at_us),
+            )
             conflicts.add(record_id)
         return conflicts
 
     def _build(self, builder: Callable[[], UsageRecord]) -> UsageRecord | None:
         try:
             return builder()
-        except InvalidRecord as exc:                # a bug upstream: fail that call loudly, keep the rest
+        except InvalidRecord as exc:  # a bug upstream: fail that call loudly, keep the rest
             request_id = builder.keywords.get("request_id", "?") if hasattr(builder, "keywords") else "?"
             log.error("usage_record_invalid", request_id=request_id, field=exc.field, error=str(exc))
             with self._lock:
@@ -202,22 +209,32 @@ class Outbox:
         return conn
 
     def pending(self, limit: int) -> list[OutboxRow]:
-        rows = self._conn().execute(
-            "SELECT id, kind, payload FROM outbox WHERE delivered_at_us IS NULL AND dead_at_us IS NULL "
-            "ORDER BY id LIMIT ?", (limit,)).fetchall()
+        rows = (
+            self._conn()
+            .execute(
+                "SELECT id, kind, payload FROM outbox WHERE delivered_at_us IS NULL AND dead_at_us IS NULL "
+                "ORDER BY id LIMIT ?",
+                (limit,),
+            )
+            .fetchall()
+        )
         return [OutboxRow(row_id, _decode(kind, payload)) for row_id, kind, payload in rows]
 
     def mark_delivered(self, ids: list[int]) -> None:
-        self._update("UPDATE outbox SET delivered_at_us = ?, attempts = attempts + 1 WHERE id = ?",
-                     [(_now_us(), i) for i in ids])
+        self._update(
+            "UPDATE outbox SET delivered_at_us = ?, attempts = attempts + 1 WHERE id = ?", [(_now_us(), i) for i in ids]
+        )
 
     def mark_dead(self, dead: list[tuple[int, str]]) -> None:
-        self._update("UPDATE outbox SET dead_at_us = ?, last_error = ?, attempts = attempts + 1 WHERE id = ?",
-                     [(_now_us(), reason, i) for i, reason in dead])
+        self._update(
+            "UPDATE outbox SET dead_at_us = ?, last_error = ?, attempts = attempts + 1 WHERE id = ?",
+            [(_now_us(), reason, i) for i, reason in dead],
+        )
 
     def mark_failed(self, ids: list[int], error: str) -> None:
-        self._update("UPDATE outbox SET attempts = attempts + 1, last_error = ? WHERE id = ?",
-                     [(error, i) for i in ids])
+        self._update(
+            "UPDATE outbox SET attempts = attempts + 1, last_error = ? WHERE id = ?", [(error, i) for i in ids]
+        )
 
     def _update(self, sql: str, params: list[tuple]) -> None:
         if not params:
@@ -228,9 +245,14 @@ class Outbox:
         conn.execute("COMMIT")
 
     def counts(self) -> dict[str, int]:
-        pending, delivered, dead = self._conn().execute(
-            "SELECT COUNT(*) FILTER (WHERE delivered_at_us IS NULL AND dead_at_us IS NULL), "
-            "COUNT(delivered_at_us), COUNT(dead_at_us) FROM outbox").fetchone()
+        pending, delivered, dead = (
+            self._conn()
+            .execute(
+                "SELECT COUNT(*) FILTER (WHERE delivered_at_us IS NULL AND dead_at_us IS NULL), "
+                "COUNT(delivered_at_us), COUNT(dead_at_us) FROM outbox"
+            )
+            .fetchone()
+        )
         (conflicts,) = self._conn().execute("SELECT COUNT(*) FROM outbox_conflicts").fetchone()
         return {"pending": pending, "delivered": delivered, "dead": dead, "conflicts": conflicts}
 

@@ -1,4 +1,5 @@
 """Is the ledger's schema the one this code was written for? Serving never migrates: `zeroqueue migrate` does."""
+
 from __future__ import annotations
 
 from alembic.runtime.migration import MigrationContext
@@ -24,7 +25,8 @@ def check_schema_at_head(engine: Engine) -> str:
     found = ", ".join(sorted(current)) or "no schema"
     raise LedgerNotMigrated(
         f"the ledger at {url} has {found}, this code needs revision {', '.join(sorted(heads))}: "
-        f"run `zeroqueue migrate --ledger {quoted(url)}` first")
+        f"run `zeroqueue migrate --ledger {quoted(url)}` first"
+    )
 
 
 def quoted(url: str) -> str:

@@ -1,5 +1,6 @@
 """Ships the outbox to the ledger: in batches, with exponential backoff and full jitter while the
 ledger is unreachable, marking rows delivered only on the ledger's acknowledgement."""
+
 from __future__ import annotations
 
 import asyncio
@@ -13,13 +14,14 @@ import grpc
 import structlog
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
+from zeroqueue.metering.v1 import metering_pb2 as pb
+from zeroqueue.metering.v1 import metering_pb2_grpc
 
 from billing import ledger
 from billing.db import unit_of_work
 from billing.errors import UnknownTenant
 from billing.records import IdleRecord, UsageRecord
-from zeroqueue.metering.v1 import metering_pb2 as pb
-from zeroqueue.metering.v1 import metering_pb2_grpc
+
 from .outbox import Outbox
 from .server import idle_to_pb, usage_to_pb
 
@@ -27,8 +29,8 @@ log = structlog.get_logger(__name__)
 
 
 class Delivery(enum.Enum):
-    DELIVERED = "delivered"         # accepted, or a duplicate of what the ledger holds
-    DEAD = "dead"                   # conflict or invalid: set aside for review, never retried
+    DELIVERED = "delivered"  # accepted, or a duplicate of what the ledger holds
+    DEAD = "dead"  # conflict or invalid: set aside for review, never retried
 
 
 @dataclass(frozen=True)
@@ -71,9 +73,12 @@ class LedgerSink:
                 with unit_of_work(self.sessions) as session:
                     results = ledger.ingest_usage(session, usage) + ledger.ingest_idle(session, idle)
                 return acks + [_ack(r) for r in results]
-            except UnknownTenant as exc:       # only that tenant's records are refused, the rest go in
-                acks += [Ack(r.request_id, Delivery.DEAD, f"unknown tenant {exc.tenant!r}")
-                         for r in usage if r.tenant == exc.tenant]
+            except UnknownTenant as exc:  # only that tenant's records are refused, the rest go in
+                acks += [
+                    Ack(r.request_id, Delivery.DEAD, f"unknown tenant {exc.tenant!r}")
+                    for r in usage
+                    if r.tenant == exc.tenant
+                ]
                 usage = [r for r in usage if r.tenant != exc.tenant]
 
 
@@ -104,8 +109,12 @@ class GrpcSink:
                 record_id = usage[0].request_id if usage else idle[0].record_id
                 return [Ack(record_id, Delivery.DEAD, f"refused: {exc.code().name}: {exc.details()}")]
             return await self._halves(list(usage), list(idle))
-        return [Ack(r.id, Delivery.DEAD, f"{_DEAD_STATUSES[r.status]}: {r.message}") if r.status in _DEAD_STATUSES
-                else Ack(r.id, Delivery.DELIVERED) for r in (*reply.records, *reply.idle)]
+        return [
+            Ack(r.id, Delivery.DEAD, f"{_DEAD_STATUSES[r.status]}: {r.message}")
+            if r.status in _DEAD_STATUSES
+            else Ack(r.id, Delivery.DELIVERED)
+            for r in (*reply.records, *reply.idle)
+        ]
 
     async def _halves(self, usage: list[UsageRecord], idle: list[IdleRecord]) -> list[Ack]:
         # a half delivered before the other finds the ledger away is sent again later: the ledger's
@@ -120,8 +129,16 @@ class GrpcSink:
 
 
 class Shipper:
-    def __init__(self, outbox: Outbox, sink: Sink, batch_size: int = 500, poll_s: float = 0.2,
-                 min_backoff_s: float = 0.05, max_backoff_s: float = 30.0, rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        outbox: Outbox,
+        sink: Sink,
+        batch_size: int = 500,
+        poll_s: float = 0.2,
+        min_backoff_s: float = 0.05,
+        max_backoff_s: float = 30.0,
+        rng: random.Random | None = None,
+    ) -> None:
         self.outbox, self.sink = outbox, sink
         self.batch_size, self.poll_s = batch_size, poll_s
         self.min_backoff_s, self.max_backoff_s = min_backoff_s, max_backoff_s
@@ -131,7 +148,7 @@ class Shipper:
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             shipped = await self.ship_once()
-            if shipped is None:                 # the ledger is away: back off, with full jitter
+            if shipped is None:  # the ledger is away: back off, with full jitter
                 delay = min(self.max_backoff_s, self.min_backoff_s * 2 ** min(self.failures, 20))
                 await _wait(stop, self.rng.uniform(0, delay))
             elif shipped == 0:
@@ -152,14 +169,16 @@ class Shipper:
             await asyncio.to_thread(self.outbox.mark_failed, [r.id for r in rows], str(exc))
             return None
         self.failures = 0
-        row_ids = {(r.record.request_id if isinstance(r.record, UsageRecord) else r.record.record_id): r.id
-                   for r in rows}
+        row_ids = {
+            (r.record.request_id if isinstance(r.record, UsageRecord) else r.record.record_id): r.id for r in rows
+        }
         dead = [(row_ids[a.record_id], a.reason) for a in acks if a.delivery is Delivery.DEAD]
         for a in acks:
             if a.delivery is Delivery.DEAD:
                 log.error("usage_record_dead_lettered", record_id=a.record_id, reason=a.reason)
-        await asyncio.to_thread(self.outbox.mark_delivered,
-                                [row_ids[a.record_id] for a in acks if a.delivery is Delivery.DELIVERED])
+        await asyncio.to_thread(
+            self.outbox.mark_delivered, [row_ids[a.record_id] for a in acks if a.delivery is Delivery.DELIVERED]
+        )
         await asyncio.to_thread(self.outbox.mark_dead, dead)
         return len(acks)
 

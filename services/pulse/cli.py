@@ -8,6 +8,7 @@
 A compare run replays one schedule (same seed) against each mode in turn, one replica at a time, so the
 two never share the machine's cores.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,6 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-
 LAG_WARNING_MS = 50.0
 
 
@@ -33,20 +33,25 @@ class Target:
     endpoints: list[str]
     metrics_urls: list[str] = field(default_factory=list)
     api_key: str | None = None
-    admission: str = "deadline"         # the mode of a replica the tool starts when no endpoints are given
+    admission: str = "deadline"  # the mode of a replica the tool starts when no endpoints are given
     tls_ca: str | None = None
 
     def client(self):
         import grpc
 
         from services.client import AsyncClient
+
         tls = grpc.ssl_channel_credentials(Path(self.tls_ca).read_bytes()) if self.tls_ca else False
         return AsyncClient(self.endpoints, self.api_key, tls)
 
 
 def add_pulse(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("pulse", help="open-loop load test through the SDK (deadline vs fifo with --compare)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "pulse",
+        help="open-loop load test through the SDK (deadline vs fifo with --compare)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     t = p.add_argument_group("targets (without endpoints, the tool starts `zeroqueue serve` replicas itself)")
     t.add_argument("--endpoint", action="append", default=[], help="replica address; repeat for several")
     t.add_argument("--metrics-url", action="append", default=[], help="a replica's /metrics URL; repeatable")
@@ -79,21 +84,35 @@ def add_pulse(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--deadline-ms", type=float, default=2_000.0)
     s.add_argument("--deadline-per-token-ms", type=float, default=0.0, help="added per requested output token")
     c = p.add_argument_group("capacity")
-    c.add_argument("--capacity", action="store_true",
-                   help="measure the fixed shape's saturation (closed loop, --duration) and its capacity: the "
-                        "highest Poisson rate refusing at most --knee-rejection of first attempts")
+    c.add_argument(
+        "--capacity",
+        action="store_true",
+        help="measure the fixed shape's saturation (closed loop, --duration) and its capacity: the "
+        "highest Poisson rate refusing at most --knee-rejection of first attempts",
+    )
     c.add_argument("--concurrency", type=int, default=0, help="closed-loop callers (default: the replica's slots)")
     c.add_argument("--knee-rejection", type=float, default=0.02, help="share of first attempts refused at the knee")
     c.add_argument("--knee-probes", type=int, default=6, help="probe runs of the search for the knee")
     c.add_argument("--probe-duration", type=float, default=20.0, help="seconds of arrivals per probe")
-    c.add_argument("--confirm-duration", type=float, default=60.0,
-                   help="seconds of each run confirming the knee (as long as the runs at 1x; 0: no confirmation)")
-    c.add_argument("--confirm-runs", type=int, default=3,
-                   help="confirmation runs: 5 %% lower after one that refused too many, 3 %% higher after one "
-                        "that refused under --knee-min-rejection")
-    c.add_argument("--knee-min-rejection", type=float, default=0.005,
-                   help="a confirmation run refusing less than this share tries a higher rate (issue 5's band: "
-                        "0.5-3 %% at 1x)")
+    c.add_argument(
+        "--confirm-duration",
+        type=float,
+        default=60.0,
+        help="seconds of each run confirming the knee (as long as the runs at 1x; 0: no confirmation)",
+    )
+    c.add_argument(
+        "--confirm-runs",
+        type=int,
+        default=3,
+        help="confirmation runs: 5 %% lower after one that refused too many, 3 %% higher after one "
+        "that refused under --knee-min-rejection",
+    )
+    c.add_argument(
+        "--knee-min-rejection",
+        type=float,
+        default=0.005,
+        help="a confirmation run refusing less than this share tries a higher rate (issue 5's band: 0.5-3 %% at 1x)",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--out", default=None, help="output directory (default pulse-results/<time>)")
     o.add_argument("--no-plots", action="store_true")
@@ -103,9 +122,12 @@ def add_pulse(sub: argparse._SubParsersAction) -> None:
 
 def _targets(args: argparse.Namespace) -> list[Target]:
     if args.compare:
-        return [Target("deadline", args.deadline_endpoint, args.deadline_metrics_url, args.api_key, "deadline",
-                       args.tls_ca),
-                Target("fifo", args.fifo_endpoint, args.fifo_metrics_url, args.api_key, "fifo", args.tls_ca)]
+        return [
+            Target(
+                "deadline", args.deadline_endpoint, args.deadline_metrics_url, args.api_key, "deadline", args.tls_ca
+            ),
+            Target("fifo", args.fifo_endpoint, args.fifo_metrics_url, args.api_key, "fifo", args.tls_ca),
+        ]
     label = "run" if args.endpoint else args.admission
     return [Target(label, args.endpoint, args.metrics_url, args.api_key, args.admission, args.tls_ca)]
 
@@ -119,13 +141,19 @@ def _opened(target: Target, args: argparse.Namespace, out_dir: Path, console) ->
         yield target
         return
     from .replicas import default_model, start_replica
+
     model = Path(args.model) if args.model else default_model()
     console.print(f"starting a {target.admission}-mode replica on {model} (warm-up and calibration first) ...")
     replica = start_replica(model, target.admission, out_dir, shlex.split(args.serve_args))
     console.print(f"  SERVING on {replica.address}, metrics {replica.metrics_url}, log {replica.log_path}")
     try:
-        yield replace(target, endpoints=[replica.address], metrics_urls=[replica.metrics_url], api_key=replica.api_key,
-                      tls_ca=None)
+        yield replace(
+            target,
+            endpoints=[replica.address],
+            metrics_urls=[replica.metrics_url],
+            api_key=replica.api_key,
+            tls_ca=None,
+        )
     finally:
         replica.stop()
 
@@ -142,6 +170,7 @@ def _load_qps(args: argparse.Namespace) -> float:
 
 def _scrape_all(urls: list[str]) -> list:
     from .scrape import scrape
+
     out = []
     for url in urls:
         try:
@@ -153,6 +182,7 @@ def _scrape_all(urls: list[str]) -> list:
 
 def _server_view(before: list, after: list) -> dict | None:
     from .scrape import delta, server_view
+
     total: dict = {}
     pairs = [(b, a) for b, a in zip(before, after, strict=True) if b is not None and a is not None]
     for b, a in pairs:
@@ -171,9 +201,15 @@ async def _drive(target: Target, requests, prefix: str, args: argparse.Namespace
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .runner import run_plan
+
     counts: Counter = Counter()
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("{task.fields[stats]}"))
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[stats]}"),
+    )
     with Progress(*columns, console=console, disable=args.no_progress) as progress:
         task = progress.add_task(f"{target.label}: sent", total=len(requests), stats="")
 
@@ -182,26 +218,30 @@ async def _drive(target: Target, requests, prefix: str, args: argparse.Namespace
             progress.update(task, stats=" ".join(f"{k}={v}" for k, v in sorted(counts.items())))
 
         async with target.client() as client:
-            return await run_plan(client, requests, prefix, lambda t: progress.advance(task), on_done,
-                                  args.max_in_flight)
+            return await run_plan(
+                client, requests, prefix, lambda t: progress.advance(task), on_done, args.max_in_flight
+            )
 
 
 def _pulse_one(target: Target, args: argparse.Namespace, load, shape_args: dict, run_id: str, console):
     from .report import RunReport
     from .schedule import ShapeSpec, plan
     from .stats import summarize
+
     model = asyncio.run(_model_info(target))
     shape = ShapeSpec(**shape_args, context_length=model.context_length)
     requests = plan(load, shape, model.vocab_size, args.deadline_ms, args.deadline_per_token_ms)
     before = _scrape_all(target.metrics_urls)
     traces = asyncio.run(_drive(target, requests, f"pulse-{run_id}-{target.label}", args, console))
-    time.sleep(0.5)                                             # the last calls' metrics settle
+    time.sleep(0.5)  # the last calls' metrics settle
     server = _server_view(before, _scrape_all(target.metrics_urls))
     notes = [] if server or not target.metrics_urls else ["/metrics was unreachable: no server-side figures"]
     summary = summarize(traces, load.duration_s)
     if (summary.max_dispatch_lag_ms or 0) > LAG_WARNING_MS:
-        notes.append(f"the load generator sent some requests up to {summary.max_dispatch_lag_ms:.0f} ms late: this "
-                     "machine could not keep the schedule, so arrivals bunched up (see scheduler lag)")
+        notes.append(
+            f"the load generator sent some requests up to {summary.max_dispatch_lag_ms:.0f} ms late: this "
+            "machine could not keep the schedule, so arrivals bunched up (see scheduler lag)"
+        )
     return RunReport(target.label, target.endpoints, summary, traces, server, notes)
 
 
@@ -210,33 +250,45 @@ def run_pulse(args: argparse.Namespace) -> int:
 
     from .report import plot, print_table, write_json, write_traces
     from .schedule import LoadSpec
+
     console = Console()
     if not console.is_terminal:
-        console = Console(width=120)                            # a table that stays readable in a log file
+        console = Console(width=120)  # a table that stays readable in a log file
     out_dir = Path(args.out or f"pulse-results/{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    shape_args = dict(kind=args.shape, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
-                      sigma=args.shape_sigma)
+    shape_args = dict(
+        kind=args.shape, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, sigma=args.shape_sigma
+    )
     run_id = uuid.uuid4().hex[:8]
     if args.capacity:
         from .capacity import run_capacity
+
         return run_capacity(args, shape_args, out_dir, run_id, console)
-    load = LoadSpec(_load_qps(args), args.duration, args.arrival, args.pulse_factor, args.pulse_seconds,
-                    args.pulse_every, args.seed)
+    load = LoadSpec(
+        _load_qps(args), args.duration, args.arrival, args.pulse_factor, args.pulse_seconds, args.pulse_every, args.seed
+    )
     runs = []
     for target in _targets(args):
         with _opened(target, args, out_dir, console) as opened:
             runs.append(_pulse_one(opened, args, load, shape_args, run_id, console))
-    title = (f"pulse: {load.arrival} {load.qps:.2f} qps for {load.duration_s:.0f} s"
-             + (f", bursts {load.pulse_factor}× for {load.pulse_s} s every {load.pulse_every_s} s"
-                if load.pulse_s else "") + f", shape {args.shape} {args.prompt_tokens}+{args.max_tokens}, "
-             f"deadline {args.deadline_ms:.0f} ms")
+    title = (
+        f"pulse: {load.arrival} {load.qps:.2f} qps for {load.duration_s:.0f} s"
+        + (f", bursts {load.pulse_factor}× for {load.pulse_s} s every {load.pulse_every_s} s" if load.pulse_s else "")
+        + f", shape {args.shape} {args.prompt_tokens}+{args.max_tokens}, "
+        f"deadline {args.deadline_ms:.0f} ms"
+    )
     print_table(runs, title, console)
-    config = {"load": asdict(load), "shape": shape_args, "deadline_ms": args.deadline_ms,
-              "deadline_per_token_ms": args.deadline_per_token_ms, "run_id": run_id}
+    config = {
+        "load": asdict(load),
+        "shape": shape_args,
+        "deadline_ms": args.deadline_ms,
+        "deadline_per_token_ms": args.deadline_per_token_ms,
+        "run_id": run_id,
+    }
     write_json(out_dir / "pulse.json", runs, config)
     write_traces(out_dir, runs)
     written = [] if args.no_plots else plot(out_dir, runs)
-    console.print(f"wrote {out_dir / 'pulse.json'}, traces" + "".join(f", {p.name}" for p in written)
-                  + f" in {out_dir}")
+    console.print(
+        f"wrote {out_dir / 'pulse.json'}, traces" + "".join(f", {p.name}" for p in written) + f" in {out_dir}"
+    )
     return 0

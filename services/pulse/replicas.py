@@ -1,5 +1,6 @@
 """Replicas the pulse tool starts itself: `zeroqueue serve` processes on loopback, each with its own data
 directory, embedded SQLite ledger, tenant key and metrics port, logging to a file there."""
+
 from __future__ import annotations
 
 import os
@@ -43,13 +44,16 @@ def free_port() -> int:
 
 def default_model() -> Path:
     if not (BUNDLED_MODEL / "config.json").exists():
-        raise FileNotFoundError(f"the bundled model is not at {BUNDLED_MODEL} (train it with "
-                                "bench/train_default_model.py), so pass --model DIR")
+        raise FileNotFoundError(
+            f"the bundled model is not at {BUNDLED_MODEL} (train it with "
+            "bench/train_default_model.py), so pass --model DIR"
+        )
     return BUNDLED_MODEL
 
 
-def start_replica(model: Path, admission: str, workdir: Path, serve_args: list[str] = (),
-                  timeout_s: float = 900.0) -> Replica:
+def start_replica(
+    model: Path, admission: str, workdir: Path, serve_args: list[str] = (), timeout_s: float = 900.0
+) -> Replica:
     """Starts a replica and waits until it says SERVING (warm-up and calibration take a while on a CPU)."""
     from billing import commands
 
@@ -60,9 +64,25 @@ def start_replica(model: Path, admission: str, workdir: Path, serve_args: list[s
     key = commands.create_tenant(ledger, f"pulse-{os.getpid()}-{int(time.time())}")
     port, metrics_port = free_port(), free_port()
     log_path = data_dir / "replica.log"
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--model", str(model), "--port", str(port),
-           "--admission", admission, "--metrics-port", str(metrics_port), "--data-dir", str(data_dir),
-           "--ledger", ledger, *serve_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--admission",
+        admission,
+        "--metrics-port",
+        str(metrics_port),
+        "--data-dir",
+        str(data_dir),
+        "--ledger",
+        ledger,
+        *serve_args,
+    ]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     replica = Replica(admission, f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", key, log_path, proc)

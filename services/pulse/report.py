@@ -1,4 +1,5 @@
 """A pulse run's outputs: the rich table (runs side by side), the JSON file, per-request traces, PNG plots."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,11 +16,11 @@ from .stats import RequestTrace, Summary, time_series
 
 @dataclass
 class RunReport:
-    label: str                          # e.g. "deadline", "fifo"
+    label: str  # e.g. "deadline", "fifo"
     endpoints: list[str]
     summary: Summary
     traces: list[RequestTrace]
-    server: dict | None = None          # scrape.server_view, when /metrics was reachable
+    server: dict | None = None  # scrape.server_view, when /metrics was reachable
     notes: list[str] = field(default_factory=list)
 
 
@@ -40,26 +41,36 @@ def rows(run: RunReport) -> list[tuple[str, str]]:
     queue, step, waited = server.get("queue_time", {}), server.get("step_time", {}), server.get("steps_waited", {})
     out = [("requests sent / completed / in deadline", f"{s.num_sent} / {s.num_completed} / {s.num_in_deadline}")]
     for name, p in (("latency", s.latency_ms), ("admitted latency", s.admitted_latency_ms), ("TTFT", s.ttft_ms)):
-        out.append((f"{name} P50 / P95 / P99 / max, ms",
-                    " / ".join(_p(p, a) for a in ("p50", "p95", "p99", "max"))))
+        out.append((f"{name} P50 / P95 / P99 / max, ms", " / ".join(_p(p, a) for a in ("p50", "p95", "p99", "max"))))
     out += [
         ("P99 / P50 (admitted latency)", _f(s.p99_over_p50, "{:.2f}")),
-        ("at the replica: latency P50 / P99, ms; P99 / P50",
-         f"{_p(s.server_latency_ms, 'p50')} / {_p(s.server_latency_ms, 'p99')}; {_f(s.server_p99_over_p50, '{:.2f}')}"),
-        ("engine finish → final read by the client, P50 / P99, ms",
-         f"{_p(s.final_lag_ms, 'p50')} / {_p(s.final_lag_ms, 'p99')}"),
+        (
+            "at the replica: latency P50 / P99, ms; P99 / P50",
+            f"{_p(s.server_latency_ms, 'p50')} / {_p(s.server_latency_ms, 'p99')}; "
+            f"{_f(s.server_p99_over_p50, '{:.2f}')}",
+        ),
+        (
+            "engine finish → final read by the client, P50 / P99, ms",
+            f"{_p(s.final_lag_ms, 'p50')} / {_p(s.final_lag_ms, 'p99')}",
+        ),
         ("rejection rate (first attempt)", _pct(s.rejection_rate)),
         ("refused attempts / attempts", _pct(s.attempt_rejection_rate)),
         ("avg retries per rejected request", _f(s.avg_retries_per_rejected, "{:.2f}")),
         ("first-retry success", _pct(s.first_retry_success_rate)),
         ("goodput, req/s in deadline", _f(s.goodput_rps, "{:.2f}")),
         ("deadline misses among admitted", f"{s.num_admitted_misses} ({_pct(s.admitted_miss_rate)})"),
-        ("server queue time mean / P99 ≤, ms", f"{_f(queue.get('mean_ms'), '{:.2f}')} / "
-                                               f"{_f(queue.get('p99_at_most_ms'), '{:.1f}')}"),
-        ("server step time / period mean, ms", f"{_f(step.get('mean_ms'), '{:.2f}')} / "
-                                               f"{_f(server.get('step_period', {}).get('mean_ms'), '{:.2f}')}"),
-        ("joined the very next step / most steps waited ≤", f"{_pct(waited.get('next_step_share'))} / "
-                                                          f"{_f(waited.get('max_at_most'), '{:.0f}')}"),
+        (
+            "server queue time mean / P99 ≤, ms",
+            f"{_f(queue.get('mean_ms'), '{:.2f}')} / {_f(queue.get('p99_at_most_ms'), '{:.1f}')}",
+        ),
+        (
+            "server step time / period mean, ms",
+            f"{_f(step.get('mean_ms'), '{:.2f}')} / {_f(server.get('step_period', {}).get('mean_ms'), '{:.2f}')}",
+        ),
+        (
+            "joined the very next step / most steps waited ≤",
+            f"{_pct(waited.get('next_step_share'))} / {_f(waited.get('max_at_most'), '{:.0f}')}",
+        ),
         ("mean completion tokens", _f(s.mean_completion_tokens)),
         ("scheduler lag max, ms", _f(s.max_dispatch_lag_ms)),
         ("outcomes", ", ".join(f"{k} {v}" for k, v in sorted(s.outcomes.items()))),
@@ -82,10 +93,20 @@ def print_table(runs: Sequence[RunReport], title: str, console: Console | None =
 
 
 def write_json(path: Path, runs: Sequence[RunReport], config: dict) -> None:
-    doc = {"tool": "zeroqueue pulse", "config": config, "runs": {
-        run.label: {"endpoints": run.endpoints, "summary": run.summary.to_dict(), "server": run.server,
-                    "notes": run.notes,
-                    "time_series": time_series(run.traces, run.summary.duration_s)} for run in runs}}
+    doc = {
+        "tool": "zeroqueue pulse",
+        "config": config,
+        "runs": {
+            run.label: {
+                "endpoints": run.endpoints,
+                "summary": run.summary.to_dict(),
+                "server": run.server,
+                "notes": run.notes,
+                "time_series": time_series(run.traces, run.summary.duration_s),
+            }
+            for run in runs
+        },
+    }
     path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
 
 
@@ -98,8 +119,10 @@ def write_traces(out_dir: Path, runs: Sequence[RunReport]) -> None:
 
 def _axes(num_runs: int, title: str):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, num_runs, figsize=(6 * num_runs, 4.5), squeeze=False, sharey=True)
     fig.suptitle(title)
     return plt, fig, axes[0]
@@ -112,8 +135,12 @@ def plot(out_dir: Path, runs: Sequence[RunReport]) -> list[Path]:
     for ax, run in zip(axes, runs, strict=True):
         done = [t for t in run.traces if t.outcome == "ok"]
         ax.hist([(t.finished_s - t.sent_s) * 1000 for t in done], bins=40, alpha=0.6, label="call")
-        ax.hist([(t.finished_s - t.admitted_s) * 1000 for t in done if t.admitted_s is not None], bins=40,
-                alpha=0.6, label="admitted attempt")
+        ax.hist(
+            [(t.finished_s - t.admitted_s) * 1000 for t in done if t.admitted_s is not None],
+            bins=40,
+            alpha=0.6,
+            label="admitted attempt",
+        )
         deadlines = {t.deadline_ms for t in run.traces}
         if len(deadlines) == 1:
             ax.axvline(deadlines.pop(), color="red", linestyle="--", label="deadline")
@@ -121,13 +148,19 @@ def plot(out_dir: Path, runs: Sequence[RunReport]) -> list[Path]:
         ax.legend()
     written.append(_save(plt, fig, out_dir / "latency.png"))
 
-    plt, fig, axes = _axes(len(runs), "Dispatch (admitted attempt sent; never admitted: first attempt) vs finish "
-                                      "per request: a thin band along y = x means nothing queued")
+    plt, fig, axes = _axes(
+        len(runs),
+        "Dispatch (admitted attempt sent; never admitted: first attempt) vs finish "
+        "per request: a thin band along y = x means nothing queued",
+    )
     colors = {"ok": "tab:green", "rejected": "tab:orange", "deadline_exceeded": "tab:red"}
     for ax, run in zip(axes, runs, strict=True):
         for outcome in sorted({t.outcome for t in run.traces}):
-            pts = [(t.admitted_s if t.admitted_s is not None else t.sent_s, t.finished_s) for t in run.traces
-                   if t.outcome == outcome and t.finished_s is not None]
+            pts = [
+                (t.admitted_s if t.admitted_s is not None else t.sent_s, t.finished_s)
+                for t in run.traces
+                if t.outcome == outcome and t.finished_s is not None
+            ]
             if pts:
                 ax.scatter(*zip(*pts, strict=True), s=6, label=outcome, color=colors.get(outcome, "tab:gray"))
         top = max((t.finished_s or 0 for t in run.traces), default=1)

@@ -3,30 +3,46 @@
 One asyncio task per request (no pool that a slow server could exhaust and so slow the arrivals down);
 each goes through the SDK, so refusals are retried as a real client would retry them.
 """
+
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Callable, Sequence
 
-from services.client import (AsyncClient, DeadlineExceeded, DeadlineInfeasible, Rejected, Unavailable,
-                             ZeroQueueError)
+from services.client import AsyncClient, DeadlineExceeded, DeadlineInfeasible, Rejected, Unavailable, ZeroQueueError
+
 from .schedule import PlannedRequest
 from .stats import RequestTrace
 
-OUTCOMES = ((Rejected, "rejected"), (DeadlineInfeasible, "infeasible"), (DeadlineExceeded, "deadline_exceeded"),
-            (Unavailable, "unavailable"))
+OUTCOMES = (
+    (Rejected, "rejected"),
+    (DeadlineInfeasible, "infeasible"),
+    (DeadlineExceeded, "deadline_exceeded"),
+    (Unavailable, "unavailable"),
+)
 
 
 def outcome_of(error: ZeroQueueError) -> str:
     return next((name for cls, name in OUTCOMES if isinstance(error, cls)), "error")
 
 
-async def _one(client: AsyncClient, request: PlannedRequest, trace: RequestTrace, t0: float, request_id: str,
-               on_done: Callable[[RequestTrace], None]) -> None:
+async def _one(
+    client: AsyncClient,
+    request: PlannedRequest,
+    trace: RequestTrace,
+    t0: float,
+    request_id: str,
+    on_done: Callable[[RequestTrace], None],
+) -> None:
     trace.sent_s = time.monotonic() - t0
-    generation = client.generate(request.prompt_token_ids, deadline_ms=request.deadline_ms,
-                                 max_tokens=request.max_tokens, temperature=0.0, request_id=request_id)
+    generation = client.generate(
+        request.prompt_token_ids,
+        deadline_ms=request.deadline_ms,
+        max_tokens=request.max_tokens,
+        temperature=0.0,
+        request_id=request_id,
+    )
     try:
         async for chunk in generation:
             if trace.first_token_s is None and chunk.token_ids:
@@ -54,10 +70,14 @@ async def _one(client: AsyncClient, request: PlannedRequest, trace: RequestTrace
     on_done(trace)
 
 
-async def run_plan(client: AsyncClient, requests: Sequence[PlannedRequest], id_prefix: str,
-                   on_sent: Callable[[RequestTrace], None] = lambda t: None,
-                   on_done: Callable[[RequestTrace], None] = lambda t: None,
-                   max_in_flight: int = 10_000) -> list[RequestTrace]:
+async def run_plan(
+    client: AsyncClient,
+    requests: Sequence[PlannedRequest],
+    id_prefix: str,
+    on_sent: Callable[[RequestTrace], None] = lambda t: None,
+    on_done: Callable[[RequestTrace], None] = lambda t: None,
+    max_in_flight: int = 10_000,
+) -> list[RequestTrace]:
     """Sends `requests` at their `at_s` (seconds from now); returns one trace per request. A request that
     would exceed `max_in_flight` calls open at once is recorded as not_sent, never delayed."""
     traces = [RequestTrace(r.index, r.at_s, r.deadline_ms, len(r.prompt_token_ids), r.max_tokens) for r in requests]
@@ -80,27 +100,37 @@ async def run_plan(client: AsyncClient, requests: Sequence[PlannedRequest], id_p
     return traces
 
 
-async def run_closed_loop(client: AsyncClient, make_request: Callable[[int], PlannedRequest], concurrency: int,
-                          duration_s: float, id_prefix: str) -> list[RequestTrace]:
+async def run_closed_loop(
+    client: AsyncClient,
+    make_request: Callable[[int], PlannedRequest],
+    concurrency: int,
+    duration_s: float,
+    id_prefix: str,
+) -> list[RequestTrace]:
     """`concurrency` callers, each sending its next request as soon as the previous one ends: keeps the
     replica saturated, which is how its capacity is measured. A caller whose call was refused waits out the
     refusal's hint first, as a client would: callers that resent at once would spend the replica's CPU on
     refusals (on the Zen 3 host ~200 a second, which slowed the steps they were waiting for)."""
     traces: list[RequestTrace] = []
     t0 = time.monotonic()
-    counter = iter(range(10 ** 9))
+    counter = iter(range(10**9))
 
     async def caller() -> None:
         while time.monotonic() - t0 < duration_s:
             request = make_request(next(counter))
-            trace = RequestTrace(request.index, time.monotonic() - t0, request.deadline_ms,
-                                 len(request.prompt_token_ids), request.max_tokens)
+            trace = RequestTrace(
+                request.index,
+                time.monotonic() - t0,
+                request.deadline_ms,
+                len(request.prompt_token_ids),
+                request.max_tokens,
+            )
             traces.append(trace)
             await _one(client, request, trace, t0, f"{id_prefix}-{request.index}", lambda t: None)
             if trace.outcome == "rejected" and trace.retry_after_ms:
                 await asyncio.sleep(min(trace.retry_after_ms / 1000, max(duration_s - (time.monotonic() - t0), 0)))
             elif trace.outcome not in ("ok", "rejected"):
-                await asyncio.sleep(0.01)            # a failing replica must not turn this into a hot loop
+                await asyncio.sleep(0.01)  # a failing replica must not turn this into a hot loop
 
     await asyncio.gather(*(caller() for _ in range(concurrency)))
     return traces

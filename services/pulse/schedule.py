@@ -5,6 +5,7 @@ one per `pulse_every_s`). Poisson arrivals are unit-rate exponential gaps mapped
 rate; constant arrivals are evenly spaced in it. Everything comes from one seed, so the same schedule can
 be replayed against a deadline-mode and a fifo-mode replica.
 """
+
 from __future__ import annotations
 
 import random
@@ -15,10 +16,10 @@ from dataclasses import dataclass
 class LoadSpec:
     qps: float
     duration_s: float
-    arrival: str = "poisson"            # poisson | constant
-    pulse_factor: float = 1.0           # rate multiplier inside a burst
-    pulse_s: float = 0.0                # burst length
-    pulse_every_s: float = 10.0         # one burst per this period, centred in it
+    arrival: str = "poisson"  # poisson | constant
+    pulse_factor: float = 1.0  # rate multiplier inside a burst
+    pulse_s: float = 0.0  # burst length
+    pulse_every_s: float = 10.0  # one burst per this period, centred in it
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -56,11 +57,11 @@ class LoadSpec:
 
 @dataclass(frozen=True)
 class ShapeSpec:
-    kind: str = "fixed"                 # fixed | mix
-    prompt_tokens: int = 64             # fixed: exact; mix: median of a log-normal
+    kind: str = "fixed"  # fixed | mix
+    prompt_tokens: int = 64  # fixed: exact; mix: median of a log-normal
     max_tokens: int = 32
-    sigma: float = 0.6                  # mix: log-normal spread
-    context_length: int = 1024          # prompt + max_tokens stay inside it
+    sigma: float = 0.6  # mix: log-normal spread
+    context_length: int = 1024  # prompt + max_tokens stay inside it
 
     def __post_init__(self) -> None:
         if self.kind not in ("fixed", "mix"):
@@ -68,8 +69,10 @@ class ShapeSpec:
         if self.prompt_tokens < 1 or self.max_tokens < 1:
             raise ValueError("prompt_tokens and max_tokens must be >= 1")
         if self.prompt_tokens + self.max_tokens > self.context_length:
-            raise ValueError(f"prompt ({self.prompt_tokens}) + max_tokens ({self.max_tokens}) exceed the context "
-                             f"({self.context_length})")
+            raise ValueError(
+                f"prompt ({self.prompt_tokens}) + max_tokens ({self.max_tokens}) exceed the context "
+                f"({self.context_length})"
+            )
 
 
 @dataclass(frozen=True)
@@ -109,8 +112,14 @@ def _lengths(shape: ShapeSpec, rng: random.Random) -> tuple[int, int]:
     return prompt, min(output, shape.context_length - prompt)
 
 
-def plan(load: LoadSpec, shape: ShapeSpec, vocab_size: int, deadline_ms: float,
-         deadline_per_token_ms: float = 0.0, first_token_id: int = 16) -> list[PlannedRequest]:
+def plan(
+    load: LoadSpec,
+    shape: ShapeSpec,
+    vocab_size: int,
+    deadline_ms: float,
+    deadline_per_token_ms: float = 0.0,
+    first_token_id: int = 16,
+) -> list[PlannedRequest]:
     """The whole schedule. Prompt tokens are drawn from [first_token_id, vocab_size) so low special ids stay out."""
     if deadline_ms <= 0:
         raise ValueError("deadline_ms must be > 0")

@@ -1,5 +1,7 @@
 """The replica's own view of a run, from its Prometheus /metrics before and after: queue time (receive ->
-first engine step), steps waited (steps that began in between), step time and period, deadline misses and the retry-attempt counters the SDK's x-retry-attempt feeds."""
+first engine step), steps waited (steps that began in between), step time and period, deadline misses and the
+retry-attempt counters the SDK's x-retry-attempt feeds."""
+
 from __future__ import annotations
 
 import math
@@ -26,8 +28,7 @@ def delta(after: Samples, before: Samples) -> Samples:
 
 
 def _bucket_counts(samples: Samples, name: str) -> list[tuple[float, float]]:
-    buckets = [(float(dict(labels)["le"]), value) for (n, labels), value in samples.items()
-               if n == f"{name}_bucket"]
+    buckets = [(float(dict(labels)["le"]), value) for (n, labels), value in samples.items() if n == f"{name}_bucket"]
     return sorted(buckets)
 
 
@@ -46,10 +47,14 @@ def _histogram_ms(samples: Samples, name: str) -> dict:
 
     def ms(value: float | None) -> float | None:
         return None if value is None else (math.inf if math.isinf(value) else value * 1000)
-    return {"count": int(count), "mean_ms": total / count * 1000 if count else None,
-            "p50_at_most_ms": ms(quantile_upper_bound(buckets, 0.50)),
-            "p99_at_most_ms": ms(quantile_upper_bound(buckets, 0.99)),
-            "max_at_most_ms": ms(quantile_upper_bound(buckets, 1.0))}
+
+    return {
+        "count": int(count),
+        "mean_ms": total / count * 1000 if count else None,
+        "p50_at_most_ms": ms(quantile_upper_bound(buckets, 0.50)),
+        "p99_at_most_ms": ms(quantile_upper_bound(buckets, 0.99)),
+        "max_at_most_ms": ms(quantile_upper_bound(buckets, 1.0)),
+    }
 
 
 def _by_labels(samples: Samples, name: str, *keys: str) -> dict[str, float]:
@@ -67,9 +72,12 @@ def _steps_waited(samples: Samples) -> dict:
     buckets = _bucket_counts(samples, name)
     count = samples.get((f"{name}_count", ()), 0.0)
     next_step = next((cumulative for le, cumulative in buckets if le == 0), 0.0)
-    return {"count": int(count), "next_step_share": next_step / count if count else None,
-            "mean": samples.get((f"{name}_sum", ()), 0.0) / count if count else None,
-            "max_at_most": quantile_upper_bound(buckets, 1.0)}
+    return {
+        "count": int(count),
+        "next_step_share": next_step / count if count else None,
+        "mean": samples.get((f"{name}_sum", ()), 0.0) / count if count else None,
+        "max_at_most": quantile_upper_bound(buckets, 1.0),
+    }
 
 
 def server_view(before: Samples, after: Samples) -> dict:

@@ -11,6 +11,7 @@ Definitions (times in seconds since the run began, on the client's monotonic clo
   admitted misses    admitted calls that did not complete inside their deadline / admitted calls
 Percentiles are nearest-rank: the smallest value with at least p% of the values at or below it.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,21 +30,21 @@ class RequestTrace:
     prompt_tokens: int
     max_tokens: int
     sent_s: float | None = None
-    outcome: str = "pending"            # ok, rejected, infeasible, deadline_exceeded, unavailable, error, not_sent
+    outcome: str = "pending"  # ok, rejected, infeasible, deadline_exceeded, unavailable, error, not_sent
     error: str = ""
-    attempts: list[tuple[float, str]] = field(default_factory=list)   # (start_s, "admitted" or a code name)
+    attempts: list[tuple[float, str]] = field(default_factory=list)  # (start_s, "admitted" or a code name)
     attempt_endpoints: list[str] = field(default_factory=list)
     first_token_s: float | None = None
     finished_s: float | None = None
     completion_tokens: int = 0
-    device_us: int | None = None                      # the usage the final message reported
+    device_us: int | None = None  # the usage the final message reported
     server_deadline_met: bool | None = None
     server_queue_us: int | None = None
-    server_total_us: int | None = None               # the replica's own received -> finished (Final.timings)
-    final_lag_us: int | None = None                  # engine finish -> this client read the final message
-                                                     # (epoch clocks of both hosts: exact on one host)
+    server_total_us: int | None = None  # the replica's own received -> finished (Final.timings)
+    final_lag_us: int | None = None  # engine finish -> this client read the final message
+    # (epoch clocks of both hosts: exact on one host)
     endpoint: str = ""
-    retry_after_ms: int | None = None                # a failed call's last hint (Rejected: when to come back)
+    retry_after_ms: int | None = None  # a failed call's last hint (Rejected: when to come back)
 
     @property
     def admitted_s(self) -> float | None:
@@ -56,8 +57,13 @@ class RequestTrace:
     @property
     def in_deadline(self) -> bool:
         """Completed, and inside the caller's deadline by both the client's and the server's clocks."""
-        return (self.outcome == "ok" and self.finished_s is not None and self.sent_s is not None
-                and self.finished_s - self.sent_s <= self.deadline_ms / 1000 and self.server_deadline_met is not False)
+        return (
+            self.outcome == "ok"
+            and self.finished_s is not None
+            and self.sent_s is not None
+            and self.finished_s - self.sent_s <= self.deadline_ms / 1000
+            and self.server_deadline_met is not False
+        )
 
 
 @dataclass(frozen=True)
@@ -78,8 +84,13 @@ def percentile(values: Sequence[float], p: float) -> float | None:
 
 
 def percentiles(values: Sequence[float]) -> Percentiles:
-    return Percentiles(percentile(values, 50), percentile(values, 95), percentile(values, 99),
-                       max(values) if values else None, len(values))
+    return Percentiles(
+        percentile(values, 50),
+        percentile(values, 95),
+        percentile(values, 99),
+        max(values) if values else None,
+        len(values),
+    )
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -98,20 +109,20 @@ class Summary:
     admitted_latency_ms: Percentiles
     ttft_ms: Percentiles
     admitted_ttft_ms: Percentiles
-    p99_over_p50: float | None                  # admitted latency
-    server_latency_ms: Percentiles              # the replica's received -> finished of completed calls: the
-    server_p99_over_p50: float | None           # spread without the load generator's own delays on shared cores
-    final_lag_ms: Percentiles                   # engine finish -> final read: the usage commit, the relay,
-                                                # gRPC and the load generator's own loop
+    p99_over_p50: float | None  # admitted latency
+    server_latency_ms: Percentiles  # the replica's received -> finished of completed calls: the
+    server_p99_over_p50: float | None  # spread without the load generator's own delays on shared cores
+    final_lag_ms: Percentiles  # engine finish -> final read: the usage commit, the relay,
+    # gRPC and the load generator's own loop
     rejection_rate: float | None
-    attempt_rejection_rate: float | None        # refused attempts / attempts
+    attempt_rejection_rate: float | None  # refused attempts / attempts
     avg_retries_per_rejected: float | None
     first_retry_success_rate: float | None
     goodput_rps: float
     admitted_miss_rate: float | None
     num_admitted_misses: int
     mean_completion_tokens: float | None
-    max_dispatch_lag_ms: float | None           # how late the scheduler fired, worst case
+    max_dispatch_lag_ms: float | None  # how late the scheduler fired, worst case
     duration_s: float
 
     def to_dict(self) -> dict:
@@ -134,15 +145,22 @@ def summarize(traces: Sequence[RequestTrace], duration_s: float) -> Summary:
     latency = _ms(t.finished_s - t.sent_s for t in done)
     admitted_latency = _ms(t.finished_s - t.admitted_s for t in done if t.admitted_s is not None)
     ttft = _ms(t.first_token_s - t.sent_s for t in done if t.first_token_s is not None)
-    admitted_ttft = _ms(t.first_token_s - t.admitted_s for t in done
-                        if t.first_token_s is not None and t.admitted_s is not None)
+    admitted_ttft = _ms(
+        t.first_token_s - t.admitted_s for t in done if t.first_token_s is not None and t.admitted_s is not None
+    )
     admitted_pct = percentiles(admitted_latency)
     server_pct = percentiles([t.server_total_us / 1000 for t in done if t.server_total_us is not None])
     lags = _ms(t.sent_s - t.planned_s for t in sent)
     return Summary(
-        num_requests=len(traces), num_sent=len(sent), num_admitted=len(admitted), num_completed=len(done),
-        num_in_deadline=len(in_deadline), outcomes=dict(Counter(t.outcome for t in traces)),
-        latency_ms=percentiles(latency), admitted_latency_ms=admitted_pct, ttft_ms=percentiles(ttft),
+        num_requests=len(traces),
+        num_sent=len(sent),
+        num_admitted=len(admitted),
+        num_completed=len(done),
+        num_in_deadline=len(in_deadline),
+        outcomes=dict(Counter(t.outcome for t in traces)),
+        latency_ms=percentiles(latency),
+        admitted_latency_ms=admitted_pct,
+        ttft_ms=percentiles(ttft),
         admitted_ttft_ms=percentiles(admitted_ttft),
         p99_over_p50=_ratio(admitted_pct.p99, admitted_pct.p50) if admitted_pct.count else None,
         server_latency_ms=server_pct,
@@ -156,16 +174,17 @@ def summarize(traces: Sequence[RequestTrace], duration_s: float) -> Summary:
         admitted_miss_rate=_ratio(sum(1 for t in admitted if not t.in_deadline), len(admitted)),
         num_admitted_misses=sum(1 for t in admitted if not t.in_deadline),
         mean_completion_tokens=_ratio(sum(t.completion_tokens for t in done), len(done)),
-        max_dispatch_lag_ms=max(lags) if lags else None, duration_s=duration_s)
+        max_dispatch_lag_ms=max(lags) if lags else None,
+        duration_s=duration_s,
+    )
 
 
 def time_series(traces: Sequence[RequestTrace], duration_s: float, bin_s: float = 0.5) -> dict[str, list]:
     """Counts per bin of arrivals (planned), admissions, rejections (refused attempts) and completions,
     from 0 until the last thing that happened."""
     horizon_s = max([duration_s, *(t.finished_s for t in traces if t.finished_s is not None)])
-    num_bins = int(horizon_s // bin_s) + 1                  # an event at the horizon gets its own bin
-    series: dict[str, list] = {name: [0] * num_bins for name in ("arrivals", "admissions", "rejections",
-                                                                  "completions")}
+    num_bins = int(horizon_s // bin_s) + 1  # an event at the horizon gets its own bin
+    series: dict[str, list] = {name: [0] * num_bins for name in ("arrivals", "admissions", "rejections", "completions")}
 
     def add(name: str, t: float) -> None:
         series[name][min(max(int(t // bin_s), 0), num_bins - 1)] += 1

@@ -1,4 +1,5 @@
 """bench/gpu_check.py's dry run on CPU, so the prepared GPU script cannot rot between GPU runs."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def gpu_check(tmp_path, *args, env=None):
     env = {**os.environ, "OUT": str(tmp_path), **(env or {})}
-    done = subprocess.run([sys.executable, "bench/gpu_check.py", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     return done, report
 
@@ -40,7 +42,7 @@ def test_gpu_check_dry_run_reports_every_part(tmp_path):
     assert all(p["same_argmax"] and p["max_abs_diff"] == 0.0 for p in report["logits"].values())
     speed = report["speed"]
     assert speed["graph_b1"]["tokens_per_s"] > 0 and speed["graph_b4"]["floor_ms"] > speed["graph_b1"]["floor_ms"]
-    assert speed["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 2       # k and v, 2 layers, 2 KV heads, head 16, bf16
+    assert speed["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 2  # k and v, 2 layers, 2 KV heads, head 16, bf16
     kernels = report["kernels"]
     assert kernels["graph_replay"]["used_graph"] and not kernels["eager_step"]["used_graph"]
     assert kernels["eager_step"]["attention"] and kernels["graph_replay"]["top"]

@@ -1,5 +1,6 @@
 """The prepared H200 run (bench/gpu_run.sh): its scripts parse, and the image plus the carried wheels hold every
 package gpu_check can import, at this environment's versions, so a lent machine's minutes are not lost at import."""
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -66,8 +67,13 @@ def test_wheels_pin_this_environment_and_leave_the_image_its_own():
 
 def test_image_and_wheels_hold_everything_gpu_check_imports():
     allowed = sorted({normal(name) for name in entries("gpu_image_packages.txt")} - OURS_ONLY | set(pins()))
-    done = subprocess.run([sys.executable, "-c", TRACE_AS_ON_DEVICE, json.dumps(allowed)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", TRACE_AS_ON_DEVICE, json.dumps(allowed)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     imported = {normal(dist) for dists in json.loads(done.stdout).values() for dist in dists}
     assert set(pins()) <= imported, f"carried but never imported: {sorted(set(pins()) - imported)}"
@@ -84,8 +90,9 @@ def test_run_stops_at_once_without_the_wheels(tmp_path):
 @pytest.mark.slow
 def test_run_dry_on_cpu(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "ZQ_NO_WHEELS": "1", "PYTHON": sys.executable}
-    done = subprocess.run(["bash", "bench/gpu_run.sh", "--dry-run"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        ["bash", "bench/gpu_run.sh", "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     env_txt = (tmp_path / "env.txt").read_text()
     assert "== packages (bench/gpu_imports.py)" in env_txt and "structlog" in env_txt

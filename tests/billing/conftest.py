@@ -90,7 +90,7 @@ def ledger(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Ledger]:
     if request.param == "sqlite":
         path = tmp_path / "ledger.db"
         shutil.copyfile(request.getfixturevalue("sqlite_template"), path)
-        path.chmod(0o600)       # as the ledger makes its own files (billing/private_files.py)
+        path.chmod(0o600)  # as the ledger makes its own files (billing/private_files.py)
         url = f"sqlite+pysqlite:///{path}"
     else:
         url = request.getfixturevalue("postgres_schema_url")

@@ -28,66 +28,91 @@ def month(ledger: Ledger) -> Ledger:
         create_tenant(session, "globex")
         add_price(session, "tiny", "core_us", 1_000, "USD", 0)
         add_price(session, "big", "sm_us", 2, "USD", 0)
-        ingest_usage(session, [
-            usage("a1", finished_at_us=DAY_1, unit_us=2_000_000),
-            missed("a2", finished_at_us=DAY_2, unit_us=3_000_000, labels={"cost_center": "cc-1", "team": "ads"}),
-            gpu_usage("a3", model="big", finished_at_us=DAY_2, unit_us=50_000_000, labels={}),
-            usage("g1", tenant="globex", finished_at_us=DAY_1, unit_us=1_000_000,
-                  labels={"cost_center": "cc-2", "team": "search"}),
-        ])
-        ingest_idle(session, [
-            *(idle("cpu:host-a", minute, CPU_WALL - 1_000_000) for minute in (60, 61, 62)),
-            idle("cpu:host-a", 24 * 60 + 60, CPU_WALL - 3_000_000),
-            idle("GPU-0000-test", 24 * 60 + 60, GPU_WALL - 50_000_000, num_units=132, unit="sm_us"),
-            idle("cpu:host-a", 31 * 24 * 60, 0),  # 1 November: outside the period
-        ])
+        ingest_usage(
+            session,
+            [
+                usage("a1", finished_at_us=DAY_1, unit_us=2_000_000),
+                missed("a2", finished_at_us=DAY_2, unit_us=3_000_000, labels={"cost_center": "cc-1", "team": "ads"}),
+                gpu_usage("a3", model="big", finished_at_us=DAY_2, unit_us=50_000_000, labels={}),
+                usage(
+                    "g1",
+                    tenant="globex",
+                    finished_at_us=DAY_1,
+                    unit_us=1_000_000,
+                    labels={"cost_center": "cc-2", "team": "search"},
+                ),
+            ],
+        )
+        ingest_idle(
+            session,
+            [
+                *(idle("cpu:host-a", minute, CPU_WALL - 1_000_000) for minute in (60, 61, 62)),
+                idle("cpu:host-a", 24 * 60 + 60, CPU_WALL - 3_000_000),
+                idle("GPU-0000-test", 24 * 60 + 60, GPU_WALL - 50_000_000, num_units=132, unit="sm_us"),
+                idle("cpu:host-a", 31 * 24 * 60, 0),  # 1 November: outside the period
+            ],
+        )
     return ledger
 
 
 def rows(ledger: Ledger, by: list[str]) -> list[tuple]:
     with ledger.sessions() as session:
         report = chargeback_report(session, PERIOD, by)
-    return [(*(v for _, v in r.group), r.unit, r.num_requests, r.num_deadline_met, r.unit_us,
-             r.cost_micros, r.attainment) for r in report.rows]
+    return [
+        (*(v for _, v in r.group), r.unit, r.num_requests, r.num_deadline_met, r.unit_us, r.cost_micros, r.attainment)
+        for r in report.rows
+    ]
 
 
 @pytest.mark.parametrize(
     ("by", "expected"),
     [
-        (["cost_center"], [
-            ("(none)", "sm_us", 1, 1, 50_000_000, 100, "100.00%"),
-            ("cc-1", "core_us", 2, 1, 5_000_000, 2_000, "50.00%"),  # the miss is credited: 3000 − 3000
-            ("cc-2", "core_us", 1, 1, 1_000_000, 1_000, "100.00%"),
-        ]),
-        (["team"], [
-            ("(none)", "sm_us", 1, 1, 50_000_000, 100, "100.00%"),
-            ("ads", "core_us", 1, 0, 3_000_000, 0, "0.00%"),
-            ("search", "core_us", 2, 2, 3_000_000, 3_000, "100.00%"),
-        ]),
-        (["model"], [
-            ("big", "sm_us", 1, 1, 50_000_000, 100, "100.00%"),
-            ("tiny", "core_us", 3, 2, 6_000_000, 3_000, "66.67%"),
-        ]),
-        (["tenant"], [
-            ("acme", "core_us", 2, 1, 5_000_000, 2_000, "50.00%"),
-            ("acme", "sm_us", 1, 1, 50_000_000, 100, "100.00%"),
-            ("globex", "core_us", 1, 1, 1_000_000, 1_000, "100.00%"),
-        ]),
-        (["day"], [
-            ("2026-10-01", "core_us", 2, 2, 3_000_000, 3_000, "100.00%"),
-            ("2026-10-02", "core_us", 1, 0, 3_000_000, 0, "0.00%"),
-            ("2026-10-02", "sm_us", 1, 1, 50_000_000, 100, "100.00%"),
-        ]),
-        (["tenant", "team"], [
-            ("acme", "(none)", "sm_us", 1, 1, 50_000_000, 100, "100.00%"),
-            ("acme", "ads", "core_us", 1, 0, 3_000_000, 0, "0.00%"),
-            ("acme", "search", "core_us", 1, 1, 2_000_000, 2_000, "100.00%"),
-            ("globex", "search", "core_us", 1, 1, 1_000_000, 1_000, "100.00%"),
-        ]),
-        ([], [
-            ("core_us", 3, 2, 6_000_000, 3_000, "66.67%"),
-            ("sm_us", 1, 1, 50_000_000, 100, "100.00%"),
-        ]),
+        (
+            ["cost_center"],
+            [
+                ("(none)", "sm_us", 1, 1, 50_000_000, 100, "100.00%"),
+                ("cc-1", "core_us", 2, 1, 5_000_000, 2_000, "50.00%"),  # the miss is credited: 3000 − 3000
+                ("cc-2", "core_us", 1, 1, 1_000_000, 1_000, "100.00%"),
+            ],
+        ),
+        (
+            ["team"],
+            [
+                ("(none)", "sm_us", 1, 1, 50_000_000, 100, "100.00%"),
+                ("ads", "core_us", 1, 0, 3_000_000, 0, "0.00%"),
+                ("search", "core_us", 2, 2, 3_000_000, 3_000, "100.00%"),
+            ],
+        ),
+        (
+            ["model"],
+            [("big", "sm_us", 1, 1, 50_000_000, 100, "100.00%"), ("tiny", "core_us", 3, 2, 6_000_000, 3_000, "66.67%")],
+        ),
+        (
+            ["tenant"],
+            [
+                ("acme", "core_us", 2, 1, 5_000_000, 2_000, "50.00%"),
+                ("acme", "sm_us", 1, 1, 50_000_000, 100, "100.00%"),
+                ("globex", "core_us", 1, 1, 1_000_000, 1_000, "100.00%"),
+            ],
+        ),
+        (
+            ["day"],
+            [
+                ("2026-10-01", "core_us", 2, 2, 3_000_000, 3_000, "100.00%"),
+                ("2026-10-02", "core_us", 1, 0, 3_000_000, 0, "0.00%"),
+                ("2026-10-02", "sm_us", 1, 1, 50_000_000, 100, "100.00%"),
+            ],
+        ),
+        (
+            ["tenant", "team"],
+            [
+                ("acme", "(none)", "sm_us", 1, 1, 50_000_000, 100, "100.00%"),
+                ("acme", "ads", "core_us", 1, 0, 3_000_000, 0, "0.00%"),
+                ("acme", "search", "core_us", 1, 1, 2_000_000, 2_000, "100.00%"),
+                ("globex", "search", "core_us", 1, 1, 1_000_000, 1_000, "100.00%"),
+            ],
+        ),
+        ([], [("core_us", 3, 2, 6_000_000, 3_000, "66.67%"), ("sm_us", 1, 1, 50_000_000, 100, "100.00%")]),
     ],
     ids=lambda value: ",".join(value) if isinstance(value, list) and all(isinstance(v, str) for v in value) else None,
 )
@@ -106,7 +131,10 @@ def test_device_utilisation_and_conservation(month: Ledger) -> None:
     assert cpu.unaccounted_unit_us == gpu.unaccounted_unit_us == 0
     assert (cpu.utilisation_ppm, gpu.utilisation_ppm) == (6_250, 6_313)
     assert [(p.day, p.unit, p.utilisation_ppm) for p in report.timeline] == [
-        ("2026-10-01", "core_us", 4_167), ("2026-10-02", "core_us", 12_500), ("2026-10-02", "sm_us", 6_313)]
+        ("2026-10-01", "core_us", 4_167),
+        ("2026-10-02", "core_us", 12_500),
+        ("2026-10-02", "sm_us", 6_313),
+    ]
 
 
 def test_a_tenant_scoped_report_leaves_out_other_tenants_and_devices(month: Ledger) -> None:
@@ -130,8 +158,13 @@ def test_bad_groupings_and_periods_name_the_field(month: Ledger) -> None:
 
 @pytest.mark.parametrize(
     ("numerator", "denominator", "ppm", "text"),
-    [(1, 3, 333_333, "33.33%"), (2, 3, 666_667, "66.67%"), (1, 8, 125_000, "12.50%"), (0, 0, 0, "—"),
-     (5, 5, 1_000_000, "100.00%")],
+    [
+        (1, 3, 333_333, "33.33%"),
+        (2, 3, 666_667, "66.67%"),
+        (1, 8, 125_000, "12.50%"),
+        (0, 0, 0, "—"),
+        (5, 5, 1_000_000, "100.00%"),
+    ],
 )
 def test_ratios_are_integer_arithmetic(numerator: int, denominator: int, ppm: int, text: str) -> None:
     assert ratio_ppm(numerator, denominator) == ppm

@@ -39,8 +39,10 @@ def test_sqlite_gets_wal_foreign_keys_busy_timeout_and_full_sync(tmp_path: Path)
     engine = make_engine(f"sqlite:///{tmp_path / 'nested' / 'dir' / 'ledger.db'}")
     try:
         with engine.connect() as connection:
-            pragmas = {name: connection.execute(text(f"PRAGMA {name}")).scalar()
-                       for name in ("journal_mode", "foreign_keys", "busy_timeout", "synchronous")}
+            pragmas = {
+                name: connection.execute(text(f"PRAGMA {name}")).scalar()
+                for name in ("journal_mode", "foreign_keys", "busy_timeout", "synchronous")
+            }
     finally:
         engine.dispose()
     assert pragmas == {"journal_mode": "wal", "foreign_keys": 1, "busy_timeout": 30_000, "synchronous": 2}

@@ -46,18 +46,28 @@ def billed(ledger: Ledger) -> Ledger:
         add_price(session, "tiny", "core_us", 1_500, "USD", 0)
         add_price(session, "big", "sm_us", 10, "USD", 0)
         add_price(session, "big", "sm_us", 12, "USD", MID_MONTH_US)
-        ingest_usage(session, [
-            usage("r1", unit_us=1_000_000),
-            usage("r2", unit_us=2_500_000, labels={}),
-            missed("r3", unit_us=333_333),
-            gpu_usage("g1", model="big", unit_us=132_000_000, finished_at_us=MID_MONTH_US - 1),
-            missed("g2", model="big", device_kind="cuda", device_id="GPU-0000-test", unit="sm_us",
-                   unit_us=66_000_001, finished_at_us=MID_MONTH_US),
-            gpu_usage("g3", model="big", unit_us=1, finished_at_us=MID_MONTH_US + 5),
-            usage("other-tenant", tenant="globex", unit_us=7_000_000),
-            usage("last-month", unit_us=9_000_000, finished_at_us=START_US - 1),
-            usage("next-month", unit_us=9_000_000, finished_at_us=parse_period(PERIOD).end_us),
-        ])
+        ingest_usage(
+            session,
+            [
+                usage("r1", unit_us=1_000_000),
+                usage("r2", unit_us=2_500_000, labels={}),
+                missed("r3", unit_us=333_333),
+                gpu_usage("g1", model="big", unit_us=132_000_000, finished_at_us=MID_MONTH_US - 1),
+                missed(
+                    "g2",
+                    model="big",
+                    device_kind="cuda",
+                    device_id="GPU-0000-test",
+                    unit="sm_us",
+                    unit_us=66_000_001,
+                    finished_at_us=MID_MONTH_US,
+                ),
+                gpu_usage("g3", model="big", unit_us=1, finished_at_us=MID_MONTH_US + 5),
+                usage("other-tenant", tenant="globex", unit_us=7_000_000),
+                usage("last-month", unit_us=9_000_000, finished_at_us=START_US - 1),
+                usage("next-month", unit_us=9_000_000, finished_at_us=parse_period(PERIOD).end_us),
+            ],
+        )
     return ledger
 
 
@@ -88,8 +98,9 @@ def ledger_implied_total(ledger: Ledger, tenant: str) -> int:
 
 def test_totals_equal_lines_and_the_ledger_rows(billed: Ledger) -> None:
     invoice = draft(billed)
-    summary = [(ln.model, ln.kind, ln.price_micros, ln.num_requests, ln.unit_us, ln.amount_micros)
-               for ln in invoice.lines]
+    summary = [
+        (ln.model, ln.kind, ln.price_micros, ln.num_requests, ln.unit_us, ln.amount_micros) for ln in invoice.lines
+    ]
     assert summary == [
         ("big", LineKind.USAGE, 10, 1, 132_000_000, 1_320),
         ("big", LineKind.USAGE, 12, 2, 66_000_002, 792),  # 792.000024 rounds down
@@ -103,7 +114,10 @@ def test_totals_equal_lines_and_the_ledger_rows(billed: Ledger) -> None:
     assert [line.position for line in invoice.lines] == list(range(5))
     period = parse_period(PERIOD)
     assert [(ln.usage_from_us, ln.usage_to_us) for ln in invoice.lines] == [
-        (period.start_us, MID_MONTH_US), *[(MID_MONTH_US, period.end_us)] * 2, *[(period.start_us, period.end_us)] * 2]
+        (period.start_us, MID_MONTH_US),
+        *[(MID_MONTH_US, period.end_us)] * 2,
+        *[(period.start_us, period.end_us)] * 2,
+    ]
     assert invoice.currency == "USD" and invoice.status is InvoiceStatus.DRAFT
 
 
@@ -117,10 +131,13 @@ def test_generating_a_draft_again_refreshes_the_same_invoice(billed: Ledger) -> 
     with billed.sessions() as session:
         assert session.scalar(select(func.count()).select_from(Invoice)) == 1
     with pytest.raises(IntegrityError), unit_of_work(billed.sessions) as session:  # the DB keeps it at one
-        session.execute(text(
-            "INSERT INTO invoices (tenant_id, period, status, currency, total_micros, period_start_us, "
-            "period_end_us, created_at_us, refreshed_at_us) SELECT tenant_id, period, 'draft', currency, 0, "
-            "period_start_us, period_end_us, 0, 0 FROM invoices"))
+        session.execute(
+            text(
+                "INSERT INTO invoices (tenant_id, period, status, currency, total_micros, period_start_us, "
+                "period_end_us, created_at_us, refreshed_at_us) SELECT tenant_id, period, 'draft', currency, 0, "
+                "period_start_us, period_end_us, 0, 0 FROM invoices"
+            )
+        )
 
 
 def test_concurrent_draft_generation_yields_one_invoice(billed: Ledger) -> None:
@@ -220,9 +237,12 @@ def test_credit_notes_correct_finalized_invoices_only(billed: Ledger) -> None:
     with pytest.raises(InvoiceState), unit_of_work(billed.sessions) as session:
         issue_credit_note(session, open_draft.id, 100, "goodwill")
     with pytest.raises(IntegrityError, match="finalized"), unit_of_work(billed.sessions) as session:
-        session.execute(text(
-            "INSERT INTO credit_notes (invoice_id, amount_micros, currency, reason, created_at_us) "
-            f"VALUES ({open_draft.id}, 5, 'USD', 'raw', 0)"))
+        session.execute(
+            text(
+                "INSERT INTO credit_notes (invoice_id, amount_micros, currency, reason, created_at_us) "
+                f"VALUES ({open_draft.id}, 5, 'USD', 'raw', 0)"
+            )
+        )
     invoice = finalized(billed)
     with unit_of_work(billed.sessions) as session:
         note = issue_credit_note(session, invoice.id, 570, "outage on the 3rd", now_us=AFTER_PERIOD_US)

@@ -79,8 +79,10 @@ def test_copies_inside_one_batch_resolve_against_the_first(acme: Ledger) -> None
     with unit_of_work(acme.sessions) as session:
         results = ingest_usage(session, batch)
     assert [(r.record_id, r.status) for r in results] == [
-        ("r-1", IngestStatus.ACCEPTED), ("r-2", IngestStatus.ACCEPTED),
-        ("r-1", IngestStatus.DUPLICATE), ("r-1", IngestStatus.CONFLICT),
+        ("r-1", IngestStatus.ACCEPTED),
+        ("r-2", IngestStatus.ACCEPTED),
+        ("r-1", IngestStatus.DUPLICATE),
+        ("r-1", IngestStatus.CONFLICT),
     ]
     assert count(acme, UsageRow) == 2 and count(acme, UsageConflict) == 1
 
@@ -131,8 +133,10 @@ def test_concurrent_overlapping_batches_store_each_record_once(acme: Ledger) -> 
         except BaseException as error:  # surfaced by the assertion below
             errors.append(error)
 
-    threads = [threading.Thread(target=worker, args=(0, range(0, 450))),
-               threading.Thread(target=worker, args=(1, range(150, 600)))]
+    threads = [
+        threading.Thread(target=worker, args=(0, range(0, 450))),
+        threading.Thread(target=worker, args=(1, range(150, 600))),
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -154,8 +158,14 @@ def all_pages(ledger: Ledger, page_size: int, **filters) -> list[list[str]]:
     pages, token = [], None
     while True:
         with ledger.sessions() as session:
-            page = query_usage(session, start_us=PERIOD_BOUNDS.start_us, end_us=PERIOD_BOUNDS.end_us,
-                               page_size=page_size, page_token=token, **filters)
+            page = query_usage(
+                session,
+                start_us=PERIOD_BOUNDS.start_us,
+                end_us=PERIOD_BOUNDS.end_us,
+                page_size=page_size,
+                page_token=token,
+                **filters,
+            )
         pages.append([record.request_id for record in page.records])
         token = page.next_page_token
         if token is None:
@@ -176,17 +186,27 @@ def test_query_pages_cover_every_row_once_in_time_order(acme: Ledger) -> None:
 
 
 def test_query_filters_by_tenant_labels_and_model(acme: Ledger) -> None:
-    ingest(acme, [
-        usage("a-1"), usage("a-2", labels={"team": "ads", "region": "eu"}), usage("a-3", model="big"),
-        usage("g-1", tenant="globex", labels={"team": "ads", "region": "eu"}),
-    ])
+    ingest(
+        acme,
+        [
+            usage("a-1"),
+            usage("a-2", labels={"team": "ads", "region": "eu"}),
+            usage("a-3", model="big"),
+            usage("g-1", tenant="globex", labels={"team": "ads", "region": "eu"}),
+        ],
+    )
     assert all_pages(acme, 10, tenant="acme") == [["a-1", "a-2", "a-3"]]
     assert sorted(all_pages(acme, 10, labels={"team": "ads"})[0]) == ["a-2", "g-1"]
     assert all_pages(acme, 10, tenant="acme", labels={"region": "eu"}) == [["a-2"]]
     assert all_pages(acme, 10, labels={"cost_center": "cc-1"}, model="big") == [["a-3"]]
     with acme.sessions() as session:
-        [stored] = query_usage(session, start_us=PERIOD_BOUNDS.start_us, end_us=PERIOD_BOUNDS.end_us,
-                               labels={"region": "eu"}, tenant="globex").records
+        [stored] = query_usage(
+            session,
+            start_us=PERIOD_BOUNDS.start_us,
+            end_us=PERIOD_BOUNDS.end_us,
+            labels={"region": "eu"},
+            tenant="globex",
+        ).records
     assert stored == usage("g-1", tenant="globex", labels={"team": "ads", "region": "eu"})
 
 
@@ -209,21 +229,34 @@ def test_page_tokens_are_checked(acme: Ledger) -> None:
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
-    unit_us=st.integers(0, 4 * MAX_RECORD_WALL_US),     # the factory's num_units is 4
+    unit_us=st.integers(0, 4 * MAX_RECORD_WALL_US),  # the factory's num_units is 4
     tokens=st.integers(0, MAX_TOKENS),
-    label=st.text(st.characters(min_codepoint=32, max_codepoint=0x10FFFF, exclude_categories=("Cs",),
-                                exclude_characters="\x7f"), min_size=1, max_size=40),
-    request_id=st.text(st.characters(min_codepoint=33, max_codepoint=0x2FFF, exclude_characters="\x7f"),
-                       min_size=1, max_size=128),
+    label=st.text(
+        st.characters(min_codepoint=32, max_codepoint=0x10FFFF, exclude_categories=("Cs",), exclude_characters="\x7f"),
+        min_size=1,
+        max_size=40,
+    ),
+    request_id=st.text(
+        st.characters(min_codepoint=33, max_codepoint=0x2FFF, exclude_characters="\x7f"), min_size=1, max_size=128
+    ),
     streamed=st.booleans(),
 )
 def test_stored_records_read_back_identical(acme: Ledger, unit_us, tokens, label, request_id, streamed) -> None:
-    record = usage(request_id, unit_us=unit_us, prompt_tokens=tokens, labels={"team": label, "note": label},
-                   first_token_at_us=START_US + 3_600_000_000 - 3_000 if streamed else None)
+    record = usage(
+        request_id,
+        unit_us=unit_us,
+        prompt_tokens=tokens,
+        labels={"team": label, "note": label},
+        first_token_at_us=START_US + 3_600_000_000 - 3_000 if streamed else None,
+    )
     with unit_of_work(acme.sessions) as session:
         ingest_usage(session, [record])
-        page = query_usage(session, start_us=record.finished_at_us, end_us=record.finished_at_us + 1,
-                           labels={"team": label, "note": label})
+        page = query_usage(
+            session,
+            start_us=record.finished_at_us,
+            end_us=record.finished_at_us + 1,
+            labels={"team": label, "note": label},
+        )
         replay = ingest_usage(session, [page.records[0]])
         session.rollback()
     assert page.records == [record]

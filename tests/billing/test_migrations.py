@@ -44,12 +44,18 @@ def tables_and_routines(url: str) -> tuple[set[str], set[str]]:
         with engine.connect() as connection:
             tables = set(inspect(connection).get_table_names())
             if engine.dialect.name == "postgresql":
-                routines = set(connection.execute(text(
-                    "SELECT routine_name FROM information_schema.routines WHERE routine_schema = current_schema()"
-                )).scalars())
+                routines = set(
+                    connection.execute(
+                        text(
+                            "SELECT routine_name FROM information_schema.routines"
+                            " WHERE routine_schema = current_schema()"
+                        )
+                    ).scalars()
+                )
             else:
-                routines = set(connection.execute(text(
-                    "SELECT name FROM sqlite_master WHERE type = 'trigger'")).scalars())
+                routines = set(
+                    connection.execute(text("SELECT name FROM sqlite_master WHERE type = 'trigger'")).scalars()
+                )
         return tables, routines
     finally:
         engine.dispose()
@@ -71,9 +77,12 @@ def test_upgrade_downgrade_upgrade_round_trip(empty_url: str) -> None:
     engine = make_engine(empty_url)
     try:
         with pytest.raises(IntegrityError, match="append-only"), engine.begin() as connection:
-            connection.execute(text(
-                "INSERT INTO prices (model, unit, price_micros, currency, effective_from_us, created_at_us) "
-                "VALUES ('m', 'sm_us', 1, 'USD', 0, 0)"))
+            connection.execute(
+                text(
+                    "INSERT INTO prices (model, unit, price_micros, currency, effective_from_us, created_at_us) "
+                    "VALUES ('m', 'sm_us', 1, 'USD', 0, 0)"
+                )
+            )
             connection.execute(text("UPDATE prices SET price_micros = 2"))
     finally:
         engine.dispose()
@@ -94,12 +103,14 @@ def test_the_drift_check_sees_a_schema_the_models_do_not_describe(empty_url: str
 
 _INVOICE = text(
     "INSERT INTO invoices (tenant_id, period, status, currency, total_micros, period_start_us, period_end_us, "
-    "created_at_us, refreshed_at_us) VALUES (1, :period, 'draft', 'USD', 0, 0, 1, 0, 0)")
+    "created_at_us, refreshed_at_us) VALUES (1, :period, 'draft', 'USD', 0, 0, 1, 0, 0)"
+)
 _USAGE = text(
     "INSERT INTO usage_records (request_id, tenant_id, labels, model, device_kind, device_id, unit, num_units, "
     "unit_us, prompt_tokens, completion_tokens, received_at_us, dispatched_at_us, finished_at_us, deadline_at_us, "
     "deadline_met, outcome, payload_digest, ingested_at_us) VALUES (:request_id, 1, '{}', 'm', 'cpu', 'cpu:h', "
-    "'core_us', :num_units, :unit_us, 0, 0, 1, 1, :finished_at_us, 1, false, 'error', 'd', 0)")
+    "'core_us', :num_units, :unit_us, 0, 0, 1, 1, :finished_at_us, 1, false, 'error', 'd', 0)"
+)
 
 
 def secret_of(url: str) -> str:
@@ -111,8 +122,9 @@ def secret_of(url: str) -> str:
         engine.dispose()
 
 
-@pytest.mark.parametrize("period", ["２０２６-１２", "٢٠٢٦-١٢", "2026-13", "2026-00", "2026-1", " 2026-1", "2026-1x",
-                                    "２026-12"])
+@pytest.mark.parametrize(
+    "period", ["２０２６-１２", "٢٠٢٦-١٢", "2026-13", "2026-00", "2026-1", " 2026-1", "2026-1x", "２026-12"]
+)
 def test_the_database_refuses_a_period_that_is_not_ascii_yyyy_mm(empty_url: str, period: str) -> None:
     migrations.upgrade(empty_url)
     engine = make_engine(empty_url)
@@ -128,12 +140,15 @@ def test_the_database_refuses_a_period_that_is_not_ascii_yyyy_mm(empty_url: str,
         engine.dispose()
 
 
-@pytest.mark.parametrize("fields, constraint", [
-    ({"unit_us": 4 * 31 * 86_400_000_000 + 1}, "ck_usage_records_unit_us_range"),
-    ({"unit_us": 2**62}, "ck_usage_records_unit_us_range"),
-    ({"num_units": 4097}, "ck_usage_records_num_units_range"),
-    ({"finished_at_us": 7_258_118_400_000_000}, "ck_usage_records_times_range"),
-])
+@pytest.mark.parametrize(
+    "fields, constraint",
+    [
+        ({"unit_us": 4 * 31 * 86_400_000_000 + 1}, "ck_usage_records_unit_us_range"),
+        ({"unit_us": 2**62}, "ck_usage_records_unit_us_range"),
+        ({"num_units": 4097}, "ck_usage_records_num_units_range"),
+        ({"finished_at_us": 7_258_118_400_000_000}, "ck_usage_records_times_range"),
+    ],
+)
 def test_the_database_refuses_usage_whose_sums_could_overflow(empty_url: str, fields: dict, constraint: str) -> None:
     migrations.upgrade(empty_url)
     engine = make_engine(empty_url)
@@ -141,8 +156,10 @@ def test_the_database_refuses_usage_whose_sums_could_overflow(empty_url: str, fi
     try:
         with engine.begin() as connection:
             connection.execute(text("INSERT INTO tenants (name, created_at_us) VALUES ('acme', 0)"))
-            connection.execute(_USAGE, {"request_id": "at-the-bound", "num_units": 4,
-                                        "unit_us": 4 * 31 * 86_400_000_000, "finished_at_us": 2})
+            connection.execute(
+                _USAGE,
+                {"request_id": "at-the-bound", "num_units": 4, "unit_us": 4 * 31 * 86_400_000_000, "finished_at_us": 2},
+            )
         with pytest.raises(IntegrityError, match=constraint), engine.begin() as connection:
             connection.execute(_USAGE, row)
     finally:
@@ -158,27 +175,32 @@ def test_0003_round_trips_and_will_not_upgrade_over_rows_that_break_its_rules(em
     assert "ledger_secrets" not in tables
     engine = make_engine(empty_url)
     try:
-        with engine.begin() as connection:     # without 0003 nothing stops another spelling of a month
+        with engine.begin() as connection:  # without 0003 nothing stops another spelling of a month
             connection.execute(text("INSERT INTO tenants (name, created_at_us) VALUES ('acme', 0)"))
             connection.execute(_INVOICE, {"period": "２０２６-１２"})
         with pytest.raises(RuntimeError, match="1 row.*invoices.*ck_invoices_period_format"):
             migrations.upgrade(empty_url)
-        assert "ledger_secrets" not in tables_and_routines(empty_url)[0]     # stopped before changing anything
+        assert "ledger_secrets" not in tables_and_routines(empty_url)[0]  # stopped before changing anything
         with engine.begin() as connection:
-            connection.execute(text("DELETE FROM invoices"))                # a draft may be deleted
+            connection.execute(text("DELETE FROM invoices"))  # a draft may be deleted
     finally:
         engine.dispose()
     migrations.upgrade(empty_url)
     assert drift(empty_url) == []
-    assert secret_of(empty_url) != first_secret       # a new secret: tokens signed before are refused
+    assert secret_of(empty_url) != first_secret  # a new secret: tokens signed before are refused
 
 
 def test_the_models_declare_exactly_the_checks_that_0003_installs() -> None:
-    spec = importlib.util.spec_from_file_location("revision_0003", migrations.MIGRATIONS_DIR / "versions" /
-                                                  "0003_bounds_and_secrets.py")
+    spec = importlib.util.spec_from_file_location(
+        "revision_0003", migrations.MIGRATIONS_DIR / "versions" / "0003_bounds_and_secrets.py"
+    )
     revision = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(revision)
-    declared = {str(constraint.name): str(constraint.sqltext) for table in Base.metadata.tables.values()
-                for constraint in table.constraints if isinstance(constraint, CheckConstraint)}
+    declared = {
+        str(constraint.name): str(constraint.sqltext)
+        for table in Base.metadata.tables.values()
+        for constraint in table.constraints
+        if isinstance(constraint, CheckConstraint)
+    }
     installed = {name: expression.format(r="") for _, name, expression, _ in revision.CHECKS}
     assert {name: declared.get(name) for name in installed} == installed

@@ -52,12 +52,16 @@ def test_a_sqlite_ledger_and_its_wal_are_private_from_creation(tmp_path: Path, o
             connection.execute(text("CREATE TABLE t (x INTEGER)"))
             connection.execute(text("INSERT INTO t VALUES (1)"))
             assert {p.name: mode(p) for p in path.parent.iterdir()} == {
-                "ledger.db": 0o600, "ledger.db-wal": 0o600, "ledger.db-shm": 0o600}
+                "ledger.db": 0o600,
+                "ledger.db-wal": 0o600,
+                "ledger.db-shm": 0o600,
+            }
     finally:
         engine.dispose()
     assert mode(path.parent) == 0o700
     assert [(name, created_mode) for name, flags, created_mode in opened if flags & os.O_CREAT] == [
-        (str(path), 0o600)]                                         # never a moment at the umask's 0644
+        (str(path), 0o600)
+    ]  # never a moment at the umask's 0644
 
 
 def test_a_migrated_ledger_is_private(tmp_path: Path) -> None:
@@ -67,9 +71,10 @@ def test_a_migrated_ledger_is_private(tmp_path: Path) -> None:
 
 
 def test_the_outbox_is_private_and_the_default_data_directory_an_older_version_left_open_is_closed(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("HOME", str(tmp_path))
-    home = tmp_path / ".zeroqueue"                          # ~/.zeroqueue, made 0755 by an older version
+    home = tmp_path / ".zeroqueue"  # ~/.zeroqueue, made 0755 by an older version
     home.mkdir(mode=0o755)
     (home / "outbox.db").touch(mode=0o644)
     outbox = Outbox(home / "outbox.db")
@@ -77,7 +82,10 @@ def test_the_outbox_is_private_and_the_default_data_directory_an_older_version_l
         outbox.flush()
         assert mode(home) == 0o700
         assert {p.name: mode(p) for p in home.iterdir()} == {
-            "outbox.db": 0o600, "outbox.db-wal": 0o600, "outbox.db-shm": 0o600}
+            "outbox.db": 0o600,
+            "outbox.db-wal": 0o600,
+            "outbox.db-shm": 0o600,
+        }
     finally:
         outbox.close()
 
@@ -90,7 +98,8 @@ def test_a_new_data_directory_and_outbox_are_private_from_creation(tmp_path: Pat
         outbox.close()
     assert mode(tmp_path / "chosen") == 0o700 and mode(tmp_path / "chosen" / "outbox.db") == 0o600
     assert [(name, created) for name, flags, created in opened if flags & os.O_CREAT] == [
-        (str(tmp_path / "chosen" / "outbox.db"), 0o600)]
+        (str(tmp_path / "chosen" / "outbox.db"), 0o600)
+    ]
 
 
 def test_an_existing_ledger_directory_is_left_alone_but_its_files_are_narrowed(tmp_path: Path) -> None:
@@ -99,7 +108,7 @@ def test_an_existing_ledger_directory_is_left_alone_but_its_files_are_narrowed(t
     (shared / "ledger.db").touch(mode=0o644)
     (shared / "ledger.db-wal").touch(mode=0o644)
     make_engine(f"sqlite:///{shared / 'ledger.db'}").dispose()
-    assert mode(shared) == 0o755            # not ours to close (someone chose it, maybe shared); a warning says so
+    assert mode(shared) == 0o755  # not ours to close (someone chose it, maybe shared); a warning says so
     assert mode(shared / "ledger.db") == mode(shared / "ledger.db-wal") == 0o600
 
 
@@ -112,8 +121,9 @@ def test_the_demo_key_file_is_private_from_creation(tmp_path: Path, opened: list
     key_file = tmp_path / "home" / "demo.key"
     assert mode(tmp_path / "home") == 0o700 and mode(key_file) == 0o600
     assert key_file.read_text().startswith("zq_")
-    assert [(name, created_mode) for name, flags, created_mode in opened
-            if flags & os.O_CREAT and name.endswith(".key")] == [(str(key_file), 0o600)]
+    assert [
+        (name, created_mode) for name, flags, created_mode in opened if flags & os.O_CREAT and name.endswith(".key")
+    ] == [(str(key_file), 0o600)]
 
 
 def test_write_private_narrows_a_file_before_writing_a_secret_into_it(tmp_path: Path) -> None:

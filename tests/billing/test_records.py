@@ -94,12 +94,22 @@ def test_invalid_idle_names_the_field(overrides: dict, field: str) -> None:
 
 
 DIGEST_CHANGES = [
-    {"request_id": "r-other"}, {"tenant": "other"}, {"labels": {"team": "x"}}, {"model": "m2"},
-    {"device_id": "cpu:host-b"}, {"num_units": 8}, {"unit_us": 7}, {"prompt_tokens": 1},
-    {"completion_tokens": 2}, {"received_at_us": START_US + US_PER_HOUR - 6_000},
-    {"dispatched_at_us": START_US + US_PER_HOUR - 4_500}, {"first_token_at_us": None},
-    {"finished_at_us": START_US + US_PER_HOUR + 10}, {"deadline_at_us": START_US + 10**10},
-    {"outcome": "error"}, {"outcome": "error", "deadline_met": False},
+    {"request_id": "r-other"},
+    {"tenant": "other"},
+    {"labels": {"team": "x"}},
+    {"model": "m2"},
+    {"device_id": "cpu:host-b"},
+    {"num_units": 8},
+    {"unit_us": 7},
+    {"prompt_tokens": 1},
+    {"completion_tokens": 2},
+    {"received_at_us": START_US + US_PER_HOUR - 6_000},
+    {"dispatched_at_us": START_US + US_PER_HOUR - 4_500},
+    {"first_token_at_us": None},
+    {"finished_at_us": START_US + US_PER_HOUR + 10},
+    {"deadline_at_us": START_US + 10**10},
+    {"outcome": "error"},
+    {"outcome": "error", "deadline_met": False},
     {"device_kind": "cuda", "unit": "sm_us", "device_id": "GPU-1"},
 ]
 
@@ -119,13 +129,14 @@ def test_digest_ignores_label_order_and_enum_spelling() -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(
-    unit_us=st.integers(0, 4 * MAX_RECORD_WALL_US),     # the factory's num_units is 4
+    unit_us=st.integers(0, 4 * MAX_RECORD_WALL_US),  # the factory's num_units is 4
     prompt=st.integers(0, MAX_TOKENS),
     completion=st.integers(0, MAX_TOKENS),
     labels=st.dictionaries(
         st.from_regex(r"[a-z][a-z0-9_]{0,10}", fullmatch=True),
-        st.text(st.characters(min_codepoint=32, max_codepoint=0x2FFF, exclude_characters="\x7f"),
-                min_size=1, max_size=20),
+        st.text(
+            st.characters(min_codepoint=32, max_codepoint=0x2FFF, exclude_characters="\x7f"), min_size=1, max_size=20
+        ),
         max_size=5,
     ),
     gaps=st.lists(st.integers(0, 10**9), min_size=3, max_size=3),
@@ -135,9 +146,18 @@ def test_valid_records_round_trip_through_their_payload(unit_us, prompt, complet
     dispatched = received + gaps[0]
     first = dispatched + gaps[1]
     finished = first + gaps[2]
-    record = usage("r-h", unit_us=unit_us, prompt_tokens=prompt, completion_tokens=completion, labels=labels,
-                   received_at_us=received, dispatched_at_us=dispatched, first_token_at_us=first,
-                   finished_at_us=finished, deadline_at_us=finished)
+    record = usage(
+        "r-h",
+        unit_us=unit_us,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        labels=labels,
+        received_at_us=received,
+        dispatched_at_us=dispatched,
+        first_token_at_us=first,
+        finished_at_us=finished,
+        deadline_at_us=finished,
+    )
     again = UsageRecord(**record.to_payload())
     assert again == record
     assert again.payload_digest() == record.payload_digest()

@@ -10,14 +10,7 @@ from sqlalchemy import select, text
 from billing.db import unit_of_work
 from billing.errors import ApiKeyNotFound, InvalidRecord, PermissionDenied, TenantExists, Unauthenticated
 from billing.models import ApiKey, Role
-from billing.tenants import (
-    authenticate,
-    create_admin_key,
-    create_tenant,
-    create_tenant_key,
-    list_keys,
-    revoke_key,
-)
+from billing.tenants import authenticate, create_admin_key, create_tenant, create_tenant_key, list_keys, revoke_key
 from tests.billing.conftest import Ledger
 
 
@@ -75,7 +68,9 @@ def test_a_revoked_key_fails_and_the_other_keys_still_work(ledger: Ledger) -> No
             authenticate(session, old.key)
         assert authenticate(session, new.key).tenant == "acme"
         assert [(k.id, k.revoked_at_us is None) for k in list_keys(session, "acme")] == [
-            (old.info.id, False), (new.info.id, True)]
+            (old.info.id, False),
+            (new.info.id, True),
+        ]
         with pytest.raises(ApiKeyNotFound):
             revoke_key(session, 12345)
 

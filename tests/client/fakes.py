@@ -1,5 +1,6 @@
 """Fake replicas for SDK tests: a grpc.aio Inference servicer that answers from a script and remembers every
 call it saw (metadata, request, the deadline it carried). Real loopback ports, one event loop thread."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,15 +12,16 @@ from dataclasses import dataclass, field
 import grpc
 from google.protobuf import duration_pb2
 from google.rpc import error_details_pb2
-
-from services.errors import RpcStatus, to_grpc_status
 from zeroqueue.inference.v1 import inference_pb2 as pb
 from zeroqueue.inference.v1 import inference_pb2_grpc
+
+from services.errors import RpcStatus, to_grpc_status
 
 
 @dataclass(frozen=True)
 class Reject:
     """RESOURCE_EXHAUSTED as the real replica sends it; `skew_s` shifts its x-server-time."""
+
     hint_ms: int
     skew_s: float = 0.0
 
@@ -35,6 +37,7 @@ class Fail:
 @dataclass(frozen=True)
 class Serve:
     """Admission, `num_chunks` token chunks, then a final message, or the status `then_fail` instead of it."""
+
     num_chunks: int = 2
     then_fail: grpc.StatusCode | None = None
 
@@ -44,7 +47,7 @@ class SeenCall:
     request: pb.GenerateRequest
     metadata: dict
     time_remaining_s: float | None
-    at_s: float                                   # monotonic, when the call arrived
+    at_s: float  # monotonic, when the call arrived
 
     @property
     def retry_attempt(self) -> str | None:
@@ -56,19 +59,39 @@ def _status(answer: Reject | Fail) -> grpc.Status:
         delay = duration_pb2.Duration()
         delay.FromMilliseconds(answer.hint_ms)
         server_time_us = int((time.time() + answer.skew_s) * 1e6)
-        return to_grpc_status(RpcStatus(
-            grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded",
-            [error_details_pb2.ErrorInfo(reason="OVERLOADED", domain="zeroqueue.dev"),
-             error_details_pb2.RetryInfo(retry_delay=delay)],
-            (("retry-after-ms", str(answer.hint_ms)), ("grpc-retry-pushback-ms", str(answer.hint_ms)),
-             ("x-server-time", str(server_time_us)))))
-    details = [error_details_pb2.ErrorInfo(reason=answer.reason or answer.code.name, domain="zeroqueue.dev",
-                                           metadata=answer.metadata)]
+        return to_grpc_status(
+            RpcStatus(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "overloaded",
+                [
+                    error_details_pb2.ErrorInfo(reason="OVERLOADED", domain="zeroqueue.dev"),
+                    error_details_pb2.RetryInfo(retry_delay=delay),
+                ],
+                (
+                    ("retry-after-ms", str(answer.hint_ms)),
+                    ("grpc-retry-pushback-ms", str(answer.hint_ms)),
+                    ("x-server-time", str(server_time_us)),
+                ),
+            )
+        )
+    details = [
+        error_details_pb2.ErrorInfo(
+            reason=answer.reason or answer.code.name, domain="zeroqueue.dev", metadata=answer.metadata
+        )
+    ]
     if answer.violations:
-        details.append(error_details_pb2.BadRequest(field_violations=[
-            error_details_pb2.BadRequest.FieldViolation(field=f, description=d) for f, d in answer.violations]))
-    return to_grpc_status(RpcStatus(answer.code, f"scripted {answer.code.name}", details,
-                                    (("x-server-time", str(time.time_ns() // 1000)),)))
+        details.append(
+            error_details_pb2.BadRequest(
+                field_violations=[
+                    error_details_pb2.BadRequest.FieldViolation(field=f, description=d) for f, d in answer.violations
+                ]
+            )
+        )
+    return to_grpc_status(
+        RpcStatus(
+            answer.code, f"scripted {answer.code.name}", details, (("x-server-time", str(time.time_ns() // 1000)),)
+        )
+    )
 
 
 class ScriptedInference(inference_pb2_grpc.InferenceServicer):
@@ -78,28 +101,47 @@ class ScriptedInference(inference_pb2_grpc.InferenceServicer):
         self.address = ""
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        self.calls.append(SeenCall(request, dict(context.invocation_metadata()), context.time_remaining(),
-                                   time.monotonic()))
+        self.calls.append(
+            SeenCall(request, dict(context.invocation_metadata()), context.time_remaining(), time.monotonic())
+        )
         answer = self.script.popleft() if self.script else Serve()
         if not isinstance(answer, Serve):
             await context.abort_with_status(_status(answer))
         now_us = time.time_ns() // 1000
-        yield pb.GenerateResponse(admission=pb.Admission(request_id=request.request_id, received_at_us=now_us,
-                                                         dispatched_at_us=now_us, budget_ms=1000, prompt_tokens=3))
+        yield pb.GenerateResponse(
+            admission=pb.Admission(
+                request_id=request.request_id,
+                received_at_us=now_us,
+                dispatched_at_us=now_us,
+                budget_ms=1000,
+                prompt_tokens=3,
+            )
+        )
         for i in range(answer.num_chunks):
             yield pb.GenerateResponse(chunk=pb.TokenChunk(token_ids=[10 + i], text=f"t{i}", emitted_at_us=now_us))
         if answer.then_fail is not None:
             await context.abort_with_status(_status(Fail(answer.then_fail)))
-        yield pb.GenerateResponse(final=pb.Final(
-            finish_reason=pb.FINISH_REASON_LENGTH,
-            timings=pb.Timings(received_at_us=now_us, total_us=500, ttft_us=100, deadline_met=True),
-            usage=pb.Usage(prompt_tokens=3, completion_tokens=answer.num_chunks, sm_us=1234, unit="core_us",
-                           device_kind="cpu", num_compute_units=1)))
-
+        yield pb.GenerateResponse(
+            final=pb.Final(
+                finish_reason=pb.FINISH_REASON_LENGTH,
+                timings=pb.Timings(received_at_us=now_us, total_us=500, ttft_us=100, deadline_met=True),
+                usage=pb.Usage(
+                    prompt_tokens=3,
+                    completion_tokens=answer.num_chunks,
+                    sm_us=1234,
+                    unit="core_us",
+                    device_kind="cpu",
+                    num_compute_units=1,
+                ),
+            )
+        )
 
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):
-        return pb.ListModelsResponse(models=[pb.ModelInfo(name="fake", context_length=256, vocab_size=300, max_batch=4,
-                                                          state=pb.WARMUP_STATE_READY)])
+        return pb.ListModelsResponse(
+            models=[
+                pb.ModelInfo(name="fake", context_length=256, vocab_size=300, max_batch=4, state=pb.WARMUP_STATE_READY)
+            ]
+        )
 
 
 class FakeReplicas:
@@ -121,8 +163,11 @@ class FakeReplicas:
         for servicer in self.servicers:
             server = grpc.aio.server()
             inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
-            port = (server.add_secure_port("127.0.0.1:0", self.credentials) if self.credentials
-                    else server.add_insecure_port("127.0.0.1:0"))
+            port = (
+                server.add_secure_port("127.0.0.1:0", self.credentials)
+                if self.credentials
+                else server.add_insecure_port("127.0.0.1:0")
+            )
             await server.start()
             servicer.address = f"127.0.0.1:{port}"
             self.servers.append(server)
@@ -131,6 +176,7 @@ class FakeReplicas:
         async def stop() -> None:
             for server in self.servers:
                 await server.stop(grace=0)
+
         asyncio.run_coroutine_threadsafe(stop(), self.loop).result(30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)

@@ -1,4 +1,5 @@
 """The retry policy on its own: a fake clock, a fake wall clock and fixed randomness, no network."""
+
 from __future__ import annotations
 
 import grpc
@@ -26,8 +27,13 @@ def policy(num_endpoints=1, rand=0.0, **config) -> tuple[RetryPolicy, FakeClock]
 
 
 def overloaded(hint_ms: int | None, skew_s: float = 0.0) -> Failure:
-    return Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", "OVERLOADED", retry_after_ms=hint_ms,
-                   server_time_us=int((NOW_WALL_S + skew_s) * 1e6))
+    return Failure(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "busy",
+        "OVERLOADED",
+        retry_after_ms=hint_ms,
+        server_time_us=int((NOW_WALL_S + skew_s) * 1e6),
+    )
 
 
 def attempt(p: RetryPolicy, state, endpoint: int, failure: Failure):
@@ -38,7 +44,7 @@ def attempt(p: RetryPolicy, state, endpoint: int, failure: Failure):
 @given(hint_ms=st.integers(1, 60_000), rand=st.floats(0, 1, exclude_max=True))
 def test_the_wait_is_the_hint_plus_a_bounded_jitter(hint_ms, rand):
     p, _ = policy(rand=rand)
-    state = p.start(deadline_ms=10 ** 7, model="")
+    state = p.start(deadline_ms=10**7, model="")
     decision = attempt(p, state, 0, overloaded(hint_ms))
     jitter_ms = min(20.0, 0.1 * hint_ms)
     assert isinstance(decision, Retry) and decision.reason == "hint"
@@ -47,7 +53,7 @@ def test_the_wait_is_the_hint_plus_a_bounded_jitter(hint_ms, rand):
 
 def test_skew_backoff_doubles_up_to_its_cap_with_full_jitter():
     p, _ = policy(rand=0.999999, backoff_base_ms=10, backoff_max_ms=50)
-    state = p.start(deadline_ms=10 ** 7, model="")
+    state = p.start(deadline_ms=10**7, model="")
     delays = [attempt(p, state, 0, overloaded(5_000, skew_s=30)).delay_s for _ in range(5)]
     assert delays == pytest.approx([0.010, 0.020, 0.040, 0.050, 0.050], rel=1e-5)
     p0, _ = policy(rand=0.0)
@@ -74,9 +80,16 @@ def test_never_retries_an_admitted_call_or_a_non_retryable_code():
     state = p.start(1_000, "")
     admitted = Failure(grpc.StatusCode.UNAVAILABLE, "gone", after_admission=True)
     assert attempt(p, state, 0, admitted) == GiveUp("after_admission")
-    for code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                 grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.ALREADY_EXISTS,
-                 grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED):
+    for code in (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.CANCELLED,
+    ):
         assert attempt(p, state, 0, Failure(code, "no")) == GiveUp("not_retryable")
 
 
@@ -90,11 +103,11 @@ def test_the_attempt_limit_counts_the_first_try():
 def test_new_calls_round_robin_over_free_endpoints_and_avoid_busy_ones():
     p, clock = policy(num_endpoints=3)
     assert [p.first_endpoint() for _ in range(4)] == [0, 1, 2, 0]
-    attempt(p, p.start(10_000, ""), 1, overloaded(300))                    # 1 is busy for 300 ms
+    attempt(p, p.start(10_000, ""), 1, overloaded(300))  # 1 is busy for 300 ms
     assert [p.first_endpoint() for _ in range(4)] == [2, 0, 2, 0]
     attempt(p, p.start(10_000, ""), 0, overloaded(100))
     attempt(p, p.start(10_000, ""), 2, overloaded(200))
-    assert p.first_endpoint() == 0                                         # all busy: the one that frees first
+    assert p.first_endpoint() == 0  # all busy: the one that frees first
     clock.now_s += 0.301
     assert sorted(p.first_endpoint() for _ in range(3)) == [0, 1, 2]
 
@@ -114,15 +127,21 @@ def test_an_endpoint_that_keeps_failing_is_skipped_longer_and_forgiven_once_it_s
     for _ in range(3):
         attempt(p, state, 0, down)
         spans.append(p.board.free_at_s[0] - clock.now_s)
-    assert spans == pytest.approx([0.0125, 0.025, 0.05])                    # half the cap: equal jitter at rand 0
+    assert spans == pytest.approx([0.0125, 0.025, 0.05])  # half the cap: equal jitter at rand 0
     p.on_admitted(0)
     attempt(p, state, 0, down)
     assert p.board.free_at_s[0] - clock.now_s == pytest.approx(0.0125)
 
 
 def test_no_room_within_the_budget_fails_over_or_gives_up_at_once():
-    full = Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", "OVERLOADED", retry_after_ms=400,
-                   error_metadata={"retry_within_budget": "false"}, server_time_us=int(NOW_WALL_S * 1e6))
+    full = Failure(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "busy",
+        "OVERLOADED",
+        retry_after_ms=400,
+        error_metadata={"retry_within_budget": "false"},
+        server_time_us=int(NOW_WALL_S * 1e6),
+    )
     p, _ = policy(num_endpoints=1)
     assert attempt(p, p.start(deadline_ms=5_000, model=""), 0, full) == GiveUp("no_room_within_deadline")
     p2, _ = policy(num_endpoints=2)

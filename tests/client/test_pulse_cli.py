@@ -1,4 +1,5 @@
 """`zeroqueue pulse` end to end against fake replicas: schedule, SDK, report, JSON, traces and plots."""
+
 from __future__ import annotations
 
 import json
@@ -12,14 +13,33 @@ from tests.client.fakes import Fail, FakeReplicas, Reject, Serve
 def test_pulse_against_named_endpoints_writes_its_report(tmp_path, capsys):
     script = [Reject(20), Serve(), Fail(grpc.StatusCode.DEADLINE_EXCEEDED, "DEADLINE_INFEASIBLE")] + [Serve()] * 50
     with FakeReplicas([script]) as fakes:
-        code = main(["pulse", "--endpoint", fakes.addresses[0], "--api-key", "k", "--qps", "10", "--duration", "2",
-                     "--arrival", "constant", "--prompt-tokens", "5", "--max-tokens", "2", "--out", str(tmp_path),
-                     "--no-progress"])
+        code = main(
+            [
+                "pulse",
+                "--endpoint",
+                fakes.addresses[0],
+                "--api-key",
+                "k",
+                "--qps",
+                "10",
+                "--duration",
+                "2",
+                "--arrival",
+                "constant",
+                "--prompt-tokens",
+                "5",
+                "--max-tokens",
+                "2",
+                "--out",
+                str(tmp_path),
+                "--no-progress",
+            ]
+        )
         calls = fakes[0].calls
     assert code == 0
     doc = json.loads((tmp_path / "pulse.json").read_text())
     summary = doc["runs"]["run"]["summary"]
-    assert summary["num_sent"] == 20 and len(calls) == 21                 # one hinted retry
+    assert summary["num_sent"] == 20 and len(calls) == 21  # one hinted retry
     assert summary["outcomes"] == {"ok": 19, "infeasible": 1}
     assert summary["rejection_rate"] == 1 / 20 and summary["first_retry_success_rate"] == 1.0
     assert doc["config"]["load"]["qps"] == 10 and sum(doc["runs"]["run"]["time_series"]["arrivals"]) == 20

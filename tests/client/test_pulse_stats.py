@@ -1,4 +1,5 @@
 """The pulse tool's statistics on synthetic traces with answers worked out by hand, and its schedules."""
+
 from __future__ import annotations
 
 import random
@@ -14,15 +15,30 @@ from services.pulse.stats import RequestTrace, percentile, summarize, time_serie
 RE = "RESOURCE_EXHAUSTED"
 
 
-def trace(i: int, attempts: list[tuple[float, str]], outcome: str, finished_after_s: float | None,
-          first_token_after_s: float | None = None, deadline_met: bool | None = True, deadline_ms: float = 1000):
+def trace(
+    i: int,
+    attempts: list[tuple[float, str]],
+    outcome: str,
+    finished_after_s: float | None,
+    first_token_after_s: float | None = None,
+    deadline_met: bool | None = True,
+    deadline_ms: float = 1000,
+):
     sent = float(i)
-    return RequestTrace(index=i, planned_s=sent, deadline_ms=deadline_ms, prompt_tokens=8, max_tokens=4,
-                        sent_s=sent, outcome=outcome, attempts=[(sent + dt, o) for dt, o in attempts],
-                        first_token_s=None if first_token_after_s is None else sent + first_token_after_s,
-                        finished_s=None if finished_after_s is None else sent + finished_after_s,
-                        completion_tokens=4 if outcome == "ok" else 0,
-                        server_deadline_met=deadline_met if outcome == "ok" else None)
+    return RequestTrace(
+        index=i,
+        planned_s=sent,
+        deadline_ms=deadline_ms,
+        prompt_tokens=8,
+        max_tokens=4,
+        sent_s=sent,
+        outcome=outcome,
+        attempts=[(sent + dt, o) for dt, o in attempts],
+        first_token_s=None if first_token_after_s is None else sent + first_token_after_s,
+        finished_s=None if finished_after_s is None else sent + finished_after_s,
+        completion_tokens=4 if outcome == "ok" else 0,
+        server_deadline_met=deadline_met if outcome == "ok" else None,
+    )
 
 
 @pytest.fixture
@@ -32,8 +48,9 @@ def traces() -> list[RequestTrace]:
     out.append(trace(7, [(0.0, RE), (0.2, RE), (0.4, "admitted")], "ok", 0.9, first_token_after_s=0.45))
     out.append(trace(8, [(0.0, RE)], "rejected", 0.001))
     out.append(trace(9, [(0.0, "admitted")], "deadline_exceeded", 1.0))
-    out.append(RequestTrace(index=10, planned_s=9.5, deadline_ms=1000, prompt_tokens=8, max_tokens=4,
-                            outcome="not_sent"))
+    out.append(
+        RequestTrace(index=10, planned_s=9.5, deadline_ms=1000, prompt_tokens=8, max_tokens=4, outcome="not_sent")
+    )
     return out
 
 
@@ -43,7 +60,8 @@ def test_summary_of_a_known_trace(traces):
     assert s.outcomes == {"ok": 8, "rejected": 1, "deadline_exceeded": 1, "not_sent": 1}
     # call latencies 100..600, 500, 900 ms -> sorted 100 200 300 400 500 500 600 900
     assert (s.latency_ms.p50, s.latency_ms.p95, s.latency_ms.p99, s.latency_ms.max) == pytest.approx(
-        (400, 900, 900, 900))
+        (400, 900, 900, 900)
+    )
     # admitted latencies 100..600, 200, 500 -> sorted 100 200 200 300 400 500 500 600
     assert (s.admitted_latency_ms.p50, s.admitted_latency_ms.p99) == pytest.approx((300, 600))
     assert s.p99_over_p50 == pytest.approx(2.0)
@@ -51,17 +69,17 @@ def test_summary_of_a_known_trace(traces):
     assert (s.ttft_ms.p50, s.ttft_ms.max) == pytest.approx((40, 450))
     # TTFT from the admitted attempt: 10..60, 50, 50 -> sorted 10 20 30 40 50 50 50 60
     assert (s.admitted_ttft_ms.p50, s.admitted_ttft_ms.max) == pytest.approx((40, 60))
-    assert s.rejection_rate == pytest.approx(3 / 10)                # 6, 7 and 8 were refused at first
+    assert s.rejection_rate == pytest.approx(3 / 10)  # 6, 7 and 8 were refused at first
     assert s.attempt_rejection_rate == pytest.approx(4 / 13)
     assert s.avg_retries_per_rejected == pytest.approx((1 + 2 + 0) / 3)
-    assert s.first_retry_success_rate == pytest.approx(1 / 2)       # 6 got in at its retry, 7 did not
+    assert s.first_retry_success_rate == pytest.approx(1 / 2)  # 6 got in at its retry, 7 did not
     assert s.goodput_rps == pytest.approx(8 / 10)
     assert s.num_admitted_misses == 1 and s.admitted_miss_rate == pytest.approx(1 / 9)
     assert s.mean_completion_tokens == 4 and s.max_dispatch_lag_ms == 0
 
 
 def test_a_completion_past_its_deadline_is_no_goodput_and_an_admitted_miss():
-    late_by_client = trace(0, [(0.0, "admitted")], "ok", 1.2)                   # 1200 ms > 1000 ms
+    late_by_client = trace(0, [(0.0, "admitted")], "ok", 1.2)  # 1200 ms > 1000 ms
     late_by_server = trace(1, [(0.0, "admitted")], "ok", 0.5, deadline_met=False)
     fine = trace(2, [(0.0, "admitted")], "ok", 0.5)
     s = summarize([late_by_client, late_by_server, fine], duration_s=4.0)
@@ -74,7 +92,7 @@ def test_the_replicas_own_latency_spread_is_reported_beside_the_clients():
     done = [trace(i, [(0.0, "admitted")], "ok", 0.1 * (i + 1)) for i in range(4)]
     for t, server_ms in zip(done, (80, 90, 100, 300)):
         t.server_total_us = server_ms * 1000
-    unknown = trace(4, [(0.0, "admitted")], "ok", 0.5)         # a reply without timings counts for the client only
+    unknown = trace(4, [(0.0, "admitted")], "ok", 0.5)  # a reply without timings counts for the client only
     s = summarize([*done, unknown], duration_s=5.0)
     assert s.p99_over_p50 == pytest.approx(500 / 300)
     assert (s.server_latency_ms.p50, s.server_latency_ms.p99, s.server_latency_ms.count) == (90, 300, 4)
@@ -87,7 +105,7 @@ def test_the_lag_from_engine_finish_to_the_clients_read_is_summarized():
     for t, lag_us in zip(done, (4_000, 9_000, 150_000)):
         t.final_lag_us = lag_us
     refused = trace(3, [(0.0, "RESOURCE_EXHAUSTED")], "rejected", 0.01)
-    refused.final_lag_us = 1                                     # only completed calls read a final message
+    refused.final_lag_us = 1  # only completed calls read a final message
     s = summarize([*done, refused], duration_s=1.0)
     assert (s.final_lag_ms.p50, s.final_lag_ms.p99, s.final_lag_ms.count) == (9, 150, 3)
 
@@ -106,10 +124,10 @@ def test_percentile_is_nearest_rank(values, p):
 
 def test_time_series_counts_each_event_in_its_bin(traces):
     series = time_series(traces, duration_s=10.0, bin_s=1.0)
-    assert len(series["bin_start_s"]) == 11                 # the last call (9) ends at 10.0 s
-    assert sum(series["arrivals"]) == 11 and series["arrivals"][9] == 2           # 9 and the unsent 10
+    assert len(series["bin_start_s"]) == 11  # the last call (9) ends at 10.0 s
+    assert sum(series["arrivals"]) == 11 and series["arrivals"][9] == 2  # 9 and the unsent 10
     assert sum(series["admissions"]) == 9 and sum(series["rejections"]) == 4
-    assert series["rejections"][7] == 2 and series["completions"][7] == 1        # 7 finished at 7.9 s
+    assert series["rejections"][7] == 2 and series["completions"][7] == 1  # 7 finished at 7.9 s
     assert sum(series["completions"]) == 8
 
 
@@ -124,7 +142,7 @@ def test_poisson_arrivals_are_seeded_and_have_the_asked_rate():
     assert times == arrival_times(load, random.Random(3)) and times == sorted(times)
     assert len(times) == pytest.approx(50 * 200, rel=0.03)
     gaps = np.diff(times)
-    assert np.std(gaps) / np.mean(gaps) == pytest.approx(1.0, abs=0.05)      # exponential gaps: CV of 1
+    assert np.std(gaps) / np.mean(gaps) == pytest.approx(1.0, abs=0.05)  # exponential gaps: CV of 1
 
 
 def test_bursts_multiply_the_rate_for_their_length():
@@ -142,14 +160,24 @@ def test_plans_are_reproducible_and_shapes_fit_the_context():
     assert fixed == plan(load, ShapeSpec("fixed", 24, 8), vocab_size=300, deadline_ms=900, deadline_per_token_ms=10)
     assert all(len(r.prompt_token_ids) == 24 and r.max_tokens == 8 and r.deadline_ms == 980 for r in fixed)
     assert all(16 <= t < 300 for r in fixed for t in r.prompt_token_ids)
-    mix = plan(LoadSpec(qps=200, duration_s=5, seed=7), ShapeSpec("mix", 100, 50, sigma=1.5, context_length=256),
-               vocab_size=300, deadline_ms=900)
+    mix = plan(
+        LoadSpec(qps=200, duration_s=5, seed=7),
+        ShapeSpec("mix", 100, 50, sigma=1.5, context_length=256),
+        vocab_size=300,
+        deadline_ms=900,
+    )
     assert len({len(r.prompt_token_ids) for r in mix}) > 20 and len({r.max_tokens for r in mix}) > 20
     assert all(len(r.prompt_token_ids) + r.max_tokens <= 256 and r.max_tokens >= 1 for r in mix)
 
 
-@pytest.mark.parametrize("bad", [dict(qps=0, duration_s=1), dict(qps=1, duration_s=1, arrival="bursty"),
-                                 dict(qps=1, duration_s=1, pulse_s=20, pulse_every_s=10)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(qps=0, duration_s=1),
+        dict(qps=1, duration_s=1, arrival="bursty"),
+        dict(qps=1, duration_s=1, pulse_s=20, pulse_every_s=10),
+    ],
+)
 def test_bad_load_specs_are_refused(bad):
     with pytest.raises(ValueError):
         LoadSpec(**bad)

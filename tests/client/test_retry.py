@@ -3,6 +3,7 @@
 Sleeping goes through a virtual clock: the test sees the exact delay the client asked for, without waiting
 it and without asserting any wall-clock time.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -14,9 +15,23 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from services.client import (AsyncClient, CallReport, Chunk, Client, DeadlineExceeded, DeadlineInfeasible,
-                             InvalidRequest, PermissionDenied, Rejected, RequestIdInUse, Result, RetryConfig,
-                             Unauthenticated, Unavailable, ZeroQueueError)
+from services.client import (
+    AsyncClient,
+    CallReport,
+    Chunk,
+    Client,
+    DeadlineExceeded,
+    DeadlineInfeasible,
+    InvalidRequest,
+    PermissionDenied,
+    Rejected,
+    RequestIdInUse,
+    Result,
+    RetryConfig,
+    Unauthenticated,
+    Unavailable,
+    ZeroQueueError,
+)
 from tests.client.fakes import Fail, FakeReplicas, Reject, Serve, VirtualTime
 
 DEFAULT = RetryConfig()
@@ -30,13 +45,22 @@ class Outcome:
     report: CallReport
 
 
-def run_call(kind: str, addresses: list[str], vt: VirtualTime, retry: RetryConfig | None = None,
-             rand=random.random, wall_clock=time.time, prompt="def f():", **options) -> Outcome:
+def run_call(
+    kind: str,
+    addresses: list[str],
+    vt: VirtualTime,
+    retry: RetryConfig | None = None,
+    rand=random.random,
+    wall_clock=time.time,
+    prompt="def f():",
+    **options,
+) -> Outcome:
     options.setdefault("deadline_ms", 2_000)
     options.setdefault("max_tokens", 4)
     if kind == "sync":
-        with Client(addresses, api_key="key-1", retry=retry, clock=vt.clock, sleep=vt.sleep, rand=rand,
-                    wall_clock=wall_clock) as client:
+        with Client(
+            addresses, api_key="key-1", retry=retry, clock=vt.clock, sleep=vt.sleep, rand=rand, wall_clock=wall_clock
+        ) as client:
             generation, chunks = client.generate(prompt, **options), []
             try:
                 for chunk in generation:
@@ -46,8 +70,15 @@ def run_call(kind: str, addresses: list[str], vt: VirtualTime, retry: RetryConfi
             return Outcome(chunks, generation.result, None, generation.report)
 
     async def main() -> Outcome:
-        async with AsyncClient(addresses, api_key="key-1", retry=retry, clock=vt.clock, sleep=vt.async_sleep,
-                               rand=rand, wall_clock=wall_clock) as client:
+        async with AsyncClient(
+            addresses,
+            api_key="key-1",
+            retry=retry,
+            clock=vt.clock,
+            sleep=vt.async_sleep,
+            rand=rand,
+            wall_clock=wall_clock,
+        ) as client:
             generation, chunks = client.generate(prompt, **options), []
             try:
                 async for chunk in generation:
@@ -55,6 +86,7 @@ def run_call(kind: str, addresses: list[str], vt: VirtualTime, retry: RetryConfi
             except ZeroQueueError as error:
                 return Outcome(chunks, None, error, error.report)
             return Outcome(chunks, generation.result, None, generation.report)
+
     return asyncio.run(main())
 
 
@@ -122,7 +154,7 @@ def test_each_attempt_carries_the_remaining_budget_and_the_last_wait_ends_inside
         out = run_call(kind, fakes.addresses, vt, deadline_ms=1_000, rand=lambda: 0.0)
     assert isinstance(out.error, Rejected) and out.report.gave_up == "deadline"
     attempts = out.report.attempts
-    assert len(attempts) == 4                       # at about 0, 0.3, 0.6 and 0.9 s; a fifth would start at 1.2 s
+    assert len(attempts) == 4  # at about 0, 0.3, 0.6 and 0.9 s; a fifth would start at 1.2 s
     for attempt, seen in zip(attempts, fakes[0].calls, strict=True):
         assert attempt.timeout_s == pytest.approx(1.0 - attempt.started_s, abs=0.01)
         # gRPC rounds the grpc-timeout header up to a few significant digits: up to about 1 % more
@@ -137,8 +169,10 @@ def test_a_retry_whose_shrunken_budget_is_infeasible_reports_the_overload(kind, 
         out = run_call(kind, fakes.addresses, vt, deadline_ms=1_000, rand=lambda: 0.0)
     assert type(out.error) is Rejected and out.error.retry_after_ms == 700
     assert out.report.gave_up == "deadline" and len(fakes[0].calls) == 2
-    assert [(a.outcome, a.reason) for a in out.report.attempts] == [("RESOURCE_EXHAUSTED", "OVERLOADED"),
-                                                                    ("DEADLINE_EXCEEDED", "DEADLINE_INFEASIBLE")]
+    assert [(a.outcome, a.reason) for a in out.report.attempts] == [
+        ("RESOURCE_EXHAUSTED", "OVERLOADED"),
+        ("DEADLINE_EXCEEDED", "DEADLINE_INFEASIBLE"),
+    ]
 
 
 @pytest.mark.parametrize("skew_s", [10.0, -10.0])
@@ -146,7 +180,7 @@ def test_a_skewed_server_clock_means_backoff_instead_of_the_hint(kind, vt, skew_
     with FakeReplicas([[Reject(400, skew_s=skew_s), Serve()]]) as fakes:
         out = run_call(kind, fakes.addresses, vt, rand=lambda: 0.5)
     assert out.result is not None
-    assert vt.sleeps == [pytest.approx(0.5 * DEFAULT.backoff_base_ms / 1000)]     # full jitter over the first cap
+    assert vt.sleeps == [pytest.approx(0.5 * DEFAULT.backoff_base_ms / 1000)]  # full jitter over the first cap
     assert out.report.attempts[1].wait_reason == "clock_skew"
 
 
@@ -191,7 +225,8 @@ def test_unavailable_fails_over_to_another_endpoint(kind, vt):
 def test_an_unreachable_endpoint_fails_over(kind, vt):
     with FakeReplicas([[Serve()]]) as fakes:
         import socket
-        with socket.socket() as s:                  # a port nobody listens on
+
+        with socket.socket() as s:  # a port nobody listens on
             s.bind(("127.0.0.1", 0))
             dead = f"127.0.0.1:{s.getsockname()[1]}"
         out = run_call(kind, [dead, *fakes.addresses], vt)
@@ -212,7 +247,7 @@ def test_unavailable_without_a_fallback_backs_off_and_gives_up_at_the_attempt_li
         out = run_call(kind, fakes.addresses, vt, retry=RetryConfig(max_attempts=3), rand=lambda: 1.0)
     assert isinstance(out.error, Unavailable) and out.report.gave_up == "max_attempts"
     assert len(fakes[0].calls) == 3
-    assert vt.sleeps == [pytest.approx(0.025), pytest.approx(0.050)]      # equal jitter at its top, doubling
+    assert vt.sleeps == [pytest.approx(0.025), pytest.approx(0.050)]  # equal jitter at its top, doubling
 
 
 NON_RETRYABLE = [
@@ -226,8 +261,13 @@ NON_RETRYABLE = [
 ]
 
 
-@pytest.mark.parametrize("answer,error_type", NON_RETRYABLE, ids=lambda x: getattr(x, "reason", "") or
-                         getattr(getattr(x, "code", None), "name", None) or getattr(x, "__name__", ""))
+@pytest.mark.parametrize(
+    "answer,error_type",
+    NON_RETRYABLE,
+    ids=lambda x: (
+        getattr(x, "reason", "") or getattr(getattr(x, "code", None), "name", None) or getattr(x, "__name__", "")
+    ),
+)
 def test_non_retryable_codes_are_raised_after_one_attempt(kind, vt, answer, error_type):
     with FakeReplicas([[answer], [Serve()]]) as fakes:
         out = run_call(kind, fakes.addresses, vt)
@@ -266,15 +306,35 @@ def test_bad_deadlines_are_refused_before_any_call():
 
 
 def test_tls_with_the_replica_certificate_and_no_plaintext_fallback(tmp_path, vt):
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(tmp_path / "key.pem"),
-                    "-out", str(tmp_path / "cert.pem")], check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(tmp_path / "key.pem"),
+            "-out",
+            str(tmp_path / "cert.pem"),
+        ],
+        check=True,
+        capture_output=True,
+    )
     cert, key = (tmp_path / "cert.pem").read_bytes(), (tmp_path / "key.pem").read_bytes()
     with FakeReplicas([[Serve()]], grpc.ssl_server_credentials([(key, cert)])) as fakes:
         with Client(fakes.addresses, api_key="k", tls=grpc.ssl_channel_credentials(cert)) as client:
             assert client.complete("x", deadline_ms=5_000).text == "t0t1"
-        with Client(fakes.addresses, api_key="k", retry=RetryConfig(max_attempts=2), clock=vt.clock,
-                    sleep=vt.sleep) as plaintext:
+        with Client(
+            fakes.addresses, api_key="k", retry=RetryConfig(max_attempts=2), clock=vt.clock, sleep=vt.sleep
+        ) as plaintext:
             with pytest.raises(Unavailable):
                 plaintext.complete("x", deadline_ms=5_000)
     assert len(fakes[0].calls) == 1

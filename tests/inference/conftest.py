@@ -27,8 +27,9 @@ def make_engine(path, dtype="float32", max_num_batched_tokens=256, **config) -> 
     checkpoint = load_checkpoint(path, dtype=dtype)
     config.setdefault("max_seq_len", 256)
     executor = Executor(checkpoint, ExecutorConfig(**config))
-    return Engine(executor, checkpoint.tokenizer, checkpoint.eos_token_ids,
-                  max_num_batched_tokens=max_num_batched_tokens)
+    return Engine(
+        executor, checkpoint.tokenizer, checkpoint.eos_token_ids, max_num_batched_tokens=max_num_batched_tokens
+    )
 
 
 def request(request_id: str, prompt: list[int], deadline_ns: int | None = None, **sampling) -> Request:

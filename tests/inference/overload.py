@@ -1,19 +1,21 @@
 """A virtual-time overload for admission controllers: no engine, no clock, the same calls every run. Used by
 the admission tests (decisions must not depend on the quick answers) and bench/admission_cpu.py (what a
 decision costs when most calls are refused)."""
+
 from __future__ import annotations
 
 import heapq
 import random
 from collections.abc import Iterator, Sequence
 
-from services.inference.admission import Admit, AdmissionController, Commitment, Decision, Reject
+from services.inference.admission import AdmissionController, Admit, Commitment, Decision, Reject
 
 MS = 1_000_000
 
 
-def overload(controllers: Sequence[AdmissionController], load: float, seconds: float,
-             seed: int = 0) -> Iterator[list[Decision]]:
+def overload(
+    controllers: Sequence[AdmissionController], load: float, seconds: float, seed: int = 0
+) -> Iterator[list[Decision]]:
     """Drives `controllers` in step through the same overload in virtual time: Poisson arrivals at `load` ×
     ~85 calls/s of 64+32 tokens with 2-s deadlines, a step every 6 ms, refused calls retrying at their hint.
     Yields each arrival's decisions (one per controller) as the engine and the calls would make them."""
@@ -44,4 +46,3 @@ def overload(controllers: Sequence[AdmissionController], load: float, seconds: f
         elif isinstance(decisions[0], Reject) and decisions[0].within_budget:
             heapq.heappush(arrivals, (at_ns + decisions[0].retry_after_ms * MS, seq, rid, deadline_ns))
             seq += 1
-

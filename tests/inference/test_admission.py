@@ -1,4 +1,5 @@
 """Admission decisions and the cost model on their own, with a known step-time curve (no torch)."""
+
 from __future__ import annotations
 
 import collections
@@ -9,8 +10,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.inference.admission import (Admit, AdmissionConfig, AdmissionController, Commitment,
-                                          Infeasible, Predictor, Reject)
+from services.inference.admission import (
+    AdmissionConfig,
+    AdmissionController,
+    Admit,
+    Commitment,
+    Infeasible,
+    Predictor,
+    Reject,
+)
 from services.inference.costmodel import CostModel, fit_context_cost
 from services.inference.fifo import FifoAdmission
 from services.inference.lateness import Lateness
@@ -21,13 +29,19 @@ MS = 1_000_000
 
 def flat_cost(step_ms=10.0):
     """Every step takes step_ms whatever the batch; no context cost; no inflation."""
-    return CostModel(rows=[1, 256], row_us=[step_ms * 1000, step_ms * 1000], us_per_context_token=0.0,
-                     num_deviations=0.0, deviation=0.0)
+    return CostModel(
+        rows=[1, 256],
+        row_us=[step_ms * 1000, step_ms * 1000],
+        us_per_context_token=0.0,
+        num_deviations=0.0,
+        deviation=0.0,
+    )
 
 
 def controller(slots=4, step_ms=10.0, margin_ms=0.0):
-    return AdmissionController(flat_cost(step_ms), AdmissionConfig(slots, 256, margin_ms=margin_ms,
-                                                                   margin_fraction=0.0))
+    return AdmissionController(
+        flat_cost(step_ms), AdmissionConfig(slots, 256, margin_ms=margin_ms, margin_fraction=0.0)
+    )
 
 
 def commit(rid, prompt=4, max_tokens=10, deadline_ms=1000, now_ms=0):
@@ -40,8 +54,9 @@ def test_admission_modules_do_not_import_torch():
 
 
 def test_cost_model_interpolates_and_extrapolates():
-    cost = CostModel(rows=[1, 8, 32], row_us=[1000, 1700, 4100], us_per_context_token=2.0, num_deviations=0,
-                     deviation=0)
+    cost = CostModel(
+        rows=[1, 8, 32], row_us=[1000, 1700, 4100], us_per_context_token=2.0, num_deviations=0, deviation=0
+    )
     assert cost.raw_step_us(8) == 1700
     assert cost.raw_step_us(20) == pytest.approx(1700 + 12 * 100)
     assert cost.raw_step_us(64) == pytest.approx(4100 + 32 * 100)
@@ -55,7 +70,7 @@ def test_cost_model_learns_a_slower_device_online():
     for _ in range(200):
         cost.observe(1, 0, 2000)
     assert cost.ratio == pytest.approx(2.0, rel=0.01)
-    assert before == pytest.approx(1150)          # 1000 µs × (ratio 1 + 3 deviations of 0.05)
+    assert before == pytest.approx(1150)  # 1000 µs × (ratio 1 + 3 deviations of 0.05)
     assert cost.step_us(1) == pytest.approx(2000, rel=0.01)
 
 
@@ -63,11 +78,11 @@ def test_one_stalled_step_cannot_lock_admission_out_but_a_slow_run_still_counts(
     cost = CostModel(rows=[1, 2], row_us=[1000, 1100], us_per_context_token=0.0)
     for _ in range(50):
         cost.observe(1, 0, 1000)
-    cost.observe(1, 0, 1_100_000)                 # a 1.1-s stall of a 1-ms step (seen in a soak under load)
-    assert cost.step_us(1) < 1000 * 2             # was 66 x its ratio: every call refused as infeasible
+    cost.observe(1, 0, 1_100_000)  # a 1.1-s stall of a 1-ms step (seen in a soak under load)
+    assert cost.step_us(1) < 1000 * 2  # was 66 x its ratio: every call refused as infeasible
     for _ in range(200):
-        cost.observe(1, 0, 6000)                  # a device that really runs 6x slower, step after step
-    assert cost.ratio == pytest.approx(6.0, rel=0.01)     # learnt all the same
+        cost.observe(1, 0, 6000)  # a device that really runs 6x slower, step after step
+    assert cost.ratio == pytest.approx(6.0, rel=0.01)  # learnt all the same
 
 
 def test_noisy_steps_widen_the_prediction():
@@ -79,8 +94,9 @@ def test_noisy_steps_widen_the_prediction():
 
 
 def test_finish_times_follow_the_shrinking_batch():
-    cost = CostModel(rows=[1, 2, 3], row_us=[10_000, 20_000, 30_000], us_per_context_token=0.0, num_deviations=0,
-                     deviation=0)
+    cost = CostModel(
+        rows=[1, 2, 3], row_us=[10_000, 20_000, 30_000], us_per_context_token=0.0, num_deviations=0, deviation=0
+    )
     predictor = Predictor(cost, AdmissionConfig(4, 256))
     commitments = [Commitment("a", 1, 2, 10**12, num_generated=1), Commitment("b", 1, 5, 10**12, num_generated=1)]
     finish = predictor.finish_times(commitments, 0)
@@ -127,15 +143,16 @@ def test_a_rejected_call_reserves_capacity_for_its_retry():
     c.decide(commit("b", max_tokens=50), 0)
     reject = c.decide(commit("retry", max_tokens=5, deadline_ms=1000), 0)
     assert isinstance(reject, Reject)
-    c.release("a")                                       # a finished at 50 ms
+    c.release("a")  # a finished at 50 ms
     stranger = c.decide(commit("stranger", max_tokens=5, deadline_ms=1000, now_ms=50), 50 * MS)
     assert isinstance(stranger, Reject), "the freed slot is held for the hinted retry"
     assert isinstance(c.decide(commit("retry", max_tokens=5, deadline_ms=1000), 50 * MS), Admit)
 
 
 def test_reservation_expires_when_the_retry_never_comes():
-    c = AdmissionController(flat_cost(), AdmissionConfig(1, 256, margin_ms=0, margin_fraction=0),
-                            reservation_grace_ms=20)
+    c = AdmissionController(
+        flat_cost(), AdmissionConfig(1, 256, margin_ms=0, margin_fraction=0), reservation_grace_ms=20
+    )
     c.decide(commit("a", max_tokens=5), 0)
     assert isinstance(c.decide(commit("ghost", max_tokens=5), 0), Reject)
     c.release("a")
@@ -150,8 +167,7 @@ def test_fifo_admits_everything():
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 30), st.integers(50, 2000)), min_size=1, max_size=12),
-       st.integers(1, 6))
+@given(st.lists(st.tuples(st.integers(1, 30), st.integers(50, 2000)), min_size=1, max_size=12), st.integers(1, 6))
 def test_admitted_set_is_always_predicted_to_meet_every_deadline(arrivals, slots):
     c = controller(slots=slots)
     for i, (max_tokens, deadline_ms) in enumerate(arrivals):
@@ -190,21 +206,25 @@ def test_no_slot_inside_the_budget_says_so_and_reserves_nothing():
 
 def test_peak_occupancy_of_half_open_intervals():
     from services.inference.admission import peak_occupancy
+
     assert peak_occupancy([(0, 10), (10, 20)], 0, 20) == 1
     assert peak_occupancy([(0, 10), (5, 20), (8, 9)], 0, 20) == 3
     assert peak_occupancy([(0, 10)], 10, 20) == 0
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 40), st.integers(20, 3000), st.integers(0, 50)), min_size=1, max_size=20),
-       st.integers(1, 4))
+@given(
+    st.lists(st.tuples(st.integers(1, 40), st.integers(20, 3000), st.integers(0, 50)), min_size=1, max_size=20),
+    st.integers(1, 4),
+)
 def test_the_slot_calendar_is_never_overbooked(arrivals, slots):
     from services.inference.admission import _progressed, peak_occupancy
+
     c = controller(slots=slots, step_ms=1.0)
     now, last = 0, 0
     for i, (max_tokens, budget_ms, gap_ms) in enumerate(arrivals):
         now += gap_ms * MS
-        running = [x for x in c.commitments.values() if not x.is_reservation]   # the device runs as predicted
+        running = [x for x in c.commitments.values() if not x.is_reservation]  # the device runs as predicted
         moved = {x.request_id: x for x in _progressed(running, c.predictor.finish_times(running, last), last, now)}
         for x in running:
             if x.request_id in moved:
@@ -232,14 +252,26 @@ class NoShortcut(AdmissionController):
 
 
 # calibrations that rise with the rows, and one whose noise dips (a floor must hold for it too)
-CALIBRATIONS = [([1, 8, 32], [2000, 4000, 15000]), ([1, 8, 32, 64], [2000, 4000, 3000, 15000]),
-                ([4, 16], [3000, 2500])]
+CALIBRATIONS = [([1, 8, 32], [2000, 4000, 15000]), ([1, 8, 32, 64], [2000, 4000, 3000, 15000]), ([4, 16], [3000, 2500])]
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.integers(1, 12), st.sampled_from(CALIBRATIONS), st.sampled_from([0, 16, 64]),
-       st.lists(st.tuples(st.sampled_from(["decide", "progress", "release", "late"]), st.integers(0, 30),
-                          st.integers(1, 64), st.integers(20, 3000), st.integers(1, 100)), min_size=1, max_size=60))
+@given(
+    st.integers(1, 12),
+    st.sampled_from(CALIBRATIONS),
+    st.sampled_from([0, 16, 64]),
+    st.lists(
+        st.tuples(
+            st.sampled_from(["decide", "progress", "release", "late"]),
+            st.integers(0, 30),
+            st.integers(1, 64),
+            st.integers(20, 3000),
+            st.integers(1, 100),
+        ),
+        min_size=1,
+        max_size=60,
+    ),
+)
 def test_the_quick_answers_never_change_a_decision(slots, calibration, pace, ops):
     cost = CostModel(rows=calibration[0], row_us=calibration[1], us_per_context_token=0.5)
     quick = AdmissionController(cost, AdmissionConfig(slots, 256, pace_tokens=pace))
@@ -248,11 +280,13 @@ def test_the_quick_answers_never_change_a_decision(slots, calibration, pace, ops
     for i, (op, gap_ms, tokens, deadline_ms, pick) in enumerate(ops):
         now += gap_ms * MS
         if op == "decide":
-            rid = ids[pick % len(ids)] if ids and pick % 4 == 0 else f"r{i}"     # some retries of old ids
+            rid = ids[pick % len(ids)] if ids and pick % 4 == 0 else f"r{i}"  # some retries of old ids
             a, b = (c.decide(Commitment(rid, pick, tokens, now + deadline_ms * MS), now) for c in (quick, slow))
             # the reply's predicted finish may differ; the decision and the hint may not
-            assert type(a) is type(b) and {**a.__dict__, "predicted_finish_ns": 0} == \
-                {**b.__dict__, "predicted_finish_ns": 0}
+            assert type(a) is type(b) and {**a.__dict__, "predicted_finish_ns": 0} == {
+                **b.__dict__,
+                "predicted_finish_ns": 0,
+            }
             ids.append(rid)
         elif op == "progress" and ids:
             for c in (quick, slow):
@@ -266,20 +300,25 @@ def test_the_quick_answers_never_change_a_decision(slots, calibration, pace, ops
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.sampled_from(CALIBRATIONS), st.sampled_from([0, 16, 64]), st.integers(1, 8),
-       st.lists(st.tuples(st.integers(1, 300), st.integers(1, 64), st.integers(0, 64)), max_size=16),
-       st.tuples(st.integers(1, 300), st.integers(1, 64), st.integers(0, 64)))
+@given(
+    st.sampled_from(CALIBRATIONS),
+    st.sampled_from([0, 16, 64]),
+    st.integers(1, 8),
+    st.lists(st.tuples(st.integers(1, 300), st.integers(1, 64), st.integers(0, 64)), max_size=16),
+    st.tuples(st.integers(1, 300), st.integers(1, 64), st.integers(0, 64)),
+)
 def test_the_earliest_finish_is_a_floor_under_every_prediction(calibration, pace, slots, others, new):
-    cost = CostModel(rows=calibration[0], row_us=calibration[1], us_per_context_token=0.5, ratio=1.3,
-                     deviation=0.2)
+    cost = CostModel(rows=calibration[0], row_us=calibration[1], us_per_context_token=0.5, ratio=1.3, deviation=0.2)
     predictor = Predictor(cost, AdmissionConfig(slots, 128, pace_tokens=pace), max_batch=len(others) + 1)
-    made = [Commitment(f"o{i}", prompt, max_tokens, 10**12, num_generated=min(done, max_tokens))
-            for i, (prompt, max_tokens, done) in enumerate(others)]
+    made = [
+        Commitment(f"o{i}", prompt, max_tokens, 10**12, num_generated=min(done, max_tokens))
+        for i, (prompt, max_tokens, done) in enumerate(others)
+    ]
     mine = Commitment("new", new[0], new[1], 10**12, num_generated=min(new[2], new[1]))
     floor = predictor.earliest_finish(mine, 5 * MS)
     assert floor <= predictor.finish_times([*made, mine], 5 * MS)["new"]
-    if calibration == CALIBRATIONS[0] and mine.num_prefill_tokens <= pace:    # rising steps, no prompt cost:
-        assert floor == predictor.finish_times([mine], 5 * MS)["new"]           # the floor is the run alone
+    if calibration == CALIBRATIONS[0] and mine.num_prefill_tokens <= pace:  # rising steps, no prompt cost:
+        assert floor == predictor.finish_times([mine], 5 * MS)["new"]  # the floor is the run alone
 
 
 def test_a_run_of_k_steps_spreads_by_root_k_step_deviations():
@@ -287,99 +326,98 @@ def test_a_run_of_k_steps_spreads_by_root_k_step_deviations():
     predictor = Predictor(cost, AdmissionConfig(4, 256))
     (finish,) = predictor.finish_times([Commitment("a", 1, 100, 10**12, num_generated=1)], 0).values()
     # 99 steps of 1 ms expected, spread 0.1 ms each: 99 ms + 3 × √99 × 0.1 ms, not 99 × 1.3 ms
-    assert finish == pytest.approx((99_000 + 3 * 99 ** 0.5 * 100) * 1000, abs=1)
+    assert finish == pytest.approx((99_000 + 3 * 99**0.5 * 100) * 1000, abs=1)
 
 
 def test_a_retry_on_time_goes_ahead_of_reservations_planned_behind_it():
-    cost = CostModel(rows=[1, 2], row_us=[10_000, 10_000], us_per_context_token=0.0, num_deviations=0,
-                     deviation=0)
+    cost = CostModel(rows=[1, 2], row_us=[10_000, 10_000], us_per_context_token=0.0, num_deviations=0, deviation=0)
     c = AdmissionController(cost, AdmissionConfig(1, 256, margin_ms=0, margin_fraction=0), max_reservations=4)
-    assert isinstance(c.decide(commit("a", max_tokens=10, deadline_ms=5000), 0), Admit)      # runs 0-100 ms
+    assert isinstance(c.decide(commit("a", max_tokens=10, deadline_ms=5000), 0), Admit)  # runs 0-100 ms
     b = c.decide(commit("b", max_tokens=10, deadline_ms=5000), 0)
     q = c.decide(commit("q", max_tokens=10, deadline_ms=5000), 0)
-    assert (b.retry_after_ms, q.retry_after_ms) == (100, 200)       # b reserved 100-200 ms, q 200-300 ms
+    assert (b.retry_after_ms, q.retry_after_ms) == (100, 200)  # b reserved 100-200 ms, q 200-300 ms
     c.release("a")
-    cost.ratio = 1.5            # the device slowed down since: b's run now ends at 250 ms, into q's reservation
+    cost.ratio = 1.5  # the device slowed down since: b's run now ends at 250 ms, into q's reservation
     retry = c.decide(commit("b", max_tokens=10, deadline_ms=4900, now_ms=100), 100 * MS)
-    assert isinstance(retry, Admit)                                 # b came on time: q is the one to wait
+    assert isinstance(retry, Admit)  # b came on time: q is the one to wait
     assert isinstance(c.decide(commit("q", max_tokens=10, deadline_ms=4800, now_ms=200), 200 * MS), Reject)
 
 
 def test_a_retry_on_time_is_held_for_a_slot_that_frees_a_little_late():
-    c = controller(slots=1)                                   # 10 ms steps, retries held up to 50 ms
-    assert isinstance(c.decide(commit("a", max_tokens=5), 0), Admit)                 # predicted 0-50 ms
-    assert c.decide(commit("b", max_tokens=5), 0).retry_after_ms == 50              # b reserved from 50 ms
-    c.on_progress("a", 3)                        # the device ran slower: at 50 ms a still needs 2 steps
+    c = controller(slots=1)  # 10 ms steps, retries held up to 50 ms
+    assert isinstance(c.decide(commit("a", max_tokens=5), 0), Admit)  # predicted 0-50 ms
+    assert c.decide(commit("b", max_tokens=5), 0).retry_after_ms == 50  # b reserved from 50 ms
+    c.on_progress("a", 3)  # the device ran slower: at 50 ms a still needs 2 steps
     retry = c.decide(commit("b", max_tokens=5, deadline_ms=950, now_ms=50), 50 * MS)
-    assert retry == Admit(120 * MS)                 # joins when a's slot frees at 70 ms, then 5 steps
+    assert retry == Admit(120 * MS)  # joins when a's slot frees at 70 ms, then 5 steps
     stranger = c.decide(commit("s", max_tokens=5, now_ms=50), 50 * MS)
     assert isinstance(stranger, Reject), "the slot that frees at 70 ms is b's"
 
 
 def test_a_retry_whose_slot_frees_later_than_the_hold_is_refused_again():
     c = controller(slots=1)
-    c.decide(commit("a", max_tokens=10), 0)                                          # predicted 0-100 ms
+    c.decide(commit("a", max_tokens=10), 0)  # predicted 0-100 ms
     assert c.decide(commit("b", max_tokens=5), 0).retry_after_ms == 100
-    c.on_progress("a", 3)                        # at 100 ms a still needs 7 steps: its slot frees at 170 ms
+    c.on_progress("a", 3)  # at 100 ms a still needs 7 steps: its slot frees at 170 ms
     again = c.decide(commit("b", max_tokens=5, deadline_ms=900, now_ms=100), 100 * MS)
     assert isinstance(again, Reject) and again.retry_after_ms == 70
-    assert c.num_reserved == 1 and c.num_admitted == 1           # a new reservation, from 170 ms
+    assert c.num_reserved == 1 and c.num_admitted == 1  # a new reservation, from 170 ms
 
 
 def test_a_retry_on_time_is_held_for_the_step_room_its_prompt_needs():
-    c = controller(slots=5)                                   # step budget 256 tokens, 10 ms steps
+    c = controller(slots=5)  # step budget 256 tokens, 10 ms steps
     for rid in "vwxyz":
         c.decide(commit(rid, max_tokens=5), 0)
-    assert c.decide(commit("r", max_tokens=5), 0).retry_after_ms == 50              # r reserved from 50 ms
+    assert c.decide(commit("r", max_tokens=5), 0).retry_after_ms == 50  # r reserved from 50 ms
     for rid in "vwxyz":
         c.release(rid)
-    for rid in "pqs":                 # three 90-token prompts admitted since, none begun: 270 > 256 tokens
+    for rid in "pqs":  # three 90-token prompts admitted since, none begun: 270 > 256 tokens
         c.commitments[rid] = commit(rid, prompt=90, now_ms=50)
     newcomer = c.decide(commit("n", max_tokens=5, now_ms=50), 50 * MS)
-    assert isinstance(newcomer, Reject) and newcomer.retry_after_ms == 10           # a step to wait
+    assert isinstance(newcomer, Reject) and newcomer.retry_after_ms == 10  # a step to wait
     retry = c.decide(commit("r", max_tokens=5, deadline_ms=950, now_ms=50), 50 * MS)
-    assert retry == Admit(110 * MS)                      # its 5 steps from 50 ms, one step later
+    assert retry == Admit(110 * MS)  # its 5 steps from 50 ms, one step later
 
 
 def test_a_prompt_that_would_not_join_the_very_next_step_is_refused_for_whole_steps():
-    c = controller(slots=8)                          # step budget 256 tokens, 10 ms steps
-    for rid in "abc":                                # three 80-token prompts not yet begun: 240 of 256 tokens
+    c = controller(slots=8)  # step budget 256 tokens, 10 ms steps
+    for rid in "abc":  # three 80-token prompts not yet begun: 240 of 256 tokens
         assert isinstance(c.decide(commit(rid, prompt=80), 0), Admit)
-    assert isinstance(c.decide(commit("d", prompt=80), 0), Admit)      # 240 < 256: its first chunk fits
-    refused = c.decide(commit("e", prompt=80), 0)                     # 320 ahead of it: one step to wait
+    assert isinstance(c.decide(commit("d", prompt=80), 0), Admit)  # 240 < 256: its first chunk fits
+    refused = c.decide(commit("e", prompt=80), 0)  # 320 ahead of it: one step to wait
     assert isinstance(refused, Reject) and refused.within_budget and refused.retry_after_ms == 10
     assert c.num_admitted == 4 and c.num_reserved == 0
-    for rid in "abcd":                               # their prompts ran: now each decodes one token a step
+    for rid in "abcd":  # their prompts ran: now each decodes one token a step
         c.on_progress(rid, 1)
     assert isinstance(c.decide(commit("e", prompt=80), 10 * MS), Admit)
 
 
 def test_a_call_refused_for_the_step_budget_keeps_its_turn_but_no_slot():
-    c = controller(slots=8)                          # step budget 256 tokens, 10 ms steps, 50 ms hold
-    for rid in "abcd":                               # four 80-token prompts not yet begun: 320 tokens
+    c = controller(slots=8)  # step budget 256 tokens, 10 ms steps, 50 ms hold
+    for rid in "abcd":  # four 80-token prompts not yet begun: 320 tokens
         c.commitments[rid] = commit(rid, prompt=80)
     refused = c.decide(commit("e", prompt=80), 0)
     assert isinstance(refused, Reject) and refused.retry_after_ms == 10 and c.num_reserved == 0
-    for rid in "fgh":                                # more prompts came in the meantime: 560 ahead at 10 ms
+    for rid in "fgh":  # more prompts came in the meantime: 560 ahead at 10 ms
         c.commitments[rid] = commit(rid, prompt=80)
     newcomer = c.decide(commit("n", prompt=80, now_ms=10), 10 * MS)
     assert isinstance(newcomer, Reject) and newcomer.retry_after_ms == 20
     retry = c.decide(commit("e", prompt=80, deadline_ms=990, now_ms=10), 10 * MS)
-    assert retry == Admit((10 + 20 + 100) * MS)     # waits its 2 steps for room, then its 10 tokens
+    assert retry == Admit((10 + 20 + 100) * MS)  # waits its 2 steps for room, then its 10 tokens
 
 
 def test_a_turn_lapses_when_the_retry_comes_too_late():
     c = controller(slots=8)
     for rid in "abcd":
         c.commitments[rid] = commit(rid, prompt=80)
-    assert isinstance(c.decide(commit("e", prompt=80), 0), Reject)               # its turn lapses at 60 ms
+    assert isinstance(c.decide(commit("e", prompt=80), 0), Reject)  # its turn lapses at 60 ms
     late = c.decide(commit("e", prompt=80, deadline_ms=900, now_ms=100), 100 * MS)
     assert isinstance(late, Reject) and late.retry_after_ms == 10
 
 
 def test_the_wait_for_room_counts_the_steps_the_prompts_ahead_need():
     c = controller(slots=16)
-    for i in range(12):                              # 12 × 80 = 960 prompt tokens ahead, 256 a step
+    for i in range(12):  # 12 × 80 = 960 prompt tokens ahead, 256 a step
         c.commitments[f"p{i}"] = commit(f"p{i}", prompt=80)
     refused = c.decide(commit("late", prompt=8), 0)
     # after k steps 960 - 256k tokens are still ahead; below 256 from k = 3, so it joins the fourth step
@@ -393,19 +431,21 @@ def test_under_overload_the_quick_answers_give_every_call_the_same_decision_and_
     quick, slow = AdmissionController(cost, config), NoShortcut(cost, config)
     kinds = collections.Counter()
     for a, b in overload([quick, slow], load=3.0, seconds=4.0):
-        assert type(a) is type(b) and {**a.__dict__, "predicted_finish_ns": 0} == \
-            {**b.__dict__, "predicted_finish_ns": 0}
+        assert type(a) is type(b) and {**a.__dict__, "predicted_finish_ns": 0} == {
+            **b.__dict__,
+            "predicted_finish_ns": 0,
+        }
         kinds[type(a).__name__, getattr(a, "within_budget", None)] += 1
-    assert kinds["Admit", None] > 100 and kinds["Reject", True] > 300      # the overload it claims to be
+    assert kinds["Admit", None] > 100 and kinds["Reject", True] > 300  # the overload it claims to be
 
 
 def test_slots_are_expected_to_free_as_late_as_calls_have_been_finishing():
     late = Lateness(alpha=0.5, num_deviations=0.0)
-    assert late.factor == 1.0 and late.stretch(100, 300) == 300          # no history: as predicted
-    late.observe(predicted_ns=100, actual_ns=200)                         # took twice as long
-    assert late.factor == 1.5 and late.stretch(100, 300) == 400          # mean ratio 1.5: 200 ns × 1.5
+    assert late.factor == 1.0 and late.stretch(100, 300) == 300  # no history: as predicted
+    late.observe(predicted_ns=100, actual_ns=200)  # took twice as long
+    assert late.factor == 1.5 and late.stretch(100, 300) == 400  # mean ratio 1.5: 200 ns × 1.5
     for _ in range(20):
-        late.observe(predicted_ns=100, actual_ns=50)                      # early finishes: never under 1
+        late.observe(predicted_ns=100, actual_ns=50)  # early finishes: never under 1
     assert late.factor == 1.0
     spread = Lateness(alpha=0.5, num_deviations=2.0, mean=1.2, deviation=0.1)
-    assert spread.factor == 1.2 + 2 * 0.1                                 # the constructor's values count
+    assert spread.factor == 1.2 + 2 * 0.1  # the constructor's values count

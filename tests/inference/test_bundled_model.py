@@ -1,4 +1,5 @@
 """The bundled default model (bench/train_default_model.py) loads with our loader and writes Python with our engine."""
+
 from __future__ import annotations
 
 import json
@@ -49,13 +50,20 @@ def engine():
 
 
 def mean_loss(engine, tokens: list[int]) -> float:
-    logits = prompt_logits(engine.executor, tokens).float()          # [T, vocab]
+    logits = prompt_logits(engine.executor, tokens).float()  # [T, vocab]
     return float(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(tokens[1:])))
 
 
 def test_files_are_the_hugging_face_layout_within_budget():
-    for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
-                 "tokenizer_config.json", "MODEL_CARD.md", "training_log.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "MODEL_CARD.md",
+        "training_log.json",
+    ):
         assert (BUNDLED / name).is_file(), name
     for f in BUNDLED.iterdir():
         assert f.stat().st_size <= MAX_FILE_BYTES, f"{f.name} is {f.stat().st_size} bytes"
@@ -63,7 +71,7 @@ def test_files_are_the_hugging_face_layout_within_budget():
 
 
 def test_loads_in_bf16_with_eos_from_the_tokenizer():
-    checkpoint = load_checkpoint(BUNDLED)                            # dtype "auto" reads config.json
+    checkpoint = load_checkpoint(BUNDLED)  # dtype "auto" reads config.json
     assert checkpoint.dtype == torch.bfloat16
     assert all(t.dtype == torch.bfloat16 for t in checkpoint.state_dict.values())
     assert checkpoint.eos_token_ids == (checkpoint.tokenizer.token_to_id("<|endoftext|>"),)

@@ -1,5 +1,6 @@
 """A caller's request_id is an idempotency key scoped to its tenant, never a handle: each admitted call is
 known inside the replica by the id the replica made for it, and billed once, as its own record."""
+
 from __future__ import annotations
 
 import threading
@@ -7,6 +8,7 @@ import threading
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from zeroqueue.inference.v1 import inference_pb2 as pb
 
 from billing import commands
 from services.inference.app import ServeConfig
@@ -14,7 +16,6 @@ from services.inference.executor import ExecutorConfig
 from services.inference.inprocess import ServerThread, status_details
 from tests.billing.conftest import ledger, postgres_schema_url, sqlite_template  # noqa: F401 - fixtures
 from tests.inference.test_usage import ledger_rows
-from zeroqueue.inference.v1 import inference_pb2 as pb
 
 PROMPT = "def add(a, b):\n    return"
 
@@ -22,8 +23,11 @@ PROMPT = "def add(a, b):\n    return"
 @pytest.fixture
 def replica(ledger, llama_dir):  # noqa: F811 - the ledger fixture, on SQLite and PostgreSQL
     keys = {tenant: commands.create_tenant(ledger.url, tenant) for tenant in ("acme", "beta")}
-    server = ServerThread(ServeConfig(str(llama_dir), port=0, ledger_url=ledger.url,
-                                      executor=ExecutorConfig(max_batch=4, max_seq_len=256))).start()
+    server = ServerThread(
+        ServeConfig(
+            str(llama_dir), port=0, ledger_url=ledger.url, executor=ExecutorConfig(max_batch=4, max_seq_len=256)
+        )
+    ).start()
     yield server, keys
     server.stop()
 
@@ -40,8 +44,9 @@ def test_a_reused_request_id_is_billed_once_per_admitted_call_in_every_tenant(re
     served = [("acme", *call(server, keys["acme"], request_id="same")) for _ in range(3)]
     served += [("beta", *call(server, keys["beta"], request_id="same")) for _ in range(2)]
     # one acme call with the id in flight: acme's second is refused, beta's is admitted beside it
-    running = server.stub(key=keys["acme"]).Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=40,
-                                                                       temperature=0.0, request_id="dup"), timeout=30)
+    running = server.stub(key=keys["acme"]).Generate(
+        pb.GenerateRequest(prompt=PROMPT, max_tokens=40, temperature=0.0, request_id="dup"), timeout=30
+    )
     first = next(running).admission
     with pytest.raises(grpc.RpcError) as refused:
         call(server, keys["acme"], request_id="dup")
@@ -50,8 +55,11 @@ def test_a_reused_request_id_is_billed_once_per_admitted_call_in_every_tenant(re
     served.append(("beta", *call(server, keys["beta"], request_id="dup")))
     served.append(("acme", first, list(running)[-1].final))
     server.stop()
-    rows = ledger_rows(server.config.ledger_url, "SELECT u.request_id, u.client_request_id, t.name AS tenant, "
-                       "u.unit_us FROM usage_records u JOIN tenants t ON t.id = u.tenant_id")
+    rows = ledger_rows(
+        server.config.ledger_url,
+        "SELECT u.request_id, u.client_request_id, t.name AS tenant, "
+        "u.unit_us FROM usage_records u JOIN tenants t ON t.id = u.tenant_id",
+    )
     billed = sorted((r.request_id, r.client_request_id, r.tenant, r.unit_us) for r in rows)
     assert billed == sorted((a.call_id, a.request_id, tenant, f.usage.sm_us) for tenant, a, f in served)
     assert len({a.call_id for _, a, _ in served}) == len(served) == 7
@@ -66,10 +74,11 @@ def test_cancel_then_reuse_at_once_never_harms_another_tenants_calls(replica):
         while not stop.is_set():
             try:
                 bystander.append(call(server, keys["beta"], max_tokens=12)[1].finish_reason)
-            except grpc.RpcError as error:              # collateral damage: what this test looks for
+            except grpc.RpcError as error:  # collateral damage: what this test looks for
                 bystander.append(error.code().name)
-            status = health.Check(health_pb2.HealthCheckRequest(service="zeroqueue.inference.v1.Inference"),
-                                  timeout=5).status
+            status = health.Check(
+                health_pb2.HealthCheckRequest(service="zeroqueue.inference.v1.Inference"), timeout=5
+            ).status
             if status != health_pb2.HealthCheckResponse.SERVING:
                 unhealthy.append(status)
 
@@ -78,10 +87,11 @@ def test_cancel_then_reuse_at_once_never_harms_another_tenants_calls(replica):
     stub, codes = server.stub(key=keys["acme"]), []
     try:
         for _ in range(200):
-            reused = stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=50, temperature=0.0,
-                                                      request_id="race"), timeout=30)
+            reused = stub.Generate(
+                pb.GenerateRequest(prompt=PROMPT, max_tokens=50, temperature=0.0, request_id="race"), timeout=30
+            )
             try:
-                next(reused)                                # admitted (or refused: the last one is still closing)
+                next(reused)  # admitted (or refused: the last one is still closing)
                 reused.cancel()
                 codes.append("cancelled")
             except grpc.RpcError as error:

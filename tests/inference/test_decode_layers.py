@@ -4,6 +4,7 @@ within rounding and bit-identical however it is chunked, and greedy tokens equal
 
 The shared test checkpoints have head_dim 16, which the decode-attention kernel is not built for (so they run
 layer by layer); these use head_dim 32."""
+
 from __future__ import annotations
 
 import time
@@ -28,8 +29,15 @@ PROMPTS = [[5, 6, 7], list(range(10, 40)), [40] * 9, [7, 8]]
 def wide_heads_dir(request, tmp_path_factory):
     """hidden 128, 4 heads of 32, 2 KV heads; the Qwen2 one has q/k/v biases. The norms get weights of their
     own (transformers starts them at ones), so a kernel that read the wrong norm's weights would show."""
-    path = save_hf_checkpoint(tmp_path_factory.mktemp(request.param), request.param, initializer_range=0.1,
-                              hidden_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
+    path = save_hf_checkpoint(
+        tmp_path_factory.mktemp(request.param),
+        request.param,
+        initializer_range=0.1,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=3,
+    )
     model = hf_model(path)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -61,8 +69,8 @@ def count_fused_calls(engine) -> CountingOps:
 def decode_step_after_prompts(engine):
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(request(f"r{i}", prompt, max_tokens=20), Collector())
-    engine.step()                                           # every prompt in one step
-    engine.step()                                           # and a first decode, so lengths differ by row
+    engine.step()  # every prompt in one step
+    engine.step()  # and a first decode, so lengths differ by row
     step = engine.scheduler.schedule(time.monotonic_ns())
     assert len(step.decodes) == len(PROMPTS) and not step.prefills
     return step
@@ -80,7 +88,7 @@ def test_fused_layers_are_bit_identical_to_the_layer_by_layer_path(wide_heads_di
         fused_k, fused_v = cache.k.clone(), cache.v.clone()
         cache.k.copy_(before_k)
         cache.v.copy_(before_v)
-        model.layers.forward = lambda *a: DecoderStack.forward(model.layers, *a)     # layer by layer
+        model.layers.forward = lambda *a: DecoderStack.forward(model.layers, *a)  # layer by layer
         layered = executor._eager(step)
     assert calls.calls == 1
     assert torch.equal(fused, layered)
@@ -108,7 +116,7 @@ def test_a_prompt_on_the_fused_path_matches_the_layer_by_layer_path(wide_heads_d
         tokens = engine.tokenizer.encode(PROMPT * 3).ids
         logits[dtype, "fused"] = prompt_logits(engine.executor, tokens)
         layers = engine.executor.model.layers
-        layers.forward = lambda *a, layers=layers: DecoderStack.forward(layers, *a)     # attention by SDPA
+        layers.forward = lambda *a, layers=layers: DecoderStack.forward(layers, *a)  # attention by SDPA
         logits[dtype, "layers"] = prompt_logits(engine.executor, tokens)
     torch.testing.assert_close(logits["float32", "fused"], logits["float32", "layers"], atol=1e-5, rtol=0)
     error = {path: (logits["bfloat16", path] - logits["float32", "layers"]).abs() for path in ("fused", "layers")}
@@ -129,8 +137,9 @@ def test_prompt_logits_on_the_fused_path_match_transformers(wide_heads_dir):
     engine = make_engine(wide_heads_dir)
     calls = count_fused_calls(engine)
     tokens = engine.tokenizer.encode(PROMPT).ids
-    torch.testing.assert_close(prompt_logits(engine.executor, tokens), hf_logits(wide_heads_dir, tokens),
-                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        prompt_logits(engine.executor, tokens), hf_logits(wide_heads_dir, tokens), atol=1e-4, rtol=0
+    )
     assert calls.calls == 1
 
 
@@ -138,7 +147,7 @@ def test_greedy_tokens_match_transformers_generate_on_the_fused_path(wide_heads_
     engine = make_engine(wide_heads_dir)
     calls = count_fused_calls(engine)
     sink, reference = greedy_beside_transformers(engine, wide_heads_dir)
-    assert calls.calls == 32                                # the prompt step and 31 decode steps
+    assert calls.calls == 32  # the prompt step and 31 decode steps
     assert sink.tokens("r") == reference
 
 
@@ -146,11 +155,12 @@ def test_greedy_tokens_match_transformers_generate_on_the_fused_path(wide_heads_
 def test_a_call_decodes_the_same_alone_and_among_calls_joining_mid_stream(wide_heads_dir, dtype):
     """Steps that mix decodes with other calls' prompt chunks (max_num_batched_tokens 40 chunks the long
     prompts) still give a call the tokens it gets alone, greedy and seeded."""
+
     def tokens_of_the_call(sampling: dict, num_neighbours: int) -> list[int]:
         engine = make_engine(wide_heads_dir, dtype=dtype, max_batch=8, max_num_batched_tokens=40)
         sink = Collector()
         engine.add_request(request("t", PROMPTS[1], max_tokens=16, ignore_eos=True, **sampling), sink)
-        for i in range(num_neighbours):                     # a neighbour joins every other step
+        for i in range(num_neighbours):  # a neighbour joins every other step
             engine.step()
             engine.step()
             engine.add_request(request(f"n{i}", list(range(50 + i, 50 + 9 * (i + 2))), max_tokens=8), Collector())
@@ -168,6 +178,20 @@ def test_decode_layers_names_a_wrong_weight_count(wide_heads_dir):
     ints = torch.zeros(1, dtype=torch.int64)
     rotary = engine.executor.model.rotary
     with pytest.raises(RuntimeError, match="expected 6 weights for each of 3 layers, got 17"):
-        stack.ops.decode_layers(x, stack.weights[:-1], stack.biases, stack.out_features, rotary.cos, rotary.sin,
-                                ints, ints, ints + 1, cache.k, cache.v, stack.heads, stack.kv_heads, stack.eps,
-                                stack.scale)
+        stack.ops.decode_layers(
+            x,
+            stack.weights[:-1],
+            stack.biases,
+            stack.out_features,
+            rotary.cos,
+            rotary.sin,
+            ints,
+            ints,
+            ints + 1,
+            cache.k,
+            cache.v,
+            stack.heads,
+            stack.kv_heads,
+            stack.eps,
+            stack.scale,
+        )

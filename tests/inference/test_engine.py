@@ -1,4 +1,5 @@
 """The engine end to end on a tiny model: batching, chunked prefill, stop strings, KV memory."""
+
 from __future__ import annotations
 
 import random
@@ -11,8 +12,16 @@ from services.inference.request import RequestStatus
 from tests.inference.conftest import Collector, make_engine, request, run_to_completion
 from tests.inference.logits import prompt_logits
 
-TEXTS = ["def add(a, b):", "class Point:\n    def", "for i in range(10):\n    print(", "import os\nimport",
-         "The quick brown fox", "print(os.path.join(", "self.x = x\n        self.y", "return a"]
+TEXTS = [
+    "def add(a, b):",
+    "class Point:\n    def",
+    "for i in range(10):\n    print(",
+    "import os\nimport",
+    "The quick brown fox",
+    "print(os.path.join(",
+    "self.x = x\n        self.y",
+    "return a",
+]
 
 
 @pytest.fixture
@@ -35,8 +44,9 @@ def run_staggered(engine, all_prompts, **sampling):
     """Request i joins after i steps, so batches mix prefills and decodes of different lengths."""
     sink = Collector()
     for i, prompt in enumerate(all_prompts):
-        engine.add_request(request(f"r{i}", prompt, **{k: v(i) if callable(v) else v for k, v in sampling.items()}),
-                           sink)
+        engine.add_request(
+            request(f"r{i}", prompt, **{k: v(i) if callable(v) else v for k, v in sampling.items()}), sink
+        )
         engine.step()
     run_to_completion(engine)
     return [sink.tokens(f"r{i}") for i in range(len(all_prompts))]
@@ -68,8 +78,9 @@ def test_chunked_prefill_gives_the_same_logits_as_one_shot(engine):
     tokens = engine.tokenizer.encode(" ".join(TEXTS)).ids
     one_shot = prompt_logits(engine.executor, tokens)
     for chunk in (1, 7, 16):
-        torch.testing.assert_close(prompt_logits(engine.executor, tokens, chunk_size=chunk, slot=1), one_shot,
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            prompt_logits(engine.executor, tokens, chunk_size=chunk, slot=1), one_shot, atol=1e-5, rtol=1e-5
+        )
 
 
 def test_long_prompt_is_chunked_and_running_decodes_never_stall(llama_dir):
@@ -85,8 +96,7 @@ def test_long_prompt_is_chunked_and_running_decodes_never_stall(llama_dir):
             continue
         assert report.scheduled.num_tokens <= 16
         if any(s.request.request_id == "long" for s in report.scheduled.prefills):
-            assert any(s.request.request_id == "short" for s in report.scheduled.decodes) or sink.finish_reason(
-                "short")
+            assert any(s.request.request_id == "short" for s in report.scheduled.decodes) or sink.finish_reason("short")
             decoding_steps += 1
     assert decoding_steps >= 100 // 16
     assert len(sink.tokens("short")) == 30
@@ -96,7 +106,7 @@ def test_stop_string_is_never_emitted_even_in_part(engine):
     prompt = prompts(engine)[0]
     full = run_alone(engine, prompt, max_tokens=40)
     text = engine.tokenizer.decode(full)
-    stop = text[len(text) // 2:len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert len(stop.strip()) >= 1
     sink = Collector()
     engine.add_request(request("s", prompt, max_tokens=40, stop=(stop,)), sink)
@@ -104,7 +114,7 @@ def test_stop_string_is_never_emitted_even_in_part(engine):
     streamed = sink.text("s")
     assert sink.finish_reason("s") == "stop"
     assert stop not in streamed
-    answer = text[:text.index(stop)]
+    answer = text[: text.index(stop)]
     assert streamed == answer
     cumulative = ""
     for out in sink.outputs["s"]:
@@ -119,7 +129,7 @@ def test_stop_token_ends_the_request_without_being_streamed(engine):
     sink = Collector()
     engine.add_request(request("t", prompt, max_tokens=20, stop_token_ids=frozenset({stop_token})), sink)
     run_to_completion(engine)
-    assert sink.tokens("t") == full[:full.index(stop_token)]
+    assert sink.tokens("t") == full[: full.index(stop_token)]
     assert sink.finish_reason("t") == "stop"
     assert sink.outputs["t"][-1].num_output_tokens == full.index(stop_token) + 1
 
@@ -142,8 +152,15 @@ def test_kv_slots_are_all_free_after_1000_requests_that_finish_cancel_or_expire(
     for i in range(1000):
         fate = rng.choice(["finish", "cancel", "expire"])
         deadline = now + 10**12 if fate != "expire" else time.monotonic_ns() + rng.randint(1, 4) * 2_000_000
-        engine.add_request(request(f"q{i}", [rng.randrange(1, 300) for _ in range(rng.randint(1, 12))],
-                                   deadline_ns=deadline, max_tokens=rng.randint(1, 12)), sink)
+        engine.add_request(
+            request(
+                f"q{i}",
+                [rng.randrange(1, 300) for _ in range(rng.randint(1, 12))],
+                deadline_ns=deadline,
+                max_tokens=rng.randint(1, 12),
+            ),
+            sink,
+        )
         for _ in range(rng.randint(0, 3)):
             engine.step()
         if fate == "cancel":
@@ -202,7 +219,7 @@ def test_a_call_whose_text_fails_ends_alone_and_the_step_goes_on(engine):
     sink = Collector()
     for rid in ("broken", "fine"):
         engine.add_request(request(rid, [5, 6, 7], max_tokens=8), sink)
-    engine.step()                                   # both in, both prefilled
+    engine.step()  # both in, both prefilled
 
     def fail(token):
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a tokenizer that cannot decode")

@@ -1,5 +1,6 @@
 """The engine in its own process: same tokens as in a thread, and a dead engine fails its calls precisely,
 bills what they used, and takes the replica out of service."""
+
 from __future__ import annotations
 
 import os
@@ -11,33 +12,43 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from zeroqueue.inference.v1 import inference_pb2 as pb
 
 from services import errors
 from services.inference.app import ServeConfig
 from services.inference.cpus import engine_threads, pin, split_cpus
 from services.inference.digest import StepDigest
 from services.inference.engine import Engine
-from services.inference.engine_process import (DEVICE_FAULT_EXIT, EngineClient, EngineFailed, EngineSpec,
-                                              RelayedEngine, _Relay)
+from services.inference.engine_process import (
+    DEVICE_FAULT_EXIT,
+    EngineClient,
+    EngineFailed,
+    EngineSpec,
+    RelayedEngine,
+    _Relay,
+)
 from services.inference.executor import Executor, ExecutorConfig
 from services.inference.inprocess import ServerThread, status_details
 from services.inference.loader import load_checkpoint
 from services.inference.request import Request, RequestStatus, SamplingParams
 from tests.inference.test_usage import ledger_rows
-from zeroqueue.inference.v1 import inference_pb2 as pb
 
 PROMPT = "def add(a, b):\n    return"
 
 
 def serve(llama_dir, engine_process, **config):
-    cfg = ServeConfig(str(llama_dir), port=0, engine_process=engine_process,
-                      executor=ExecutorConfig(max_batch=4, max_seq_len=256), **config)
+    cfg = ServeConfig(
+        str(llama_dir),
+        port=0,
+        engine_process=engine_process,
+        executor=ExecutorConfig(max_batch=4, max_seq_len=256),
+        **config,
+    )
     return ServerThread(cfg).start()
 
 
 def greedy(server, **fields):
-    messages = list(server.stub().Generate(pb.GenerateRequest(prompt=PROMPT, temperature=0.0, **fields),
-                                           timeout=30))
+    messages = list(server.stub().Generate(pb.GenerateRequest(prompt=PROMPT, temperature=0.0, **fields), timeout=30))
     return [t for m in messages if m.HasField("chunk") for t in m.chunk.token_ids], messages[-1].final
 
 
@@ -71,11 +82,11 @@ def _health(server, name="zeroqueue.inference.v1.Inference"):
 def test_a_killed_engine_fails_its_calls_bills_them_and_takes_the_replica_out(llama_dir):
     server = serve(llama_dir, engine_process=True)
     try:
-        call = server.stub().Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=200, request_id="doomed",
-                                                         temperature=0.0),
-                                      timeout=30)
-        next(call)                                          # admitted
-        next(call)                                          # and running: a token came back
+        call = server.stub().Generate(
+            pb.GenerateRequest(prompt=PROMPT, max_tokens=200, request_id="doomed", temperature=0.0), timeout=30
+        )
+        next(call)  # admitted
+        next(call)  # and running: a token came back
         os.kill(server.app.engine.pid, signal.SIGKILL)
         with pytest.raises(grpc.RpcError) as info:
             list(call)
@@ -85,7 +96,7 @@ def test_a_killed_engine_fails_its_calls_bills_them_and_takes_the_replica_out(ll
         while _health(server) != health_pb2.HealthCheckResponse.NOT_SERVING and time.monotonic() < deadline:
             time.sleep(0.01)
         assert _health(server) == health_pb2.HealthCheckResponse.NOT_SERVING
-        assert _health(server, "liveness") == health_pb2.HealthCheckResponse.NOT_SERVING   # restart the pod
+        assert _health(server, "liveness") == health_pb2.HealthCheckResponse.NOT_SERVING  # restart the pod
         with pytest.raises(grpc.RpcError) as refused:
             list(server.stub().Generate(pb.GenerateRequest(prompt="x", max_tokens=2), timeout=5))
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -94,9 +105,10 @@ def test_a_killed_engine_fails_its_calls_bills_them_and_takes_the_replica_out(ll
         assert model.state == pb.WARMUP_STATE_FAILED
     finally:
         server.stop(grace_s=1)
-    (row,) = ledger_rows(server.config.ledger_url,
-                         "SELECT outcome, unit_us, completion_tokens FROM usage_records "
-                         "WHERE client_request_id = 'doomed'")
+    (row,) = ledger_rows(
+        server.config.ledger_url,
+        "SELECT outcome, unit_us, completion_tokens FROM usage_records WHERE client_request_id = 'doomed'",
+    )
     assert row.outcome == "error" and row.unit_us > 0 and row.completion_tokens >= 1
 
 
@@ -105,8 +117,9 @@ def failing_executor(checkpoint, config):
 
 
 def test_an_engine_that_cannot_start_says_why(llama_dir):
-    spec = EngineSpec(str(llama_dir), "auto", ExecutorConfig(max_batch=2, max_seq_len=64), 64,
-                      make_executor=failing_executor)
+    spec = EngineSpec(
+        str(llama_dir), "auto", ExecutorConfig(max_batch=2, max_seq_len=64), 64, make_executor=failing_executor
+    )
     with pytest.raises(EngineFailed, match="RuntimeError: no device here"):
         EngineClient(spec, time.monotonic_ns).launch()
 
@@ -120,8 +133,8 @@ def test_a_call_admitted_as_the_engine_dies_is_refused_as_not_serving(llama_dir)
     request = Request("late", (1, 2, 3), SamplingParams(max_tokens=2), time.monotonic_ns())
     with pytest.raises(errors.NotServing):
         client.add_request(request, sink=None)
-    assert client.num_unfinished == 0                   # nothing is tracked for a call the engine never got
-    client.cancel("late")                               # and cancelling into a dead engine is harmless
+    assert client.num_unfinished == 0  # nothing is tracked for a call the engine never got
+    client.cancel("late")  # and cancelling into a dead engine is harmless
 
 
 class _Pipe:
@@ -145,17 +158,25 @@ def test_the_digest_the_engine_process_ships_is_the_one_the_thread_layout_builds
     checkpoint = load_checkpoint(llama_dir)
     executor = Executor(checkpoint, ExecutorConfig(max_batch=4, max_seq_len=256))
     digests: list[StepDigest] = []
-    engine = _BothWays(executor, checkpoint.tokenizer, checkpoint.eos_token_ids, max_num_batched_tokens=40,
-                       observers=[type("Keep", (), {"on_step": lambda self, d: digests.append(d)})()])
+    engine = _BothWays(
+        executor,
+        checkpoint.tokenizer,
+        checkpoint.eos_token_ids,
+        max_num_batched_tokens=40,
+        observers=[type("Keep", (), {"on_step": lambda self, d: digests.append(d)})()],
+    )
     pipe = _Pipe()
     engine.relay = _Relay(pipe)
     now = time.monotonic_ns()
     # a prompt longer than the step's token budget (chunked), short ones that finish, one cancelled mid-way
-    engine.add_request(Request("long", tuple(range(1, 70)), SamplingParams(max_tokens=3, temperature=0.0), now),
-                       engine.relay)
+    engine.add_request(
+        Request("long", tuple(range(1, 70)), SamplingParams(max_tokens=3, temperature=0.0), now), engine.relay
+    )
     for i in range(3):
-        engine.add_request(Request(f"short-{i}", (5, 6, 7), SamplingParams(max_tokens=2 + i, temperature=0.0,
-                                                                           ignore_eos=True), now), engine.relay)
+        engine.add_request(
+            Request(f"short-{i}", (5, 6, 7), SamplingParams(max_tokens=2 + i, temperature=0.0, ignore_eos=True), now),
+            engine.relay,
+        )
     engine.step()
     engine.cancel("short-2")
     while engine.has_work:
@@ -163,24 +184,24 @@ def test_the_digest_the_engine_process_ships_is_the_one_the_thread_layout_builds
     shipped = [StepDigest.from_wire(m[1]) for m in pipe.messages if m[1] is not None]
     assert shipped == digests
     work = [w for d in digests for w in d.work]
-    assert len([n for rid, n in work if rid == "long" and n > 1]) >= 2     # the prompt ran in chunks
+    assert len([n for rid, n in work if rid == "long" and n > 1]) >= 2  # the prompt ran in chunks
     ended = {e.request_id: e.status for d in digests for e in d.ended}
     assert ended["short-2"] is RequestStatus.FINISHED_CANCELLED and ended["short-0"].is_finished
-    assert sum(n for rid, n in work if rid == "long") == 69 + 3 - 1   # prompt, then one decode per later token
+    assert sum(n for rid, n in work if rid == "long") == 69 + 3 - 1  # prompt, then one decode per later token
 
 
 def test_split_cpus_gives_the_engine_the_last_cores_and_the_server_the_rest():
     assert split_cpus((0, 1), engine_threads(0, (0, 1))) == ((1,), (0,))
     assert split_cpus((3, 0, 2, 1), engine_threads(0, (0, 1, 2, 3))) == ((1, 2, 3), (0,))
     assert split_cpus((0, 1, 2, 3), engine_threads(2, (0, 1, 2, 3))) == ((2, 3), (0, 1))
-    assert split_cpus((5,), engine_threads(0, (5,))) is None          # one core: nothing to keep apart
+    assert split_cpus((5,), engine_threads(0, (5,))) is None  # one core: nothing to keep apart
     assert split_cpus((0, 1), 2) is None
 
 
 def thread_affinity(tid: int, if_gone: set[int]) -> set[int]:
     try:
         return os.sched_getaffinity(tid)
-    except ProcessLookupError:          # the thread ended since it was listed
+    except ProcessLookupError:  # the thread ended since it was listed
         return if_gone
 
 
@@ -191,13 +212,14 @@ def test_a_pinned_engine_process_runs_on_its_own_cores_and_the_server_on_the_oth
     server = serve(llama_dir, engine_process=True, pin_cpus=True)
     try:
         assert os.sched_getaffinity(server.app.engine.pid) == set(engine_cores)
-        assert all(thread_affinity(int(tid), set(server_cores)) == set(server_cores)
-                   for tid in os.listdir("/proc/self/task"))
+        assert all(
+            thread_affinity(int(tid), set(server_cores)) == set(server_cores) for tid in os.listdir("/proc/self/task")
+        )
         tokens, final = greedy(server, max_tokens=8)
         assert len(tokens) == 8 and final.usage.sm_us > 0
     finally:
         server.stop()
-        pin(mask)                           # this test process hosted the server
+        pin(mask)  # this test process hosted the server
 
 
 class FaultyExecutor(Executor):
@@ -222,25 +244,34 @@ def _wait_for_health(server, status, timeout_s=10.0):
 
 @pytest.mark.parametrize("engine_process", [True, False], ids=["engine-process", "engine-thread"])
 def test_a_device_fault_ends_the_calls_bills_them_and_takes_the_replica_out(llama_dir, engine_process):
-    server = ServerThread(ServeConfig(str(llama_dir), port=0, engine_process=engine_process,
-                                      executor=ExecutorConfig(max_batch=4, max_seq_len=256)),
-                          make_executor=FaultyExecutor).start()
+    server = ServerThread(
+        ServeConfig(
+            str(llama_dir), port=0, engine_process=engine_process, executor=ExecutorConfig(max_batch=4, max_seq_len=256)
+        ),
+        make_executor=FaultyExecutor,
+    ).start()
     try:
-        bystander = server.stub().Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=200, temperature=0.0,
-                                                              request_id="bystander"), timeout=30)
+        bystander = server.stub().Generate(
+            pb.GenerateRequest(prompt=PROMPT, max_tokens=200, temperature=0.0, request_id="bystander"), timeout=30
+        )
         next(bystander)
-        next(bystander)                                     # running: a token came back
+        next(bystander)  # running: a token came back
         with pytest.raises(grpc.RpcError) as faulted:
-            list(server.stub().Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=77, request_id="faulty"),
-                                        timeout=30))
+            list(
+                server.stub().Generate(
+                    pb.GenerateRequest(prompt=PROMPT, max_tokens=77, request_id="faulty"), timeout=30
+                )
+            )
         with pytest.raises(grpc.RpcError) as lost:
             list(bystander)
         for error in (faulted.value, lost.value):
             assert error.code() == grpc.StatusCode.INTERNAL
             assert status_details(error)["ErrorInfo"].reason == "ENGINE_FAILURE"
-        assert _wait_for_health(server, health_pb2.HealthCheckResponse.NOT_SERVING) == \
-            health_pb2.HealthCheckResponse.NOT_SERVING
-        assert _health(server, "liveness") == health_pb2.HealthCheckResponse.NOT_SERVING     # restart the pod
+        assert (
+            _wait_for_health(server, health_pb2.HealthCheckResponse.NOT_SERVING)
+            == health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        assert _health(server, "liveness") == health_pb2.HealthCheckResponse.NOT_SERVING  # restart the pod
         if engine_process:
             server.app.engine._process.join(10)
             assert server.app.engine._process.exitcode == DEVICE_FAULT_EXIT
@@ -249,14 +280,17 @@ def test_a_device_fault_ends_the_calls_bills_them_and_takes_the_replica_out(llam
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         server.stop(grace_s=1)
-    rows = ledger_rows(server.config.ledger_url,
-                       "SELECT client_request_id, outcome FROM usage_records ORDER BY client_request_id")
+    rows = ledger_rows(
+        server.config.ledger_url, "SELECT client_request_id, outcome FROM usage_records ORDER BY client_request_id"
+    )
     assert [(r.client_request_id, r.outcome) for r in rows] == [("bystander", "error"), ("faulty", "error")]
 
 
 def test_a_step_that_fails_without_a_device_fault_leaves_the_replica_serving(llama_dir):
-    server = ServerThread(ServeConfig(str(llama_dir), port=0, executor=ExecutorConfig(max_batch=4, max_seq_len=256)),
-                          make_executor=FaultyExecutor).start()
+    server = ServerThread(
+        ServeConfig(str(llama_dir), port=0, executor=ExecutorConfig(max_batch=4, max_seq_len=256)),
+        make_executor=FaultyExecutor,
+    ).start()
     try:
         with pytest.raises(grpc.RpcError) as failed:
             list(server.stub().Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=78), timeout=30))

@@ -1,6 +1,7 @@
 """2,000 fuzzed Generate calls (tests/fuzz_generate.py) against one replica, while a well-formed call of a second
 tenant streams beside them: it completes as it would alone, no answer is INTERNAL or UNKNOWN, every refusal's
 status fits gRPC's metadata limits, and health answers throughout."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +10,8 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from zeroqueue.inference.v1 import inference_pb2 as pb
+from zeroqueue.inference.v1 import inference_pb2_grpc
 
 from billing import commands
 from services.inference.app import ServeConfig
@@ -17,21 +20,23 @@ from services.inference.inprocess import ServerThread
 from tests.billing.conftest import ledger, postgres_schema_url, sqlite_template  # noqa: F401 - fixtures
 from tests.fuzz_generate import GenerateFuzzer, Tally, send
 from tests.inference.test_usage import ledger_rows
-from zeroqueue.inference.v1 import inference_pb2 as pb
-from zeroqueue.inference.v1 import inference_pb2_grpc
 
 NUM_CALLS = 2000
 CONCURRENCY = 24
 SEED = 20240611
-STEADY = pb.GenerateRequest(prompt="def add(a, b):\n    return", max_tokens=48, temperature=0.0,
-                            labels={"team": "steady"})
+STEADY = pb.GenerateRequest(
+    prompt="def add(a, b):\n    return", max_tokens=48, temperature=0.0, labels={"team": "steady"}
+)
 
 
 @pytest.fixture
 def server(ledger, llama_dir):  # noqa: F811 - the ledger fixture: SQLite and PostgreSQL
     key = commands.create_tenant(ledger.url, "acme")
-    s = ServerThread(ServeConfig(str(llama_dir), port=0, ledger_url=ledger.url,
-                                 executor=ExecutorConfig(max_batch=4, max_seq_len=256)))
+    s = ServerThread(
+        ServeConfig(
+            str(llama_dir), port=0, ledger_url=ledger.url, executor=ExecutorConfig(max_batch=4, max_seq_len=256)
+        )
+    )
     s.key = key
     yield s.start()
     s.stop()
@@ -68,8 +73,9 @@ async def _health(address: str, stop: asyncio.Event, answers: list, problems: li
         while not stop.is_set():
             t0 = time.monotonic()
             try:
-                reply = await stub.Check(health_pb2.HealthCheckRequest(service="zeroqueue.inference.v1.Inference"),
-                                         timeout=5)
+                reply = await stub.Check(
+                    health_pb2.HealthCheckRequest(service="zeroqueue.inference.v1.Inference"), timeout=5
+                )
             except grpc.aio.AioRpcError as error:
                 problems.append(f"health: {error.code().name} {error.details()}")
                 return
@@ -85,10 +91,13 @@ async def _fuzz(server: ServerThread, beta_key: str, expected: list[int]) -> tup
     card = server.app.service.card
     fuzzer = GenerateFuzzer(SEED, card.name, card.context_length, card.vocab_size, max_request_bytes=128 << 10)
     metadata = (("authorization", f"Bearer {server.key}"),)
-    side = [asyncio.create_task(_steady(server.address, beta_key, expected, stop, done, problems)),
-            asyncio.create_task(_health(server.address, stop, health_answers, problems))]
-    async with grpc.aio.insecure_channel(server.address, options=[("grpc.max_send_message_length", 8 << 20)]) \
-            as channel:
+    side = [
+        asyncio.create_task(_steady(server.address, beta_key, expected, stop, done, problems)),
+        asyncio.create_task(_health(server.address, stop, health_answers, problems)),
+    ]
+    async with grpc.aio.insecure_channel(
+        server.address, options=[("grpc.max_send_message_length", 8 << 20)]
+    ) as channel:
         calls = iter(fuzzer.calls(NUM_CALLS))
 
         async def worker() -> None:
@@ -116,12 +125,12 @@ def test_fuzzed_calls_beside_a_second_tenant(server):
     assert done and all(n == alone[-1].final.usage.prompt_tokens for n in done)
     assert health_answers and max(health_answers) < 5
     assert tally.max_status_bytes < 8 << 10
-    assert tally.counts.get(("INVALID_ARGUMENT", "MALFORMED_REQUEST"), 0) > 100     # the bytes were fuzzed
-    assert sum(n for (code, _), n in tally.counts.items() if code == "OK") > 100    # and valid calls were served
+    assert tally.counts.get(("INVALID_ARGUMENT", "MALFORMED_REQUEST"), 0) > 100  # the bytes were fuzzed
+    assert sum(n for (code, _), n in tally.counts.items() if code == "OK") > 100  # and valid calls were served
     deadline = time.monotonic() + 10
     while server.app.service.in_flight and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not server.app.service.in_flight
-    server.stop()                                   # the outbox drains into the ledger
+    server.stop()  # the outbox drains into the ledger
     billed = ledger_rows(server.config.ledger_url, "SELECT COUNT(*) FROM usage_records")[0][0]
-    assert billed == tally.num_admitted + len(done) + 1        # every admitted call once: fuzzed, steady, alone
+    assert billed == tally.num_admitted + len(done) + 1  # every admitted call once: fuzzed, steady, alone

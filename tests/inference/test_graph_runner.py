@@ -1,6 +1,7 @@
 """The CUDA-graph path's padded static-buffer forward, run eagerly on CPU (capture=False): the part of the
 graph path that CI can check. The capture itself is checked on a GPU by bench/gpu_check.py. Each test runs
 on plain torch (the code a GPU runs) and with the CPU kernels."""
+
 from __future__ import annotations
 
 import time
@@ -20,14 +21,15 @@ def use_kernels(request):
 
 
 def static_runner(executor):
-    return GraphRunner(executor.model, executor.backend, executor.num_slots, executor.max_seq_len,
-                       executor.device, capture=False)
+    return GraphRunner(
+        executor.model, executor.backend, executor.num_slots, executor.max_seq_len, executor.device, capture=False
+    )
 
 
 def decode_step(engine, prompts):
     for i, prompt in enumerate(prompts):
         engine.add_request(request(f"r{i}", prompt, max_tokens=20), Collector())
-    engine.step()                                       # every prompt in one step
+    engine.step()  # every prompt in one step
     step = engine.scheduler.schedule(time.monotonic_ns())
     assert len(step.decodes) == len(prompts) and not step.prefills
     return step
@@ -62,10 +64,10 @@ def test_a_replay_reads_the_cache_only_as_far_as_its_longest_row(llama_dir, use_
     with torch.inference_mode():
         eager = engine.executor._eager(step)
         padded, bucket = runner.replay(step.decodes)
-        short = runner.forward_static(Bucket(2, 128))       # the same buffers, read only to position 128
+        short = runner.forward_static(Bucket(2, 128))  # the same buffers, read only to position 128
     assert bucket == Bucket(2, 256)
     torch.testing.assert_close(padded, eager, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(short[1], eager[1], atol=1e-5, rtol=1e-5)     # the short row fits in 128
+    torch.testing.assert_close(short[1], eager[1], atol=1e-5, rtol=1e-5)  # the short row fits in 128
     assert not torch.allclose(short[0], eager[0], atol=1e-3)
 
 

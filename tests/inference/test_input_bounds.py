@@ -1,5 +1,6 @@
 """Every input path is bounded before it costs, and every refusal is precise and small: the request's bytes, the
 prompt's bytes and token count, malformed protobuf, retry headers, and the size of the status itself."""
+
 from __future__ import annotations
 
 import asyncio
@@ -13,23 +14,23 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2
+from zeroqueue.inference.v1 import inference_pb2 as pb
 
 from services import errors
 from services.errors import FieldViolation
+from services.inference import server as servicer_module
 from services.inference.app import ServeConfig, receive_limit
-from services.metering.app import MAX_MESSAGE_BYTES as METERING_MAX_MESSAGE_BYTES
 from services.inference.executor import ExecutorConfig
 from services.inference.inprocess import ServerThread, status_details
 from services.inference.server import RequestLimits, to_spec
-from services.inference import server as servicer_module
+from services.metering.app import MAX_MESSAGE_BYTES as METERING_MAX_MESSAGE_BYTES
 from tests.fuzz_generate import GENERATE, delimited, tag, varint
 from tests.inference.test_server import PROMPT, generate, health, rejected
-from zeroqueue.inference.v1 import inference_pb2 as pb
 
 CONTEXT = 256
 LIMITS = RequestLimits()
 SERVING = health_pb2.HealthCheckResponse.SERVING
-SOFT_METADATA_LIMIT = 8 << 10      # gRPC's default soft limit: above it a client drops some replies
+SOFT_METADATA_LIMIT = 8 << 10  # gRPC's default soft limit: above it a client drops some replies
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +40,15 @@ def server(llama_dir):
     s.stop()
 
 
-def raw_call(server, raw: bytes, key: str | None = None, metadata=(), method: str = GENERATE,
-             streaming: bool = True, timeout: float = 30):
+def raw_call(
+    server,
+    raw: bytes,
+    key: str | None = None,
+    metadata=(),
+    method: str = GENERATE,
+    streaming: bool = True,
+    timeout: float = 30,
+):
     """Sends `raw` as the request's bytes; returns the responses (bytes) or the grpc.RpcError."""
     channel = server.channel(key)
     call = (channel.unary_stream if streaming else channel.unary_unary)(method)
@@ -70,6 +78,7 @@ def reason(error: grpc.RpcError) -> str:
 
 
 # --- the prompt's bytes and the request's bytes ---------------------------------------------------------------
+
 
 class SpyTokenizer:
     """The real tokenizer, counting calls; `hold` makes encode_batch wait until released."""
@@ -114,7 +123,7 @@ def test_prompt_over_the_byte_cap_is_refused_untokenized(server, spy):
 
 def test_request_larger_than_any_valid_one_is_refused_before_parsing(server, spy):
     bound = LIMITS.max_request_bytes(CONTEXT)
-    assert server.app.receive_bytes(CONTEXT) >= 4 << 20        # gRPC's default: the transport takes it to us
+    assert server.app.receive_bytes(CONTEXT) >= 4 << 20  # gRPC's default: the transport takes it to us
     error = rejected(server.stub(), prompt="x" * (bound + 1))
     assert error.code() == grpc.StatusCode.OUT_OF_RANGE
     assert reason(error) == "REQUEST_TOO_LARGE" and violations(error) == ["prompt"]
@@ -126,15 +135,24 @@ def test_request_larger_than_any_valid_one_is_refused_before_parsing(server, spy
 def test_the_receive_limit_fits_the_context():
     limits = RequestLimits()
     assert limits.max_request_bytes(CONTEXT) == CONTEXT * 32 + (64 << 10)
-    assert receive_limit(limits, CONTEXT, hosts_metering=False) == 4 << 20          # gRPC's default, at least
+    assert receive_limit(limits, CONTEXT, hosts_metering=False) == 4 << 20  # gRPC's default, at least
     assert receive_limit(limits, CONTEXT, hosts_metering=True) == METERING_MAX_MESSAGE_BYTES
     assert receive_limit(limits, 1 << 20, hosts_metering=False) == (1 << 20) * 8 + (64 << 10)
 
 
 def test_the_largest_valid_request_fits_its_bound_and_is_served(server):
-    fields = dict(model=server.app.service.card.name, prompt_token_ids=[319] * (CONTEXT - 2), max_tokens=1,
-                  stop=["🙂" * 64] * 8, request_id="r" * 128, temperature=0.5, top_p=0.5, top_k=7, seed=2**64 - 1,
-                  labels={f"k{i:02d}" + "k" * 60: "é" * 128 for i in range(16)})
+    fields = dict(
+        model=server.app.service.card.name,
+        prompt_token_ids=[319] * (CONTEXT - 2),
+        max_tokens=1,
+        stop=["🙂" * 64] * 8,
+        request_id="r" * 128,
+        temperature=0.5,
+        top_p=0.5,
+        top_k=7,
+        seed=2**64 - 1,
+        labels={f"k{i:02d}" + "k" * 60: "é" * 128 for i in range(16)},
+    )
     size = pb.GenerateRequest(**fields).ByteSize()
     assert size <= LIMITS.max_request_bytes(CONTEXT)
     messages = generate(server.stub(), prompt="", **fields)
@@ -168,7 +186,7 @@ def test_token_ids_past_the_context_are_counted_before_they_are_copied(server, m
 
 
 def test_to_spec_counts_two_million_ids_without_copying_or_scanning(monkeypatch, llama_dir):
-    message = pb.GenerateRequest(prompt_token_ids=[400] * 2_000_000, max_tokens=1)   # 400: outside the vocab
+    message = pb.GenerateRequest(prompt_token_ids=[400] * 2_000_000, max_tokens=1)  # 400: outside the vocab
     copies = []
     monkeypatch.setattr(servicer_module, "tuple", lambda items=(): copies.append(len(items)) or (), raising=False)
     card = type("Card", (), {"name": "m", "context_length": CONTEXT, "vocab_size": 320})()
@@ -187,7 +205,7 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(server):
     servicer = server.app.servicer
     original = servicer.tokenizer
     held = servicer.tokenizer = SpyTokenizer(original, hold=True)
-    text = "def add(a, b):\n    return a + b\n" * 60             # ~1.9 KB: over the inline limit, under the cap
+    text = "def add(a, b):\n    return a + b\n" * 60  # ~1.9 KB: over the inline limit, under the cap
     assert LIMITS.inline_tokenize_chars < len(text) < LIMITS.prompt_bytes(CONTEXT)
     try:
         with ThreadPoolExecutor(1) as pool:
@@ -216,27 +234,27 @@ def test_short_prompts_are_tokenized_inline_and_served(server, spy):
 
 VALID = pb.GenerateRequest(prompt=PROMPT, max_tokens=2, labels={"team": "a"}).SerializeToString()
 MALFORMED = [
-    (VALID[:-1], "labels"),                                            # truncated inside a map entry
-    (VALID + tag(4, 0) + b"\x80\x80", "max_tokens"),                  # truncated varint
-    (VALID + tag(4, 0) + b"\xff" * 11, "max_tokens"),                 # overlong varint
-    (delimited(2, b"ok\xff\xfe"), "prompt"),                          # invalid UTF-8
-    (delimited(2, b"\xed\xa0\x80"), "prompt"),                        # an encoded surrogate
-    (delimited(1, b"\xc0\xaf") + delimited(2, b"hi"), "model"),      # an overlong encoding
+    (VALID[:-1], "labels"),  # truncated inside a map entry
+    (VALID + tag(4, 0) + b"\x80\x80", "max_tokens"),  # truncated varint
+    (VALID + tag(4, 0) + b"\xff" * 11, "max_tokens"),  # overlong varint
+    (delimited(2, b"ok\xff\xfe"), "prompt"),  # invalid UTF-8
+    (delimited(2, b"\xed\xa0\x80"), "prompt"),  # an encoded surrogate
+    (delimited(1, b"\xc0\xaf") + delimited(2, b"hi"), "model"),  # an overlong encoding
     (delimited(9, b"\xff"), "stop"),
-    (delimited(10, b"\xe6\x9d"), "request_id"),                       # cut mid-character
+    (delimited(10, b"\xe6\x9d"), "request_id"),  # cut mid-character
     (delimited(11, delimited(1, b"\xff") + delimited(2, b"v")), "labels.key"),
     (delimited(11, delimited(1, b"team") + delimited(2, b"\xff")), "labels.value"),
-    (VALID + tag(2, 2) + varint(1000) + b"abc", "prompt"),            # length past the end
-    (VALID + tag(7, 7), "top_k"),                                     # a wire type that does not exist
-    (b"\x00", None),                                                   # field number 0
-    (b"\xff" * 11, None),                                              # a tag that never ends
-    (delimited(3, b"\x05\x80"), None),                                # packed ids with a truncated varint
+    (VALID + tag(2, 2) + varint(1000) + b"abc", "prompt"),  # length past the end
+    (VALID + tag(7, 7), "top_k"),  # a wire type that does not exist
+    (b"\x00", None),  # field number 0
+    (b"\xff" * 11, None),  # a tag that never ends
+    (delimited(3, b"\x05\x80"), None),  # packed ids with a truncated varint
 ]
 
 
 @pytest.mark.parametrize("raw,field", MALFORMED, ids=[f"{i}-{c[1]}" for i, c in enumerate(MALFORMED)])
 def test_malformed_bytes_are_invalid_argument_with_error_info(server, raw, field):
-    error = raw_call(server, raw, key="")          # before authentication: no key needed to hear it
+    error = raw_call(server, raw, key="")  # before authentication: no key needed to hear it
     assert isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
     info = status_details(error)["ErrorInfo"]
     assert info.reason == "MALFORMED_REQUEST"
@@ -320,9 +338,18 @@ HUGE_ECHOES = [
     dict(labels={f"key{i}": "v" for i in range(1000)}),
     dict(labels={"k" * 60_000: "v"}),
     dict(labels={f"team{i}": "\x00" * 128 for i in range(16)}),
-    dict(model="é" * 20_000, request_id="!" * 200, max_tokens=-1, temperature=float("nan"), top_p=2.0, top_k=-1,
-         stop=["🙂" * 65] * 8, labels={f"B{i}" + "é" * 500: "x" for i in range(16)},
-         prompt="", prompt_token_ids=[-1] * 10),
+    dict(
+        model="é" * 20_000,
+        request_id="!" * 200,
+        max_tokens=-1,
+        temperature=float("nan"),
+        top_p=2.0,
+        top_k=-1,
+        stop=["🙂" * 65] * 8,
+        labels={f"B{i}" + "é" * 500: "x" for i in range(16)},
+        prompt="",
+        prompt_token_ids=[-1] * 10,
+    ),
 ]
 
 
@@ -367,6 +394,7 @@ def test_the_final_cap_holds_for_any_error():
 
 
 # --- sampling ---------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("temperature", [1e-45, 1.2e-38, 1e-30, 5e-5])
 def test_a_vanishing_temperature_samples_as_greedy(server, temperature):

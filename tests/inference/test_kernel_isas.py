@@ -1,17 +1,17 @@
 """Which build of the CPU kernels a CPU gets (kernels.choose_isa), from fake /proc/cpuinfo files: no build needed."""
+
 from __future__ import annotations
 
 import pytest
 
 from services.inference import kernels
 
-
 ZEN3_FLAGS = "fpu sse2 avx avx2 fma f16c bmi2"
 CPUINFO_CASES = [
-    ("avx512f avx512bw avx512vl avx512dq avx512_bf16 " + ZEN3_FLAGS, "avx512"),   # Zen 4, Sapphire Rapids
-    ("avx512f avx512bw avx512vl avx512dq " + ZEN3_FLAGS, "avx2"),                # Skylake-X: no avx512_bf16
-    (ZEN3_FLAGS, "avx2"),                                                        # Zen 2/3
-    ("fpu sse2 avx avx2 fma", None),                                             # no f16c
+    ("avx512f avx512bw avx512vl avx512dq avx512_bf16 " + ZEN3_FLAGS, "avx512"),  # Zen 4, Sapphire Rapids
+    ("avx512f avx512bw avx512vl avx512dq " + ZEN3_FLAGS, "avx2"),  # Skylake-X: no avx512_bf16
+    (ZEN3_FLAGS, "avx2"),  # Zen 2/3
+    ("fpu sse2 avx avx2 fma", None),  # no f16c
     ("fpu sse2 avx", None),
 ]
 
@@ -32,8 +32,10 @@ def test_an_isa_can_be_asked_for_by_name(tmp_path):
     cpuinfo.write_text(f"flags\t\t: avx512f avx512bw avx512vl avx512dq avx512_bf16 {ZEN3_FLAGS}\n")
     assert kernels.choose_isa(cpuinfo, wanted="avx2")[0] is kernels.AVX2
     cpuinfo.write_text(f"flags\t\t: {ZEN3_FLAGS}\n")
-    assert kernels.choose_isa(cpuinfo, wanted="avx512") == (None, "this CPU lacks avx512f, avx512bw, avx512vl, "
-                                                                   "avx512dq, avx512_bf16 (avx512)")
+    assert kernels.choose_isa(cpuinfo, wanted="avx512") == (
+        None,
+        "this CPU lacks avx512f, avx512bw, avx512vl, avx512dq, avx512_bf16 (avx512)",
+    )
     assert "no kernel build is named 'sse'" in kernels.choose_isa(cpuinfo, wanted="sse")[1]
 
 
@@ -64,8 +66,10 @@ def test_a_build_that_fails_falls_back_to_the_next_the_cpu_runs():
             raise RuntimeError("Ninja is required to load C++ extensions")
         return f"/opt/_build/{isa.name}/lib.so"
 
-    assert kernels.first_built(((kernels.AVX512, kernels.AVX2), None), build) == (kernels.AVX2,
-                                                                                 "/opt/_build/avx2/lib.so")
+    assert kernels.first_built(((kernels.AVX512, kernels.AVX2), None), build) == (
+        kernels.AVX2,
+        "/opt/_build/avx2/lib.so",
+    )
     assert tried == ["avx512", "avx2"]
 
 

@@ -1,4 +1,5 @@
 """The CPU kernels (services/inference/kernels) against torch references, and their batch invariance."""
+
 from __future__ import annotations
 
 import contextlib
@@ -57,9 +58,16 @@ def randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 
 # ---- linear ----
 
+
 @FEW
-@given(m=st.integers(1, 40), n=st.integers(1, 100), k=st.one_of(st.integers(1, 90), st.sampled_from([32, 64, 96])),
-       dtype=st.sampled_from(DTYPES), with_bias=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    m=st.integers(1, 40),
+    n=st.integers(1, 100),
+    k=st.one_of(st.integers(1, 90), st.sampled_from([32, 64, 96])),
+    dtype=st.sampled_from(DTYPES),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_linear_matches_f_linear(linear_ops, m, n, k, dtype, with_bias, seed):
     """k in whole tiles of 32 as well as any k: the AMX path takes the former, the widening path the rest."""
     x, w = randn(m, k, dtype=dtype, seed=seed), randn(n, k, dtype=dtype, seed=seed + 1)
@@ -82,8 +90,25 @@ def test_linear_bias_lands_on_its_own_column(linear_ops, dtype, k, m):
     assert torch.equal(y, bias.expand(m, -1))
 
 
-BF16_EDGES = [0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), float("nan"), 3.3895e38, -3.3895e38,
-              1.1755e-38, 9.1835e-41, -9.1835e-41, 1.00390625, 1.01171875, 2.0**-126, 2.0**100, 2.0**-100]
+BF16_EDGES = [
+    0.0,
+    -0.0,
+    1.0,
+    -1.0,
+    float("inf"),
+    float("-inf"),
+    float("nan"),
+    3.3895e38,
+    -3.3895e38,
+    1.1755e-38,
+    9.1835e-41,
+    -9.1835e-41,
+    1.00390625,
+    1.01171875,
+    2.0**-126,
+    2.0**100,
+    2.0**-100,
+]
 
 
 def test_linear_rounds_to_bf16_as_torch_does(ops):
@@ -93,7 +118,7 @@ def test_linear_rounds_to_bf16_as_torch_does(ops):
     edges = torch.tensor(BF16_EDGES).to(torch.bfloat16)
     x = torch.cat([edges, randn(200, dtype=torch.bfloat16, seed=30) * 8]).unsqueeze(1)
     w = torch.cat([edges, randn(90, dtype=torch.bfloat16, seed=31)]).unsqueeze(1)
-    widen = dataclasses.replace(ops, bf16_path=0)   # VDPBF16PS and AMX take denormal inputs as zero
+    widen = dataclasses.replace(ops, bf16_path=0)  # VDPBF16PS and AMX take denormal inputs as zero
     y = widen.linear(x, widen.pack_linear(w), None, w.shape[0])
     exact = x.float() * w.float().T
     denormal = (exact.abs() < 2.0**-126) & (exact != 0)
@@ -105,7 +130,7 @@ def test_linear_rounds_to_bf16_as_torch_does(ops):
     finite = dict(nan=0.0, posinf=math.inf, neginf=-math.inf)
     assert torch.equal(y.nan_to_num(**finite), ref.nan_to_num(**finite))  # +0 == -0: a sum's sign of zero
     ties = exact.view(torch.int32) & 0xFFFF == 0x8000
-    assert ties.sum() > 100                                     # the random products hit round-half-even
+    assert ties.sum() > 100  # the random products hit round-half-even
 
 
 def test_linear_keeps_leading_dims(ops):
@@ -123,7 +148,7 @@ def test_linear_is_batch_invariant(linear_ops, dtype, n, k):
     packed = linear_ops.pack_linear(w)
     full = linear_ops.linear(x, packed, bias, n)
     for m in range(0, 45, 7):
-        assert torch.equal(linear_ops.linear(x[m:m + 1], packed, bias, n), full[m:m + 1])
+        assert torch.equal(linear_ops.linear(x[m : m + 1], packed, bias, n), full[m : m + 1])
     for size in (2, 5, 8, 9, 33):
         assert torch.equal(linear_ops.linear(x[:size], packed, bias, n), full[:size])
     order = torch.randperm(45, generator=torch.Generator().manual_seed(9))
@@ -146,11 +171,11 @@ def test_the_bf16_path_is_measured_or_forced(ops, monkeypatch):
     if "dot" not in ops.bf16_paths:
         pytest.skip(f"the {ops.isa} build has only the widening path: test_avx2_build_widens_whatever_is_asked")
     rate = torch.ops.zeroqueue.bf16_dot_rate.default()
-    assert 0.05 < rate < 20                                     # an issue-rate ratio, not a failed timing
+    assert 0.05 < rate < 20  # an issue-rate ratio, not a failed timing
     for name in ("widen", "dot"):
         monkeypatch.setenv(kernels.BF16_PATH_ENV, name)
         assert kernels.BF16_PATHS[kernels.choose_bf16_path(kernels.AVX512)] == name
-    monkeypatch.setenv(kernels.BF16_PATH_ENV, "amx")            # forced, but only where the CPU has it
+    monkeypatch.setenv(kernels.BF16_PATH_ENV, "amx")  # forced, but only where the CPU has it
     assert kernels.BF16_PATHS[kernels.choose_bf16_path(kernels.AVX512)] == "amx" or not kernels.amx_available()
     monkeypatch.delenv(kernels.BF16_PATH_ENV)
     chosen = kernels.BF16_PATHS[kernels.choose_bf16_path(kernels.AVX512)]
@@ -208,6 +233,7 @@ def test_linear_rejects_mismatched_inputs(ops):
 
 # ---- decode attention ----
 
+
 def attention_case(batch, heads, kv_heads, head_dim, seq_len, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     slots_total = batch + 2
@@ -217,8 +243,8 @@ def attention_case(batch, heads, kv_heads, head_dim, seq_len, dtype, seed):
     slots = torch.randperm(slots_total, generator=gen)[:batch]
     lengths = torch.randint(1, seq_len + 1, (batch,), generator=gen)
     for b in range(batch):  # positions past a sequence's length must never be read
-        k_cache[slots[b], :, lengths[b]:] = float("nan")
-        v_cache[slots[b], :, lengths[b]:] = float("nan")
+        k_cache[slots[b], :, lengths[b] :] = float("nan")
+        v_cache[slots[b], :, lengths[b] :] = float("nan")
     return q, k_cache, v_cache, slots, lengths
 
 
@@ -228,19 +254,27 @@ def sdpa_reference(q, k_cache, v_cache, slots, lengths, scale):
     k = k_cache[slots].float().nan_to_num(0.0)  # [B, KVH, T, D]
     v = v_cache[slots].float().nan_to_num(0.0)
     mask = torch.arange(seq_len)[None, :] < lengths[:, None]  # [B, T]
-    out = F.scaled_dot_product_attention(q.float().unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
-                                         scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        q.float().unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+    )
     return out.squeeze(2)
 
 
 @FEW
-@given(batch=st.integers(1, 5), kv_heads=st.integers(1, 3), group=st.integers(1, 3),
-       head_dim=st.sampled_from(kernels.DECODE_HEAD_DIMS), seq_len=st.integers(1, 70), dtype=st.sampled_from(DTYPES),
-       seed=st.integers(0, 2**16))
+@given(
+    batch=st.integers(1, 5),
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 3),
+    head_dim=st.sampled_from(kernels.DECODE_HEAD_DIMS),
+    seq_len=st.integers(1, 70),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+)
 def test_decode_attention_matches_sdpa(ops, batch, kv_heads, group, head_dim, seq_len, dtype, seed):
-    q, k_cache, v_cache, slots, lengths = attention_case(batch, kv_heads * group, kv_heads, head_dim, seq_len,
-                                                         dtype, seed)
-    scale = head_dim ** -0.5
+    q, k_cache, v_cache, slots, lengths = attention_case(
+        batch, kv_heads * group, kv_heads, head_dim, seq_len, dtype, seed
+    )
+    scale = head_dim**-0.5
     out = ops.decode_attention(q, k_cache, v_cache, slots, lengths, scale)
     ref = sdpa_reference(q, k_cache, v_cache, slots, lengths, scale)
     assert out.dtype == dtype and out.shape == q.shape
@@ -255,11 +289,12 @@ def test_decode_attention_is_batch_invariant(ops, dtype):
     q, k_cache, v_cache, slots, lengths = attention_case(7, 9, 3, 64, 90, dtype, seed=13)
     full = ops.decode_attention(q, k_cache, v_cache, slots, lengths, 0.125)
     for b in range(7):
-        alone = ops.decode_attention(q[b:b + 1], k_cache, v_cache, slots[b:b + 1], lengths[b:b + 1], 0.125)
-        assert torch.equal(alone, full[b:b + 1])
+        alone = ops.decode_attention(q[b : b + 1], k_cache, v_cache, slots[b : b + 1], lengths[b : b + 1], 0.125)
+        assert torch.equal(alone, full[b : b + 1])
     order = torch.tensor([6, 2, 0, 5, 1, 4, 3])
-    assert torch.equal(ops.decode_attention(q[order], k_cache, v_cache, slots[order], lengths[order], 0.125),
-                       full[order])
+    assert torch.equal(
+        ops.decode_attention(q[order], k_cache, v_cache, slots[order], lengths[order], 0.125), full[order]
+    )
     with num_threads(1):
         assert torch.equal(ops.decode_attention(q, k_cache, v_cache, slots, lengths, 0.125), full)
 
@@ -290,6 +325,7 @@ def test_decode_attention_rejects_bad_slots_and_lengths(ops):
 
 
 # ---- fused elementwise ops ----
+
 
 def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
@@ -325,8 +361,8 @@ def test_elementwise_ops_are_batch_invariant(ops, dtype):
     gate_up = randn(500, 3072, dtype=dtype, seed=22)
     normed, activated = ops.rms_norm(x, weight, 1e-5), ops.silu_mul(gate_up)
     for m in (0, 17, 499):
-        assert torch.equal(ops.rms_norm(x[m:m + 1], weight, 1e-5), normed[m:m + 1])
-        assert torch.equal(ops.silu_mul(gate_up[m:m + 1]), activated[m:m + 1])
+        assert torch.equal(ops.rms_norm(x[m : m + 1], weight, 1e-5), normed[m : m + 1])
+        assert torch.equal(ops.silu_mul(gate_up[m : m + 1]), activated[m : m + 1])
     with num_threads(1):
         assert torch.equal(ops.rms_norm(x, weight, 1e-5), normed)
         assert torch.equal(ops.silu_mul(gate_up), activated)
@@ -338,11 +374,12 @@ def test_add_rms_norm_is_the_residual_add_then_the_norm(ops, rows, cols, dtype, 
     x, residual = randn(rows, cols, dtype=dtype, seed=seed) * 3, randn(rows, cols, dtype=dtype, seed=seed + 1)
     weight = randn(cols, dtype=dtype, seed=seed + 2)
     normed, total = ops.add_rms_norm(x, residual, weight, 1e-5)
-    assert torch.equal(total, x + residual)                     # the residual stream, exactly as torch adds it
+    assert torch.equal(total, x + residual)  # the residual stream, exactly as torch adds it
     assert torch.equal(normed, ops.rms_norm(x + residual, weight, 1e-5))
 
 
 # ---- registration and CPU detection ----
+
 
 def test_ops_have_fake_implementations_for_torch_compile(ops):
     w = randn(20, 7, dtype=torch.bfloat16, seed=17)
@@ -353,9 +390,11 @@ def test_ops_have_fake_implementations_for_torch_compile(ops):
     torch.library.opcheck(torch.ops.zeroqueue.pack_linear.default, (w,), test_utils=checks)
     torch.library.opcheck(torch.ops.zeroqueue.linear.default, (x, packed, None, 20), test_utils=checks)
     torch.library.opcheck(torch.ops.zeroqueue.linear.default, (x, packed, None, 20, ops.bf16_path), test_utils=checks)
-    torch.library.opcheck(torch.ops.zeroqueue.decode_attention.default,
-                          (q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0), slots, lengths, 0.5),
-                          test_utils=checks)
+    torch.library.opcheck(
+        torch.ops.zeroqueue.decode_attention.default,
+        (q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0), slots, lengths, 0.5),
+        test_utils=checks,
+    )
     torch.library.opcheck(torch.ops.zeroqueue.rms_norm.default, (x, w[0], 1e-5), test_utils=checks)
     torch.library.opcheck(torch.ops.zeroqueue.silu_mul.default, (x[:, :6],), test_utils=checks)
     torch.library.opcheck(torch.ops.zeroqueue.add_rms_norm.default, (x, x * 2, w[0], 1e-5), test_utils=checks)
@@ -367,4 +406,3 @@ def test_missing_cpu_flags_reads_cpuinfo(tmp_path):
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512bw avx512vl avx512dq fma avx2\n")
     assert kernels.missing_cpu_flags(cpuinfo) == ("avx512_bf16",)
     assert kernels.missing_cpu_flags(tmp_path / "absent") == kernels.AVX512.cpu_flags
-

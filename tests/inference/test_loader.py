@@ -1,4 +1,5 @@
 """Every way a checkpoint directory can be broken gets one CheckpointError naming the file."""
+
 from __future__ import annotations
 
 import json
@@ -107,8 +108,12 @@ def test_corrupt_tokenizer(ckpt):
 
 def test_shard_named_in_index_is_missing(ckpt):
     (ckpt / "model.safetensors").rename(ckpt / "model-00001-of-00002.safetensors")
-    index = {"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors",
-                            "lm_head.weight": "model-00002-of-00002.safetensors"}}
+    index = {
+        "weight_map": {
+            "model.norm.weight": "model-00001-of-00002.safetensors",
+            "lm_head.weight": "model-00002-of-00002.safetensors",
+        }
+    }
     (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
     expect_error(ckpt, "model-00002-of-00002.safetensors", "shard", "missing")
 

@@ -1,4 +1,5 @@
 """The meter on its own: exact splits, conservation of wall time, records and idle minutes."""
+
 from __future__ import annotations
 
 from hypothesis import given, settings
@@ -8,7 +9,7 @@ from services.inference.digest import StepDigest, ended_request
 from services.inference.meter import US_PER_MINUTE, Device, Meter, RecordContext, split_exact
 from services.inference.request import Request, RequestStatus, SamplingParams
 
-EPOCH_US = 29_833_334 * 60_000_000           # a UTC minute boundary in 2026
+EPOCH_US = 29_833_334 * 60_000_000  # a UTC minute boundary in 2026
 DEVICE = Device("cpu", "cpu:test", "core_us", 2)
 
 
@@ -19,7 +20,7 @@ def test_split_adds_up_exactly_and_is_proportional(total, weights):
     assert sum(parts) == total
     weight_sum = sum(weights)
     for part, weight in zip(parts, weights):
-        assert abs(part - total * weight / weight_sum) < 1      # off by less than one unit
+        assert abs(part - total * weight / weight_sum) < 1  # off by less than one unit
         assert weight or part == 0
 
 
@@ -52,8 +53,7 @@ def report(decodes, prefills, began_ns, ended_ns, ended=(), unfinished=1):
 
 def register(meter, *requests):
     for r in requests:
-        meter.register(r.request_id, RecordContext("acme", {"team": "ml"}, "m", EPOCH_US, EPOCH_US,
-                                                   EPOCH_US + 10**9))
+        meter.register(r.request_id, RecordContext("acme", {"team": "ml"}, "m", EPOCH_US, EPOCH_US, EPOCH_US + 10**9))
 
 
 def test_a_step_is_split_by_tokens_and_the_record_carries_the_sum():
@@ -61,11 +61,11 @@ def test_a_step_is_split_by_tokens_and_the_record_carries_the_sum():
     meter = make_meter(rec)
     a, b = req("a"), req("b")
     register(meter, a, b)
-    meter.on_step(report([a], [(b, 3)], 0, 4_000_000))          # 4 ms × 2 cores = 8000 core·µs, 1:3
+    meter.on_step(report([a], [(b, 3)], 0, 4_000_000))  # 4 ms × 2 cores = 8000 core·µs, 1:3
     assert meter.usage_unit_us == {"a": 2000, "b": 6000}
     a.status = RequestStatus.FINISHED_LENGTH
     a.output_token_ids = [1, 2]
-    meter.on_step(report([a, b], [], 4_000_000, 6_000_000, ended=[a]))   # back to back: 4000 more, 1:1
+    meter.on_step(report([a, b], [], 4_000_000, 6_000_000, ended=[a]))  # back to back: 4000 more, 1:1
     (record,) = rec.usage
     assert record.request_id == "a" and record.unit_us == 4000 and record.unit == "core_us"
     assert record.outcome == "ok" and record.deadline_met and record.completion_tokens == 2
@@ -77,7 +77,7 @@ def test_time_between_busy_steps_is_billed_and_time_with_no_request_is_idle():
     meter = make_meter(rec)
     a = req("a")
     register(meter, a)
-    meter.on_step(report([a], [], 1_000_000, 2_000_000))            # 1 ms idle first, then 1 ms busy
+    meter.on_step(report([a], [], 1_000_000, 2_000_000))  # 1 ms idle first, then 1 ms busy
     meter.on_step(report([a], [], 2_500_000, 3_000_000, unfinished=0))  # 0.5 ms of host work is billed
     assert meter.billed_unit_us == 2 * 2000 and meter.idle_unit_us == 2 * 1000
     meter.on_step(report([a], [], 10_000_000, 11_000_000, unfinished=0))  # nothing ran in between: idle
@@ -88,10 +88,10 @@ def test_time_between_busy_steps_is_billed_and_time_with_no_request_is_idle():
 def test_idle_minutes_close_with_wall_and_idle_time():
     rec = Recorder()
     meter = make_meter(rec)
-    meter.on_idle(90 * 1_000_000_000)                               # 90 s idle: minute 0 closes
+    meter.on_idle(90 * 1_000_000_000)  # 90 s idle: minute 0 closes
     (first,) = rec.idle
     assert first.minute_start_us == EPOCH_US and first.idle_unit_us == first.wall_unit_us == 2 * US_PER_MINUTE
-    meter.on_idle(100 * 1_000_000_000, final=True)                  # shutdown closes the partial minute
+    meter.on_idle(100 * 1_000_000_000, final=True)  # shutdown closes the partial minute
     assert rec.idle[1].wall_unit_us == 2 * 40_000_000
     assert len({r.record_id for r in rec.idle}) == 2
 
@@ -113,19 +113,26 @@ def test_time_after_the_last_request_is_cancelled_is_idle_not_the_next_requests(
     meter = make_meter(rec)
     a, b = req("a"), req("b")
     register(meter, a, b)
-    meter.on_step(report([a], [], 0, 1_000_000))                    # a runs, more to come
+    meter.on_step(report([a], [], 0, 1_000_000))  # a runs, more to come
     a.status = RequestStatus.FINISHED_CANCELLED
     meter.on_step(report([], [], 1_200_000, 1_200_000, ended=[a], unfinished=0))
     meter.on_idle(5_000_000)
-    meter.on_step(report([b], [], 9_000_000, 10_000_000, unfinished=0))   # b arrives 8 ms later
-    assert meter.usage_unit_us["b"] == 2 * 1000                     # its own 1 ms step, nothing before it
+    meter.on_step(report([b], [], 9_000_000, 10_000_000, unfinished=0))  # b arrives 8 ms later
+    assert meter.usage_unit_us["b"] == 2 * 1000  # its own 1 ms step, nothing before it
     assert meter.idle_unit_us == 2 * 8000
     assert meter.billed_unit_us + meter.idle_unit_us == meter.wall_unit_us
 
 
-steps = st.lists(st.tuples(st.integers(0, 5_000_000), st.integers(1, 5_000_000),
-                           st.lists(st.integers(1, 64), min_size=1, max_size=8), st.booleans()),
-                 min_size=1, max_size=40)
+steps = st.lists(
+    st.tuples(
+        st.integers(0, 5_000_000),
+        st.integers(1, 5_000_000),
+        st.lists(st.integers(1, 64), min_size=1, max_size=8),
+        st.booleans(),
+    ),
+    min_size=1,
+    max_size=40,
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -139,8 +146,9 @@ def test_billed_plus_idle_is_wall_time_and_every_step_splits_exactly(plan, start
         batch = [requests.setdefault(f"r{i}-{j}", req(f"r{i}-{j}")) for j in range(len(tokens))]
         before = dict(meter.usage_unit_us)
         billed_before = meter.billed_unit_us
-        meter.on_step(report([], list(zip(batch, tokens)), now + gap, now + gap + duration,
-                             unfinished=1 if more else 0))
+        meter.on_step(
+            report([], list(zip(batch, tokens)), now + gap, now + gap + duration, unfinished=1 if more else 0)
+        )
         step_total = meter.billed_unit_us - billed_before
         assert sum(meter.usage_unit_us.get(r.request_id, 0) - before.get(r.request_id, 0) for r in batch) == step_total
         now += gap + duration

@@ -1,4 +1,5 @@
 """GPU facts from NVML, and the CUDA device description, against a fake pynvml: no GPU or driver needed."""
+
 from __future__ import annotations
 
 import sys
@@ -29,7 +30,7 @@ class Dev:
     uuid: str | bytes
     name: str | bytes = "NVIDIA H100 80GB HBM3"
     memory: int = 80 << 30
-    mig: bool | None = None                     # None: not MIG-capable, the query raises as NVML's does
+    mig: bool | None = None  # None: not MIG-capable, the query raises as NVML's does
     slices: list[Dev | None] = field(default_factory=list)  # None: an empty slot, whose handle query raises
 
 
@@ -111,8 +112,9 @@ def test_plain_gpu_matched_without_prefix_and_bytes_decoded(monkeypatch):
     gpus = [Dev(H100.encode(), mig=False), Dev(A100.encode(), name=b"NVIDIA A100-SXM4-40GB", memory=40 << 30)]
     fake = install(monkeypatch, gpus)
     fake.nvmlSystemGetDriverVersion = lambda: DRIVER.encode()
-    assert gpu_facts(A100.removeprefix("GPU-")) == GpuFacts(A100, "NVIDIA A100-SXM4-40GB", False, False, DRIVER,
-                                                            40 << 30)
+    assert gpu_facts(A100.removeprefix("GPU-")) == GpuFacts(
+        A100, "NVIDIA A100-SXM4-40GB", False, False, DRIVER, 40 << 30
+    )
     assert fake.calls[-1] == "nvmlShutdown"
 
 
@@ -120,7 +122,7 @@ def test_plain_gpu_matched_without_prefix_and_bytes_decoded(monkeypatch):
 def test_mig_slice_has_parent_name_and_slice_memory(monkeypatch, torch_uuid):
     fake = install(monkeypatch, mig_host())
     assert gpu_facts(torch_uuid) == GpuFacts(SLICE, "NVIDIA H100 80GB HBM3", True, True, DRIVER, 20 << 30)
-    assert fake.calls.count("nvmlDeviceGetMigDeviceHandleByIndex") == 3     # the empty slot was skipped
+    assert fake.calls.count("nvmlDeviceGetMigDeviceHandleByIndex") == 3  # the empty slot was skipped
     assert fake.calls[-1] == "nvmlShutdown"
 
 
@@ -135,9 +137,18 @@ def test_no_match(monkeypatch):
     assert fake.calls[-1] == "nvmlShutdown"
 
 
-@pytest.mark.parametrize("failing", ["nvmlDeviceGetCount", "nvmlDeviceGetHandleByIndex", "nvmlDeviceGetUUID",
-                                     "nvmlDeviceGetMaxMigDeviceCount", "nvmlDeviceGetName",
-                                     "nvmlSystemGetDriverVersion", "nvmlDeviceGetMemoryInfo"])
+@pytest.mark.parametrize(
+    "failing",
+    [
+        "nvmlDeviceGetCount",
+        "nvmlDeviceGetHandleByIndex",
+        "nvmlDeviceGetUUID",
+        "nvmlDeviceGetMaxMigDeviceCount",
+        "nvmlDeviceGetName",
+        "nvmlSystemGetDriverVersion",
+        "nvmlDeviceGetMemoryInfo",
+    ],
+)
 def test_error_after_init_gives_none_and_shuts_down(monkeypatch, failing):
     fake = install(monkeypatch, mig_host(), fail=(failing,))
     with capture_logs() as logs:
@@ -161,14 +172,14 @@ def test_errors_from_query_and_shutdown(monkeypatch):
 
 
 def test_no_library(monkeypatch):
-    monkeypatch.setitem(sys.modules, "pynvml", None)    # import raises ImportError
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import raises ImportError
     assert gpu_facts(A100) is None
 
 
 def test_init_fails(monkeypatch):
     fake = install(monkeypatch, mig_host(), fail=("nvmlInit",))
     assert gpu_facts(A100) is None
-    assert fake.calls == ["nvmlInit"]                   # nothing to shut down
+    assert fake.calls == ["nvmlInit"]  # nothing to shut down
 
 
 def cuda_props(monkeypatch, uuid: str, name: str = "NVIDIA H100 80GB HBM3") -> None:
@@ -191,8 +202,7 @@ def test_describe_cuda_mig_slice_with_nvml(monkeypatch):
     assert describe_device(CUDA0) == DeviceInfo("cuda", "NVIDIA H100 80GB HBM3", SLICE, 132, "sm_us")
 
 
-@pytest.mark.parametrize(("torch_uuid", "device_id"), [(H100.removeprefix("GPU-"), H100), (H100, H100),
-                                                       (SLICE, SLICE)])
+@pytest.mark.parametrize(("torch_uuid", "device_id"), [(H100.removeprefix("GPU-"), H100), (H100, H100), (SLICE, SLICE)])
 def test_describe_cuda_without_nvml(monkeypatch, torch_uuid, device_id):
     monkeypatch.setitem(sys.modules, "pynvml", None)
     cuda_props(monkeypatch, torch_uuid, name="torch's name")

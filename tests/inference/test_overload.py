@@ -1,4 +1,5 @@
 """Admission under load, on a replica whose steps take a known minimum time (a fake slow device)."""
+
 from __future__ import annotations
 
 import json
@@ -9,12 +10,12 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from zeroqueue.inference.v1 import inference_pb2 as pb
+from zeroqueue.inference.v1 import inference_pb2_grpc
 
 from services.inference.app import ServeConfig
 from services.inference.executor import ExecutorConfig
 from services.inference.inprocess import ServerThread, status_details
-from zeroqueue.inference.v1 import inference_pb2 as pb
-from zeroqueue.inference.v1 import inference_pb2_grpc
 
 STEP_S = 0.02
 # the one copy of the recommended service config (README.md and docs/OPERATIONS.md point to it)
@@ -83,8 +84,9 @@ def test_full_batch_rejects_at_once_with_a_retry_delay_and_the_retry_succeeds(se
     refusals_timed = metric(server, "zeroqueue_refusal_reply_seconds_count")
     t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as info:
-        list(server.stub().Generate(pb.GenerateRequest(prompt="x = 1", max_tokens=20, request_id="retry-me"),
-                                    timeout=5))
+        list(
+            server.stub().Generate(pb.GenerateRequest(prompt="x = 1", max_tokens=20, request_id="retry-me"), timeout=5)
+        )
     rejected_at = time.monotonic()
     error = info.value
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -101,8 +103,9 @@ def test_full_batch_rejects_at_once_with_a_retry_delay_and_the_retry_succeeds(se
     # the hint is when the first running call is predicted to finish: about 40 steps away
     assert 10 * STEP_S * 1000 <= retry_ms <= 40 * STEP_S * 1000 * 4
     time.sleep(max(retry_ms / 1000 - (time.monotonic() - t0), 0))
-    messages = list(server.stub().Generate(pb.GenerateRequest(prompt="x = 1", max_tokens=20, request_id="retry-me"),
-                                           timeout=5))
+    messages = list(
+        server.stub().Generate(pb.GenerateRequest(prompt="x = 1", max_tokens=20, request_id="retry-me"), timeout=5)
+    )
     assert messages[-1].final.timings.deadline_met
 
 
@@ -112,16 +115,21 @@ def test_grpc_retry_policy_waits_the_pushback_delay(server):
     config = json.loads(SERVICE_CONFIG.read_text())
     channel = server.channel(**{"grpc.service_config": json.dumps(config), "grpc.enable_retries": 1})
     before_retry = metric(server, "zeroqueue_retry_attempts_total", attempt="1", result="admitted") + metric(
-        server, "zeroqueue_retry_attempts_total", attempt="1", result="overloaded")
+        server, "zeroqueue_retry_attempts_total", attempt="1", result="overloaded"
+    )
     before_first = metric(server, "zeroqueue_retry_attempts_total", attempt="0", result="overloaded")
     t0 = time.monotonic()
-    messages = list(inference_pb2_grpc.InferenceStub(channel).Generate(
-        pb.GenerateRequest(prompt="y = 2", max_tokens=10, request_id="policy-retry"), timeout=10))
+    messages = list(
+        inference_pb2_grpc.InferenceStub(channel).Generate(
+            pb.GenerateRequest(prompt="y = 2", max_tokens=10, request_id="policy-retry"), timeout=10
+        )
+    )
     elapsed = time.monotonic() - t0
     assert messages[-1].WhichOneof("kind") == "final"
     assert metric(server, "zeroqueue_retry_attempts_total", attempt="0", result="overloaded") == before_first + 1
     after_retry = metric(server, "zeroqueue_retry_attempts_total", attempt="1", result="admitted") + metric(
-        server, "zeroqueue_retry_attempts_total", attempt="1", result="overloaded")
+        server, "zeroqueue_retry_attempts_total", attempt="1", result="overloaded"
+    )
     assert after_retry == before_retry + 1, "the server saw grpc-previous-rpc-attempts: 1"
     assert elapsed >= 10 * STEP_S, "the client waited the pushback, not the 10 ms backoff"
     for c in running:
@@ -135,7 +143,7 @@ def test_mispredicted_request_ends_with_deadline_exceeded_and_frees_its_slot(lla
         misses = metric(s, "zeroqueue_deadline_misses_total")
         call = Background(s.stub(), timeout=3, prompt="def g():", max_tokens=60, temperature=0.0)
         assert call.admitted.wait(10) and call.error is None
-        engine.executor.floor_s = 0.25          # the device becomes ten times slower than calibrated
+        engine.executor.floor_s = 0.25  # the device becomes ten times slower than calibrated
         call.join()
         assert call.error is not None and call.error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert status_details(call.error)["ErrorInfo"].reason == "DEADLINE_MISSED"
@@ -185,7 +193,7 @@ def test_a_call_that_arrives_while_a_step_runs_joins_the_very_next_step(server):
     joined = metric(server, "zeroqueue_steps_waited_bucket", le="0.0")
     counted = metric(server, "zeroqueue_steps_waited_count")
     first = fill(server, n=1, max_tokens=30)[0]
-    wait_until(lambda: len(first.messages) >= 5)         # steps of 20 ms are running back to back
+    wait_until(lambda: len(first.messages) >= 5)  # steps of 20 ms are running back to back
     late = Background(server.stub(), prompt="y = 2", max_tokens=5, temperature=0.0).join()
     assert late.error is None and late.messages[-1].final.timings.queue_us <= 3 * STEP_S * 1e6
     first.join()

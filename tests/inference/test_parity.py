@@ -1,4 +1,5 @@
 """Parity with Hugging Face transformers, a reference implementation nobody here wrote."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,9 @@ PROMPT = "def add(a, b):\n    return"
 
 def hf_model(path):
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None     # compare full 32-token runs
+    model.generation_config.eos_token_id = None  # compare full 32-token runs
     return model
 
 
@@ -29,7 +31,7 @@ def checkpoint_dir(request, llama_dir, qwen_dir):
     return {"llama": llama_dir, "qwen2": qwen_dir}[request.param]
 
 
-@pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "plain-torch"])    # plain torch: a GPU's code
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "plain-torch"])  # plain torch: a GPU's code
 def test_logits_match_transformers(checkpoint_dir, use_kernels):
     engine = make_engine(checkpoint_dir, use_kernels=use_kernels)
     assert (engine.executor.cpu_ops is not None) == use_kernels
@@ -53,7 +55,7 @@ def greedy_beside_transformers(engine, path, max_tokens: int = 32) -> tuple[Coll
     run_to_completion(engine)
     with torch.no_grad():
         reference = hf_model(path).generate(torch.tensor([tokens]), max_new_tokens=max_tokens, do_sample=False)
-    return sink, reference[0, len(tokens):].tolist()
+    return sink, reference[0, len(tokens) :].tolist()
 
 
 @pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "plain-torch"])
@@ -63,17 +65,27 @@ def test_greedy_tokens_match_transformers_generate(checkpoint_dir, use_kernels):
     assert sink.finish_reason("r") == "length"
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 16, "rope_theta": 500000.0},
-])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+            "rope_theta": 500000.0,
+        },
+    ],
+)
 def test_rope_scaling_matches_transformers(tmp_path, rope):
-    path = save_hf_checkpoint(tmp_path, "llama", initializer_range=0.1, rope_scaling=rope,
-                              rope_theta=rope["rope_theta"])
+    path = save_hf_checkpoint(
+        tmp_path, "llama", initializer_range=0.1, rope_scaling=rope, rope_theta=rope["rope_theta"]
+    )
     engine = make_engine(path)
     assert engine.executor.model.args.rope_scaling.rope_type == rope["rope_type"]
-    tokens = engine.tokenizer.encode(PROMPT * 4).ids        # longer than original_max_position_embeddings
+    tokens = engine.tokenizer.encode(PROMPT * 4).ids  # longer than original_max_position_embeddings
     torch.testing.assert_close(prompt_logits(engine.executor, tokens), hf_logits(path, tokens), atol=1e-4, rtol=0)
 
 

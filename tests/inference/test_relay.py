@@ -1,5 +1,6 @@
 """The service's relay of engine outputs to a call's stream: one message per output while it keeps up, and
 the outputs that queued up while it fell behind in one message, with nothing lost, reordered or re-counted."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,22 +26,46 @@ class Progress:
 
 
 def _service(metrics: ServiceMetrics, progress: Progress) -> InferenceService:
-    return InferenceService(engine=None, card=None, admission=progress, metrics=metrics, clock=Clock(), meter=None,
-                            outbox=None, steps=StepLog())
+    return InferenceService(
+        engine=None,
+        card=None,
+        admission=progress,
+        metrics=metrics,
+        clock=Clock(),
+        meter=None,
+        outbox=None,
+        steps=StepLog(),
+    )
 
 
 def _ticket(queue: asyncio.Queue, received_ns: int) -> Ticket:
     spec = GenerateSpec("r1", (1, 2, 3), SamplingParams(max_tokens=4), MappingProxyType({}))
     done: Future = Future()
     done.set_result(None)
-    return Ticket(spec, "tenant", "call-1", None, queue, received_ns, received_ns, received_ns + 10**10, 10_000,
-                  BudgetSource.CLIENT_DEADLINE, received_ns + 10**9, usage_on_disk=done)
+    return Ticket(
+        spec,
+        "tenant",
+        "call-1",
+        None,
+        queue,
+        received_ns,
+        received_ns,
+        received_ns + 10**10,
+        10_000,
+        BudgetSource.CLIENT_DEADLINE,
+        received_ns + 10**9,
+        usage_on_disk=done,
+    )
 
 
 def _outputs(t0_ns: int) -> list[RequestOutput]:
     step_ns = 3_000_000
-    return [RequestOutput("r1", (10 + i,), f"t{i}", t0_ns + (i + 1) * step_ns, i + 1,
-                          "length" if i == 3 else None, t0_ns + 1_000) for i in range(4)]
+    return [
+        RequestOutput(
+            "r1", (10 + i,), f"t{i}", t0_ns + (i + 1) * step_ns, i + 1, "length" if i == 3 else None, t0_ns + 1_000
+        )
+        for i in range(4)
+    ]
 
 
 def _count(metrics: ServiceMetrics, name: str) -> float:
@@ -57,7 +82,7 @@ async def _relay(queued_before_reading: int) -> tuple[list[RequestOutput], Servi
     got, stream = [], service.stream(ticket)
     async for message in stream:
         got.append(message)
-        if len(got) == 1:       # the rest arrive one at a time, each read before the next comes
+        if len(got) == 1:  # the rest arrive one at a time, each read before the next comes
             for output in outputs[queued_before_reading:]:
                 ticket.outputs.put_nowait(output)
                 got.append(await anext(stream))
@@ -76,7 +101,7 @@ def test_outputs_that_queued_up_go_out_as_one_message_in_order():
     got, metrics, progress, ticket = asyncio.run(_relay(queued_before_reading=3))
     outputs = _outputs(ticket.received_ns)
     assert [m.token_ids for m in got] == [(10, 11, 12), (13,)]
-    assert got[0].text == "t0t1t2" and got[0].time_ns == outputs[0].time_ns     # when its first token came
+    assert got[0].text == "t0t1t2" and got[0].time_ns == outputs[0].time_ns  # when its first token came
     assert got[0].num_output_tokens == 3 and got[0].finish_reason is None
     assert got[-1].finish_reason == "length" and ticket.finished_ns == outputs[3].time_ns
     # every output is still accounted one by one: TTFT once, an inter-token gap per later token, progress
@@ -103,8 +128,8 @@ def test_the_sink_puts_directly_on_its_own_loop_and_through_the_loop_from_anothe
         sink = _LoopSink(asyncio.get_running_loop())
         first = _outputs(0)[0]
         sink.put(first)
-        assert sink.queue.qsize() == 1          # on the loop: put at once, no wake-up through the self-pipe
-        await asyncio.to_thread(sink.put, first._replace(token_ids=(99,)))     # handed over through the loop
+        assert sink.queue.qsize() == 1  # on the loop: put at once, no wake-up through the self-pipe
+        await asyncio.to_thread(sink.put, first._replace(token_ids=(99,)))  # handed over through the loop
         return [sink.queue.get_nowait().token_ids for _ in range(sink.queue.qsize())]
 
     assert asyncio.run(put_both_ways()) == [(10,), (99,)]
@@ -112,6 +137,7 @@ def test_the_sink_puts_directly_on_its_own_loop_and_through_the_loop_from_anothe
 
 class FakeClock:
     """The relay's clock, moved by the test."""
+
     now = 0
 
     def now_ns(self) -> int:
@@ -123,11 +149,19 @@ def test_a_stream_interval_holds_later_tokens_but_never_the_first_or_the_end():
 
     async def relay():
         metrics, progress, clock = ServiceMetrics(), Progress(), FakeClock()
-        service = InferenceService(engine=None, card=None, admission=progress, metrics=metrics, clock=clock,
-                                   meter=None, outbox=None, steps=StepLog(), stream_interval_ms=20)
+        service = InferenceService(
+            engine=None,
+            card=None,
+            admission=progress,
+            metrics=metrics,
+            clock=clock,
+            meter=None,
+            outbox=None,
+            steps=StepLog(),
+            stream_interval_ms=20,
+        )
         ticket = _ticket(asyncio.Queue(), 0)
-        outputs = [RequestOutput("r1", (10 + i,), f"t{i}", 0, i + 1, "length" if i == 4 else None, 0)
-                   for i in range(5)]
+        outputs = [RequestOutput("r1", (10 + i,), f"t{i}", 0, i + 1, "length" if i == 4 else None, 0) for i in range(5)]
         stream, sent = service.stream(ticket), []
         pending = asyncio.ensure_future(anext(stream))
         for now_ms, output in zip((0, 5, 10, 25, 27), outputs):
@@ -145,7 +179,7 @@ def test_a_stream_interval_holds_later_tokens_but_never_the_first_or_the_end():
     # the first token at once; 5 and 10 ms are within 20 ms of it, so they wait; at 25 ms the three go together;
     # the end at 27 ms goes at once although the last message was 2 ms before
     assert sent == [(0, (10,)), (25, (11, 12, 13)), (27, (14,))]
-    assert progress == [1, 2, 3, 4, 5]          # held tokens still count as generated when they come
+    assert progress == [1, 2, 3, 4, 5]  # held tokens still count as generated when they come
 
 
 def test_a_replica_with_a_stream_interval_sends_the_same_tokens_in_fewer_messages(llama_dir):
@@ -155,8 +189,11 @@ def test_a_replica_with_a_stream_interval_sends_the_same_tokens_in_fewer_message
     from tests.inference.conftest import Collector, make_engine, request, run_to_completion
     from tests.inference.test_server import PROMPT, generate
 
-    replica = ServerThread(ServeConfig(str(llama_dir), port=0, executor=ExecutorConfig(max_batch=2, max_seq_len=256),
-                                       stream_interval_ms=60_000)).start()
+    replica = ServerThread(
+        ServeConfig(
+            str(llama_dir), port=0, executor=ExecutorConfig(max_batch=2, max_seq_len=256), stream_interval_ms=60_000
+        )
+    ).start()
     try:
         messages = generate(replica.stub(), max_tokens=12, temperature=0.0)
     finally:
@@ -174,6 +211,8 @@ def test_a_replica_with_a_stream_interval_sends_the_same_tokens_in_fewer_message
 def test_serve_refuses_a_negative_stream_interval():
     import subprocess
     import sys
-    result = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--stream-interval-ms", "-5"],
-                            capture_output=True, text=True)
+
+    result = subprocess.run(
+        [sys.executable, "-m", "services.cli", "serve", "--stream-interval-ms", "-5"], capture_output=True, text=True
+    )
     assert result.returncode == 2 and "--stream-interval-ms: must be 0 or more" in result.stderr

@@ -1,13 +1,21 @@
 """What a refusal tells its caller: the pushback rule (gRFC A6 clients sleep a positive pushback even past the
 deadline), whether the hint is backed by a reservation, and a message that says what its ErrorInfo says."""
+
 from __future__ import annotations
 
 import pytest
 from google.rpc import error_details_pb2
 
 from services import errors
-from services.inference.admission import (DEADLINE, DELAYS_ADMITTED, SLOTS_FULL, STEP_BUDGET, AdmissionConfig,
-                                          AdmissionController, Reject)
+from services.inference.admission import (
+    DEADLINE,
+    DELAYS_ADMITTED,
+    SLOTS_FULL,
+    STEP_BUDGET,
+    AdmissionConfig,
+    AdmissionController,
+    Reject,
+)
 from services.inference.costmodel import CostModel
 from tests.inference.test_admission import MS, commit, controller, flat_cost
 
@@ -15,15 +23,23 @@ from tests.inference.test_admission import MS, commit, controller, flat_cost
 def overloaded(decision: Reject, now_ns: int, budget_ms: int) -> errors.Overloaded:
     """The error service.submit raises for a Reject."""
     assert isinstance(decision, Reject)
-    return errors.Overloaded(decision.retry_after_ms, (decision.predicted_finish_ns - now_ns) // MS, budget_ms,
-                             decision.within_budget, decision.reason, decision.reserved)
+    return errors.Overloaded(
+        decision.retry_after_ms,
+        (decision.predicted_finish_ns - now_ns) // MS,
+        budget_ms,
+        decision.within_budget,
+        decision.reason,
+        decision.reserved,
+    )
 
 
 def wire(error: errors.Overloaded) -> tuple[dict, error_details_pb2.ErrorInfo, int]:
     """Trailers, ErrorInfo and RetryInfo's delay (ms), as status_for puts them on the wire."""
     status = errors.status_for(error)
-    info, retry = (next(d for d in status.details if isinstance(d, cls))
-                   for cls in (error_details_pb2.ErrorInfo, error_details_pb2.RetryInfo))
+    info, retry = (
+        next(d for d in status.details if isinstance(d, cls))
+        for cls in (error_details_pb2.ErrorInfo, error_details_pb2.RetryInfo)
+    )
     return dict(status.trailing_metadata), info, retry.retry_delay.ToMilliseconds()
 
 
@@ -44,6 +60,7 @@ def assert_agrees(error: errors.Overloaded, decision: Reject) -> None:
 
 
 # --- the pushback rule ---------------------------------------------------------------------------------------
+
 
 def test_a_hint_that_fits_the_remaining_time_is_the_pushback():
     trailers, info, delay_ms = wire(errors.Overloaded(300, 120, 2_000, True, SLOTS_FULL, reserved=True))
@@ -81,6 +98,7 @@ def test_an_infeasible_budget_still_says_do_not_retry():
 
 # --- backed and unbacked hints, from admission -----------------------------------------------------------------
 
+
 def test_at_most_one_reservation_per_slot_then_the_hint_says_it_is_a_best_guess():
     c = controller(slots=2)
     c.decide(commit("a", max_tokens=5), 0)
@@ -94,9 +112,8 @@ def test_at_most_one_reservation_per_slot_then_the_hint_says_it_is_a_best_guess(
 
 
 def test_a_refusal_for_the_step_budget_holds_its_turn_while_turns_last():
-    c = AdmissionController(flat_cost(), AdmissionConfig(8, 256, margin_ms=0, margin_fraction=0),
-                            max_reservations=1)
-    for rid in "abcd":                  # four 80-token prompts not yet begun: the next step cannot take a fifth
+    c = AdmissionController(flat_cost(), AdmissionConfig(8, 256, margin_ms=0, margin_fraction=0), max_reservations=1)
+    for rid in "abcd":  # four 80-token prompts not yet begun: the next step cannot take a fifth
         c.decide(commit(rid, prompt=80), 0)
     first, second = (c.decide(commit(rid, prompt=80), 0) for rid in "ef")
     assert (first.reason, first.reserved) == (STEP_BUDGET, True) and set(c.turns) == {"e"}
@@ -106,6 +123,7 @@ def test_a_refusal_for_the_step_budget_holds_its_turn_while_turns_last():
 
 
 # --- why not now: the reason, and a message that agrees with the ErrorInfo ---------------------------------------
+
 
 def test_slots_full_is_not_reported_as_a_deadline_miss():
     c = controller(slots=1)
@@ -121,7 +139,7 @@ def test_its_own_late_finish_is_a_deadline_refusal():
     slow = CostModel(rows=[1, 2], row_us=[10_000, 30_000], us_per_context_token=0.0, num_deviations=0, deviation=0)
     c = AdmissionController(slow, AdmissionConfig(4, 256, margin_ms=0, margin_fraction=0))
     c.decide(commit("a", prompt=1, max_tokens=10, deadline_ms=10_000), 0)
-    refused = c.decide(commit("b", prompt=1, max_tokens=10, deadline_ms=250), 0)     # ~320 ms at batch 2
+    refused = c.decide(commit("b", prompt=1, max_tokens=10, deadline_ms=250), 0)  # ~320 ms at batch 2
     assert refused.reason == DEADLINE and refused.within_budget
     error = overloaded(refused, 0, 250)
     assert int(error.metadata["predicted_finish_ms"]) > 250

@@ -1,5 +1,6 @@
 """zeroqueue::rope_cache, the rotary embedding and the KV-cache write in one op, against the torch path it
 replaces: values, batch invariance, and bounds."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,8 +14,7 @@ from tests.inference.test_kernels import DTYPES, FEW, ops, randn  # noqa: F401  
 def rope_tables(max_len: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     freqs = torch.arange(max_len).float()[:, None] * inv_freq[None, :]
-    return (torch.cat((freqs.cos(), freqs.cos()), -1).to(dtype),
-            torch.cat((-freqs.sin(), freqs.sin()), -1).to(dtype))
+    return (torch.cat((freqs.cos(), freqs.cos()), -1).to(dtype), torch.cat((-freqs.sin(), freqs.sin()), -1).to(dtype))
 
 
 def rope_case(tokens, heads, kv_heads, head_dim, dtype, seed, slots=3, max_len=40):
@@ -29,18 +29,28 @@ def rope_case(tokens, heads, kv_heads, head_dim, dtype, seed, slots=3, max_len=4
 def torch_rope_cache(qkv, cos, sin, positions, slot_ids, k_cache, v_cache, heads, kv_heads):
     """The model's torch path: model.apply_rotary on q and k together, then the backend's index_put_."""
     from services.inference.model import apply_rotary
+
     d = k_cache.shape[-1]
-    qk = apply_rotary(qkv[:, :(heads + kv_heads) * d].view(-1, heads + kv_heads, d),
-                      cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+    qk = apply_rotary(
+        qkv[:, : (heads + kv_heads) * d].view(-1, heads + kv_heads, d),
+        cos[positions].unsqueeze(1),
+        sin[positions].unsqueeze(1),
+    )
     q, k = qk.split([heads, kv_heads], dim=1)
     k_cache[slot_ids, :, positions] = k
-    v_cache[slot_ids, :, positions] = qkv[:, (heads + kv_heads) * d:].view(-1, kv_heads, d)
+    v_cache[slot_ids, :, positions] = qkv[:, (heads + kv_heads) * d :].view(-1, kv_heads, d)
     return q
 
 
 @FEW
-@given(tokens=st.integers(1, 12), kv_heads=st.integers(1, 3), group=st.integers(1, 3),
-       head_dim=st.sampled_from((8, 16, 40, 64, 128)), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+@given(
+    tokens=st.integers(1, 12),
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 3),
+    head_dim=st.sampled_from((8, 16, 40, 64, 128)),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+)
 def test_rope_cache_matches_the_torch_path(ops, tokens, kv_heads, group, head_dim, dtype, seed):
     heads = kv_heads * group
     qkv, positions, slot_ids, cache = rope_case(tokens, heads, kv_heads, head_dim, dtype, seed)
@@ -48,15 +58,17 @@ def test_rope_cache_matches_the_torch_path(ops, tokens, kv_heads, group, head_di
     k_ref, v_ref, k_out, v_out = cache.clone(), cache.clone(), cache.clone(), cache.clone()
     q_ref = torch_rope_cache(qkv, cos, sin, positions, slot_ids, k_ref, v_ref, heads, kv_heads)
     q = ops.rope_cache(qkv, cos, sin, positions, slot_ids, k_out, v_out, heads, kv_heads)
+
     # bf16 rounds each product and the sum as torch does: bit for bit. fp32 may fuse a product into the sum.
-    def same(a, b):     # the caches' unwritten places are NaN on both sides
+    def same(a, b):  # the caches' unwritten places are NaN on both sides
         a, b = a.nan_to_num(7.0), b.nan_to_num(7.0)
         return torch.equal(a, b) if dtype == torch.bfloat16 else torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+
     assert q.shape == (tokens, heads, head_dim) and same(q, q_ref)
     assert same(k_out, k_ref) and torch.equal(v_out.nan_to_num(7.0), v_ref.nan_to_num(7.0))
     written = torch.zeros(cache.shape[:3], dtype=torch.bool)
     written[slot_ids, :, positions] = True
-    assert not k_out[~written].isfinite().any()                 # nothing but [slot, :, position] was written
+    assert not k_out[~written].isfinite().any()  # nothing but [slot, :, position] was written
 
 
 def test_rope_cache_is_batch_invariant(ops):
@@ -67,8 +79,8 @@ def test_rope_cache_is_batch_invariant(ops):
     q_all = ops.rope_cache(qkv, cos, sin, positions, slot_ids, k_all, v_all, 9, 3)
     for t in (0, 150, 299):
         k_one, v_one = cache.clone(), cache.clone()
-        q_one = ops.rope_cache(qkv[t:t + 1], cos, sin, positions[t:t + 1], slot_ids[t:t + 1], k_one, v_one, 9, 3)
-        assert torch.equal(q_one, q_all[t:t + 1])
+        q_one = ops.rope_cache(qkv[t : t + 1], cos, sin, positions[t : t + 1], slot_ids[t : t + 1], k_one, v_one, 9, 3)
+        assert torch.equal(q_one, q_all[t : t + 1])
         assert torch.equal(k_one[slot_ids[t], :, positions[t]], k_all[slot_ids[t], :, positions[t]])
         assert torch.equal(v_one[slot_ids[t], :, positions[t]], v_all[slot_ids[t], :, positions[t]])
 
@@ -83,12 +95,14 @@ def test_rope_cache_refuses_an_index_outside_the_cache(ops):
         ops.rope_cache(qkv, cos, sin, positions, torch.tensor([-1, 0, 0, 0]), k, v, 2, 1)
     with pytest.raises(RuntimeError, match="qkv must be"):
         ops.rope_cache(qkv[:, :-16], cos, sin, positions, slot_ids, k, v, 2, 1)
-    assert k.isnan().all() and v.isnan().all()                  # a refused call wrote nothing
+    assert k.isnan().all() and v.isnan().all()  # a refused call wrote nothing
 
 
 def test_rope_cache_has_a_fake_implementation_for_torch_compile(ops):
     qkv, positions, slot_ids, cache = rope_case(3, 2, 1, 16, torch.float32, seed=41)
     cos, sin = rope_tables(64, 16, torch.float32)
-    torch.library.opcheck(torch.ops.zeroqueue.rope_cache.default,
-                          (qkv, cos, sin, positions, slot_ids, cache.nan_to_num(0.0), cache.nan_to_num(0.0), 2, 1),
-                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        torch.ops.zeroqueue.rope_cache.default,
+        (qkv, cos, sin, positions, slot_ids, cache.nan_to_num(0.0), cache.nan_to_num(0.0), 2, 1),
+        test_utils=("test_schema", "test_faketensor"),
+    )

@@ -1,4 +1,5 @@
 """Sampling rules and the stop-string detokenizer, each on its own."""
+
 from __future__ import annotations
 
 import collections
@@ -6,10 +7,10 @@ import collections
 import pytest
 import torch
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from services.inference.detokenizer import Detokenizer
 from services.inference.request import SamplingParams
@@ -31,16 +32,18 @@ def test_top_k_only_picks_from_the_k_best():
 def test_top_p_keeps_the_smallest_nucleus():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log()[None, :]
-    picks = collections.Counter(sample(logits, [SamplingParams(temperature=1.0, top_p=0.8, seed=s)], [0])[0]
-                                for s in range(2000))
+    picks = collections.Counter(
+        sample(logits, [SamplingParams(temperature=1.0, top_p=0.8, seed=s)], [0])[0] for s in range(2000)
+    )
     assert set(picks) == {0, 1}
     assert abs(picks[0] / 2000 - 0.5 / 0.8) < 0.05
 
 
 def test_sampling_follows_the_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1])
-    counts = collections.Counter(sample(probs.log()[None, :], [SamplingParams(temperature=1.0, seed=7)], [i])[0]
-                                 for i in range(3000))
+    counts = collections.Counter(
+        sample(probs.log()[None, :], [SamplingParams(temperature=1.0, seed=7)], [i])[0] for i in range(3000)
+    )
     for token, p in enumerate(probs.tolist()):
         assert abs(counts[token] / 3000 - p) < 0.04
 
@@ -52,19 +55,28 @@ def test_draws_depend_only_on_seed_and_index():
     logits = torch.randn(4, 50)
     params = [SamplingParams(temperature=0.8, seed=11)] * 4
     batch = sample(logits, params, [5, 5, 5, 5])
-    assert batch == [sample(logits[i:i + 1], params[:1], [5])[0] for i in range(4)]
+    assert batch == [sample(logits[i : i + 1], params[:1], [5])[0] for i in range(4)]
 
 
-MIXED = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=1),
-         SamplingParams(temperature=1.0, top_p=0.9, seed=2), SamplingParams(temperature=1.3, top_k=40, seed=3),
-         SamplingParams(temperature=0.5, top_k=10, top_p=0.8, seed=4), SamplingParams(temperature=2.0, seed=5)]
+MIXED = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.7, seed=1),
+    SamplingParams(temperature=1.0, top_p=0.9, seed=2),
+    SamplingParams(temperature=1.3, top_k=40, seed=3),
+    SamplingParams(temperature=0.5, top_k=10, top_p=0.8, seed=4),
+    SamplingParams(temperature=2.0, seed=5),
+]
 
 
 def test_a_seed_draws_the_tokens_it_drew_before_sampling_moved_to_the_host():
     # drawn by the sampler of 3a05106, which sampled each row where its logits were (on the CPU: here)
-    before = [[393, 1690, 947, 1419, 1770, 569], [393, 1441, 1810, 1610, 1770, 1070],
-              [393, 3934, 2041, 1388, 1770, 3957], [393, 1006, 3835, 1388, 1770, 1848],
-              [393, 1006, 1878, 4953, 2895, 3376]]
+    before = [
+        [393, 1690, 947, 1419, 1770, 569],
+        [393, 1441, 1810, 1610, 1770, 1070],
+        [393, 3934, 2041, 1388, 1770, 3957],
+        [393, 1006, 3835, 1388, 1770, 1848],
+        [393, 1006, 1878, 4953, 2895, 3376],
+    ]
     torch.manual_seed(0)
     logits = torch.randn(6, 5000) * 3
     assert [sample(logits, MIXED, [i] * 6) for i in range(5)] == before
@@ -92,7 +104,7 @@ class DeviceCopies(TorchDispatchMode):
 
 @pytest.mark.parametrize("params, copies", [(MIXED, 2), (MIXED[:1] * 3, 1), (MIXED[1:], 2)])
 def test_logits_on_a_cuda_device_come_to_the_host_in_one_sync(params, copies):
-    with FakeTensorMode(), DeviceCopies() as seen:       # fake CUDA tensors: shapes and devices, no GPU needed
+    with FakeTensorMode(), DeviceCopies() as seen:  # fake CUDA tensors: shapes and devices, no GPU needed
         logits = torch.empty(len(params), 5000, device="cuda")
         argmax, rows, host = to_host(logits, params)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
@@ -109,7 +121,7 @@ def test_the_host_draws_what_sample_draws_from_the_same_logits():
     argmax, rows, host = to_host(logits, MIXED)
     assert argmax.tolist() == torch.argmax(logits, -1).tolist() and rows == [1, 2, 3, 4, 5]
     assert torch.equal(host, logits[1:])
-    assert sample(logits, MIXED, [3] * 6) == [sample(logits[i:i + 1], MIXED[i:i + 1], [3])[0] for i in range(6)]
+    assert sample(logits, MIXED, [3] * 6) == [sample(logits[i : i + 1], MIXED[i : i + 1], [3])[0] for i in range(6)]
 
 
 @pytest.mark.parametrize("temperature", [1e-45, 1e-38, 1e-30, 1e-8, 1e-3, 1.0, 1e4, 1e30, 3e38])
@@ -118,11 +130,11 @@ def test_the_host_draws_what_sample_draws_from_the_same_logits():
 def test_every_accepted_temperature_draws_a_token_of_the_vocabulary(temperature, top_p, top_k):
     torch.manual_seed(2)
     logits = torch.randn(3, 2000) * 5
-    logits[2, 7] = 40.0                                 # one row with a clear winner
+    logits[2, 7] = 40.0  # one row with a clear winner
     params = [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=s) for s in range(3)]
     tokens = sample(logits, params, [0, 1, 2])
     assert all(0 <= t < 2000 for t in tokens)
-    if temperature <= 1e-8 or top_k == 1 or top_p == 1e-9:     # as good as greedy
+    if temperature <= 1e-8 or top_k == 1 or top_p == 1e-9:  # as good as greedy
         assert tokens == torch.argmax(logits, -1).tolist()
 
 
@@ -157,12 +169,14 @@ def test_multibyte_characters_are_emitted_whole():
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.text(alphabet="ab c\n", min_size=0, max_size=40), st.lists(st.text(alphabet="abc", min_size=1,
-                                                                                max_size=4), max_size=3))
+@given(
+    st.text(alphabet="ab c\n", min_size=0, max_size=40),
+    st.lists(st.text(alphabet="abc", min_size=1, max_size=4), max_size=3),
+)
 def test_stream_is_always_a_prefix_of_the_answer(text, stops):
     pieces, stopped = stream(text, tuple(stops))
     cut, found = len(text), False
-    for end in range(1, len(text) + 1):        # read character by character: the first complete stop wins
+    for end in range(1, len(text) + 1):  # read character by character: the first complete stop wins
         ending = [s for s in stops if text[:end].endswith(s)]
         if ending:
             cut, found = end - max(map(len, ending)), True
@@ -175,7 +189,7 @@ def test_stream_is_always_a_prefix_of_the_answer(text, stops):
         assert text[:cut].startswith(seen)
 
 
-@pytest.mark.parametrize("scale", [0.1, 8.0])      # flat: the nucleus spans thousands of tokens; peaked: a few
+@pytest.mark.parametrize("scale", [0.1, 8.0])  # flat: the nucleus spans thousands of tokens; peaked: a few
 def test_top_p_nucleus_is_the_one_a_full_sort_finds(scale):
     scaled = torch.randn(5000, generator=torch.Generator().manual_seed(0)) * scale
     probs, ids = _filtered_probs(scaled, SamplingParams(temperature=1.0, top_p=0.9))

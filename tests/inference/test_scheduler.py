@@ -1,4 +1,5 @@
 """The scheduler on its own, with fake model outputs (no torch, no model)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -17,8 +18,13 @@ def make(num_slots=4, max_seq_len=64, budget=16):
 
 
 def req(rid, n_prompt, max_tokens=4, deadline_ns=None, stop=frozenset()):
-    return Request(rid, tuple(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens, stop_token_ids=stop),
-                   arrival_ns=0, deadline_ns=deadline_ns)
+    return Request(
+        rid,
+        tuple(range(1, n_prompt + 1)),
+        SamplingParams(max_tokens=max_tokens, stop_token_ids=stop),
+        arrival_ns=0,
+        deadline_ns=deadline_ns,
+    )
 
 
 def fake_step(scheduler, now_ns=0, token=7):
@@ -62,7 +68,7 @@ def test_requests_beyond_the_slots_wait_and_take_freed_slots():
         s.add_request(req(rid, 3, max_tokens=2))
     out, _ = fake_step(s)
     assert {p.request.request_id for p in out.prefills} == {"a", "b"} and s.num_free_slots == 0
-    fake_step(s)                    # a and b produce their second token and finish
+    fake_step(s)  # a and b produce their second token and finish
     assert s.num_free_slots == 2
     out, _ = fake_step(s)
     assert [p.request.request_id for p in out.prefills] == ["c"]
@@ -108,8 +114,12 @@ def test_add_request_refuses_duplicates_and_oversize():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 6), st.sampled_from(["run", "cancel"])),
-                min_size=1, max_size=25), st.integers(4, 24))
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 40), st.integers(1, 6), st.sampled_from(["run", "cancel"])), min_size=1, max_size=25
+    ),
+    st.integers(4, 24),
+)
 def test_every_request_ends_and_slots_are_conserved(plan, budget):
     s = make(num_slots=3, max_seq_len=64, budget=budget)
     for i, (n_prompt, max_tokens, fate) in enumerate(plan):

@@ -1,4 +1,5 @@
 """The gRPC service on a real loopback channel, with the tiny test model."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,15 +10,15 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from zeroqueue.inference.v1 import inference_pb2 as pb
 
 from services import errors
 from services.inference.app import ServeConfig
+from services.inference.executor import ExecutorConfig
+from services.inference.inprocess import ServerThread, status_details
 from services.inference.request import SamplingParams
 from services.inference.service import BudgetSource, GenerateSpec
-from services.inference.executor import ExecutorConfig
 from tests.inference.conftest import Collector, make_engine, request, run_to_completion
-from services.inference.inprocess import ServerThread, status_details
-from zeroqueue.inference.v1 import inference_pb2 as pb
 
 PROMPT = "def add(a, b):\n    return"
 
@@ -42,7 +43,7 @@ def rejected(stub, timeout=30, **fields) -> grpc.RpcError:
 
 
 def health(server, name="zeroqueue.inference.v1.Inference"):
-    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.address))   # probes need no key
+    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.address))  # probes need no key
     return stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status
 
 
@@ -81,8 +82,10 @@ def test_call_without_deadline_gets_the_default_budget_and_says_so(server):
 
 def test_prompt_token_ids_and_seeded_sampling_are_reproducible(server):
     ids = [5, 6, 7, 8, 9]
-    runs = [generate(server.stub(), prompt="", prompt_token_ids=ids, max_tokens=10, temperature=0.9, seed=42)
-            for _ in range(2)]
+    runs = [
+        generate(server.stub(), prompt="", prompt_token_ids=ids, max_tokens=10, temperature=0.9, seed=42)
+        for _ in range(2)
+    ]
     streams = [[t for m in r[1:-1] for t in m.chunk.token_ids] for r in runs]
     assert streams[0] == streams[1] and len(streams[0]) == 10
 
@@ -178,8 +181,7 @@ def test_every_call_needs_a_valid_tenant_key(server):
 
 def test_reflection_lists_the_services(server):
     stub = reflection_pb2_grpc.ServerReflectionStub(grpc.insecure_channel(server.address))
-    responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
-                                          timeout=5)
+    responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
     names = {s.name for r in responses for s in r.list_services_response.service}
     assert {"zeroqueue.inference.v1.Inference", "grpc.health.v1.Health"} <= names
 
@@ -211,8 +213,9 @@ def _wait_empty(server, timeout=5.0):
 
 def test_request_id_in_flight_cannot_be_reused(server):
     # greedy: a sampled end-of-sequence (1 in 320 tokens on this random model) could end the call too early
-    call = server.stub().Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=200, request_id="dup-1",
-                                                     temperature=0.0), timeout=30)
+    call = server.stub().Generate(
+        pb.GenerateRequest(prompt=PROMPT, max_tokens=200, request_id="dup-1", temperature=0.0), timeout=30
+    )
     next(call)
     error = rejected(server.stub(), request_id="dup-1")
     assert error.code() == grpc.StatusCode.ALREADY_EXISTS

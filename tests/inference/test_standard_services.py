@@ -3,6 +3,7 @@ precise INVALID_ARGUMENT / OUT_OF_RANGE as zeroqueue's own methods (never UNKNOW
 answer, and reflection describes a method by its full name (`grpcurl describe pkg.Service.Method`), which
 grpcio-reflection alone cannot (grpc/grpc#34743): asked the way grpcurl asks, through a reflection-backed
 descriptor database."""
+
 from __future__ import annotations
 
 import grpc
@@ -17,12 +18,12 @@ from services.standard import MAX_REQUEST_BYTES
 from tests.inference.test_overload import start_slow_server
 
 REFLECTION_INFO = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
-MALFORMED = [b"\xff\xff", b"\x0a\x03\xff\xfe\xfd", b"\x0a\x80"]      # a bad tag, bad UTF-8, a cut varint
+MALFORMED = [b"\xff\xff", b"\x0a\x03\xff\xfe\xfd", b"\x0a\x80"]  # a bad tag, bad UTF-8, a cut varint
 
 
 @pytest.fixture(scope="module")
 def replica(llama_dir):
-    server = start_slow_server(llama_dir)       # embedded metering: the replica hosts Metering as well
+    server = start_slow_server(llama_dir)  # embedded metering: the replica hosts Metering as well
     yield server
     server.stop()
 
@@ -34,13 +35,22 @@ def file_containing(address: str, symbol: str) -> reflection_pb2.ServerReflectio
         return next(iter(stub.ServerReflectionInfo(iter([request]), timeout=10)))
 
 
-@pytest.mark.parametrize("method, proto, request_type", [
-    ("zeroqueue.inference.v1.Inference.Generate", "zeroqueue/inference/v1/inference.proto",
-     "zeroqueue.inference.v1.GenerateRequest"),
-    ("zeroqueue.metering.v1.Metering.RecordUsage", "zeroqueue/metering/v1/metering.proto",
-     "zeroqueue.metering.v1.RecordUsageRequest"),
-    ("grpc.health.v1.Health.Check", "grpc_health/v1/health.proto", "grpc.health.v1.HealthCheckRequest"),
-])
+@pytest.mark.parametrize(
+    "method, proto, request_type",
+    [
+        (
+            "zeroqueue.inference.v1.Inference.Generate",
+            "zeroqueue/inference/v1/inference.proto",
+            "zeroqueue.inference.v1.GenerateRequest",
+        ),
+        (
+            "zeroqueue.metering.v1.Metering.RecordUsage",
+            "zeroqueue/metering/v1/metering.proto",
+            "zeroqueue.metering.v1.RecordUsageRequest",
+        ),
+        ("grpc.health.v1.Health.Check", "grpc_health/v1/health.proto", "grpc.health.v1.HealthCheckRequest"),
+    ],
+)
 def test_a_method_is_described_by_its_full_name(replica, method, proto, request_type):
     with grpc.insecure_channel(replica.address) as channel:
         database = ProtoReflectionDescriptorDatabase(channel)
@@ -66,8 +76,9 @@ def refusal(error: grpc.RpcError, code: grpc.StatusCode, reason: str, message_ty
 
 def health_check(address: str, service: str = "") -> int:
     with grpc.insecure_channel(address) as channel:
-        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                          timeout=10).status
+        return (
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+        )
 
 
 @pytest.mark.parametrize("raw", MALFORMED)
@@ -115,6 +126,10 @@ def test_a_malformed_reflection_message_ends_its_stream_with_invalid_argument(re
         assert "zeroqueue.inference.v1.Inference" in {s.name for s in first.list_services_response.service}
         with pytest.raises(grpc.RpcError) as caught:
             next(replies)
-    refusal(caught.value, grpc.StatusCode.INVALID_ARGUMENT, "MALFORMED_REQUEST",
-            "grpc.reflection.v1alpha.ServerReflectionRequest")
+    refusal(
+        caught.value,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "MALFORMED_REQUEST",
+        "grpc.reflection.v1alpha.ServerReflectionRequest",
+    )
     assert file_containing(replica.address, "zeroqueue.inference.v1.Inference").file_descriptor_response

@@ -1,4 +1,5 @@
 """Usage end to end: from the engine's steps through the outbox to the ledger, exactly once."""
+
 from __future__ import annotations
 
 import os
@@ -14,6 +15,8 @@ from pathlib import Path
 import grpc
 import pytest
 from sqlalchemy import create_engine, text
+from zeroqueue.inference.v1 import inference_pb2 as pb
+from zeroqueue.inference.v1 import inference_pb2_grpc
 
 from billing import commands
 from services.client.auth import authorized_channel
@@ -21,9 +24,7 @@ from services.inference.app import ServeConfig
 from services.inference.executor import ExecutorConfig
 from services.inference.inprocess import ServerThread
 from services.metering.inprocess import MeteringThread
-from tests.inference.test_overload import Background, fill, start_slow_server, wait_until
-from zeroqueue.inference.v1 import inference_pb2 as pb
-from zeroqueue.inference.v1 import inference_pb2_grpc
+from tests.inference.test_overload import fill, start_slow_server, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,16 +42,17 @@ def finals(stub, n, **fields):
     fields.setdefault("prompt", "def f(x):")
     fields.setdefault("max_tokens", 6)
     out = []
-    for i in range(n):
+    for _ in range(n):
         messages = list(stub.Generate(pb.GenerateRequest(**fields), timeout=20))
-        out.append((messages[0].admission.call_id, messages[-1].final))       # the ledger's request_id
+        out.append((messages[0].admission.call_id, messages[-1].final))  # the ledger's request_id
     return out
 
 
 def outbox_pending(data_dir: Path) -> int:
     with sqlite3.connect(data_dir / "outbox.db") as conn:
-        return conn.execute("SELECT COUNT(*) FROM outbox WHERE delivered_at_us IS NULL AND dead_at_us IS NULL"
-                            ).fetchone()[0]
+        return conn.execute(
+            "SELECT COUNT(*) FROM outbox WHERE delivered_at_us IS NULL AND dead_at_us IS NULL"
+        ).fetchone()[0]
 
 
 @pytest.mark.parametrize("engine_process", [True, False], ids=["engine-process", "engine-thread"])
@@ -59,13 +61,14 @@ def test_served_run_bills_every_call_once_and_conserves_wall_time(llama_dir, tmp
     stub = server.stub()
     done = finals(stub, 3, labels={"cost_center": "cc-7", "team": "search"})
     running = fill(server, max_tokens=60)
-    with pytest.raises(grpc.RpcError) as info:                      # refused at admission: never billed
+    with pytest.raises(grpc.RpcError) as info:  # refused at admission: never billed
         list(stub.Generate(pb.GenerateRequest(prompt="x", max_tokens=5, request_id="refused-1"), timeout=10))
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     for call in running:
         call.join()
-    cancelled = stub.Generate(pb.GenerateRequest(prompt="y", max_tokens=100, request_id="cancel-1",
-                                                     temperature=0.0), timeout=20)
+    cancelled = stub.Generate(
+        pb.GenerateRequest(prompt="y", max_tokens=100, request_id="cancel-1", temperature=0.0), timeout=20
+    )
     next(cancelled)
     next(cancelled)
     cancelled.cancel()
@@ -84,7 +87,7 @@ def test_served_run_bills_every_call_once_and_conserves_wall_time(llama_dir, tmp
     assert len(records) == len(done) + len(running) + 1
     (billed,) = ledger_rows(url, "SELECT SUM(unit_us) FROM usage_records")[0]
     idle, wall = ledger_rows(url, "SELECT SUM(idle_unit_us), SUM(wall_unit_us) FROM idle_records")[0]
-    assert billed + idle == wall                                    # Σ billed + idle = wall time × cores
+    assert billed + idle == wall  # Σ billed + idle = wall time × cores
 
 
 def test_usage_survives_a_metering_outage(llama_dir, tmp_path):
@@ -95,14 +98,20 @@ def test_usage_survives_a_metering_outage(llama_dir, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     metering = MeteringThread(url, port=port).start()
-    config = ServeConfig(str(llama_dir), port=0, data_dir=str(tmp_path / "replica"), metering_address=metering.address,
-                         metering_key=admin_key, executor=ExecutorConfig(max_batch=4, max_seq_len=256))
+    config = ServeConfig(
+        str(llama_dir),
+        port=0,
+        data_dir=str(tmp_path / "replica"),
+        metering_address=metering.address,
+        metering_key=admin_key,
+        executor=ExecutorConfig(max_batch=4, max_seq_len=256),
+    )
     server = ServerThread(config).start()
     try:
         stub = server.stub(key=tenant_key)
         before = finals(stub, 3)
         metering.stop()
-        during = finals(stub, 6)                                    # the key is cached; the usage waits
+        during = finals(stub, 6)  # the key is cached; the usage waits
         wait_until(lambda: outbox_pending(tmp_path / "replica") >= len(during), timeout=10)
         metering = MeteringThread(url, port=port).start()
         wait_until(lambda: outbox_pending(tmp_path / "replica") == 0, timeout=30)
@@ -114,9 +123,24 @@ def test_usage_survives_a_metering_outage(llama_dir, tmp_path):
 
 
 def _serve(model: Path, data_dir: Path, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--model", str(model), "--port", str(port),
-           "--data-dir", str(data_dir), "--ledger", f"sqlite:///{data_dir / 'ledger.db'}", "--max-batch", "4",
-           "--max-seq-len", "256"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--data-dir",
+        str(data_dir),
+        "--ledger",
+        f"sqlite:///{data_dir / 'ledger.db'}",
+        "--max-batch",
+        "4",
+        "--max-seq-len",
+        "256",
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     for line in proc.stdout:
         if "SERVING" in line:
@@ -170,9 +194,9 @@ def test_sigkill_loses_no_usage_of_a_finished_call(llama_dir, tmp_path):
     except BaseException:
         proc.kill()
         raise
-    os.kill(proc.pid, signal.SIGKILL)                               # no drain, no flush, no goodbye
+    os.kill(proc.pid, signal.SIGKILL)  # no drain, no flush, no goodbye
     proc.wait(10)
-    wait_until(lambda: not running(engines[0]), timeout=15)         # its engine process does not linger
+    wait_until(lambda: not running(engines[0]), timeout=15)  # its engine process does not linger
     stop.set()
     for t in threads:
         t.join(15)

@@ -1,4 +1,5 @@
 """A Metering service on a real loopback port over each ledger backend (SQLite and PostgreSQL), with keys."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator

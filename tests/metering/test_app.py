@@ -1,4 +1,5 @@
 """The Metering process around the servicer: schema check, TLS, hosting in another server, a ledger that is down."""
+
 from __future__ import annotations
 
 import asyncio
@@ -8,6 +9,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+from zeroqueue.metering.v1 import metering_pb2 as pb
+from zeroqueue.metering.v1 import metering_pb2_grpc
 
 import migrations
 from billing.db import make_engine, session_factory, unit_of_work
@@ -21,8 +24,6 @@ from services.metering.schema import LedgerNotMigrated
 from services.metering.server import usage_to_pb
 from tests.billing.factories import usage
 from tests.metering.conftest import bearer
-from zeroqueue.metering.v1 import metering_pb2 as pb
-from zeroqueue.metering.v1 import metering_pb2_grpc
 
 
 @pytest.fixture
@@ -47,9 +48,30 @@ def self_signed(directory: Path) -> tuple[Path, Path]:
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed")
     cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                    "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return cert, key
 
 
@@ -87,8 +109,9 @@ def test_hosted_in_another_server_and_a_ledger_that_is_down_is_unavailable() -> 
                 stub = metering_pb2_grpc.MeteringStub(channel)
                 assert (await stub.WhoAmI(pb.WhoAmIRequest(), metadata=bearer("admin"))).role == "admin"
                 with pytest.raises(grpc.aio.AioRpcError) as info:
-                    await stub.RecordUsage(pb.RecordUsageRequest(records=[usage_to_pb(usage("r1"))]),
-                                           metadata=bearer("admin"), timeout=20)
+                    await stub.RecordUsage(
+                        pb.RecordUsageRequest(records=[usage_to_pb(usage("r1"))]), metadata=bearer("admin"), timeout=20
+                    )
         finally:
             await server.stop(0)
         error = info.value

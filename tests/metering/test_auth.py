@@ -1,4 +1,5 @@
 """API keys from metadata, the principal cache, and the ledger, remote and static authenticators."""
+
 from __future__ import annotations
 
 import asyncio
@@ -6,6 +7,7 @@ import socket
 
 import grpc
 import pytest
+from zeroqueue.metering.v1 import metering_pb2_grpc
 
 from billing.db import unit_of_work
 from billing.errors import Unauthenticated
@@ -15,21 +17,23 @@ from services.auth import LedgerAuthenticator, PrincipalCache, RemoteAuthenticat
 from services.errors import AuthUnavailable
 from tests.billing.conftest import Ledger
 from tests.metering.conftest import Keys
-from zeroqueue.metering.v1 import metering_pb2_grpc
 
 ACME = Principal("acme", Role.TENANT, 1)
 
 
-@pytest.mark.parametrize("metadata, key", [
-    ((("authorization", "Bearer zq_abc"),), "zq_abc"),
-    ((("x-other", "1"), ("Authorization", "bearer  zq_abc ")), "zq_abc"),
-    ((("authorization", b"Bearer zq_abc"),), "zq_abc"),
-    ((("authorization", "Basic zq_abc"),), None),
-    ((("authorization", "Bearer"),), None),
-    ((("authorization", "Bearer "),), None),
-    ((), None),
-    (None, None),
-])
+@pytest.mark.parametrize(
+    "metadata, key",
+    [
+        ((("authorization", "Bearer zq_abc"),), "zq_abc"),
+        ((("x-other", "1"), ("Authorization", "bearer  zq_abc ")), "zq_abc"),
+        ((("authorization", b"Bearer zq_abc"),), "zq_abc"),
+        ((("authorization", "Basic zq_abc"),), None),
+        ((("authorization", "Bearer"),), None),
+        ((("authorization", "Bearer "),), None),
+        ((), None),
+        (None, None),
+    ],
+)
 def test_bearer_key(metadata, key) -> None:  # type: ignore[no-untyped-def]
     assert bearer_key(metadata) == key
 
@@ -74,6 +78,7 @@ def test_a_known_key_is_looked_up_once_per_ttl() -> None:
         clock.now += 2
         await cache.get("good")
         assert len(lookup.calls) == 2
+
     asyncio.run(scenario())
 
 
@@ -88,23 +93,26 @@ def test_a_storm_of_one_bad_key_costs_one_lookup_per_negative_ttl() -> None:
         with pytest.raises(Unauthenticated):
             await cache.get("bad")
         assert lookup.calls == ["bad", "bad"]
+
     asyncio.run(scenario())
 
 
 def test_concurrent_calls_with_one_key_share_one_lookup() -> None:
     async def scenario() -> None:
         cache, lookup, _ = make_cache(delay_s=0.05)
-        results = await asyncio.gather(*(cache.get("good") for _ in range(50)),
-                                       *(cache.get("bad") for _ in range(50)), return_exceptions=True)
+        results = await asyncio.gather(
+            *(cache.get("good") for _ in range(50)), *(cache.get("bad") for _ in range(50)), return_exceptions=True
+        )
         assert results[:50] == [ACME] * 50 and all(isinstance(r, Unauthenticated) for r in results[50:])
         assert sorted(lookup.calls) == ["bad", "good"]
+
     asyncio.run(scenario())
 
 
 def test_the_cache_is_bounded_and_evicts_the_least_recently_used() -> None:
     async def scenario() -> None:
         cache, lookup, _ = make_cache(max_entries=3)
-        for key in ("k1", "k2", "k3", "k1", "k4"):     # k1 used again, so k2 is the oldest when k4 arrives
+        for key in ("k1", "k2", "k3", "k1", "k4"):  # k1 used again, so k2 is the oldest when k4 arrives
             with pytest.raises(Unauthenticated):
                 await cache.get(key)
         assert len(cache) == 3 and lookup.calls == ["k1", "k2", "k3", "k4"]
@@ -112,6 +120,7 @@ def test_the_cache_is_bounded_and_evicts_the_least_recently_used() -> None:
             with pytest.raises(Unauthenticated):
                 await cache.get(key)
         assert lookup.calls == ["k1", "k2", "k3", "k4", "k2"]
+
     asyncio.run(scenario())
 
 
@@ -128,6 +137,7 @@ def test_a_failed_lookup_is_not_cached_and_a_missing_key_is_not_looked_up() -> N
             with pytest.raises(Unauthenticated, match="missing API key"):
                 await cache.get(missing)
         assert len(lookup.calls) == 2
+
     asyncio.run(scenario())
 
 
@@ -143,7 +153,7 @@ def test_ledger_authenticator_honours_a_revocation_after_the_ttl(ledger: Ledger,
                 await authenticator.authenticate(key)
         with unit_of_work(ledger.sessions) as session:
             revoke_key(session, acme_key_id)
-        assert (await authenticator.authenticate(keys.acme)).tenant == "acme"   # cached: at most ttl_s stale
+        assert (await authenticator.authenticate(keys.acme)).tenant == "acme"  # cached: at most ttl_s stale
         clock.now += 31
         with pytest.raises(Unauthenticated, match="revoked"):
             await authenticator.authenticate(keys.acme)
@@ -165,11 +175,12 @@ def test_remote_authenticator_asks_who_am_i(metering, keys: Keys) -> None:  # ty
                 await remote.authenticate("zq_unknown")
             with pytest.raises(Unauthenticated, match="missing"):
                 await remote.authenticate(None)
+
     asyncio.run(scenario())
 
 
 def test_remote_authenticator_without_a_metering_service_is_unavailable_not_unauthenticated() -> None:
-    with socket.socket() as probe:      # a port that nobody listens on
+    with socket.socket() as probe:  # a port that nobody listens on
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
 
@@ -178,6 +189,7 @@ def test_remote_authenticator_without_a_metering_service_is_unavailable_not_unau
             remote = RemoteAuthenticator(metering_pb2_grpc.MeteringStub(channel), timeout_s=2)
             with pytest.raises(AuthUnavailable, match="UNAVAILABLE"):
                 await remote.authenticate("zq_any")
+
     asyncio.run(scenario())
 
 

@@ -1,4 +1,5 @@
 """The `zeroqueue` ledger commands end to end, each in its own process, against a temporary SQLite ledger."""
+
 from __future__ import annotations
 
 import csv
@@ -12,13 +13,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+from zeroqueue.metering.v1 import metering_pb2 as pb
+from zeroqueue.metering.v1 import metering_pb2_grpc
 
 from billing.period import parse_period
 from services.metering.server import usage_to_pb
 from tests.billing.factories import missed, usage
 from tests.metering.conftest import bearer
-from zeroqueue.metering.v1 import metering_pb2 as pb
-from zeroqueue.metering.v1 import metering_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 PAST = "2021-03"
@@ -32,8 +33,9 @@ def home(tmp_path: Path) -> Path:
 
 def zeroqueue(home: Path, *args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "ZEROQUEUE_HOME": str(home)}
-    done = subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert (done.returncode == 0) == ok, (done.returncode, done.stdout, done.stderr)
     if not ok:
         assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
@@ -45,36 +47,58 @@ def test_ledger_commands_end_to_end(home: Path, tmp_path: Path) -> None:
     refused = zeroqueue(home, "invoice", "--tenant", "acme", "--period", PAST, ok=False)
     assert "no schema" in refused.stderr and "zeroqueue migrate" in refused.stderr
     assert "at revision" in zeroqueue(home, "migrate").stdout
-    assert (home / "ledger.db").exists()                        # the default ledger: $ZEROQUEUE_HOME/ledger.db
+    assert (home / "ledger.db").exists()  # the default ledger: $ZEROQUEUE_HOME/ledger.db
     created = zeroqueue(home, "tenants", "create", "acme")
     key = created.stdout.strip()
     assert key.startswith("zq_") and "shown only once" in created.stderr and key not in created.stderr
     assert "already exists" in zeroqueue(home, "tenants", "create", "acme", ok=False).stderr
     admin = zeroqueue(home, "keys", "create-admin").stdout.strip()
     assert admin.startswith("zq_") and admin != key
-    price = zeroqueue(home, "prices", "add", "--model", "tiny", "--unit", "core_us", "--price-micros", "1500",
-                      "--currency", "USD", "--effective-from", "2021-01-01T00:00:00Z",
-                      "--ledger", f"sqlite+pysqlite:///{home}/ledger.db")
+    price = zeroqueue(
+        home,
+        "prices",
+        "add",
+        "--model",
+        "tiny",
+        "--unit",
+        "core_us",
+        "--price-micros",
+        "1500",
+        "--currency",
+        "USD",
+        "--effective-from",
+        "2021-01-01T00:00:00Z",
+        "--ledger",
+        f"sqlite+pysqlite:///{home}/ledger.db",
+    )
     assert "tiny core_us at 1500" in price.stdout
     with_usage(home, admin)
 
     invoice = json.loads(zeroqueue(home, "invoice", "--tenant", "acme", "--period", PAST, "--format", "json").stdout)
     assert (invoice["status"], invoice["total_micros"]) == ("draft", 4_500)
-    assert [(line["kind"], line["amount_micros"]) for line in invoice["lines"]] == [("usage", 6_000),
-                                                                                    ("sla_credit", -1_500)]
+    assert [(line["kind"], line["amount_micros"]) for line in invoice["lines"]] == [
+        ("usage", 6_000),
+        ("sla_credit", -1_500),
+    ]
     out = tmp_path / "invoice.csv"
-    zeroqueue(home, "invoice", "--tenant", "acme", "--period", PAST, "--finalize", "--format", "csv",
-              "--output", str(out))
+    zeroqueue(
+        home, "invoice", "--tenant", "acme", "--period", PAST, "--finalize", "--format", "csv", "--output", str(out)
+    )
     rows = list(csv.DictReader(io.StringIO(out.read_text())))
     assert {row["status"] for row in rows} == {"finalized"} and rows[-1]["kind"] == "total"
     assert rows[-1]["amount_micros"] == "4500"
-    assert "no tenant named 'nobody'" in zeroqueue(home, "invoice", "--tenant", "nobody", "--period", PAST,
-                                                   ok=False).stderr
+    assert (
+        "no tenant named 'nobody'"
+        in zeroqueue(home, "invoice", "--tenant", "nobody", "--period", PAST, ok=False).stderr
+    )
 
-    table = list(csv.DictReader(io.StringIO(zeroqueue(home, "chargeback", "--period", PAST, "--by",
-                                                      "cost_center,team").stdout)))
+    table = list(
+        csv.DictReader(io.StringIO(zeroqueue(home, "chargeback", "--period", PAST, "--by", "cost_center,team").stdout))
+    )
     assert [(r["cost_center"], r["team"], r["num_requests"], r["cost_micros"]) for r in table] == [
-        ("cc-1", "search", "2", "1500"), ("cc-2", "(none)", "1", "3000")]
+        ("cc-1", "search", "2", "1500"),
+        ("cc-2", "(none)", "1", "3000"),
+    ]
     html_file = tmp_path / "chargeback.html"
     zeroqueue(home, "chargeback", "--period", PAST, "--by", "model", "--format", "html", "--output", str(html_file))
     assert "<img" in html_file.read_text()
@@ -82,17 +106,25 @@ def test_ledger_commands_end_to_end(home: Path, tmp_path: Path) -> None:
 
 def with_usage(home: Path, admin: str) -> None:
     """Usage recorded the way replicas send it: RecordUsage on `zeroqueue metering`, with an admin key."""
-    server = subprocess.Popen([sys.executable, "-m", "services.cli", "metering", "--port", "0", "--no-json-logs"],
-                              cwd=ROOT, env={**os.environ, "ZEROQUEUE_HOME": str(home)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "metering", "--port", "0", "--no-json-logs"],
+        cwd=ROOT,
+        env={**os.environ, "ZEROQUEUE_HOME": str(home)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         address = next(line.split(" on ")[1].strip() for line in server.stdout if "SERVING on" in line)
-        records = [usage("r1", finished_at_us=PAST_START_US + 10, unit_us=1_000_000),
-                   usage("r2", finished_at_us=PAST_START_US + 20, unit_us=2_000_000, labels={"cost_center": "cc-2"}),
-                   missed("r3", finished_at_us=PAST_START_US + 30, unit_us=1_000_001)]
+        records = [
+            usage("r1", finished_at_us=PAST_START_US + 10, unit_us=1_000_000),
+            usage("r2", finished_at_us=PAST_START_US + 20, unit_us=2_000_000, labels={"cost_center": "cc-2"}),
+            missed("r3", finished_at_us=PAST_START_US + 30, unit_us=1_000_001),
+        ]
         with grpc.insecure_channel(address) as channel:
             reply = metering_pb2_grpc.MeteringStub(channel).RecordUsage(
-                pb.RecordUsageRequest(records=[usage_to_pb(r) for r in records]), metadata=bearer(admin), timeout=30)
+                pb.RecordUsageRequest(records=[usage_to_pb(r) for r in records]), metadata=bearer(admin), timeout=30
+            )
         assert {r.status for r in reply.records} == {pb.RECORD_STATUS_ACCEPTED}
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=30) == 0

@@ -1,9 +1,11 @@
 """Seeded hostile Metering calls (tests/metering/fuzz_calls.py) on SQLite and PostgreSQL, with the admin key and
 a tenant's: no call is answered INTERNAL (or UNKNOWN), and no reply to the tenant holds another tenant's data."""
+
 from __future__ import annotations
 
 import grpc
 import pytest
+from zeroqueue.metering.v1 import metering_pb2 as pb
 
 from billing.db import unit_of_work
 from billing.ledger import ingest_idle, ingest_usage
@@ -12,38 +14,51 @@ from tests.billing.conftest import Ledger
 from tests.billing.factories import idle, usage
 from tests.metering.conftest import Keys, bearer
 from tests.metering.fuzz_calls import FuzzCall, MeteringFuzzer, World
-from zeroqueue.metering.v1 import metering_pb2 as pb
 
 NUM_CALLS = 600
 SEED = 20261202
 START_US = parse_period("2021-03").start_us
-SECRETS = (b"globex-secret", b"globex-cc")          # only ever in globex's records: never sent by the fuzzer
+SECRETS = (b"globex-secret", b"globex-cc")  # only ever in globex's records: never sent by the fuzzer
 BUGS = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
 @pytest.fixture
 def world(stub, keys: Keys, ledger: Ledger) -> World:
     with unit_of_work(ledger.sessions) as session:
-        ingest_usage(session, [usage(f"a-{i}", finished_at_us=START_US + i) for i in range(3)] + [
-            usage(f"globex-secret-{i}", tenant="globex", labels={"cost_center": "globex-cc"},
-                  finished_at_us=START_US + 10 + i) for i in range(3)])
+        ingest_usage(
+            session,
+            [usage(f"a-{i}", finished_at_us=START_US + i) for i in range(3)]
+            + [
+                usage(
+                    f"globex-secret-{i}",
+                    tenant="globex",
+                    labels={"cost_center": "globex-cc"},
+                    finished_at_us=START_US + 10 + i,
+                )
+                for i in range(3)
+            ],
+        )
         ingest_idle(session, [idle("cpu:host-a", 0, 1_000, start_us=START_US)])
     world = World()
-    for key, tenant, ids in ((keys.admin, "acme", world.own_invoice_ids), (keys.admin, "globex",
-                                                                            world.other_invoice_ids)):
+    for key, tenant, ids in (
+        (keys.admin, "acme", world.own_invoice_ids),
+        (keys.admin, "globex", world.other_invoice_ids),
+    ):
         for period in ("2021-03", "2021-02"):
-            ids.append(stub.CreateInvoice(pb.CreateInvoiceRequest(tenant=tenant, period=period),
-                                          metadata=bearer(key)).id)
+            ids.append(
+                stub.CreateInvoice(pb.CreateInvoiceRequest(tenant=tenant, period=period), metadata=bearer(key)).id
+            )
     for key in (keys.admin, keys.acme):
-        world.page_tokens.append(stub.QueryUsage(pb.QueryUsageRequest(page_size=1), metadata=bearer(key))
-                                 .next_page_token)
+        world.page_tokens.append(
+            stub.QueryUsage(pb.QueryUsageRequest(page_size=1), metadata=bearer(key)).next_page_token
+        )
     return world
 
 
 def leaks(call: FuzzCall, reply: bytes) -> list[str]:
     """What of another tenant a reply to the tenant acme holds."""
     found = [secret.decode() for secret in SECRETS if secret in reply]
-    if b"globex" in reply and b"globex" not in call.request.SerializeToString():    # not an echo of the request
+    if b"globex" in reply and b"globex" not in call.request.SerializeToString():  # not an echo of the request
         found.append("globex")
     return found
 
@@ -61,7 +76,8 @@ def check_tenant_reply(call: FuzzCall, reply) -> list[str]:  # type: ignore[no-u
 
 
 def test_hostile_calls_are_never_internal_and_never_show_a_tenant_another_tenants_data(
-        stub, keys: Keys, world: World) -> None:
+    stub, keys: Keys, world: World
+) -> None:
     fuzzer, failures, codes = MeteringFuzzer(SEED, world), [], {}
     for index in range(NUM_CALLS):
         call = fuzzer.call(index)
@@ -72,8 +88,9 @@ def test_hostile_calls_are_never_internal_and_never_show_a_tenant_another_tenant
             codes[error.code().name] = codes.get(error.code().name, 0) + 1
             if error.code() in BUGS:
                 failures.append((index, call.mutations, error.code().name, error.details()))
-            elif not call.admin and (found := leaks(call, (error.details() or "").encode()
-                                                    + repr(error.trailing_metadata()).encode())):
+            elif not call.admin and (
+                found := leaks(call, (error.details() or "").encode() + repr(error.trailing_metadata()).encode())
+            ):
                 failures.append((index, call.mutations, "leak", found))
             continue
         codes["OK"] = codes.get("OK", 0) + 1
@@ -87,4 +104,8 @@ def test_hostile_calls_are_never_internal_and_never_show_a_tenant_another_tenant
 def test_a_call_is_made_again_alone_from_its_seed_and_index(world: World) -> None:
     first, again = MeteringFuzzer(SEED, world).call(17), MeteringFuzzer(SEED, world).call(17)
     assert (first.method, first.request, first.admin, first.mutations) == (
-        again.method, again.request, again.admin, again.mutations)
+        again.method,
+        again.request,
+        again.admin,
+        again.mutations,
+    )

@@ -1,15 +1,16 @@
 """The shipper's gRPC sink: a batch the metering service refuses for its content is halved until the record at
 fault stands alone and is dead-lettered; the others are delivered. Any other refusal keeps the whole batch."""
+
 from __future__ import annotations
 
 import asyncio
 
 import grpc
 import pytest
+from zeroqueue.metering.v1 import metering_pb2 as pb
 
 from services.metering.shipper import Delivery, GrpcSink, SinkUnavailable
 from tests.metering.test_outbox import builder
-from zeroqueue.metering.v1 import metering_pb2 as pb
 
 
 class FakeStub:
@@ -23,10 +24,10 @@ class FakeStub:
         ids = [r.request_id for r in request.records]
         self.batches.append(ids)
         if self.poison & set(ids):
-            raise grpc.aio.AioRpcError(self.code, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                       details="records[0].unit_us is out of range")
-        return pb.RecordUsageResponse(records=[pb.RecordResult(id=i, status=pb.RECORD_STATUS_ACCEPTED)
-                                               for i in ids])
+            raise grpc.aio.AioRpcError(
+                self.code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="records[0].unit_us is out of range"
+            )
+        return pb.RecordUsageResponse(records=[pb.RecordResult(id=i, status=pb.RECORD_STATUS_ACCEPTED) for i in ids])
 
 
 def sink_with(stub: FakeStub) -> GrpcSink:
@@ -40,7 +41,7 @@ def test_a_refused_batch_is_halved_until_only_the_records_at_fault_are_dead(pois
     records = [builder(f"r{i}")() for i in range(64)]
     stub = FakeStub(poison)
     acks = asyncio.run(sink_with(stub).deliver(records, []))
-    assert sorted(a.record_id for a in acks) == sorted(r.request_id for r in records)     # each acked once
+    assert sorted(a.record_id for a in acks) == sorted(r.request_id for r in records)  # each acked once
     dead = {a.record_id for a in acks if a.delivery is Delivery.DEAD}
     assert dead == poison
     assert all("INVALID_ARGUMENT" in a.reason for a in acks if a.delivery is Delivery.DEAD)
@@ -48,8 +49,15 @@ def test_a_refused_batch_is_halved_until_only_the_records_at_fault_are_dead(pois
     assert len(stub.batches) <= 1 + 2 * len(poison) * 6
 
 
-@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.PERMISSION_DENIED,
-                                  grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION])
+@pytest.mark.parametrize(
+    "code",
+    [
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+    ],
+)
 def test_any_other_refusal_keeps_the_whole_batch_for_a_retry(code):
     stub = FakeStub({"r1"}, code)
     with pytest.raises(SinkUnavailable, match=code.name):

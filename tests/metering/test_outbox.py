@@ -1,4 +1,5 @@
 """The outbox on its own: a waiter hears of its record only once it is on disk."""
+
 from __future__ import annotations
 
 import functools
@@ -14,11 +15,27 @@ T0_US = 1_795_000_000_000_000
 
 
 def builder(request_id: str) -> functools.partial:
-    return functools.partial(UsageRecord, request_id=request_id, tenant="acme", labels={}, model="m",
-                             device_kind="cpu", device_id="cpu:test", unit="core_us", num_units=1, unit_us=1234,
-                             prompt_tokens=3, completion_tokens=5, received_at_us=T0_US, dispatched_at_us=T0_US,
-                             first_token_at_us=T0_US + 10, finished_at_us=T0_US + 20, deadline_at_us=T0_US + 1000,
-                             deadline_met=True, outcome="ok")
+    return functools.partial(
+        UsageRecord,
+        request_id=request_id,
+        tenant="acme",
+        labels={},
+        model="m",
+        device_kind="cpu",
+        device_id="cpu:test",
+        unit="core_us",
+        num_units=1,
+        unit_us=1234,
+        prompt_tokens=3,
+        completion_tokens=5,
+        received_at_us=T0_US,
+        dispatched_at_us=T0_US,
+        first_token_at_us=T0_US + 10,
+        finished_at_us=T0_US + 20,
+        deadline_at_us=T0_US + 1000,
+        deadline_met=True,
+        outcome="ok",
+    )
 
 
 def test_a_waiter_gets_its_record_once_it_is_on_disk(tmp_path):
@@ -44,7 +61,7 @@ def test_a_record_id_already_held_with_another_payload_is_a_conflict_kept_aside_
         outbox.append([functools.partial(builder("r1"), unit_us=999), builder("r2")], [])
         with pytest.raises(OutboxConflict, match="r1"):
             again.result(timeout=10)
-        assert other.result(timeout=10).request_id == "r2"         # the rest of the batch is committed
+        assert other.result(timeout=10).request_id == "r2"  # the rest of the batch is committed
         assert outbox.counts() == {"pending": 2, "delivered": 0, "dead": 0, "conflicts": 1}
         with sqlite3.connect(tmp_path / "outbox.db") as conn:
             (payload,) = conn.execute("SELECT payload FROM outbox_conflicts WHERE record_id = 'r1'").fetchone()

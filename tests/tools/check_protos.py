@@ -2,6 +2,7 @@
 
 `make protos` is the one command that writes the generated files; this check keeps them honest.
 """
+
 from __future__ import annotations
 
 import filecmp
@@ -23,15 +24,23 @@ def proto_files() -> list[str]:
 def stale_files() -> list[str]:
     with tempfile.TemporaryDirectory() as out:
         include = str(Path(protoc.__file__).parent / "_proto")
-        args = ["protoc", f"-I{PROTOS}", f"-I{include}", f"--python_out={out}", f"--grpc_python_out={out}",
-                f"--pyi_out={out}", *proto_files()]
+        args = [
+            "protoc",
+            f"-I{PROTOS}",
+            f"-I{include}",
+            f"--python_out={out}",
+            f"--grpc_python_out={out}",
+            f"--pyi_out={out}",
+            *proto_files(),
+        ]
         if protoc.main(args) != 0:
             return ["protoc failed"]
         generated = {p.relative_to(out) for p in Path(out).rglob("*") if p.name.endswith(SUFFIXES)}
         committed = {p.relative_to(PROTOS) for p in PROTOS.rglob("*") if p.name.endswith(SUFFIXES)}
         stale = sorted(str(p) for p in generated ^ committed)
-        stale += sorted(str(p) for p in generated & committed
-                        if not filecmp.cmp(Path(out) / p, PROTOS / p, shallow=False))
+        stale += sorted(
+            str(p) for p in generated & committed if not filecmp.cmp(Path(out) / p, PROTOS / p, shallow=False)
+        )
         return stale
 
 

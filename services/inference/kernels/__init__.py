@@ -19,8 +19,10 @@ import torch
 
 SOURCE_DIR = Path(__file__).parent
 # cpu_ops.cpp holds the schemas; each kernel file registers its implementation. simd.h is shared by them.
-SOURCES = tuple(SOURCE_DIR / name for name in ("cpu_ops.cpp", "linear.cpp", "attention.cpp", "elementwise.cpp",
-                                                 "rope.cpp", "layer.cpp", "amx.cpp"))
+SOURCES = tuple(
+    SOURCE_DIR / name
+    for name in ("cpu_ops.cpp", "linear.cpp", "attention.cpp", "elementwise.cpp", "rope.cpp", "layer.cpp", "amx.cpp")
+)
 BUILD_DIR = Path(__file__).with_name("_build")
 EXTENSION_NAME = "zeroqueue_cpu_ops"
 LANES = 16  # output columns per packed weight panel
@@ -59,7 +61,7 @@ AVX512 = Isa(
         "-mavx512vl",
         "-mavx512dq",
         "-mavx512bf16",
-        "-mamx-tile",     # AMX instructions come only from amx.cpp's intrinsics, run only where the CPU has them
+        "-mamx-tile",  # AMX instructions come only from amx.cpp's intrinsics, run only where the CPU has them
         "-mamx-bf16",
         "-mfma",
         "-fopenmp",
@@ -81,8 +83,9 @@ AMX_CPU_FLAGS = ("amx_tile", "amx_bf16")
 DOT_RATE_THRESHOLD = 0.5
 
 
-def missing_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo"),
-                      required: tuple[str, ...] = AVX512.cpu_flags) -> tuple[str, ...]:
+def missing_cpu_flags(
+    cpuinfo: Path = Path("/proc/cpuinfo"), required: tuple[str, ...] = AVX512.cpu_flags
+) -> tuple[str, ...]:
     """The ISA flags of `required` this CPU lacks (all of them when cpuinfo cannot be read)."""
     try:
         text = cpuinfo.read_text()
@@ -100,8 +103,9 @@ def isa_named(name: str) -> Isa:
     return next(isa for isa in ISAS if isa.name == name)
 
 
-def runnable_isas(cpuinfo: Path = Path("/proc/cpuinfo"),
-                  wanted: str | None = None) -> tuple[tuple[Isa, ...], str | None]:
+def runnable_isas(
+    cpuinfo: Path = Path("/proc/cpuinfo"), wanted: str | None = None
+) -> tuple[tuple[Isa, ...], str | None]:
     """The builds of ISAS (or the one named `wanted`) this CPU runs, best first; when none, why not."""
     runnable, lacks = [], []
     for isa in ISAS:
@@ -130,8 +134,8 @@ class CpuOps:
     """The loaded kernels. Tensors stay on the CPU; x and weights are both bf16 or both fp32."""
 
     library_path: str
-    bf16_path: int = 0          # bf16 linears: 0 widened to fp32 FMAs, 1 VDPBF16PS, 2 AMX (see choose_bf16_path)
-    isa: str = AVX512.name      # the build loaded: "avx512" or "avx2"
+    bf16_path: int = 0  # bf16 linears: 0 widened to fp32 FMAs, 1 VDPBF16PS, 2 AMX (see choose_bf16_path)
+    isa: str = AVX512.name  # the build loaded: "avx512" or "avx2"
 
     @property
     def bf16_path_name(self) -> str:
@@ -169,34 +173,74 @@ class CpuOps:
         """x [..., C] -> weight * to_dtype(x * rsqrt(mean(x^2) + eps)), the Hugging Face RMSNorm in one op."""
         return torch.ops.zeroqueue.rms_norm.default(x, weight, eps)
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x, residual [..., C] -> (rms_norm(x + residual), x + residual): the residual add and the next norm."""
         return torch.ops.zeroqueue.add_rms_norm.default(x, residual, weight, eps)
 
-    def rope_cache(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                   slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int,
-                   kv_heads: int) -> torch.Tensor:
+    def rope_cache(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        heads: int,
+        kv_heads: int,
+    ) -> torch.Tensor:
         """qkv [T, (H + 2 KVH) D] -> q rotated [T, H, D]; k rotated and v written into one layer's caches
         [S, KVH, L, D] at [slot, :, position]. cos/sin are the model's tables [>= L, D], sin sign-folded."""
-        return torch.ops.zeroqueue.rope_cache.default(qkv, cos, sin, positions, slots, k_cache, v_cache, heads,
-                                                      kv_heads)
+        return torch.ops.zeroqueue.rope_cache.default(
+            qkv, cos, sin, positions, slots, k_cache, v_cache, heads, kv_heads
+        )
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [..., 2I] -> F.silu(gate) * up [..., I] in one op."""
         return torch.ops.zeroqueue.silu_mul.default(gate_up)
 
-    def decode_layers(self, x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
-                      out_features: list[int], cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                      slots: torch.Tensor, lengths: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      heads: int, kv_heads: int, eps: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_layers(
+        self,
+        x: torch.Tensor,
+        weights: list[torch.Tensor],
+        biases: list[torch.Tensor | None],
+        out_features: list[int],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        lengths: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        heads: int,
+        kv_heads: int,
+        eps: float,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every decoder layer of a step in one op, each row attending over its slot's cache up to its own
         position: x [T, hidden] -> (the last layer's MLP output, the residual stream before it). Per layer 6
         weights (input norm, qkv, o, post-attention norm, gate_up, down; linears packed) and 4 optional
         biases; caches [layers, S, KVH, L, D]; positions, slots, lengths (= positions + 1) int64 [T]."""
-        return torch.ops.zeroqueue.decode_layers.default(x, weights, biases, out_features, cos, sin, positions,
-                                                         slots, lengths, k_cache, v_cache, heads, kv_heads, eps,
-                                                         scale, self.bf16_path)
+        return torch.ops.zeroqueue.decode_layers.default(
+            x,
+            weights,
+            biases,
+            out_features,
+            cos,
+            sin,
+            positions,
+            slots,
+            lengths,
+            k_cache,
+            v_cache,
+            heads,
+            kv_heads,
+            eps,
+            scale,
+            self.bf16_path,
+        )
 
 
 def _register_fakes() -> None:
@@ -211,8 +255,9 @@ def _register_fakes() -> None:
         return w.new_empty((panels, k, LANES))
 
     @torch.library.register_fake("zeroqueue::linear")
-    def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int,
-                bf16_path: int = 0) -> torch.Tensor:
+    def _linear(
+        x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, bf16_path: int = 0
+    ) -> torch.Tensor:
         return x.new_empty((x.shape[0], n))
 
     @torch.library.register_fake("zeroqueue::rms_norm")
@@ -272,8 +317,9 @@ def _load() -> tuple[CpuOps | None, str | None]:
     return CpuOps(library_path=found, bf16_path=choose_bf16_path(isa), isa=isa.name), None
 
 
-def first_built(runnable: tuple[tuple[Isa, ...], str | None],
-                build_isa: Callable[[Isa], str]) -> tuple[Isa | None, str]:
+def first_built(
+    runnable: tuple[tuple[Isa, ...], str | None], build_isa: Callable[[Isa], str]
+) -> tuple[Isa | None, str]:
     """(the first runnable build that builds or is already built, its library's path), else (None, why not).
     A build that fails goes on to the next: an image compiled on an AVX2 machine has no compiler to build
     AVX-512 on the machine it runs on, and its AVX2 build runs there too."""

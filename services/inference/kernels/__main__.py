@@ -1,5 +1,6 @@
 """`python -m services.inference.kernels build`: compile the CPU kernels ahead of time (make install runs it).
 It builds the one ISA's variant this CPU loads (see ISAS); the other is built where it runs."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,8 +17,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for isa in ISAS:
         missing = missing_cpu_flags(required=isa.cpu_flags)
-        print(f"cpu: {isa.name} needs {' '.join(isa.cpu_flags)}; "
-              + (f"missing {' '.join(missing)}" if missing else "all present"))
+        print(
+            f"cpu: {isa.name} needs {' '.join(isa.cpu_flags)}; "
+            + (f"missing {' '.join(missing)}" if missing else "all present")
+        )
     started = time.monotonic()
     ops = load_cpu_ops()
     if ops is None:
@@ -25,8 +28,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kernels unavailable: {reason_unavailable()}")
         return 1 if args.strict else 0
     isa = isa_named(ops.isa)
-    print(f"built {', '.join(path.name for path in SOURCES)} -> {ops.library_path} "
-          f"in {time.monotonic() - started:.1f} s")
+    print(
+        f"built {', '.join(path.name for path in SOURCES)} -> {ops.library_path} in {time.monotonic() - started:.1f} s"
+    )
     print(f"isa {ops.isa}, flags: {' '.join(isa.compile_flags)}; build dir {isa.build_dir}")
     return 0
 
