@@ -106,16 +106,23 @@ def unit_of_work(factory: sessionmaker[Session]) -> Iterator[Session]:
 # SQLSTATE (PostgreSQL) or extended result code (SQLite) of an IntegrityError -> what it means
 _UNIQUE = {"23505", "SQLITE_CONSTRAINT_UNIQUE", "SQLITE_CONSTRAINT_PRIMARYKEY"}
 _REFUSED = {"23001", "SQLITE_CONSTRAINT_TRIGGER"}  # the append-only and finalized-invoice triggers
-# A CHECK names the field it guards (SQLite's check triggers of migration 0003 say "CHECK constraint failed: …")
+# A CHECK names the field it guards, the field billing/records.py names for the same rule (SQLite's check
+# triggers of migrations 0003 and 0004 say "CHECK constraint failed: …")
 CONSTRAINT_FIELDS = {
     "ck_invoices_period_format": "period",
     "ck_usage_records_unit_us_range": "unit_us",
     "ck_usage_records_num_units_range": "num_units",
     "ck_usage_records_tokens_range": "prompt_tokens",
     "ck_usage_records_times_range": "finished_at_us",
+    "ck_usage_records_unit_of_device_kind": "unit",
+    "ck_usage_records_device_id_of_kind": "device_id",
+    "ck_usage_records_deadline_met_on_time": "deadline_met",
+    "ck_usage_records_deadline_exceeded_not_met": "deadline_met",
+    "ck_usage_records_ok_deadline_met_is_on_time": "deadline_met",
     "ck_idle_records_num_units_range": "num_units",
     "ck_idle_records_minute_range": "minute_start_us",
     "ck_idle_records_wall_range": "wall_unit_us",
+    "ck_idle_records_device_id_of_unit": "device_id",
     "ck_prices_price_range": "price_micros",
 }
 MAX_DETAIL_CHARS = 200

@@ -25,7 +25,17 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from billing.period import US_PER_MINUTE
-from billing.records import MAX_NUM_UNITS, MAX_RECORD_WALL_US, MAX_TIME_US, MAX_TOKENS, DeviceKind, Outcome, Unit
+from billing.records import (
+    DEVICE_ID_PREFIXES,
+    MAX_NUM_UNITS,
+    MAX_RECORD_WALL_US,
+    MAX_TIME_US,
+    MAX_TOKENS,
+    UNIT_OF_KIND,
+    DeviceKind,
+    Outcome,
+    Unit,
+)
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -81,6 +91,28 @@ USAGE_TIMES = (
 )
 
 
+# The rules of billing/records.py that cross columns, as the database enforces them (migration 0004: CHECK
+# constraints on PostgreSQL, BEFORE INSERT triggers on SQLite, the same expressions).
+def starts_with(column: str, prefixes: tuple[str, ...]) -> str:
+    return " OR ".join(f"substr({column}, 1, {len(prefix)}) = '{prefix}'" for prefix in prefixes)
+
+
+UNIT_OF_DEVICE_KIND = " OR ".join(
+    f"(device_kind = '{kind}' AND unit = '{unit}')" for kind, unit in UNIT_OF_KIND.items()
+)
+USAGE_DEVICE_ID_OF_KIND = " OR ".join(
+    f"(device_kind = '{kind}' AND ({starts_with('device_id', prefixes)}))"
+    for kind, prefixes in DEVICE_ID_PREFIXES.items()
+)
+IDLE_DEVICE_ID_OF_UNIT = " OR ".join(
+    f"(unit = '{UNIT_OF_KIND[kind]}' AND ({starts_with('device_id', prefixes)}))"
+    for kind, prefixes in DEVICE_ID_PREFIXES.items()
+)
+DEADLINE_MET_ON_TIME = "NOT deadline_met OR finished_at_us <= deadline_at_us"
+DEADLINE_EXCEEDED_NOT_MET = f"outcome <> '{Outcome.DEADLINE_EXCEEDED}' OR NOT deadline_met"
+OK_DEADLINE_MET_IS_ON_TIME = f"outcome <> '{Outcome.OK}' OR deadline_met = (finished_at_us <= deadline_at_us)"
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
     type_annotation_map = {int: BigInteger, dict[str, Any]: JSON}
@@ -125,6 +157,11 @@ class UsageRow(Base):
         CheckConstraint(f"unit_us <= num_units * {MAX_RECORD_WALL_US}", name="unit_us_range"),
         CheckConstraint(f"prompt_tokens <= {MAX_TOKENS} AND completion_tokens <= {MAX_TOKENS}", name="tokens_range"),
         CheckConstraint(USAGE_TIMES, name="times_range"),
+        CheckConstraint(UNIT_OF_DEVICE_KIND, name="unit_of_device_kind"),
+        CheckConstraint(USAGE_DEVICE_ID_OF_KIND, name="device_id_of_kind"),
+        CheckConstraint(DEADLINE_MET_ON_TIME, name="deadline_met_on_time"),
+        CheckConstraint(DEADLINE_EXCEEDED_NOT_MET, name="deadline_exceeded_not_met"),
+        CheckConstraint(OK_DEADLINE_MET_IS_ON_TIME, name="ok_deadline_met_is_on_time"),
         Index(None, "tenant_id", "finished_at_us", "id"),
         Index(None, "finished_at_us", "id"),
     )
@@ -166,6 +203,7 @@ class IdleRow(Base):
         CheckConstraint(f"num_units <= {MAX_NUM_UNITS}", name="num_units_range"),
         CheckConstraint(f"minute_start_us >= 0 AND minute_start_us < {MAX_TIME_US}", name="minute_range"),
         CheckConstraint(f"wall_unit_us >= 1 AND wall_unit_us <= num_units * {US_PER_MINUTE}", name="wall_range"),
+        CheckConstraint(IDLE_DEVICE_ID_OF_UNIT, name="device_id_of_unit"),
         Index(None, "minute_start_us", "device_id"),
     )
 
