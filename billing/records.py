@@ -61,9 +61,14 @@ class Unit(StrEnum):
 
 
 UNIT_OF_KIND = {DeviceKind.CUDA: Unit.SM_US, DeviceKind.CPU: Unit.CORE_US}
+# A CPU's device_id is cpu:<host>; a GPU's is its NVML UUID (GPU-…, or MIG-… for a MIG slice).
+DEVICE_ID_PREFIXES = {DeviceKind.CUDA: ("GPU-", "MIG-"), DeviceKind.CPU: ("cpu:",)}
 
 
 class Outcome(StrEnum):
+    """How an admitted call ended. Only two outcomes constrain deadline_met (see UsageRecord._check_deadline, and
+    migration 0004, which makes the database enforce the same rules)."""
+
     OK = "ok"
     CANCELLED = "cancelled"
     DEADLINE_EXCEEDED = "deadline_exceeded"
@@ -125,6 +130,8 @@ def canonical_digest(kind: str, record: object) -> str:
     return hashlib.sha256(f"{kind}\n{encoded}".encode()).hexdigest()
 
 
+# The rules that cross columns (unit and device_id by the device's kind, below; deadline_met by the times and the
+# outcome, UsageRecord._check_deadline) are CHECKs in the database too: migration 0004, billing/models.py.
 def _check_device(kind: object, device_id: object, unit: object, num_units: object) -> None:
     check_enum("device_kind", kind, DeviceKind)
     check_text("device_id", device_id)
@@ -133,7 +140,7 @@ def _check_device(kind: object, device_id: object, unit: object, num_units: obje
         raise InvalidRecord(
             f"unit must be {UNIT_OF_KIND[DeviceKind(kind)].value} on a {kind} device, got {unit!r}", field="unit"
         )
-    expected_prefix = ("cpu:",) if kind == DeviceKind.CPU else ("GPU-", "MIG-")
+    expected_prefix = DEVICE_ID_PREFIXES[DeviceKind(kind)]
     if not device_id.startswith(expected_prefix):  # type: ignore[union-attr]
         raise InvalidRecord(
             f"device_id of a {kind} device must start with {' or '.join(expected_prefix)}, got {device_id!r}",
@@ -165,7 +172,7 @@ class UsageRecord:
     finished_at_us: int
     deadline_at_us: int
     deadline_met: bool
-    outcome: str
+    outcome: Outcome  # given as the enum or its value; stored as the enum
     client_request_id: str = ""
 
     def __post_init__(self) -> None:
@@ -181,6 +188,7 @@ class UsageRecord:
             check_int(name, getattr(self, name), maximum=MAX_TOKENS)
         self._check_times()
         check_enum("outcome", self.outcome, Outcome)
+        object.__setattr__(self, "outcome", Outcome(self.outcome))
         if not isinstance(self.deadline_met, bool):
             raise InvalidRecord("deadline_met must be a bool", field="deadline_met")
         self._check_deadline()
@@ -228,6 +236,7 @@ class UsageRecord:
     def to_payload(self) -> dict[str, object]:
         payload = {f.name: getattr(self, f.name) for f in fields(self)}
         payload["labels"] = dict(self.labels)
+        payload["outcome"] = self.outcome.value
         return payload
 
 

@@ -2,22 +2,20 @@
 
 Money is written as integer micro-units plus a decimal string computed from
 the integer (``format_micros``); charts are the only place numbers become
-floats, for drawing.
+floats, for drawing. The CSV, HTML and chart building blocks are billing/markup.py.
 """
 
 from __future__ import annotations
 
-import base64
-import csv
 import html
-import io
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from enum import StrEnum
 
 from billing.chargeback import ChargebackReport, percent_text
 from billing.errors import InvalidArgument
 from billing.invoices import InvoiceView
+from billing.markup import bar_chart_png, csv_text, html_img, html_page, html_table, utilisation_chart_png
 from billing.period import us_to_datetime
 
 
@@ -144,7 +142,7 @@ def invoice_csv(invoice: InvoiceView) -> str:
         (*head, "", "credit_note", "", "", "", "", "", "", "", -note.amount_micros, format_micros(-note.amount_micros))
         for note in invoice.credit_notes
     )
-    return _csv(INVOICE_CSV_COLUMNS, rows)
+    return csv_text(INVOICE_CSV_COLUMNS, rows)
 
 
 def invoice_html(invoice: InvoiceView) -> str:
@@ -152,7 +150,7 @@ def invoice_html(invoice: InvoiceView) -> str:
         f"<h1>Invoice {invoice.id}: {html.escape(invoice.tenant)}, {invoice.period}</h1>",
         f"<p>Status: <b>{invoice.status.value}</b>. Total: <b>{format_micros(invoice.total_micros)} "
         f"{invoice.currency}</b>. Balance after credit notes: {format_micros(invoice.balance_micros)}.</p>",
-        _table(
+        html_table(
             ("#", "Description", "Requests", "Unit·µs", "Tokens in", "Tokens out", f"Amount ({invoice.currency})"),
             [
                 (
@@ -171,7 +169,7 @@ def invoice_html(invoice: InvoiceView) -> str:
     ]
     if invoice.credit_notes:
         body.append(
-            _table(
+            html_table(
                 ("Credit note", "Reason", f"Amount ({invoice.currency})"),
                 [(n.id, n.reason, format_micros(-n.amount_micros)) for n in invoice.credit_notes],
             )
@@ -179,8 +177,8 @@ def invoice_html(invoice: InvoiceView) -> str:
     if invoice.lines:
         labels = [f"{line.model} {line.kind.value}" for line in invoice.lines]
         amounts = [line.amount_micros for line in invoice.lines]
-        body.append(_img(_bar_chart(labels, amounts, f"Amount by line ({invoice.currency})"), "amount by line"))
-    return _page(f"Invoice {invoice.id}", body)
+        body.append(html_img(bar_chart_png(labels, amounts, f"Amount by line ({invoice.currency})"), "amount by line"))
+    return html_page(f"Invoice {invoice.id}", body)
 
 
 # --- chargeback --------------------------------------------------------------------------
@@ -267,14 +265,14 @@ def chargeback_csv(report: ChargebackReport) -> str:
         )
         for row in report.rows
     ]
-    return _csv(columns, rows)
+    return csv_text(columns, rows)
 
 
 def chargeback_html(report: ChargebackReport) -> str:
     grouping = ", ".join(report.group_by) or "nothing"
     body = [
         f"<h1>Chargeback {report.period}, by {html.escape(grouping)}</h1>",
-        _table(
+        html_table(
             (*report.group_by, "Unit", "Requests", "Deadline attainment", "Unit·µs", "Tokens in", "Tokens out", "Cost"),
             [
                 (
@@ -292,14 +290,14 @@ def chargeback_html(report: ChargebackReport) -> str:
         ),
     ]
     if report.rows:
-        chart = _bar_chart(
+        chart = bar_chart_png(
             [row.label for row in report.rows], [row.cost_micros for row in report.rows], f"Cost by {grouping}"
         )
-        body.append(_img(chart, "cost by group"))
+        body.append(html_img(chart, "cost by group"))
     if report.devices:
         body.append("<h2>Device utilisation</h2>")
         body.append(
-            _table(
+            html_table(
                 ("Device", "Unit", "Units", "Wall unit·µs", "Idle unit·µs", "Billed unit·µs", "Utilisation"),
                 [
                     (
@@ -316,76 +314,8 @@ def chargeback_html(report: ChargebackReport) -> str:
             )
         )
     if report.timeline:
-        body.append(_img(_utilisation_chart(report), "utilisation over time"))
-    return _page(f"Chargeback {report.period}", body)
-
-
-# --- helpers -----------------------------------------------------------------------------
-
-
-def _csv(columns: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
-    buffer = io.StringIO()
-    writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(columns)
-    writer.writerows(rows)
-    return buffer.getvalue()
-
-
-def _table(header: Sequence[object], rows: Iterable[Sequence[object]]) -> str:
-    head = "".join(f"<th>{html.escape(str(cell))}</th>" for cell in header)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(cell))}</td>" for cell in row) + "</tr>" for row in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-
-
-def _page(title: str, body: Sequence[str]) -> str:
-    style = (
-        "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
-        "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}"
-    )
-    return (
-        f"<!doctype html><html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
-        f"<style>{style}</style></head><body>{''.join(body)}</body></html>\n"
-    )
-
-
-def _img(png: bytes, alt: str) -> str:
-    return f'<p><img alt="{html.escape(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}"></p>'
-
-
-def _render_png(figure) -> bytes:  # type: ignore[no-untyped-def]
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    buffer = io.BytesIO()
-    FigureCanvasAgg(figure).print_png(buffer)
-    return buffer.getvalue()
-
-
-def _bar_chart(labels: Sequence[str], amounts_micros: Sequence[int], title: str) -> bytes:
-    # matplotlib is imported here, not at module level: only HTML output pays for it.
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(8, max(2.5, 0.4 * len(labels) + 1)), layout="constrained")
-    axes = figure.add_subplot()
-    axes.barh(range(len(labels)), [micros / 1_000_000 for micros in amounts_micros])
-    axes.set_yticks(range(len(labels)), labels)
-    axes.invert_yaxis()
-    axes.set_title(title)
-    return _render_png(figure)
-
-
-def _utilisation_chart(report: ChargebackReport) -> bytes:
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(8, 3), layout="constrained")
-    axes = figure.add_subplot()
-    for unit in sorted({point.unit for point in report.timeline}):
-        points = [point for point in report.timeline if point.unit == unit]
-        axes.plot([p.day[5:] for p in points], [p.utilisation_ppm / 10_000 for p in points], marker="o", label=unit)
-    axes.set_ylim(0, 100)
-    axes.set_ylabel("utilisation %")
-    axes.set_title("Device utilisation over time")
-    axes.legend()
-    return _render_png(figure)
+        body.append(html_img(utilisation_chart_png(report.timeline), "utilisation over time"))
+    return html_page(f"Chargeback {report.period}", body)
 
 
 def render_invoice(invoice: InvoiceView, fmt: str) -> str:

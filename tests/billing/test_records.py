@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from billing.errors import InvalidRecord
-from billing.records import MAX_RECORD_WALL_US, MAX_TOKENS, IdleRecord, UsageRecord
+from billing.records import MAX_RECORD_WALL_US, MAX_TOKENS, IdleRecord, Outcome, UsageRecord
 from tests.billing.factories import START_US, US_PER_HOUR, gpu_usage, idle, missed, usage
 
 
@@ -125,6 +125,16 @@ def test_digest_ignores_label_order_and_enum_spelling() -> None:
     second = usage("r-1", labels={"cost_center": "c", "team": "t"})
     assert first.payload_digest() == second.payload_digest()
     assert len(first.payload_digest()) == 64
+    assert usage("r-1", outcome=Outcome.OK).payload_digest() == usage("r-1", outcome="ok").payload_digest()
+
+
+@pytest.mark.parametrize("outcome", list(Outcome))
+def test_a_record_holds_its_outcome_as_the_enum_and_its_payload_as_the_value(outcome: Outcome) -> None:
+    late = START_US + US_PER_HOUR - 1  # the factory's record finishes an hour in
+    record = usage("r-1", deadline_at_us=late, deadline_met=False, outcome=outcome.value)
+    assert record.outcome is outcome
+    assert type(record.to_payload()["outcome"]) is str and record.to_payload()["outcome"] == outcome.value
+    assert UsageRecord(**record.to_payload()) == record
 
 
 @settings(max_examples=200, deadline=None)
