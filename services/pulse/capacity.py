@@ -108,16 +108,16 @@ def confirm_knee(
 
 
 def run_capacity(args: argparse.Namespace, shape_args: dict, out_dir: Path, run_id: str, console) -> int:
-    from .cli import _model_info, _opened, _pulse_one, _scrape_all, _server_view, _targets
     from .report import RunReport, print_table
     from .schedule import LoadSpec, PlannedRequest, ShapeSpec
     from .stats import summarize
+    from .targets import model_info, opened, pulse_one, scrape_all, server_view_between, targets_from
 
     if args.shape != "fixed":
         raise SystemExit("zeroqueue pulse: error: --capacity measures the fixed shape (--shape fixed)")
-    target = replace(_targets(argparse.Namespace(**{**vars(args), "compare": False}))[0], label="capacity")
-    with _opened(target, args, out_dir, console) as opened:
-        model = asyncio.run(_model_info(opened))
+    target = replace(targets_from(argparse.Namespace(**{**vars(args), "compare": False}))[0], label="capacity")
+    with opened(target, args, out_dir, console) as live:
+        model = asyncio.run(model_info(live))
         shape = ShapeSpec(**shape_args, context_length=model.context_length)
         concurrency = args.concurrency or model.max_batch
         rng = random.Random(args.seed)
@@ -127,15 +127,13 @@ def run_capacity(args: argparse.Namespace, shape_args: dict, out_dir: Path, run_
             return PlannedRequest(i, 0.0, prompt, shape.max_tokens, args.deadline_ms)
 
         console.print(f"saturation: {concurrency} closed-loop callers for {args.duration:.0f} s ...")
-        before = _scrape_all(opened.metrics_urls)
-        traces = asyncio.run(_closed(opened, make, concurrency, args.duration, f"cap-{run_id}"))
-        server = _server_view(before, _scrape_all(opened.metrics_urls))
+        before = scrape_all(live.metrics_urls)
+        traces = asyncio.run(_closed(live, make, concurrency, args.duration, f"cap-{run_id}"))
+        server = server_view_between(before, scrape_all(live.metrics_urls))
         summary = summarize(traces, args.duration)
         saturation_qps = sum(1 for t in traces if t.in_deadline and t.finished_s <= args.duration) / args.duration
         print_table(
-            [RunReport("saturation", opened.endpoints, summary, traces, server)],
-            "saturation run (closed loop)",
-            console,
+            [RunReport("saturation", live.endpoints, summary, traces, server)], "saturation run (closed loop)", console
         )
 
         probe_numbers = itertools.count()
@@ -144,7 +142,7 @@ def run_capacity(args: argparse.Namespace, shape_args: dict, out_dir: Path, run_
             console.print(f"knee probe: Poisson {qps:.2f} req/s for {duration_s:.0f} s ...")
             number = next(probe_numbers)
             load = LoadSpec(qps, duration_s, "poisson", seed=args.seed + number)
-            run = _pulse_one(opened, args, load, shape_args, f"{run_id}-{number}", console)
+            run = pulse_one(live, args, load, shape_args, f"{run_id}-{number}", console)
             result = Probe(qps, run.summary.rejection_rate or 0.0, run.summary.goodput_rps)
             console.print(f"  refused at first attempt {result.rejection_rate:.2%}, goodput {result.goodput_rps:.2f}")
             return result

@@ -12,37 +12,14 @@ two never share the machine's cores.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import json
 import os
-import shlex
 import time
 import uuid
-from collections import Counter
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict
 from pathlib import Path
 
-LAG_WARNING_MS = 50.0
-
-
-@dataclass
-class Target:
-    label: str
-    endpoints: list[str]
-    metrics_urls: list[str] = field(default_factory=list)
-    api_key: str | None = None
-    admission: str = "deadline"  # the mode of a replica the tool starts when no endpoints are given
-    tls_ca: str | None = None
-
-    def client(self):
-        import grpc
-
-        from services.client import AsyncClient
-
-        tls = grpc.ssl_channel_credentials(Path(self.tls_ca).read_bytes()) if self.tls_ca else False
-        return AsyncClient(self.endpoints, self.api_key, tls)
+from .stats import LAG_WARNING_MS as LAG_WARNING_MS  # bench/soak.py reads it here; it lives in stats.py
 
 
 def add_pulse(sub: argparse._SubParsersAction) -> None:
@@ -120,44 +97,6 @@ def add_pulse(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run_pulse)
 
 
-def _targets(args: argparse.Namespace) -> list[Target]:
-    if args.compare:
-        return [
-            Target(
-                "deadline", args.deadline_endpoint, args.deadline_metrics_url, args.api_key, "deadline", args.tls_ca
-            ),
-            Target("fifo", args.fifo_endpoint, args.fifo_metrics_url, args.api_key, "fifo", args.tls_ca),
-        ]
-    label = "run" if args.endpoint else args.admission
-    return [Target(label, args.endpoint, args.metrics_url, args.api_key, args.admission, args.tls_ca)]
-
-
-@contextlib.contextmanager
-def _opened(target: Target, args: argparse.Namespace, out_dir: Path, console) -> Iterator[Target]:
-    """The target itself if it names endpoints; otherwise a replica started for it, stopped afterwards."""
-    if target.endpoints:
-        if not target.api_key:
-            raise SystemExit("zeroqueue pulse: error: --api-key (or $ZEROQUEUE_API_KEY) is needed with endpoints")
-        yield target
-        return
-    from .replicas import default_model, start_replica
-
-    model = Path(args.model) if args.model else default_model()
-    console.print(f"starting a {target.admission}-mode replica on {model} (warm-up and calibration first) ...")
-    replica = start_replica(model, target.admission, out_dir, shlex.split(args.serve_args))
-    console.print(f"  SERVING on {replica.address}, metrics {replica.metrics_url}, log {replica.log_path}")
-    try:
-        yield replace(
-            target,
-            endpoints=[replica.address],
-            metrics_urls=[replica.metrics_url],
-            api_key=replica.api_key,
-            tls_ca=None,
-        )
-    finally:
-        replica.stop()
-
-
 def _load_qps(args: argparse.Namespace) -> float:
     if args.load is not None:
         if not args.capacity_json:
@@ -168,88 +107,12 @@ def _load_qps(args: argparse.Namespace) -> float:
     return args.qps
 
 
-def _scrape_all(urls: list[str]) -> list:
-    from .scrape import scrape
-
-    out = []
-    for url in urls:
-        try:
-            out.append(scrape(url))
-        except OSError:
-            out.append(None)
-    return out
-
-
-def _server_view(before: list, after: list) -> dict | None:
-    from .scrape import delta, server_view
-
-    total: dict = {}
-    pairs = [(b, a) for b, a in zip(before, after, strict=True) if b is not None and a is not None]
-    for b, a in pairs:
-        for key, value in delta(a, b).items():
-            total[key] = total.get(key, 0.0) + value
-    return server_view({}, total) if pairs else None
-
-
-async def _model_info(target: Target):
-    async with target.client() as client:
-        (model, *_) = await client.list_models(timeout_s=30)
-        return model
-
-
-async def _drive(target: Target, requests, prefix: str, args: argparse.Namespace, console) -> list:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from .runner import run_plan
-
-    counts: Counter = Counter()
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[stats]}"),
-    )
-    with Progress(*columns, console=console, disable=args.no_progress) as progress:
-        task = progress.add_task(f"{target.label}: sent", total=len(requests), stats="")
-
-        def on_done(trace) -> None:
-            counts[trace.outcome] += 1
-            progress.update(task, stats=" ".join(f"{k}={v}" for k, v in sorted(counts.items())))
-
-        async with target.client() as client:
-            return await run_plan(
-                client, requests, prefix, lambda t: progress.advance(task), on_done, args.max_in_flight
-            )
-
-
-def _pulse_one(target: Target, args: argparse.Namespace, load, shape_args: dict, run_id: str, console):
-    from .report import RunReport
-    from .schedule import ShapeSpec, plan
-    from .stats import summarize
-
-    model = asyncio.run(_model_info(target))
-    shape = ShapeSpec(**shape_args, context_length=model.context_length)
-    requests = plan(load, shape, model.vocab_size, args.deadline_ms, args.deadline_per_token_ms)
-    before = _scrape_all(target.metrics_urls)
-    traces = asyncio.run(_drive(target, requests, f"pulse-{run_id}-{target.label}", args, console))
-    time.sleep(0.5)  # the last calls' metrics settle
-    server = _server_view(before, _scrape_all(target.metrics_urls))
-    notes = [] if server or not target.metrics_urls else ["/metrics was unreachable: no server-side figures"]
-    summary = summarize(traces, load.duration_s)
-    if (summary.max_dispatch_lag_ms or 0) > LAG_WARNING_MS:
-        notes.append(
-            f"the load generator sent some requests up to {summary.max_dispatch_lag_ms:.0f} ms late: this "
-            "machine could not keep the schedule, so arrivals bunched up (see scheduler lag)"
-        )
-    return RunReport(target.label, target.endpoints, summary, traces, server, notes)
-
-
 def run_pulse(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from .report import plot, print_table, write_json, write_traces
     from .schedule import LoadSpec
+    from .targets import opened, pulse_one, targets_from
 
     console = Console()
     if not console.is_terminal:
@@ -268,9 +131,9 @@ def run_pulse(args: argparse.Namespace) -> int:
         _load_qps(args), args.duration, args.arrival, args.pulse_factor, args.pulse_seconds, args.pulse_every, args.seed
     )
     runs = []
-    for target in _targets(args):
-        with _opened(target, args, out_dir, console) as opened:
-            runs.append(_pulse_one(opened, args, load, shape_args, run_id, console))
+    for target in targets_from(args):
+        with opened(target, args, out_dir, console) as live:
+            runs.append(pulse_one(live, args, load, shape_args, run_id, console))
     title = (
         f"pulse: {load.arrival} {load.qps:.2f} qps for {load.duration_s:.0f} s"
         + (f", bursts {load.pulse_factor}× for {load.pulse_s} s every {load.pulse_every_s} s" if load.pulse_s else "")

@@ -19,6 +19,9 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
+# a run whose scheduler fired a request later than this is flagged: the load generator's host fell behind
+LAG_WARNING_MS = 50.0
+
 OVERLOADED = "RESOURCE_EXHAUSTED"
 
 

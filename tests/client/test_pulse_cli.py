@@ -48,3 +48,37 @@ def test_pulse_against_named_endpoints_writes_its_report(tmp_path, capsys):
     assert len((tmp_path / "trace-run.jsonl").read_text().splitlines()) == 20
     assert all((tmp_path / name).stat().st_size > 0 for name in ("latency.png", "scatter.png", "timeseries.png"))
     assert "first-retry success" in capsys.readouterr().out
+
+
+def test_capacity_against_a_named_endpoint_writes_capacity_json(tmp_path):
+    with FakeReplicas([[]]) as fakes:
+        code = main(
+            [
+                "pulse",
+                "--capacity",
+                "--endpoint",
+                fakes.addresses[0],
+                "--api-key",
+                "k",
+                "--duration",
+                "0.5",
+                "--knee-probes",
+                "1",
+                "--probe-duration",
+                "0.5",
+                "--confirm-duration",
+                "0",
+                "--prompt-tokens",
+                "3",
+                "--max-tokens",
+                "2",
+                "--out",
+                str(tmp_path),
+                "--no-progress",
+            ]
+        )
+    assert code == 0
+    doc = json.loads((tmp_path / "capacity.json").read_text())
+    assert doc["concurrency"] == 4  # the fake's max_batch: one closed-loop caller per slot
+    assert doc["saturation_qps"] > 0 and doc["capacity_qps"] == doc["saturation_qps"] / 2  # the one probe passed
+    assert len(doc["probes"]) == 1 and doc["confirmations"] == [] and doc["confirmed"] is None

@@ -1,0 +1,155 @@
+"""The replicas a pulse runs against, and one open-loop run against one of them: shared by cli.py (a run, a
+compare) and capacity.py (the saturation run and the knee's probes). Imports neither of them."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import shlex
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from .stats import LAG_WARNING_MS
+
+
+@dataclass
+class Target:
+    label: str
+    endpoints: list[str]
+    metrics_urls: list[str] = field(default_factory=list)
+    api_key: str | None = None
+    admission: str = "deadline"  # the mode of a replica the tool starts when no endpoints are given
+    tls_ca: str | None = None
+
+    def client(self):
+        import grpc
+
+        from services.client import AsyncClient
+
+        tls = grpc.ssl_channel_credentials(Path(self.tls_ca).read_bytes()) if self.tls_ca else False
+        return AsyncClient(self.endpoints, self.api_key, tls)
+
+
+def targets_from(args: argparse.Namespace) -> list[Target]:
+    """The targets `zeroqueue pulse`'s arguments name: deadline then fifo with --compare, else one."""
+    if args.compare:
+        return [
+            Target(
+                "deadline", args.deadline_endpoint, args.deadline_metrics_url, args.api_key, "deadline", args.tls_ca
+            ),
+            Target("fifo", args.fifo_endpoint, args.fifo_metrics_url, args.api_key, "fifo", args.tls_ca),
+        ]
+    label = "run" if args.endpoint else args.admission
+    return [Target(label, args.endpoint, args.metrics_url, args.api_key, args.admission, args.tls_ca)]
+
+
+@contextlib.contextmanager
+def opened(target: Target, args: argparse.Namespace, out_dir: Path, console) -> Iterator[Target]:
+    """The target itself if it names endpoints; otherwise a replica started for it, stopped afterwards."""
+    if target.endpoints:
+        if not target.api_key:
+            raise SystemExit("zeroqueue pulse: error: --api-key (or $ZEROQUEUE_API_KEY) is needed with endpoints")
+        yield target
+        return
+    from .replicas import default_model, start_replica
+
+    model = Path(args.model) if args.model else default_model()
+    console.print(f"starting a {target.admission}-mode replica on {model} (warm-up and calibration first) ...")
+    replica = start_replica(model, target.admission, out_dir, shlex.split(args.serve_args))
+    console.print(f"  SERVING on {replica.address}, metrics {replica.metrics_url}, log {replica.log_path}")
+    try:
+        yield replace(
+            target,
+            endpoints=[replica.address],
+            metrics_urls=[replica.metrics_url],
+            api_key=replica.api_key,
+            tls_ca=None,
+        )
+    finally:
+        replica.stop()
+
+
+def scrape_all(urls: list[str]) -> list:
+    """Each URL's /metrics samples, or None where it did not answer."""
+    from .scrape import scrape
+
+    out = []
+    for url in urls:
+        try:
+            out.append(scrape(url))
+        except OSError:
+            out.append(None)
+    return out
+
+
+def server_view_between(before: list, after: list) -> dict | None:
+    """The replicas' view of what happened between two `scrape_all`s, summed over the replicas that answered
+    both times; None if none did."""
+    from .scrape import delta, server_view
+
+    total: dict = {}
+    pairs = [(b, a) for b, a in zip(before, after, strict=True) if b is not None and a is not None]
+    for b, a in pairs:
+        for key, value in delta(a, b).items():
+            total[key] = total.get(key, 0.0) + value
+    return server_view({}, total) if pairs else None
+
+
+async def model_info(target: Target):
+    """The first model the target's first endpoint serves (ListModels)."""
+    async with target.client() as client:
+        (model, *_) = await client.list_models(timeout_s=30)
+        return model
+
+
+async def _drive(target: Target, requests, prefix: str, args: argparse.Namespace, console) -> list:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .runner import run_plan
+
+    counts: Counter = Counter()
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[stats]}"),
+    )
+    with Progress(*columns, console=console, disable=args.no_progress) as progress:
+        task = progress.add_task(f"{target.label}: sent", total=len(requests), stats="")
+
+        def on_done(trace) -> None:
+            counts[trace.outcome] += 1
+            progress.update(task, stats=" ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+
+        async with target.client() as client:
+            return await run_plan(
+                client, requests, prefix, lambda t: progress.advance(task), on_done, args.max_in_flight
+            )
+
+
+def pulse_one(target: Target, args: argparse.Namespace, load, shape_args: dict, run_id: str, console):
+    """One open-loop run of `load` against an opened target: its summary, traces and the replicas' view."""
+    from .report import RunReport
+    from .schedule import ShapeSpec, plan
+    from .stats import summarize
+
+    model = asyncio.run(model_info(target))
+    shape = ShapeSpec(**shape_args, context_length=model.context_length)
+    requests = plan(load, shape, model.vocab_size, args.deadline_ms, args.deadline_per_token_ms)
+    before = scrape_all(target.metrics_urls)
+    traces = asyncio.run(_drive(target, requests, f"pulse-{run_id}-{target.label}", args, console))
+    time.sleep(0.5)  # the last calls' metrics settle
+    server = server_view_between(before, scrape_all(target.metrics_urls))
+    notes = [] if server or not target.metrics_urls else ["/metrics was unreachable: no server-side figures"]
+    summary = summarize(traces, load.duration_s)
+    if (summary.max_dispatch_lag_ms or 0) > LAG_WARNING_MS:
+        notes.append(
+            f"the load generator sent some requests up to {summary.max_dispatch_lag_ms:.0f} ms late: this "
+            "machine could not keep the schedule, so arrivals bunched up (see scheduler lag)"
+        )
+    return RunReport(target.label, target.endpoints, summary, traces, server, notes)
