@@ -1,6 +1,11 @@
 """zeroqueue client SDK: deadline-aware Generate calls that retry rejections the way the server asks.
 
-from services.client import Client, AsyncClient, Rejected
+    from zeroqueue.client import Client, AsyncClient, Rejected   # the zeroqueue-client wheel (no torch)
+    from services.client import Client, AsyncClient, Rejected    # the same code, inside the server's tree
+
+The client wheel (distribution/, `make client-wheel`) installs these files as `zeroqueue.client`, beside the
+generated stubs, so the SDK imports only the standard library, grpc, protobuf, google.rpc, the stubs and
+itself (relatively): never the server's `services`, billing or torch (tests/client/test_imports.py).
 """
 
 from .aio import AsyncClient, AsyncGeneration
