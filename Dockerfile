@@ -16,7 +16,7 @@ FROM ${PYTHON_IMAGE} AS build
 ARG VARIANT
 ARG TORCH_INDEX_URL=
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-# g++ compiles services/inference/kernels; it stays in this stage.
+# g++ compiles services/inference/device/kernels; it stays in this stage.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends g++=4:12.2.0-3 \
  && rm -rf /var/lib/apt/lists/*
@@ -45,9 +45,9 @@ RUN chmod -R a+rX /opt/zeroqueue/models
 # this builder's CPU (AVX-512 or AVX2; docs/OPERATIONS.md). A build failure fails the image, except on a builder
 # CPU with neither ISA, which cannot check the kernels: that image runs on plain torch (the replica logs why).
 WORKDIR /opt
-RUN python -m services.inference.kernels build --strict \
- || python -c "import sys; from services.inference.kernels import runnable_isas; sys.exit(bool(runnable_isas()[0]))"
-RUN mkdir -p /opt/venv/lib/python3.11/site-packages/services/inference/kernels/_build
+RUN python -m services.inference.device.kernels build --strict \
+ || python -c "import sys; from services.inference.device.kernels import runnable_isas; sys.exit(bool(runnable_isas()[0]))"
+RUN mkdir -p /opt/venv/lib/python3.11/site-packages/services/inference/device/kernels/_build
 
 # ---- runtime: no compiler, non-root ------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS runtime-base
@@ -58,8 +58,8 @@ RUN groupadd --system --gid 10001 zeroqueue \
  && chown 10001:10001 /var/lib/zeroqueue
 COPY --from=build /opt/venv /opt/venv
 # The kernel loader re-checks the build and takes a lock file in _build at start: the service user must own it.
-COPY --from=build --chown=10001:10001 /opt/venv/lib/python3.11/site-packages/services/inference/kernels/_build \
-     /opt/venv/lib/python3.11/site-packages/services/inference/kernels/_build
+COPY --from=build --chown=10001:10001 /opt/venv/lib/python3.11/site-packages/services/inference/device/kernels/_build \
+     /opt/venv/lib/python3.11/site-packages/services/inference/device/kernels/_build
 # The bundled model; mount another one under /models and pass --model /models/NAME.
 COPY --from=build /opt/zeroqueue/models/ /opt/zeroqueue/models/
 # TORCH_DONT_CHECK_COMPILER_ABI: the loader finds the kernels built and needs no compiler; without it torch

@@ -8,7 +8,7 @@ MODEL ?= services/inference/bundled/zq-python-tiny
 ZEROQUEUE_HOME ?= $(HOME)/.zeroqueue
 export ZEROQUEUE_HOME
 
-.PHONY: install install-dev kernels protos check-protos serve lint format test test-fast lint-deploy gpu-wheels clean
+.PHONY: install install-dev kernels protos check-protos serve lint format test test-fast lint-deploy gpu-wheels client-wheel clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,7 +31,7 @@ install-dev: $(VENV)/.installed-dev kernels tests/node/node_modules/.installed
 # Compiles the CPU kernels once, for this CPU's ISA (AVX-512 or AVX2; about a minute); the engine falls
 # back to plain torch when they are missing.
 kernels: $(VENV)/.installed
-	$(PY) -m services.inference.kernels build
+	$(PY) -m services.inference.device.kernels build
 
 # The one command that generates the protobuf and gRPC code.
 protos: $(VENV)/.installed-dev
@@ -71,5 +71,12 @@ lint-deploy: $(VENV)/.installed-dev
 gpu-wheels:
 	bash bench/gpu_wheels.sh
 
+# The client distribution (services/client/distribution): the SDK as `zeroqueue.client` and the generated stubs,
+# a wheel in dist/ that needs grpcio and protobuf, not torch or the server. Its build/ is cleared first, so a
+# module removed from services/client cannot linger in the wheel.
+client-wheel: $(VENV)/.installed
+	rm -rf build/zeroqueue-client
+	$(PIP) wheel -q --no-deps --no-build-isolation -w dist/ services/client/distribution
+
 clean:
-	rm -rf $(VENV) build *.egg-info services/inference/kernels/_build
+	rm -rf $(VENV) build *.egg-info services/inference/device/kernels/_build

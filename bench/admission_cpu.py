@@ -31,7 +31,7 @@ CHILD = """
 import importlib.util, json, sys, time
 sys.path.insert(0, {tree!r})
 from services.inference.admission import AdmissionConfig, AdmissionController, Reject
-from services.inference.costmodel import CostModel
+from services.inference.admission.costmodel import CostModel
 spec = importlib.util.spec_from_file_location("overload", {driver!r})
 driver = importlib.util.module_from_spec(spec); spec.loader.exec_module(driver)
 cost = CostModel(rows=[1, 8, 32, 96, 256], row_us=[2000, 2300, 3000, 4500, 8000], us_per_context_token=0.01)

@@ -31,11 +31,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "protos"), str(ROOT / "bench")]
 
 from kernels import BandwidthProbe  # noqa: E402  (bench/kernels.py)
 
-from services.inference import kernels as zq_kernels  # noqa: E402
-from services.inference.engine import Engine  # noqa: E402
-from services.inference.executor import Executor, ExecutorConfig  # noqa: E402
-from services.inference.loader import load_checkpoint  # noqa: E402
-from services.inference.request import Request, SamplingParams  # noqa: E402
+from services.inference.device import kernels as zq_kernels  # noqa: E402
+from services.inference.device.executor import Executor, ExecutorConfig  # noqa: E402
+from services.inference.device.loader import load_checkpoint  # noqa: E402
+from services.inference.engine.engine import Engine  # noqa: E402
+from services.inference.sched.request import Request, SamplingParams  # noqa: E402
 
 MODEL_DIR = ROOT / "bench/out/smollm2-135m-random"
 TOKENIZER_DIR = ROOT / "services/inference/bundled/zq-python-tiny"

@@ -26,11 +26,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from services.inference.app import ServeConfig  # noqa: E402
-from services.inference.executor import ExecutorConfig  # noqa: E402
-from services.inference.inprocess import ServerThread  # noqa: E402
+from services.inference.device.executor import ExecutorConfig  # noqa: E402
+from services.inference.replica import ServeConfig  # noqa: E402
 from services.pulse.replicas import BUNDLED_MODEL  # noqa: E402
 from tests.fuzz_generate import GenerateFuzzer, Tally, send  # noqa: E402
+from tests.inference.harness import ServerThread  # noqa: E402
 
 
 def model_dir(given: str | None) -> str:

@@ -42,12 +42,13 @@ sys.path[:0] = [str(ROOT), str(ROOT / "protos"), str(ROOT / "bench")]
 
 import gpu_parts as parts  # noqa: E402
 
-from services.inference.engine_process import EngineClient, EngineSpec  # noqa: E402
-from services.inference.executor import ExecutorConfig, describe_device  # noqa: E402
-from services.inference.loader import load_checkpoint  # noqa: E402
+from services.inference.device.executor import ExecutorConfig, describe_device  # noqa: E402
+from services.inference.device.loader import load_checkpoint  # noqa: E402
+from services.inference.device.nvml import gpu_facts  # noqa: E402
+from services.inference.engine.client import EngineClient  # noqa: E402
+from services.inference.engine.messages import EngineSpec  # noqa: E402
 from services.inference.meter import Device, Meter, RecordContext  # noqa: E402
-from services.inference.nvml import gpu_facts  # noqa: E402
-from services.inference.request import Request, SamplingParams  # noqa: E402
+from services.inference.sched.request import Request, SamplingParams  # noqa: E402
 
 SMOLLM2 = dict(
     vocab_size=49152,

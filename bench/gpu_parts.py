@@ -9,13 +9,13 @@ import time
 
 import torch
 
-from services.inference.attention import AttentionMetadata, PrefillChunk
-from services.inference.cuda_graphs import GraphRunner, attention_kernels
-from services.inference.engine import Engine, RequestOutput
-from services.inference.executor import Executor, ExecutorConfig
-from services.inference.loader import Checkpoint
-from services.inference.request import Request, SamplingParams
-from services.inference.sampler import sample
+from services.inference.device.attention import AttentionMetadata, PrefillChunk
+from services.inference.device.cuda_graphs import GraphRunner, attention_kernels
+from services.inference.device.executor import Executor, ExecutorConfig
+from services.inference.device.loader import Checkpoint
+from services.inference.device.sampler import sample
+from services.inference.engine.engine import Engine, RequestOutput
+from services.inference.sched.request import Request, SamplingParams
 
 
 class Sink:

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from services.inference import kernels  # noqa: E402
+from services.inference.device import kernels  # noqa: E402
 
 HIDDEN, INTERMEDIATE, VOCAB, LAYERS = 576, 1536, 49152, 30
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -184,7 +184,7 @@ def bench_attention(ops: kernels.CpuOps, dtype: torch.dtype, reps: int) -> None:
 
 
 def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """What services/inference/model.py's RMSNorm does: 5 torch ops."""
+    """What services/inference/device/model.py's RMSNorm does: 5 torch ops."""
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 

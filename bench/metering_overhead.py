@@ -37,12 +37,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
 
 from services.inference.clock import Clock  # noqa: E402
-from services.inference.engine import Engine  # noqa: E402
-from services.inference.engine_process import RelayedEngine, _Relay  # noqa: E402
-from services.inference.executor import Executor, ExecutorConfig  # noqa: E402
-from services.inference.loader import load_checkpoint  # noqa: E402
+from services.inference.device.executor import Executor, ExecutorConfig  # noqa: E402
+from services.inference.device.loader import load_checkpoint  # noqa: E402
+from services.inference.engine.core import Relay  # noqa: E402
+from services.inference.engine.engine import Engine, Observers  # noqa: E402
 from services.inference.meter import Device, Meter, RecordContext  # noqa: E402
-from services.inference.request import Request, SamplingParams  # noqa: E402
+from services.inference.sched.request import Request, SamplingParams  # noqa: E402
 from services.metering.outbox import Outbox  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "services/inference/bundled/zq-python-tiny"
@@ -63,30 +63,30 @@ class CountingConn:
         self.num_bytes += len(data)
 
 
-class TimedEngine(RelayedEngine):
-    """Every arm's outputs go through the relay (so every step ships them); what an arm pays for metering is
-    timed: the observer call (thread arms), or the wire digest and the message's pickle (process arms)."""
+class TimedSink(Relay):
+    """The engine's step sink. Every arm's outputs go through the relay (so every step ships them); what an arm
+    pays for metering is timed: the observer call (thread arms), or the wire digest and the message's pickle
+    (process arms)."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, conn) -> None:
+        super().__init__(conn)
+        self.local = Observers([])  # the observers on the engine's thread, set per arm
         self.arm = "none"
         self.metering_us = 0.0
 
-    def _notify(self, report) -> None:
+    def report(self, report, num_free_slots: int) -> None:
         t0 = time.perf_counter_ns()
         if self.arm == "meter-process":
-            super()._notify(report)  # the wire digest, into the relay
+            super().report(report, num_free_slots)  # the wire digest, into the relay
         elif self.arm in ("meter-thread", "none"):
-            Engine._notify(self, report)  # the observers on the engine's thread (none: no observer)
+            self.local.report(report, num_free_slots)  # the observers on the engine's thread (none: no observer)
         self.metering_us += (time.perf_counter_ns() - t0) / 1000
 
-    def step(self):
-        report = Engine.step(self)
+    def flush(self) -> None:
         t0 = time.perf_counter_ns()
-        self.relay.flush()
+        super().flush()
         if self.arm in ("meter-process", "outputs-only"):
             self.metering_us += (time.perf_counter_ns() - t0) / 1000
-        return report
 
 
 def pct(calls: list[float], steps: list[float]) -> dict[str, float]:
@@ -120,9 +120,9 @@ def main() -> None:
     checkpoint = load_checkpoint(args.model)
     executor = Executor(checkpoint, ExecutorConfig(max_batch=args.batch, max_seq_len=512))
     clock = Clock()
-    engine = TimedEngine(executor, checkpoint.tokenizer, checkpoint.eos_token_ids, clock=clock.now_ns)
     conn = CountingConn()
-    engine.relay = _Relay(conn)
+    sink = TimedSink(conn)
+    engine = Engine(executor, checkpoint.tokenizer, checkpoint.eos_token_ids, clock=clock.now_ns, sink=sink)
     info = executor.info
     device = Device(info.kind, info.device_id, info.unit, info.num_compute_units)
     with tempfile.TemporaryDirectory() as tmp:
@@ -142,7 +142,7 @@ def main() -> None:
                 order = rng.sample(ARMS, len(ARMS))
             last_block = block
             arm = order[block % len(ARMS)]
-            engine.arm, engine.observers[:] = arm, observers.get(arm, [])
+            sink.arm, sink.local.observers[:] = arm, observers.get(arm, [])
             while engine.scheduler.num_unfinished + len(engine._inbox) < args.batch:
                 rid = f"r{n}"
                 context = RecordContext(
@@ -161,14 +161,14 @@ def main() -> None:
                         SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
                         clock.now_ns(),
                     ),
-                    engine.relay,
+                    sink,
                 )
                 n += 1
-            engine.metering_us, bytes_before = 0.0, conn.num_bytes
+            sink.metering_us, bytes_before = 0.0, conn.num_bytes
             report = engine.step()
             if report is not None:
                 steps_us[arm].append(report.interval_ns / 1000)
-                metering_us[arm].append(engine.metering_us)
+                metering_us[arm].append(sink.metering_us)
                 message_bytes[arm] += conn.num_bytes - bytes_before
         meter.on_idle(clock.now_ns(), final=True)
         t0 = time.perf_counter()

@@ -19,8 +19,8 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "protos")]
 
-from services.inference.request import SamplingParams  # noqa: E402
-from services.inference.sampler import sample, uniform  # noqa: E402
+from services.inference.device.sampler import sample, uniform  # noqa: E402
+from services.inference.sched.request import SamplingParams  # noqa: E402
 
 
 def full_sort_sample(logits: torch.Tensor, params: list[SamplingParams], draw_index: list[int]) -> list[int]:

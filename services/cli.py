@@ -121,8 +121,8 @@ def _non_negative_int(text: str) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from services.inference.app import InferenceApp, ServeConfig
-    from services.inference.executor import ExecutorConfig
+    from services.inference.device.executor import ExecutorConfig
+    from services.inference.replica import InferenceApp, ServeConfig
 
     config = ServeConfig(
         model_dir=args.model,

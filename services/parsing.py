@@ -21,7 +21,8 @@ from google.protobuf import message as _message
 from google.protobuf import message_factory
 
 from services import errors
-from services.errors import FieldViolation, rpc_errors
+from services.errors import FieldViolation
+from services.status import rpc_errors
 
 _MAX_SCANNED_TAGS = 4096  # the locating scan is a Python loop on the event loop: it gives up after this
 

@@ -12,11 +12,14 @@ from __future__ import annotations
 import random
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 from zeroqueue.inference.v1 import inference_pb2 as pb
 
-GENERATE = "/zeroqueue.inference.v1.Inference/Generate"
+# the wire helpers and the judging of answers live beside this module; they are named here too, as callers import
+# them from here
+from tests.fuzz_outcomes import SOFT_METADATA_BYTES, Outcome, Tally, send, status_bytes  # noqa: F401
+from tests.fuzz_wire import GENERATE, FuzzCall, delimited, tag, varint  # noqa: F401
+
 FIELDS = tuple(f.name for f in pb.GenerateRequest.DESCRIPTOR.fields)
 _STRING_FIELDS = {f.number: f.name for f in pb.GenerateRequest.DESCRIPTOR.fields if f.type == f.TYPE_STRING}
 _WORDS = (
@@ -78,32 +81,6 @@ _HEADER_VALUES = (
     "1" * 7,
     "00000000000000000001",
 )
-
-
-@dataclass(frozen=True)
-class FuzzCall:
-    index: int
-    kind: str  # valid | field:<names> | bytes:<mutation> | header:<name>
-    raw: bytes  # the request's bytes as sent (possibly not a valid message)
-    metadata: tuple[tuple[str, str], ...] = ()  # besides the caller's authorization
-
-
-def varint(value: int) -> bytes:
-    value &= (1 << 64) - 1  # negative int32/int64: ten bytes, as protobuf encodes them
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
-
-
-def tag(number: int, wire: int) -> bytes:
-    return varint(number << 3 | wire)
-
-
-def delimited(number: int, payload: bytes) -> bytes:
-    return tag(number, 2) + varint(len(payload)) + payload
 
 
 class GenerateFuzzer:
@@ -415,119 +392,3 @@ _BYTE_MUTATIONS = (
     _float_payload,
     _huge_request,
 )
-
-
-# --- sending a call and judging its answer (grpc only: no server code) -------------------------------------------
-
-SOFT_METADATA_BYTES = 8 << 10  # gRPC's default soft limit on received metadata: a larger status may be dropped
-_SAFE = " !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~"  # what grpc-message leaves unescaped besides letters and digits
-
-
-@dataclass(frozen=True)
-class Outcome:
-    index: int
-    kind: str
-    code: str  # a grpc.StatusCode name; OK for a stream that ended
-    reason: str = ""  # the ErrorInfo's
-    status_bytes: int = 0  # grpc-message percent-encoded + grpc-status-details-bin base64-encoded
-    message: str = ""
-    num_replies: int = 0
-    final: bool = False  # the stream's last message was a Final
-
-    @property
-    def failure(self) -> str | None:
-        """Why this answer is a server bug, or None."""
-        if self.code in ("INTERNAL", "UNKNOWN"):
-            return f"{self.code} for something the client sent"
-        if self.status_bytes >= SOFT_METADATA_BYTES:
-            return f"status of {self.status_bytes} bytes"
-        if self.code == "RESOURCE_EXHAUSTED" and self.reason != "OVERLOADED":
-            return "RESOURCE_EXHAUSTED that is not an overload (a status or message over a limit?)"
-        if self.code == "OK" and not self.final:
-            return "a stream that ended without its Final"
-        if self.code not in ("OK", "DEADLINE_EXCEEDED", "UNAVAILABLE", "CANCELLED") and not self.reason:
-            return "a refusal without an ErrorInfo"
-        return None
-
-
-def status_bytes(message: str | None, trailing) -> tuple[int, str]:
-    """(size of the status in the trailers, the ErrorInfo reason) of a failed call."""
-    import base64
-    import urllib.parse
-
-    from google.rpc import error_details_pb2, status_pb2
-
-    blob = next((v for k, v in trailing or () if k == "grpc-status-details-bin"), b"")
-    reason = ""
-    if blob:
-        for detail in status_pb2.Status.FromString(blob).details:
-            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-                info = error_details_pb2.ErrorInfo()
-                detail.Unpack(info)
-                reason = info.reason
-    size = len(urllib.parse.quote((message or "").encode(), safe=_SAFE)) + len(base64.b64encode(blob))
-    return size, reason
-
-
-async def send(channel, call: FuzzCall, metadata: tuple = (), timeout: float = 5.0) -> Outcome:
-    """Sends one call on a grpc.aio channel as raw bytes and reads its whole answer."""
-    import grpc
-
-    stream = channel.unary_stream(GENERATE)(call.raw, timeout=timeout, metadata=(*metadata, *call.metadata))
-    replies: list[bytes] = []
-    try:
-        async for reply in stream:
-            replies.append(reply)
-    except grpc.aio.AioRpcError as error:
-        size, reason = status_bytes(error.details(), error.trailing_metadata())
-        return Outcome(
-            call.index, call.kind, error.code().name, reason, size, (error.details() or "")[:300], len(replies)
-        )
-    final = bool(replies) and pb.GenerateResponse.FromString(replies[-1]).WhichOneof("kind") == "final"
-    return Outcome(call.index, call.kind, "OK", num_replies=len(replies), final=final)
-
-
-class Tally:
-    """Outcomes by (code, reason), the largest status seen, and the failures (at most `keep` of them kept)."""
-
-    def __init__(self, keep: int = 50) -> None:
-        self.counts: dict[tuple[str, str], int] = {}
-        self.kinds: dict[str, int] = {}
-        self.max_status_bytes = 0
-        self.max_status: Outcome | None = None
-        self.failures: list[tuple[Outcome, str]] = []
-        self.num_failures = 0
-        self.num_admitted = 0  # calls that got their Admission message: each must be billed once
-        self.keep = keep
-
-    def add(self, outcome: Outcome) -> None:
-        key = (outcome.code, outcome.reason)
-        self.counts[key] = self.counts.get(key, 0) + 1
-        self.num_admitted += outcome.num_replies > 0
-        family = outcome.kind.split(":")[0]
-        self.kinds[family] = self.kinds.get(family, 0) + 1
-        if outcome.status_bytes > self.max_status_bytes:
-            self.max_status_bytes, self.max_status = outcome.status_bytes, outcome
-        why = outcome.failure
-        if why is not None:
-            self.num_failures += 1
-            if len(self.failures) < self.keep:
-                self.failures.append((outcome, why))
-
-    @property
-    def total(self) -> int:
-        return sum(self.counts.values())
-
-    def report(self) -> str:
-        lines = [f"{self.total} calls ({', '.join(f'{k} {n}' for k, n in sorted(self.kinds.items()))})"]
-        for (code, reason), n in sorted(self.counts.items(), key=lambda item: -item[1]):
-            lines.append(f"  {n:>8}  {code:<20} {reason}")
-        if self.max_status is not None:
-            lines.append(
-                f"largest status: {self.max_status_bytes} bytes (call {self.max_status.index}, "
-                f"{self.max_status.kind}, {self.max_status.code})"
-            )
-        lines.append(f"failures: {self.num_failures}")
-        for outcome, why in self.failures:
-            lines.append(f"  call {outcome.index} {outcome.kind}: {why}: {outcome.code} {outcome.message[:160]!r}")
-        return "\n".join(lines)

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 from billing.records import IdleRecord, UsageRecord
 
-from .digest import EndedRequest, StepDigest
-from .request import RequestStatus
+from .engine.digest import EndedRequest, StepDigest
+from .sched.request import RequestStatus
 
 US_PER_MINUTE = 60_000_000
 _OUTCOMES = {

@@ -1,8 +1,13 @@
-"""Prometheus metrics of the inference service, on a registry owned by the service instance."""
+"""Prometheus metrics of the inference service, on a registry owned by the service instance, and the step
+observer (`StepStats`) that feeds them and the cost model from every step."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from .admission.costmodel import CostModel
+from .engine.digest import StepDigest
+from .engine.steplog import StepLog
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 STEP_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1)
@@ -119,3 +124,44 @@ class ServiceMetrics:
             else:
                 self._cost_centers.add(cost_center)
         self.device_unit_us.labels(tenant, cost_center, unit).inc(unit_us)
+
+
+class StepStats:
+    """Step observer: feeds every measured step to the cost model and the metrics. Paced (pace_tokens > 0), the
+    cost model learns a step's period, its interval plus the idle the engine held after it (which comes with
+    the next step), against the step padded with a prompt chunk: that is what admission predicts then."""
+
+    def __init__(
+        self, cost: CostModel | None, metrics: ServiceMetrics, num_slots: int, steps: StepLog, pace_tokens: int = 0
+    ) -> None:
+        self.cost, self.metrics, self.num_slots, self.steps = cost, metrics, num_slots, steps
+        self.pace_tokens = pace_tokens
+        self._last: StepDigest | None = None  # the step whose period ends when the next one begins
+
+    def on_step(self, digest: StepDigest) -> None:
+        self.metrics.free_slots.set(digest.num_free_slots)
+        if not digest.ran:
+            return
+        self.steps.add(digest.began_ns)
+        interval_us = digest.interval_ns // 1000
+        if self.cost is not None:  # before _last moves on to this step
+            self._observe_cost(digest)
+            self.metrics.cost_ratio.set(self.cost.ratio)
+            self.metrics.cost_deviation.set(self.cost.deviation)
+        self.metrics.step_time.observe(interval_us / 1e6)
+        self.metrics.batch_size.observe(digest.num_seqs)
+        last, self._last = self._last, digest
+        if last is not None and last.num_unfinished:
+            self.metrics.step_period.observe((digest.began_ns - last.began_ns) / 1e9)
+
+    def _observe_cost(self, digest: StepDigest) -> None:
+        if not self.pace_tokens:
+            self.cost.observe(digest.num_tokens, digest.context_tokens, digest.interval_ns // 1000)
+            return
+        last = self._last
+        if last is not None:
+            rows = max(last.num_tokens, last.num_seqs + self.pace_tokens)
+            self.cost.observe(rows, last.context_tokens, (last.interval_ns + digest.paced_ns) // 1000)
+
+    def on_idle(self, now_ns: int) -> None:
+        self.metrics.free_slots.set(self.num_slots)  # idle: nothing holds a slot

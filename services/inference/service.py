@@ -1,7 +1,7 @@
 """The inference service in domain terms: admission, the engine, streams and their outcomes.
 
-server.py turns protobuf into a validated GenerateSpec and calls `submit`, then relays `stream`.
-Everything here runs on the event loop thread; the engine runs in its own process (engine_process.py) or,
+servicer.py turns protobuf into a validated GenerateSpec and calls `submit`, then relays `stream`.
+Everything here runs on the event loop thread; the engine runs in its own process (engine/core.py) or,
 with --engine-thread, on a thread of this one.
 """
 
@@ -21,15 +21,15 @@ from services import errors
 from services.metering.outbox import Outbox
 
 from .admission import AdmissionController, Admit, Commitment, Infeasible, Reject
+from .admission.fifo import FifoAdmission
 from .clock import Clock
-from .engine import Engine, RequestOutput
-from .engine_process import EngineClient
-from .executor import DeviceInfo
-from .fifo import FifoAdmission
+from .device.spec import DeviceInfo
+from .engine.client import EngineClient
+from .engine.engine import Engine, RequestOutput
+from .engine.steplog import StepLog
 from .meter import Meter, RecordContext
 from .metrics import ServiceMetrics
-from .request import Request, SamplingParams
-from .steplog import StepLog
+from .sched.request import Request, SamplingParams
 
 log = structlog.get_logger(__name__)
 
@@ -117,7 +117,7 @@ def admission_key(tenant: str, request_id: str) -> str:
 
 
 @dataclass
-class _LoopSink:
+class LoopSink:
     """Hands engine outputs to the request's queue on the event loop (from the engine's thread, or from the
     loop itself when the engine runs in its own process)."""
 
@@ -228,7 +228,7 @@ class InferenceService:
             arrival_ns=received_ns,
             deadline_ns=deadline_ns if self.deadline_mode else None,
         )
-        sink = _LoopSink(asyncio.get_running_loop())
+        sink = LoopSink(asyncio.get_running_loop())
         ticket = Ticket(
             spec,
             tenant,

@@ -37,7 +37,7 @@ from billing.models import InvoiceStatus
 from billing.records import MAX_INT64, IdleRecord, UsageRecord, check_tenant_name, freeze_labels
 from billing.tenants import Principal
 from services.auth import Authenticator, bearer_key
-from services.errors import rpc_errors
+from services.status import rpc_errors
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")

@@ -15,7 +15,7 @@ from google.rpc import error_details_pb2
 from zeroqueue.inference.v1 import inference_pb2 as pb
 from zeroqueue.inference.v1 import inference_pb2_grpc
 
-from services.errors import RpcStatus, to_grpc_status
+from services.status import RpcStatus, to_grpc_status
 
 
 @dataclass(frozen=True)

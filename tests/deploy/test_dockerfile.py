@@ -19,7 +19,7 @@ import dockerfile
 import pytest
 
 from services.cli import build_parser, run_health, run_serve
-from services.inference.app import INFERENCE_SERVICE
+from services.inference.replica import INFERENCE_SERVICE
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"

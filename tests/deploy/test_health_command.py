@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from services.inference.app import InferenceApp, ServeConfig
-from services.inference.executor import Executor, ExecutorConfig
-from services.inference.inprocess import ServerThread
+from services.inference.device.executor import Executor, ExecutorConfig
+from services.inference.replica import InferenceApp, ServeConfig
 from tests.checkpoints import save_hf_checkpoint
+from tests.inference.harness import ServerThread
 
 ROOT = Path(__file__).resolve().parents[2]
 

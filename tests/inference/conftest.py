@@ -6,10 +6,10 @@ from collections import defaultdict
 
 import pytest
 
-from services.inference.engine import Engine, RequestOutput
-from services.inference.executor import Executor, ExecutorConfig
-from services.inference.loader import load_checkpoint
-from services.inference.request import Request, SamplingParams
+from services.inference.device.executor import Executor, ExecutorConfig
+from services.inference.device.loader import load_checkpoint
+from services.inference.engine.engine import Engine, RequestOutput
+from services.inference.sched.request import Request, SamplingParams
 from tests.checkpoints import save_hf_checkpoint
 
 

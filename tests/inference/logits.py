@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from services.inference.attention import AttentionMetadata, PrefillChunk
-from services.inference.executor import Executor
+from services.inference.device.attention import AttentionMetadata, PrefillChunk
+from services.inference.device.executor import Executor
 
 
 @torch.inference_mode()

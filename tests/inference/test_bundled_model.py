@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import services.inference
-from services.inference.loader import load_checkpoint
+from services.inference.device.loader import load_checkpoint
 from tests.inference.conftest import Collector, make_engine, request, run_to_completion
 from tests.inference.logits import prompt_logits
 

@@ -11,10 +11,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from zeroqueue.inference.v1 import inference_pb2 as pb
 
 from billing import commands
-from services.inference.app import ServeConfig
-from services.inference.executor import ExecutorConfig
-from services.inference.inprocess import ServerThread, status_details
+from services.inference.device.executor import ExecutorConfig
+from services.inference.replica import ServeConfig
 from tests.billing.conftest import ledger, postgres_schema_url, sqlite_template  # noqa: F401 - fixtures
+from tests.inference.harness import ServerThread, status_details
 from tests.inference.test_usage import ledger_rows
 
 PROMPT = "def add(a, b):\n    return"

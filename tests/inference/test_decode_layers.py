@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-from services.inference import kernels
-from services.inference.model import DecoderStack
-from services.inference.packed import KernelDecoderStack
+from services.inference.device import kernels
+from services.inference.device.model import DecoderStack
+from services.inference.device.packed import KernelDecoderStack
 from tests.checkpoints import save_hf_checkpoint
 from tests.inference.conftest import Collector, make_engine, request, run_to_completion
 from tests.inference.logits import prompt_logits

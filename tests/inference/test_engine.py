@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from services.inference.request import RequestStatus
+from services.inference.sched.request import RequestStatus
 from tests.inference.conftest import Collector, make_engine, request, run_to_completion
 from tests.inference.logits import prompt_logits
 

@@ -15,22 +15,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from zeroqueue.inference.v1 import inference_pb2 as pb
 
 from services import errors
-from services.inference.app import ServeConfig
-from services.inference.cpus import engine_threads, pin, split_cpus
-from services.inference.digest import StepDigest
-from services.inference.engine import Engine
-from services.inference.engine_process import (
-    DEVICE_FAULT_EXIT,
-    EngineClient,
-    EngineFailed,
-    EngineSpec,
-    RelayedEngine,
-    _Relay,
-)
-from services.inference.executor import Executor, ExecutorConfig
-from services.inference.inprocess import ServerThread, status_details
-from services.inference.loader import load_checkpoint
-from services.inference.request import Request, RequestStatus, SamplingParams
+from services.inference.device.cpus import engine_threads, pin, split_cpus
+from services.inference.device.executor import Executor, ExecutorConfig
+from services.inference.device.loader import load_checkpoint
+from services.inference.engine.client import EngineClient
+from services.inference.engine.core import Relay
+from services.inference.engine.digest import StepDigest
+from services.inference.engine.engine import Engine, Observers
+from services.inference.engine.messages import DEVICE_FAULT_EXIT, EngineFailed, EngineSpec
+from services.inference.replica import ServeConfig
+from services.inference.sched.request import Request, RequestStatus, SamplingParams
+from tests.inference.harness import ServerThread, status_details
 from tests.inference.test_usage import ledger_rows
 
 PROMPT = "def add(a, b):\n    return"
@@ -145,37 +140,33 @@ class _Pipe:
         self.messages.append(pickle.loads(data))
 
 
-class _BothWays(RelayedEngine):
-    """Builds each step's digest as the thread layout does (for its observers) and as the engine process ships
-    it (the wire form into the relay), from the same report."""
+class BothWays(Relay):
+    """A step sink that builds each step's digest as the thread layout does (for its observers) and as the engine
+    process ships it (the wire form into the relay), from the same report."""
 
-    def _notify(self, report) -> None:
-        Engine._notify(self, report)
-        RelayedEngine._notify(self, report)
+    def __init__(self, conn, observers) -> None:
+        super().__init__(conn)
+        self.local = Observers(observers)
+
+    def report(self, report, num_free_slots: int) -> None:
+        self.local.report(report, num_free_slots)
+        super().report(report, num_free_slots)
 
 
 def test_the_digest_the_engine_process_ships_is_the_one_the_thread_layout_builds(llama_dir):
     checkpoint = load_checkpoint(llama_dir)
     executor = Executor(checkpoint, ExecutorConfig(max_batch=4, max_seq_len=256))
     digests: list[StepDigest] = []
-    engine = _BothWays(
-        executor,
-        checkpoint.tokenizer,
-        checkpoint.eos_token_ids,
-        max_num_batched_tokens=40,
-        observers=[type("Keep", (), {"on_step": lambda self, d: digests.append(d)})()],
-    )
     pipe = _Pipe()
-    engine.relay = _Relay(pipe)
+    relay = BothWays(pipe, [type("Keep", (), {"on_step": lambda self, d: digests.append(d)})()])
+    engine = Engine(executor, checkpoint.tokenizer, checkpoint.eos_token_ids, max_num_batched_tokens=40, sink=relay)
     now = time.monotonic_ns()
     # a prompt longer than the step's token budget (chunked), short ones that finish, one cancelled mid-way
-    engine.add_request(
-        Request("long", tuple(range(1, 70)), SamplingParams(max_tokens=3, temperature=0.0), now), engine.relay
-    )
+    engine.add_request(Request("long", tuple(range(1, 70)), SamplingParams(max_tokens=3, temperature=0.0), now), relay)
     for i in range(3):
         engine.add_request(
             Request(f"short-{i}", (5, 6, 7), SamplingParams(max_tokens=2 + i, temperature=0.0, ignore_eos=True), now),
-            engine.relay,
+            relay,
         )
     engine.step()
     engine.cancel("short-2")

@@ -14,11 +14,11 @@ from zeroqueue.inference.v1 import inference_pb2 as pb
 from zeroqueue.inference.v1 import inference_pb2_grpc
 
 from billing import commands
-from services.inference.app import ServeConfig
-from services.inference.executor import ExecutorConfig
-from services.inference.inprocess import ServerThread
+from services.inference.device.executor import ExecutorConfig
+from services.inference.replica import ServeConfig
 from tests.billing.conftest import ledger, postgres_schema_url, sqlite_template  # noqa: F401 - fixtures
 from tests.fuzz_generate import GenerateFuzzer, Tally, send
+from tests.inference.harness import ServerThread
 from tests.inference.test_usage import ledger_rows
 
 NUM_CALLS = 2000

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from services.inference.cuda_graphs import Bucket, GraphRunner, context_buckets
+from services.inference.device.cuda_graphs import Bucket, GraphRunner, context_buckets
 from tests.inference.conftest import Collector, make_engine, request
 
 PROMPTS = [[5, 6, 7], list(range(10, 30)), [40] * 9]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.inference import kernels
+from services.inference.device import kernels
 
 ZEN3_FLAGS = "fpu sse2 avx avx2 fma f16c bmi2"
 CPUINFO_CASES = [

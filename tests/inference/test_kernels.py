@@ -1,4 +1,4 @@
-"""The CPU kernels (services/inference/kernels) against torch references, and their batch invariance."""
+"""The CPU kernels (services/inference/device/kernels) against torch references, and their batch invariance."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.inference import kernels
+from services.inference.device import kernels
 
 DTYPES = (torch.float32, torch.bfloat16)
 FEW = settings(max_examples=12, deadline=None, derandomize=True)
@@ -322,60 +322,6 @@ def test_decode_attention_rejects_bad_slots_and_lengths(ops):
         ops.decode_attention(q, k_cache, v_cache, slots, torch.tensor([9, 1]), 1.0)
     with pytest.raises(RuntimeError, match="head_dim must be"):
         ops.decode_attention(q[..., :16], k_cache[..., :16], v_cache[..., :16], slots, lengths, 1.0)
-
-
-# ---- fused elementwise ops ----
-
-
-def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-@FEW
-@given(rows=st.integers(1, 9), cols=st.integers(1, 200), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
-def test_rms_norm_matches_hugging_face(ops, rows, cols, dtype, seed):
-    x, weight = randn(rows, cols, dtype=dtype, seed=seed) * 3, randn(cols, dtype=dtype, seed=seed + 1)
-    out = ops.rms_norm(x, weight, 1e-5)
-    ref = hf_rms_norm(x, weight, 1e-5)
-    assert out.dtype == dtype and out.shape == x.shape
-    # Only the order of the fp32 sum of squares differs; in bf16 that rarely moves a rounding.
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-3)
-    torch.testing.assert_close(out, ref, **tol)
-
-
-@FEW
-@given(rows=st.integers(1, 9), inter=st.integers(1, 100), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
-def test_silu_mul_matches_torch(ops, rows, inter, dtype, seed):
-    gate_up = randn(rows, 2 * inter, dtype=dtype, seed=seed) * 4
-    gate, up = gate_up.split(inter, dim=-1)
-    out = ops.silu_mul(gate_up)
-    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-3)
-    torch.testing.assert_close(out, F.silu(gate) * up, **tol)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_elementwise_ops_are_batch_invariant(ops, dtype):
-    # 500 rows: enough for both ops to split rows across threads
-    x, weight = randn(500, 576, dtype=dtype, seed=20), randn(576, dtype=dtype, seed=21)
-    gate_up = randn(500, 3072, dtype=dtype, seed=22)
-    normed, activated = ops.rms_norm(x, weight, 1e-5), ops.silu_mul(gate_up)
-    for m in (0, 17, 499):
-        assert torch.equal(ops.rms_norm(x[m : m + 1], weight, 1e-5), normed[m : m + 1])
-        assert torch.equal(ops.silu_mul(gate_up[m : m + 1]), activated[m : m + 1])
-    with num_threads(1):
-        assert torch.equal(ops.rms_norm(x, weight, 1e-5), normed)
-        assert torch.equal(ops.silu_mul(gate_up), activated)
-
-
-@FEW
-@given(rows=st.integers(1, 9), cols=st.integers(1, 200), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
-def test_add_rms_norm_is_the_residual_add_then_the_norm(ops, rows, cols, dtype, seed):
-    x, residual = randn(rows, cols, dtype=dtype, seed=seed) * 3, randn(rows, cols, dtype=dtype, seed=seed + 1)
-    weight = randn(cols, dtype=dtype, seed=seed + 2)
-    normed, total = ops.add_rms_norm(x, residual, weight, 1e-5)
-    assert torch.equal(total, x + residual)  # the residual stream, exactly as torch adds it
-    assert torch.equal(normed, ops.rms_norm(x + residual, weight, 1e-5))
 
 
 # ---- registration and CPU detection ----

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.inference.loader import CheckpointError, load_checkpoint
+from services.inference.device.loader import CheckpointError, load_checkpoint
 
 
 @pytest.fixture

@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.inference.digest import StepDigest, ended_request
+from services.inference.engine.digest import StepDigest, ended_request
 from services.inference.meter import US_PER_MINUTE, Device, Meter, RecordContext, split_exact
-from services.inference.request import Request, RequestStatus, SamplingParams
+from services.inference.sched.request import Request, RequestStatus, SamplingParams
 
 EPOCH_US = 29_833_334 * 60_000_000  # a UTC minute boundary in 2026
 DEVICE = Device("cpu", "cpu:test", "core_us", 2)

@@ -11,8 +11,8 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from services.inference.executor import DeviceInfo, describe_device
-from services.inference.nvml import GpuFacts, gpu_facts
+from services.inference.device.executor import DeviceInfo, describe_device
+from services.inference.device.nvml import GpuFacts, gpu_facts
 
 H100 = "GPU-5e6f7a8b-1111-2222-3333-444455556666"
 A100 = "GPU-0a1b2c3d-aaaa-bbbb-cccc-ddddeeeeffff"

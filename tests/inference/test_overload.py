@@ -13,9 +13,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from zeroqueue.inference.v1 import inference_pb2 as pb
 from zeroqueue.inference.v1 import inference_pb2_grpc
 
-from services.inference.app import ServeConfig
-from services.inference.executor import ExecutorConfig
-from services.inference.inprocess import ServerThread, status_details
+from services.inference.device.executor import ExecutorConfig
+from services.inference.replica import ServeConfig
+from tests.inference.harness import ServerThread, status_details
 
 STEP_S = 0.02
 # the one copy of the recommended service config (README.md and docs/OPERATIONS.md point to it)

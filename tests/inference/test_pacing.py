@@ -9,17 +9,17 @@ import sys
 import pytest
 
 from services.inference.admission import AdmissionConfig, Commitment, Predictor
-from services.inference.app import StepStats
-from services.inference.costmodel import CostModel
-from services.inference.digest import StepDigest, step_wire
-from services.inference.engine import Engine
-from services.inference.engine_process import EngineSpec, build_engine
-from services.inference.executor import Executor, ExecutorConfig
-from services.inference.loader import load_checkpoint
-from services.inference.metrics import ServiceMetrics
-from services.inference.pacing import Pacer
-from services.inference.request import Request, SamplingParams
-from services.inference.steplog import StepLog
+from services.inference.admission.costmodel import CostModel
+from services.inference.device.executor import Executor, ExecutorConfig
+from services.inference.device.loader import load_checkpoint
+from services.inference.engine.core import build_engine
+from services.inference.engine.digest import StepDigest, step_wire
+from services.inference.engine.engine import Engine
+from services.inference.engine.messages import EngineSpec
+from services.inference.engine.pacing import Pacer
+from services.inference.engine.steplog import StepLog
+from services.inference.metrics import ServiceMetrics, StepStats
+from services.inference.sched.request import Request, SamplingParams
 from tests.inference.test_meter import Recorder, make_meter, register, req
 
 MS = 1_000_000

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.inference.loader import load_checkpoint
+from services.inference.device.loader import load_checkpoint
 from tests.checkpoints import save_hf_checkpoint
 from tests.inference.conftest import Collector, make_engine, request, run_to_completion
 from tests.inference.logits import prompt_logits

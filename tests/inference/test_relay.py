@@ -8,11 +8,11 @@ from concurrent.futures import Future
 from types import MappingProxyType
 
 from services.inference.clock import Clock
-from services.inference.engine import RequestOutput
+from services.inference.engine.engine import RequestOutput
+from services.inference.engine.steplog import StepLog
 from services.inference.metrics import ServiceMetrics
-from services.inference.request import SamplingParams
-from services.inference.service import BudgetSource, GenerateSpec, InferenceService, Ticket, _LoopSink
-from services.inference.steplog import StepLog
+from services.inference.sched.request import SamplingParams
+from services.inference.service import BudgetSource, GenerateSpec, InferenceService, LoopSink, Ticket
 
 
 class Progress:
@@ -125,7 +125,7 @@ def test_the_final_output_ends_the_message_it_is_in():
 
 def test_the_sink_puts_directly_on_its_own_loop_and_through_the_loop_from_another_thread():
     async def put_both_ways():
-        sink = _LoopSink(asyncio.get_running_loop())
+        sink = LoopSink(asyncio.get_running_loop())
         first = _outputs(0)[0]
         sink.put(first)
         assert sink.queue.qsize() == 1  # on the loop: put at once, no wake-up through the self-pipe
@@ -183,10 +183,10 @@ def test_a_stream_interval_holds_later_tokens_but_never_the_first_or_the_end():
 
 
 def test_a_replica_with_a_stream_interval_sends_the_same_tokens_in_fewer_messages(llama_dir):
-    from services.inference.app import ServeConfig
-    from services.inference.executor import ExecutorConfig
-    from services.inference.inprocess import ServerThread
+    from services.inference.device.executor import ExecutorConfig
+    from services.inference.replica import ServeConfig
     from tests.inference.conftest import Collector, make_engine, request, run_to_completion
+    from tests.inference.harness import ServerThread
     from tests.inference.test_server import PROMPT, generate
 
     replica = ServerThread(

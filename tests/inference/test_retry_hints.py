@@ -16,7 +16,8 @@ from services.inference.admission import (
     AdmissionController,
     Reject,
 )
-from services.inference.costmodel import CostModel
+from services.inference.admission.costmodel import CostModel
+from services.status import status_for
 from tests.inference.test_admission import MS, commit, controller, flat_cost
 
 
@@ -35,7 +36,7 @@ def overloaded(decision: Reject, now_ns: int, budget_ms: int) -> errors.Overload
 
 def wire(error: errors.Overloaded) -> tuple[dict, error_details_pb2.ErrorInfo, int]:
     """Trailers, ErrorInfo and RetryInfo's delay (ms), as status_for puts them on the wire."""
-    status = errors.status_for(error)
+    status = status_for(error)
     info, retry = (
         next(d for d in status.details if isinstance(d, cls))
         for cls in (error_details_pb2.ErrorInfo, error_details_pb2.RetryInfo)
@@ -92,7 +93,7 @@ def test_an_unbacked_hint_that_fits_is_still_a_positive_pushback_and_says_it_is_
 
 
 def test_an_infeasible_budget_still_says_do_not_retry():
-    trailers = dict(errors.status_for(errors.DeadlineInfeasible(50, 210)).trailing_metadata)
+    trailers = dict(status_for(errors.DeadlineInfeasible(50, 210)).trailing_metadata)
     assert trailers["grpc-retry-pushback-ms"] == "-1"
 
 

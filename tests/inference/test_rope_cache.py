@@ -28,7 +28,7 @@ def rope_case(tokens, heads, kv_heads, head_dim, dtype, seed, slots=3, max_len=4
 
 def torch_rope_cache(qkv, cos, sin, positions, slot_ids, k_cache, v_cache, heads, kv_heads):
     """The model's torch path: model.apply_rotary on q and k together, then the backend's index_put_."""
-    from services.inference.model import apply_rotary
+    from services.inference.device.model import apply_rotary
 
     d = k_cache.shape[-1]
     qk = apply_rotary(

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from services.inference.detokenizer import Detokenizer
-from services.inference.request import SamplingParams
-from services.inference.sampler import _filtered_probs, sample, to_host, uniform
+from services.inference.device.sampler import filtered_probs, sample, to_host, uniform
+from services.inference.engine.detokenizer import Detokenizer
+from services.inference.sched.request import SamplingParams
 from tests.checkpoints import build_tokenizer
 
 
@@ -192,7 +192,7 @@ def test_stream_is_always_a_prefix_of_the_answer(text, stops):
 @pytest.mark.parametrize("scale", [0.1, 8.0])  # flat: the nucleus spans thousands of tokens; peaked: a few
 def test_top_p_nucleus_is_the_one_a_full_sort_finds(scale):
     scaled = torch.randn(5000, generator=torch.Generator().manual_seed(0)) * scale
-    probs, ids = _filtered_probs(scaled, SamplingParams(temperature=1.0, top_p=0.9))
+    probs, ids = filtered_probs(scaled, SamplingParams(temperature=1.0, top_p=0.9))
     ref_ids = torch.sort(scaled, descending=True).indices
     ref_probs = torch.softmax(scaled, dim=-1)[ref_ids]
     keep = int(((torch.cumsum(ref_probs, dim=-1) - ref_probs) < 0.9).sum())

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.inference.request import Request, RequestStatus, SamplingParams
-from services.inference.scheduler import Scheduler, SchedulerConfig
+from services.inference.sched.request import Request, RequestStatus, SamplingParams
+from services.inference.sched.scheduler import Scheduler, SchedulerConfig
 
 
 def make(num_slots=4, max_seq_len=64, budget=16):
@@ -34,8 +34,33 @@ def fake_step(scheduler, now_ns=0, token=7):
 
 
 def test_scheduler_does_not_import_torch():
-    code = "import sys, services.inference.scheduler; sys.exit('torch' in sys.modules)"
+    code = "import sys, services.inference.sched.scheduler; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+TORCH_FREE_ROOMS = {
+    "admission": ("services.inference.admission", "services.inference.admission.fifo"),
+    "sched": ("services.inference.sched", "services.inference.sched.request", "services.inference.sched.scheduler"),
+    # the engine at import: the child imports torch only when it builds the executor
+    "engine": (
+        "services.inference.engine",
+        "services.inference.engine.engine",
+        "services.inference.engine.core",
+        "services.inference.engine.client",
+        "services.inference.engine.messages",
+        "services.inference.engine.calibration",
+        "services.inference.engine.pacing",
+        "services.inference.device.spec",
+    ),
+    "service": ("services.inference.service",),
+}
+
+
+@pytest.mark.parametrize("room", sorted(TORCH_FREE_ROOMS))
+def test_rooms_without_torch_do_not_import_it(room):
+    modules = TORCH_FREE_ROOMS[room]
+    code = f"import importlib, sys; [importlib.import_module(m) for m in {modules!r}]; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0, f"{room} imports torch"
 
 
 def test_new_request_joins_the_next_step_and_decodes_after_its_prompt():

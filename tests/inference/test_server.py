@@ -13,12 +13,13 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from zeroqueue.inference.v1 import inference_pb2 as pb
 
 from services import errors
-from services.inference.app import ServeConfig
-from services.inference.executor import ExecutorConfig
-from services.inference.inprocess import ServerThread, status_details
-from services.inference.request import SamplingParams
+from services.inference.device.executor import ExecutorConfig
+from services.inference.replica import ServeConfig
+from services.inference.sched.request import SamplingParams
 from services.inference.service import BudgetSource, GenerateSpec
+from services.status import status_for
 from tests.inference.conftest import Collector, make_engine, request, run_to_completion
+from tests.inference.harness import ServerThread, status_details
 
 PROMPT = "def add(a, b):\n    return"
 
@@ -159,7 +160,7 @@ def test_deadline_already_expired_on_arrival(server):
     future = asyncio.run_coroutine_threadsafe(_submit(service, spec, budget_ns=-1), server.loop)
     with pytest.raises(errors.DeadlineExpired):
         future.result(10)
-    status = errors.status_for(errors.DeadlineExpired("x"))
+    status = status_for(errors.DeadlineExpired("x"))
     assert status.code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert status.details[0].reason == "DEADLINE_EXPIRED"
     assert "expired" not in service.in_flight

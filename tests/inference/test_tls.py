@@ -12,9 +12,9 @@ from zeroqueue.inference.v1 import inference_pb2 as pb
 from zeroqueue.inference.v1 import inference_pb2_grpc
 
 from services.client.auth import BearerAuth
-from services.inference.app import ServeConfig
-from services.inference.executor import ExecutorConfig
-from services.inference.inprocess import ServerThread
+from services.inference.device.executor import ExecutorConfig
+from services.inference.replica import ServeConfig
+from tests.inference.harness import ServerThread
 
 
 @pytest.fixture(scope="module")

@@ -20,11 +20,11 @@ from zeroqueue.inference.v1 import inference_pb2_grpc
 
 from billing import commands
 from services.client.auth import authorized_channel
-from services.inference.app import ServeConfig
-from services.inference.executor import ExecutorConfig
-from services.inference.inprocess import ServerThread
-from services.metering.inprocess import MeteringThread
+from services.inference.device.executor import ExecutorConfig
+from services.inference.replica import ServeConfig
+from tests.inference.harness import ServerThread
 from tests.inference.test_overload import fill, start_slow_server, wait_until
+from tests.metering.harness import MeteringThread
 
 ROOT = Path(__file__).resolve().parents[2]
 

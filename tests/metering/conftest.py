@@ -11,8 +11,8 @@ import pytest
 from billing.db import unit_of_work
 from billing.pricing import add_price
 from billing.tenants import create_admin_key, create_tenant, revoke_key
-from services.metering.inprocess import MeteringThread
 from tests.billing.conftest import Ledger, ledger, postgres_schema_url, sqlite_template  # noqa: F401 - fixtures
+from tests.metering.harness import MeteringThread
 
 __all__ = ["ledger", "postgres_schema_url", "sqlite_template"]
 

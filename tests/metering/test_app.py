@@ -17,13 +17,13 @@ from billing.db import make_engine, session_factory, unit_of_work
 from billing.models import Role
 from billing.tenants import Principal, create_admin_key
 from services.auth import StaticAuthenticator
-from services.inference.inprocess import status_details
 from services.metering.app import add_metering_to_server
-from services.metering.inprocess import MeteringThread
 from services.metering.schema import LedgerNotMigrated
 from services.metering.server import usage_to_pb
 from tests.billing.factories import usage
+from tests.inference.harness import status_details
 from tests.metering.conftest import bearer
+from tests.metering.harness import MeteringThread
 
 
 @pytest.fixture

@@ -33,12 +33,12 @@ from billing.period import parse_period
 from billing.pricing import add_price
 from billing.tenants import create_admin_key, create_tenant
 from services.auth import LedgerAuthenticator
-from services.errors import status_for
-from services.metering.inprocess import MeteringThread
 from services.metering.server import usage_to_pb
+from services.status import status_for
 from tests.billing.conftest import POSTGRES_URL, require_postgres
 from tests.billing.factories import usage
 from tests.metering.conftest import bearer
+from tests.metering.harness import MeteringThread
 
 START_US = parse_period("2021-03").start_us
 NUM_BATCHES, BATCH = 60, 25

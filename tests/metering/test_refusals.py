@@ -15,10 +15,10 @@ from billing.ledger import _fingerprint, ingest_usage
 from billing.page_tokens import encode_page_token
 from billing.period import parse_period
 from billing.records import MAX_INT64, MAX_RECORD_WALL_US
-from services.metering.inprocess import MeteringThread
 from tests.billing.conftest import Ledger
 from tests.billing.factories import usage
 from tests.metering.conftest import Keys, bearer, failed
+from tests.metering.harness import MeteringThread
 from tests.metering.test_server import bad_field, reason, record, send, stored_rows
 
 U = grpc.StatusCode

@@ -12,10 +12,10 @@ from billing.db import unit_of_work
 from billing.ledger import ingest_usage
 from billing.models import UsageConflict, UsageRow
 from billing.period import parse_period
-from services.inference.inprocess import status_details
 from services.metering.server import idle_to_pb, usage_to_pb
 from tests.billing.conftest import Ledger
 from tests.billing.factories import idle, missed, usage
+from tests.inference.harness import status_details
 from tests.metering.conftest import Keys, bearer, failed
 
 PAST = "2021-03"  # long over, so its invoices can be finalized

@@ -8,7 +8,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from services.inference.inprocess import status_details
+from tests.inference.harness import status_details
 
 
 def test_a_metering_method_is_described_by_its_full_name(metering) -> None:  # type: ignore[no-untyped-def]

@@ -1,5 +1,5 @@
 """Wires a serving replica: gRPC server (inference, health, reflection), warm-up and calibration,
-the engine (its own process by default, engine_process.py), Prometheus metrics, and a graceful drain on
+the engine (its own process by default, engine/core.py), Prometheus metrics, and a graceful drain on
 shutdown."""
 
 from __future__ import annotations
@@ -21,25 +21,26 @@ from zeroqueue.inference.v1 import inference_pb2
 from billing.db import data_dir
 from services.metering.app import MAX_MESSAGE_BYTES as METERING_MAX_MESSAGE_BYTES
 from services.metering.app import server_credentials
+from services.metering.link import MeteringLink
 from services.standard import SERVICE_NAMES as STANDARD_SERVICES
 from services.standard import add_health, enable_reflection
 
 from .admission import AdmissionConfig, AdmissionController
+from .admission.costmodel import CostModel
+from .admission.fifo import FifoAdmission
 from .clock import Clock
-from .costmodel import CostModel
-from .cpus import allowed_cpus, engine_threads, pin, split_cpus
-from .digest import StepDigest
-from .engine import Engine
-from .engine_process import EngineClient, EngineSpec, build_engine
-from .executor import Executor, ExecutorConfig, runs_on_cpu
-from .fifo import FifoAdmission
-from .loader import load_checkpoint
+from .device.cpus import allowed_cpus, engine_threads, pin, split_cpus
+from .device.executor import Executor, ExecutorConfig, runs_on_cpu
+from .device.loader import load_checkpoint
+from .engine.client import EngineClient
+from .engine.core import build_engine
+from .engine.engine import Engine
+from .engine.messages import EngineSpec
+from .engine.steplog import StepLog
 from .meter import Device, Meter
-from .metering_link import MeteringLink
-from .metrics import ServiceMetrics
-from .server import InferenceServicer, RequestLimits
+from .metrics import ServiceMetrics, StepStats
 from .service import InferenceService, ModelCard, WarmupState
-from .steplog import StepLog
+from .servicer import InferenceServicer, RequestLimits
 
 log = structlog.get_logger(__name__)
 INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -84,7 +85,7 @@ class ServeConfig:
     tls_cert: str | None = None  # serve over TLS with this certificate chain and key (PEM)
     tls_key: str | None = None
     health_port: int | None = None  # plaintext gRPC health only (kubelet probes cannot speak TLS)
-    limits: RequestLimits = RequestLimits()  # what one Generate request may hold (server.py)
+    limits: RequestLimits = RequestLimits()  # what one Generate request may hold (servicer.py)
 
 
 def receive_limit(limits: RequestLimits, context_length: int, hosts_metering: bool) -> int:
@@ -98,47 +99,6 @@ def receive_limit(limits: RequestLimits, context_length: int, hosts_metering: bo
 def drain_grace_s(default_deadline_ms: int) -> float:
     """How long a draining replica waits for admitted calls: the longest default budget, plus a second."""
     return default_deadline_ms / 1000 + 1
-
-
-class StepStats:
-    """Step observer: feeds every measured step to the cost model and the metrics. Paced (pace_tokens > 0), the
-    cost model learns a step's period, its interval plus the idle the engine held after it (which comes with
-    the next step), against the step padded with a prompt chunk: that is what admission predicts then."""
-
-    def __init__(
-        self, cost: CostModel | None, metrics: ServiceMetrics, num_slots: int, steps: StepLog, pace_tokens: int = 0
-    ) -> None:
-        self.cost, self.metrics, self.num_slots, self.steps = cost, metrics, num_slots, steps
-        self.pace_tokens = pace_tokens
-        self._last: StepDigest | None = None  # the step whose period ends when the next one begins
-
-    def on_step(self, digest: StepDigest) -> None:
-        self.metrics.free_slots.set(digest.num_free_slots)
-        if not digest.ran:
-            return
-        self.steps.add(digest.began_ns)
-        interval_us = digest.interval_ns // 1000
-        if self.cost is not None:  # before _last moves on to this step
-            self._observe_cost(digest)
-            self.metrics.cost_ratio.set(self.cost.ratio)
-            self.metrics.cost_deviation.set(self.cost.deviation)
-        self.metrics.step_time.observe(interval_us / 1e6)
-        self.metrics.batch_size.observe(digest.num_seqs)
-        last, self._last = self._last, digest
-        if last is not None and last.num_unfinished:
-            self.metrics.step_period.observe((digest.began_ns - last.began_ns) / 1e9)
-
-    def _observe_cost(self, digest: StepDigest) -> None:
-        if not self.pace_tokens:
-            self.cost.observe(digest.num_tokens, digest.context_tokens, digest.interval_ns // 1000)
-            return
-        last = self._last
-        if last is not None:
-            rows = max(last.num_tokens, last.num_seqs + self.pace_tokens)
-            self.cost.observe(rows, last.context_tokens, (last.interval_ns + digest.paced_ns) // 1000)
-
-    def on_idle(self, now_ns: int) -> None:
-        self.metrics.free_slots.set(self.num_slots)  # idle: nothing holds a slot
 
 
 class InferenceApp:

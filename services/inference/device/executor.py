@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 
 import structlog
 import torch
 
+from ..sched.scheduler import SchedulerOutput
 from . import kernels
 from .attention import AttentionBackend, AttentionMetadata, KVCache, PrefillChunk
 from .cpus import allowed_cpus, engine_threads
@@ -24,37 +24,9 @@ from .model import Transformer
 from .nvml import gpu_facts
 from .packed import pack_model
 from .sampler import sample
-from .scheduler import SchedulerOutput
+from .spec import DeviceInfo, ExecutorConfig, StepResult
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class ExecutorConfig:
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    max_batch: int = 32  # KV slots, unless kv_memory_bytes allows fewer
-    max_seq_len: int = 1024  # tokens per slot, capped by the model's context
-    kv_memory_bytes: int = 2 << 30  # budget for the static KV cache
-    num_threads: int = 0  # CPU threads; 0: all cores this process may use but one
-    use_kernels: bool = True  # CPU: packed-weight kernels when the CPU supports them
-    use_cuda_graphs: bool = True
-
-
-@dataclass(frozen=True)
-class DeviceInfo:
-    kind: str  # cpu | cuda
-    name: str
-    device_id: str  # GPU UUID, or cpu:<host>
-    num_compute_units: int  # SMs on a GPU, cores on a CPU
-    unit: str  # sm_us | core_us
-
-
-@dataclass(frozen=True)
-class StepResult:
-    sampled: dict[str, int]  # request id -> new token
-    device_time_us: int  # measured: CUDA events around the forward on a GPU, a clock around the step on CPU
-    num_padded_seqs: int  # sequences the step computed, padding of a graph bucket included
-    used_graph: bool
 
 
 def _pick_device(name: str) -> torch.device:
@@ -64,12 +36,6 @@ def _pick_device(name: str) -> torch.device:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-def is_device_fault(exc: BaseException) -> bool:
-    """Whether a failed step left the device unusable: a CUDA error is sticky (a device-side assert fails every
-    later launch), so the process that holds the context must go; any other failure ends the step's calls."""
-    return isinstance(exc, torch.AcceleratorError) or "CUDA error" in str(exc)
 
 
 def runs_on_cpu(config: ExecutorConfig) -> bool:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .request import SamplingParams
+from ..sched.request import SamplingParams
 
 _FIRST_NUCLEUS_K = 256
 
@@ -26,7 +26,7 @@ def uniform(seed: int, index: int) -> float:
     return int.from_bytes(digest, "little") / 2.0**64
 
 
-def _filtered_probs(scaled: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+def filtered_probs(scaled: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
     """Temperature-scaled logits [V] fp32 -> (probs [K], token ids [K]) in descending order after top-k and
     top-p, for a call that has either filter. The probabilities need not sum to one (the caller draws
     against their total)."""
@@ -76,7 +76,7 @@ def draw(scaled: torch.Tensor, params: SamplingParams, index: int) -> int:
     if not 0 < params.top_k < scaled.shape[0] and params.top_p >= 1.0:  # no filter: vocabulary order, no sort
         probs, ids = torch.softmax(scaled, dim=-1), None
     else:
-        probs, ids = _filtered_probs(scaled, params)
+        probs, ids = filtered_probs(scaled, params)
     cdf = torch.cumsum(probs, dim=-1)
     target = uniform(params.seed, index) * float(cdf[-1])
     pick = min(int(torch.searchsorted(cdf, torch.tensor([target], dtype=cdf.dtype), right=True)), len(cdf) - 1)

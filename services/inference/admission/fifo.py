@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .admission import Admit, Commitment, Decision
+from .decisions import Admit, Commitment, Decision
 
 
 class FifoAdmission:

@@ -23,9 +23,10 @@ from billing.errors import InvalidRecord, PermissionDenied
 from billing.records import MAX_LABEL_KEY_CHARS, MAX_LABEL_VALUE_CHARS, MAX_LABELS, freeze_labels
 from services import errors, parsing
 from services.auth import Authenticator, bearer_key
-from services.errors import FieldViolation, clip, rpc_errors
+from services.errors import FieldViolation, clip
+from services.status import rpc_errors
 
-from .request import SamplingParams
+from .sched.request import SamplingParams
 from .service import BudgetSource, GenerateSpec, InferenceService, ModelCard, Ticket, WarmupState
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")

@@ -15,9 +15,9 @@ from typing import NamedTuple
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..sched.scheduler import ScheduledSeq
 from .attention import AttentionBackend, AttentionMetadata
 from .model import Transformer
-from .scheduler import ScheduledSeq
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 MIN_CONTEXT_BUCKET = 128

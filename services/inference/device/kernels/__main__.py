@@ -1,4 +1,4 @@
-"""`python -m services.inference.kernels build`: compile the CPU kernels ahead of time (make install runs it).
+"""`python -m services.inference.device.kernels build`: compile the CPU kernels ahead of time (make install runs it).
 It builds the one ISA's variant this CPU loads (see ISAS); the other is built where it runs."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from . import ISAS, SOURCES, isa_named, load_cpu_ops, missing_cpu_flags, reason_
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.inference.kernels")
+    parser = argparse.ArgumentParser(prog="python -m services.inference.device.kernels")
     parser.add_argument("command", choices=["build"])
     parser.add_argument("--strict", action="store_true", help="exit 1 when the kernels are unavailable")
     args = parser.parse_args(argv)

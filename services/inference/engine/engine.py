@@ -7,16 +7,19 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import structlog
 
+from ..device.spec import StepResult, is_device_fault
+from ..sched.request import Request, RequestStatus
+from ..sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepUpdate
 from .detokenizer import Detokenizer
 from .digest import StepDigest, ended_request
-from .executor import Executor, StepResult, is_device_fault
 from .pacing import Pacer
-from .request import Request, RequestStatus
-from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepUpdate
+
+if TYPE_CHECKING:
+    from ..device.executor import Executor
 
 log = structlog.get_logger(__name__)
 
@@ -62,6 +65,54 @@ class StepObserver(Protocol):
     def on_idle(self, now_ns: int) -> None: ...
 
 
+class StepSink(Protocol):
+    """Where the engine hands each step: its report before the step's outputs are emitted (so usage is recorded
+    before a final message), `flush` once they are, and `on_idle` while there is no work. On the engine's
+    thread that is `Observers`; in the engine process, the relay to the server (core.py)."""
+
+    def report(self, report: StepReport, num_free_slots: int) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def on_idle(self, now_ns: int) -> None: ...
+
+
+class Observers:
+    """The in-thread sink: builds each step's digest and hands it to the observers on the engine's thread."""
+
+    def __init__(self, observers: list[StepObserver]) -> None:
+        self.observers = observers  # the engine's own list: observers added to it later are heard too
+
+    def report(self, report: StepReport, num_free_slots: int) -> None:
+        if not self.observers:
+            return
+        decodes, prefills = report.scheduled.decodes, report.scheduled.prefills
+        # list comprehensions: this runs every step, and they take 2/3 of the time of unpacked generators
+        work = tuple(
+            [(s.request.request_id, 1) for s in decodes] + [(s.request.request_id, len(s.token_ids)) for s in prefills]
+        )
+        digest = StepDigest(
+            report.began_ns,
+            report.ended_ns,
+            report.result is not None,
+            work,
+            report.scheduled.context_tokens,
+            tuple([ended_request(r) for r in report.ended]),
+            report.num_unfinished,
+            num_free_slots,
+            report.paced_ns,
+        )
+        for observer in self.observers:
+            observer.on_step(digest)
+
+    def flush(self) -> None:
+        pass
+
+    def on_idle(self, now_ns: int) -> None:
+        for observer in self.observers:
+            observer.on_idle(now_ns)
+
+
 @dataclass
 class _Stream:
     sink: OutputSink
@@ -77,6 +128,7 @@ class Engine:
         max_num_batched_tokens: int = 256,
         clock: Callable[[], int] = time.monotonic_ns,
         observers: Sequence[StepObserver] = (),
+        sink: StepSink | None = None,
     ) -> None:
         self.executor = executor
         self.tokenizer = tokenizer
@@ -88,6 +140,7 @@ class Engine:
         )
         self.clock = clock
         self.observers = list(observers)
+        self.sink: StepSink = Observers(self.observers) if sink is None else sink  # where each step goes
         self.expiry_guard_ns = 0  # the service sets this to about one step
         self.last_interval_ns = 0
         self.idle_tick_s = 1.0  # how often observers hear of idle time while there is no work
@@ -136,6 +189,12 @@ class Engine:
 
     # ---- engine thread ----
     def step(self) -> StepReport | None:
+        """One step; its report goes to the sink before its outputs, and the sink is flushed after them."""
+        report = self._step()
+        self.sink.flush()
+        return report
+
+    def _step(self) -> StepReport | None:
         began_ns = self.clock()
         cancelled = self._drain_inbox()
         # a request whose deadline falls before the next step could end is over: end it now, so its caller
@@ -168,7 +227,7 @@ class Engine:
         self._paced_ns = 0
         if result is not None:
             self.last_interval_ns = report.interval_ns
-        self._notify(report)
+        self.sink.report(report, self.scheduler.num_free_slots)
         for request in closed:
             self._close(request, ended_ns)
         for update in updates:
@@ -194,28 +253,6 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._inbox)
 
-    def _notify(self, report: StepReport) -> None:
-        if not self.observers:
-            return
-        decodes, prefills = report.scheduled.decodes, report.scheduled.prefills
-        # list comprehensions: this runs every step, and they take 2/3 of the time of unpacked generators
-        work = tuple(
-            [(s.request.request_id, 1) for s in decodes] + [(s.request.request_id, len(s.token_ids)) for s in prefills]
-        )
-        digest = StepDigest(
-            report.began_ns,
-            report.ended_ns,
-            report.result is not None,
-            work,
-            report.scheduled.context_tokens,
-            tuple([ended_request(r) for r in report.ended]),
-            report.num_unfinished,
-            self.scheduler.num_free_slots,
-            report.paced_ns,
-        )
-        for observer in self.observers:
-            observer.on_step(digest)
-
     def _loop(self) -> None:
         while True:
             with self._wake:
@@ -226,8 +263,7 @@ class Engine:
                     return
             try:
                 if idle:
-                    for observer in self.observers:
-                        observer.on_idle(self.clock())
+                    self.sink.on_idle(self.clock())
                 else:
                     self.pace(self.step())
             except Exception as exc:  # noqa: BLE001 - a failed step must not kill the loop; its calls end with "error"
@@ -315,14 +351,16 @@ class Engine:
             )
 
     def fail_all(self) -> None:
-        """After a failed step: every request ends with "error", observers first, then its stream."""
+        """After a failed step: every request ends with "error", the sink first, then its stream."""
         ids = [r.request_id for r in (*self.scheduler.running, *self.scheduler.waiting)]
         failed = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
         now_ns = self.clock()
         empty = SchedulerOutput((), (), ())
         try:
-            self._notify(StepReport(empty, None, (), tuple(failed), now_ns, now_ns, now_ns, 0))
+            report = StepReport(empty, None, (), tuple(failed), now_ns, now_ns, now_ns, 0)
+            self.sink.report(report, self.scheduler.num_free_slots)
         except Exception:  # noqa: BLE001 - the streams must still be closed
             log.exception("observer_failed_on_error")
         for request in failed:
             self._close(request, now_ns)
+        self.sink.flush()

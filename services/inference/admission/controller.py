@@ -1,204 +1,30 @@
 """Admission at arrival: admit only what the cost model predicts finishes inside its deadline. No torch.
 
 Runs on the event loop thread, which owns the set of commitments (admitted requests and reserved retries).
-Progress comes back from the token streams. A prediction walks the commitments in order of how many
-steps each still needs: between two finishes the batch is constant, so each phase costs its number of
-steps × the step time at that batch size, and a call's finish is the expected time of all phases up to its
-own plus `num_deviations` of their combined spread. Pending prompt tokens add their marginal cost to everyone.
+Progress comes back from the token streams; the prediction is predictor.py's.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
-from operator import itemgetter
 
 from .costmodel import CostModel
+from .decisions import (
+    DEADLINE,
+    DELAYS_ADMITTED,
+    NS_PER_MS,
+    SLOTS_FULL,
+    STEP_BUDGET,
+    AdmissionConfig,
+    Admit,
+    Commitment,
+    Decision,
+    Infeasible,
+    Reject,
+)
 from .lateness import Lateness
-
-NS_PER_MS = 1_000_000
-
-
-@dataclass(slots=True)
-class Commitment:
-    request_id: str
-    num_prompt_tokens: int
-    max_tokens: int
-    deadline_ns: int
-    num_generated: int = 0
-    # A reservation holds a KV slot for a rejected call's hinted retry, over [from, until); it lapses at
-    # `expires` if the retry has not come.
-    reserved_from_ns: int | None = None
-    reserved_until_ns: int | None = None
-    expires_ns: int | None = None
-
-    @property
-    def is_reservation(self) -> bool:
-        return self.reserved_from_ns is not None
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return self.num_prompt_tokens if self.num_generated == 0 else 0
-
-    @property
-    def num_remaining_tokens(self) -> int:
-        return max(self.max_tokens - self.num_generated, 0)
-
-    @property
-    def final_context(self) -> int:
-        return self.num_prompt_tokens + self.max_tokens
-
-
-@dataclass(frozen=True)
-class AdmissionConfig:
-    num_slots: int
-    max_num_batched_tokens: int
-    margin_ms: float = 20.0  # fixed part of the safety margin
-    margin_fraction: float = 0.05  # proportional part, of the budget
-    pace_tokens: int = 0  # paced steps: each lasts as long as with this many more prompt tokens
-
-    def margin_ns(self, budget_ns: int) -> int:
-        return int(self.margin_ms * NS_PER_MS + self.margin_fraction * budget_ns)
-
-    def min_budget_ns(self, work_ns: int) -> int:
-        """The smallest budget B with work + margin(B) <= B."""
-        return math.ceil((work_ns + self.margin_ms * NS_PER_MS) / (1 - self.margin_fraction))
-
-
-@dataclass(frozen=True)
-class Admit:
-    predicted_finish_ns: int
-
-
-# Why a call is not admitted now (Reject.reason); the refusal's message and ErrorInfo say the same.
-SLOTS_FULL = "slots_full"  # every slot is taken (running calls, reserved retries) at some point of its run
-STEP_BUDGET = "step_budget"  # a slot is free, but the next steps' token budget is taken by prompts ahead
-DEADLINE = "deadline"  # its own predicted finish is past its deadline less the margin
-DELAYS_ADMITTED = "delays_admitted"  # it would push an admitted call past a deadline it was predicted to meet
-
-
-@dataclass(frozen=True)
-class Reject:
-    retry_after_ms: int
-    predicted_finish_ns: int
-    within_budget: bool = True  # False: no time inside this call's own budget works; the hint is when
-    # the replica frees up, for a call with a fresh budget
-    reason: str = DEADLINE  # why not now: one of the four above
-    reserved: bool = False  # a slot is reserved for a retry at the hint (STEP_BUDGET: its turn is held);
-    # False: a best guess, every reservation was taken
-
-
-@dataclass(frozen=True)
-class Infeasible:
-    min_budget_ms: int
-
-
-Decision = Admit | Reject | Infeasible
-
-
-def _steps_left(num_remaining_tokens: int, num_prefill_tokens: int, budget: int) -> int:
-    """One step per token still to generate; a prompt longer than the step's token budget needs extra chunk
-    steps before its first token."""
-    return num_remaining_tokens + max(-(-num_prefill_tokens // budget) - 1, 0)
-
-
-def _finish_ns(now_ns: int, mean_us: float, var_us2: float, num_deviations: float) -> int:
-    return now_ns + int((mean_us + num_deviations * math.sqrt(var_us2)) * 1000)
-
-
-def peak_occupancy(intervals: list[tuple[int, int]], start: int, end: int) -> int:
-    """The most half-open intervals [s, e) open at once at any instant of [start, end)."""
-    open_at_start, events = 0, []
-    for s, e in intervals:
-        if e <= start or s >= end:
-            continue
-        if s <= start:
-            open_at_start += 1
-        else:
-            events.append((s, 1))
-        if e < end:
-            events.append((e, -1))
-    peak = current = open_at_start
-    for _, delta in sorted(events):  # at a tie an interval ends before another starts
-        current += delta
-        peak = max(peak, current)
-    return peak
-
-
-class Predictor:
-    def __init__(self, cost: CostModel, config: AdmissionConfig, max_batch: int | None = None) -> None:
-        self.cost = cost
-        self.config = config
-        self._max_batch = max_batch or 2 * config.num_slots + 1  # most commitments in one prediction
-        self._cheapest_us: float | None = None
-
-    def finish_times(self, commitments: list[Commitment], now_ns: int) -> dict[str, int]:
-        """Predicted finish (engine clock) of every commitment if all run from now and nothing else joins."""
-        if not commitments:
-            return {}
-        # Runs on every decision, several times on a refusal: one pass over plain tuples, no properties, no
-        # calls per commitment (the step count is _steps_left's, inline); a finish per phase, not per call.
-        budget, pace, cost = self.config.max_num_batched_tokens, self.config.pace_tokens, self.cost
-        prefill_tokens, context_left, order = 0, 0, []
-        for c in commitments:
-            generated, prompt, max_tokens = c.num_generated, c.num_prompt_tokens, c.max_tokens
-            remaining = max_tokens - generated if max_tokens > generated else 0
-            if generated == 0:
-                prefill_tokens += prompt
-                if prompt > budget:
-                    remaining += (prompt - 1) // budget  # chunk steps before the first token
-            context_left += prompt + max_tokens
-            order.append((remaining, prompt + max_tokens, c.request_id))
-        order.sort(key=itemgetter(0))
-        n = len(order)
-        # paced, a step costs at least as much as with `pace` prompt tokens: those come at no extra cost
-        mean_us = max(prefill_tokens - pace, 0) * cost.marginal_row_us(n + pace)
-        finish, var_us2, done_steps, k, steps_us = {}, 0.0, 0, cost.num_deviations, cost.steps_us
-        finish_ns = _finish_ns(now_ns, mean_us, var_us2, k)
-        for i, (steps, final_context, request_id) in enumerate(order):
-            if steps > done_steps:
-                phase_us, phase_var = steps_us(steps - done_steps, n - i + pace, context_left)
-                mean_us, var_us2, done_steps = mean_us + phase_us, var_us2 + phase_var, steps
-                finish_ns = _finish_ns(now_ns, mean_us, var_us2, k)
-            finish[request_id] = finish_ns
-            context_left -= final_context
-        return finish
-
-    def earliest_finish(self, c: Commitment, now_ns: int) -> int:
-        """A floor under `c`'s predicted finish from now, however many share its steps: as many steps as
-        alone, each at the cheapest step time of any batch it could be part of, with no context but its own
-        (finish_times never predicts less: every phase up to its finish is at least that)."""
-        cost = self.cost
-        steps = _steps_left(c.num_remaining_tokens, c.num_prefill_tokens, self.config.max_num_batched_tokens)
-        raw_us = self._cheapest_step_us() + c.final_context * cost.us_per_context_token
-        mean_us, var_us2 = steps * raw_us * cost.ratio, steps * (raw_us * cost.deviation) ** 2
-        return _finish_ns(now_ns, mean_us, var_us2, cost.num_deviations)
-
-    def _cheapest_step_us(self) -> float:
-        """The least calibrated step time over every batch a prediction can see (1 to all commitments, plus
-        the pace rows): the step time of the smallest batch when the calibration rises with the rows."""
-        if self._cheapest_us is None:
-            pace = self.config.pace_tokens
-            self._cheapest_us = min(self.cost.raw_step_us(n + pace) for n in range(1, self._max_batch + 1))
-        return self._cheapest_us
-
-    def meets_deadlines(
-        self, commitments: list[Commitment], new: Commitment, at_ns: int, before: dict[str, int]
-    ) -> tuple[bool, int]:
-        """Whether `new`, joining at `at_ns`, meets its deadline and pushes no commitment past a deadline it
-        was predicted to meet; also `new`'s predicted finish."""
-        after = self.finish_times([*commitments, new], at_ns)
-        if after[new.request_id] > new.deadline_ns - self.margin_for(new, at_ns):
-            return False, after[new.request_id]
-        for c in commitments:
-            limit = c.deadline_ns - self.margin_for(c, at_ns)
-            if after[c.request_id] > limit and before.get(c.request_id, 0) <= limit:
-                return False, after[new.request_id]
-        return True, after[new.request_id]
-
-    def margin_for(self, c: Commitment, now_ns: int) -> int:
-        return self.config.margin_ns(max(c.deadline_ns - now_ns, 0))
+from .predictor import Predictor, peak_occupancy
 
 
 class AdmissionController:
@@ -361,14 +187,14 @@ class AdmissionController:
         reservations = self._reservations()
         frees = {f for f in slot_ends.values() if f > now_ns} | {r.reserved_until_ns for r in reservations}
         # a running call still holds its slot at a candidate time iff it is predicted to end after it and has
-        # tokens left (_progressed leaves it short of max_tokens then): counted before copying anything
+        # tokens left (progressed leaves it short of max_tokens then): counted before copying anything
         holding = sorted(slot_ends[c.request_id] for c in admitted if c.num_generated < c.max_tokens)
         for at_ns in sorted(frees)[: self.max_retry_candidates]:
             if at_ns >= new.deadline_ns:
                 break
             if self._full_at(at_ns, len(holding) - bisect.bisect_right(holding, at_ns), reservations):
                 continue
-            later = _progressed(admitted, slot_ends, now_ns, at_ns)
+            later = progressed(admitted, slot_ends, now_ns, at_ns)
             why, finish_ns = self._fits_at(
                 new, at_ns, later, self.predictor.finish_times(later, at_ns), finish_unused=True
             )
@@ -401,7 +227,7 @@ def _ms(ns: int) -> int:
     return max(math.ceil(ns / NS_PER_MS), 1)
 
 
-def _progressed(admitted: list[Commitment], finishes: dict[str, int], now_ns: int, at_ns: int) -> list[Commitment]:
+def progressed(admitted: list[Commitment], finishes: dict[str, int], now_ns: int, at_ns: int) -> list[Commitment]:
     """The running calls as they will be at `at_ns`: those finished by then gone, the others advanced in
     proportion to the time elapsed towards their predicted finish."""
     later = []

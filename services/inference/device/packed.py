@@ -1,4 +1,4 @@
-"""The model's layers on the CPU kernels (services/inference/kernels): linear layers with weights packed once;
+"""The model's layers on the CPU kernels (services/inference/device/kernels): linear layers with weights packed once;
 RMSNorm (with the residual add before it), SiLU·up, and the rotary embedding with the KV-cache write, each in
 one op instead of several small ones; and a step's layers all in one op."""
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .request import Request, RequestStatus
+from ..sched.request import Request, RequestStatus
 
 
 class EndedRequest(NamedTuple):

@@ -8,9 +8,9 @@ import statistics
 
 import structlog
 
-from .costmodel import CostModel, fit_context_cost
+from ..admission.costmodel import CostModel, fit_context_cost
+from ..sched.request import Request, SamplingParams
 from .engine import Engine, RequestOutput
-from .request import Request, SamplingParams
 
 log = structlog.get_logger(__name__)
 

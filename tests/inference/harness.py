@@ -22,8 +22,8 @@ from zeroqueue.inference.v1 import inference_pb2_grpc
 
 from billing import commands
 from services.client.auth import authorized_channel
-from services.inference.app import InferenceApp, ServeConfig
-from services.inference.executor import Executor
+from services.inference.device.executor import Executor
+from services.inference.replica import InferenceApp, ServeConfig
 
 
 class ServerThread:

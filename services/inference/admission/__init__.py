@@ -1,0 +1,42 @@
+"""Deadline admission at arrival: the decisions (decisions.py), the prediction (predictor.py) over the step-time
+cost model (costmodel.py), the controller that admits or refuses with a retry hint (controller.py), the FIFO
+baseline (fifo.py) and the lateness tracker (lateness.py). Runs on the server's event loop. It may import the
+standard library and its own modules only: no torch, nothing of the engine or the device.
+
+The controller and its decisions are re-exported here, so callers write `from services.inference.admission
+import AdmissionController, Admit`.
+"""
+
+from .controller import AdmissionController, progressed
+from .decisions import (
+    DEADLINE,
+    DELAYS_ADMITTED,
+    NS_PER_MS,
+    SLOTS_FULL,
+    STEP_BUDGET,
+    AdmissionConfig,
+    Admit,
+    Commitment,
+    Decision,
+    Infeasible,
+    Reject,
+)
+from .predictor import Predictor, peak_occupancy
+
+__all__ = [
+    "DEADLINE",
+    "DELAYS_ADMITTED",
+    "NS_PER_MS",
+    "SLOTS_FULL",
+    "STEP_BUDGET",
+    "AdmissionConfig",
+    "AdmissionController",
+    "Admit",
+    "Commitment",
+    "Decision",
+    "Infeasible",
+    "Predictor",
+    "Reject",
+    "peak_occupancy",
+    "progressed",
+]

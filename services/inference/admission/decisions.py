@@ -1,0 +1,86 @@
+"""What admission decides about a call: its commitment (an admitted call or a reserved retry), the config, and
+the three decisions (admit, reject with a retry hint, infeasible). Plain data; no torch."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+NS_PER_MS = 1_000_000
+
+
+@dataclass(slots=True)
+class Commitment:
+    request_id: str
+    num_prompt_tokens: int
+    max_tokens: int
+    deadline_ns: int
+    num_generated: int = 0
+    # A reservation holds a KV slot for a rejected call's hinted retry, over [from, until); it lapses at
+    # `expires` if the retry has not come.
+    reserved_from_ns: int | None = None
+    reserved_until_ns: int | None = None
+    expires_ns: int | None = None
+
+    @property
+    def is_reservation(self) -> bool:
+        return self.reserved_from_ns is not None
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_prompt_tokens if self.num_generated == 0 else 0
+
+    @property
+    def num_remaining_tokens(self) -> int:
+        return max(self.max_tokens - self.num_generated, 0)
+
+    @property
+    def final_context(self) -> int:
+        return self.num_prompt_tokens + self.max_tokens
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    num_slots: int
+    max_num_batched_tokens: int
+    margin_ms: float = 20.0  # fixed part of the safety margin
+    margin_fraction: float = 0.05  # proportional part, of the budget
+    pace_tokens: int = 0  # paced steps: each lasts as long as with this many more prompt tokens
+
+    def margin_ns(self, budget_ns: int) -> int:
+        return int(self.margin_ms * NS_PER_MS + self.margin_fraction * budget_ns)
+
+    def min_budget_ns(self, work_ns: int) -> int:
+        """The smallest budget B with work + margin(B) <= B."""
+        return math.ceil((work_ns + self.margin_ms * NS_PER_MS) / (1 - self.margin_fraction))
+
+
+@dataclass(frozen=True)
+class Admit:
+    predicted_finish_ns: int
+
+
+# Why a call is not admitted now (Reject.reason); the refusal's message and ErrorInfo say the same.
+SLOTS_FULL = "slots_full"  # every slot is taken (running calls, reserved retries) at some point of its run
+STEP_BUDGET = "step_budget"  # a slot is free, but the next steps' token budget is taken by prompts ahead
+DEADLINE = "deadline"  # its own predicted finish is past its deadline less the margin
+DELAYS_ADMITTED = "delays_admitted"  # it would push an admitted call past a deadline it was predicted to meet
+
+
+@dataclass(frozen=True)
+class Reject:
+    retry_after_ms: int
+    predicted_finish_ns: int
+    within_budget: bool = True  # False: no time inside this call's own budget works; the hint is when
+    # the replica frees up, for a call with a fresh budget
+    reason: str = DEADLINE  # why not now: one of the four above
+    reserved: bool = False  # a slot is reserved for a retry at the hint (STEP_BUDGET: its turn is held);
+    # False: a best guess, every reservation was taken
+
+
+@dataclass(frozen=True)
+class Infeasible:
+    min_budget_ms: int
+
+
+Decision = Admit | Reject | Infeasible

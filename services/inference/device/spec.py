@@ -1,0 +1,43 @@
+"""The device's plain types, shared with the engine and the server: the executor's config, what a device is,
+and what a step measured. No torch here, so the server process and the step loop import them without it."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    max_batch: int = 32  # KV slots, unless kv_memory_bytes allows fewer
+    max_seq_len: int = 1024  # tokens per slot, capped by the model's context
+    kv_memory_bytes: int = 2 << 30  # budget for the static KV cache
+    num_threads: int = 0  # CPU threads; 0: all cores this process may use but one
+    use_kernels: bool = True  # CPU: packed-weight kernels when the CPU supports them
+    use_cuda_graphs: bool = True
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    kind: str  # cpu | cuda
+    name: str
+    device_id: str  # GPU UUID, or cpu:<host>
+    num_compute_units: int  # SMs on a GPU, cores on a CPU
+    unit: str  # sm_us | core_us
+
+
+@dataclass(frozen=True)
+class StepResult:
+    sampled: dict[str, int]  # request id -> new token
+    device_time_us: int  # measured: CUDA events around the forward on a GPU, a clock around the step on CPU
+    num_padded_seqs: int  # sequences the step computed, padding of a graph bucket included
+    used_graph: bool
+
+
+def is_device_fault(exc: BaseException) -> bool:
+    """Whether a failed step left the device unusable: a CUDA error is sticky (a device-side assert fails every
+    later launch), so the process that holds the context must go; any other failure ends the step's calls.
+    Without torch imported (a fake executor), no torch error can have been raised."""
+    torch = sys.modules.get("torch")
+    return (torch is not None and isinstance(exc, torch.AcceleratorError)) or "CUDA error" in str(exc)

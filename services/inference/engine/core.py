@@ -1,0 +1,150 @@
+"""The engine process's side of the pipe, as vLLM v1 runs its EngineCore: the child's loop.
+
+The engine's Python (scheduling, sampling, detokenizing and the glue of hundreds of small torch ops per step)
+holds a GIL. On the server's thread it held the event loop's GIL too, so an arriving call's admission waited
+behind a step. Here the child process loads the checkpoint, warms up, calibrates and runs the step loop; the
+server process (client.py) keeps the event loop, admission and the meter. Per step, one message comes back: the
+step's digest and its outputs, in that order, so the meter sees usage before any final message is relayed. The
+messages are messages.py's. Torch is imported only when the engine is built.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+from dataclasses import replace
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
+
+from services.logs import configure_logging
+
+from ..admission.costmodel import CostModel
+from ..device.cpus import pin
+from .calibration import calibrate
+from .digest import step_wire
+from .engine import Engine, RequestOutput, StepReport
+from .messages import DEVICE_FAULT_EXIT, EngineSpec, Ready
+from .pacing import Pacer
+
+if TYPE_CHECKING:
+    from ..device.loader import Checkpoint
+
+
+class Relay:
+    """In the child: the engine's step sink and the output sink of every request; ships each step's digest (its
+    wire form, built straight from the step's report: the observers are in the server process) and its outputs
+    in one message."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.wire: tuple | None = None  # the step's digest (step_wire), set by report()
+        self.outputs: list[RequestOutput] = []
+
+    def put(self, output: RequestOutput) -> None:
+        self.outputs.append(output)
+
+    def report(self, report: StepReport, num_free_slots: int) -> None:
+        self.wire = step_wire(report, num_free_slots)
+
+    def on_idle(self, now_ns: int) -> None:
+        self.conn.send(("idle", now_ns))
+
+    def flush(self) -> None:
+        if self.wire is not None or self.outputs:
+            # plain tuples and the C pickler: Connection.send's ForkingPickler (a Python subclass with its own
+            # dispatch table) took twice as long, on every step; recv() on the other end reads either
+            message = ("step", self.wire, [tuple(o) for o in self.outputs])
+            self.conn.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
+            self.wire, self.outputs = None, []
+
+
+def build_engine(spec: EngineSpec, checkpoint: Checkpoint | None = None) -> tuple[Engine, Ready]:
+    """Loads (unless given the checkpoint), warms up and (unless told not to) calibrates an engine, in
+    whichever process calls it. Torch comes in here, with the executor and the checkpoint's weights."""
+    from ..device.executor import Executor
+    from ..device.loader import load_checkpoint
+
+    if spec.pace_tokens and not spec.calibrate:
+        raise ValueError("paced steps need the calibrated cost model (calibrate=True)")
+    checkpoint = checkpoint or load_checkpoint(spec.model_dir, spec.dtype)
+    executor = (spec.make_executor or Executor)(checkpoint, spec.executor)
+    engine = Engine(
+        executor, checkpoint.tokenizer, checkpoint.eos_token_ids, max_num_batched_tokens=spec.max_num_batched_tokens
+    )
+    ready = Ready(
+        executor.info, executor.num_slots, executor.max_seq_len, engine.scheduler.config.max_num_batched_tokens
+    )
+    if spec.calibrate:
+        cost = calibrate(engine)
+        ready = replace(
+            ready,
+            cost_rows=tuple(cost.rows),
+            cost_row_us=tuple(cost.row_us),
+            cost_us_per_context_token=cost.us_per_context_token,
+        )
+        if spec.pace_tokens:  # a copy of the calibration, which the pacer scales by the steps it measures
+            engine.pacer = Pacer(
+                CostModel(list(cost.rows), list(cost.row_us), cost.us_per_context_token), spec.pace_tokens
+            )
+    return engine, ready
+
+
+def engine_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None:
+    """The child's entry point: builds, says ready, then steps until told to stop or the server is gone."""
+    # the server decides when the engine stops (after draining); a terminal's Ctrl-C or a group-wide SIGTERM
+    # must not end the engine under calls the server is still finishing
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if spec.cpus:  # before the first parallel region: OpenMP's threads inherit the mask
+        pin(spec.cpus)
+    if spec.json_logs is not None:
+        configure_logging(spec.json_logs)
+    try:
+        engine, ready = build_engine(spec)
+    except Exception as exc:  # noqa: BLE001 - reported to the server, which names it and exits
+        outbox.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    relay = Relay(outbox)
+    engine.sink = relay
+    outbox.send(("ready", ready))
+    _step_loop(engine, relay, inbox)
+    outbox.send(("stopped",))
+
+
+def _step_loop(engine: Engine, relay: Relay, inbox: Connection) -> None:
+    """One thread: before every step it takes whatever the server sent, so a call that arrived during a step
+    joins the very next one (a receiving thread would first have to win the GIL from the stepping one)."""
+    stopping = False
+    while not (stopping and not engine.has_work):
+        if not engine.has_work and not inbox.poll(engine.idle_tick_s):
+            relay.on_idle(engine.clock())
+            continue
+        stopping = _take_messages(engine, relay, inbox) or stopping
+        if engine.has_work:
+            try:
+                engine.pace(engine.step())
+            except Exception as exc:  # noqa: BLE001 - a failed step must not kill the loop; its calls end with "error"
+                if not engine.recover(exc):
+                    # the calls' ends and usage are flushed; a CUDA context with a sticky error serves nothing
+                    # more, so the process goes, the server goes NOT_SERVING and the pod restarts
+                    os._exit(DEVICE_FAULT_EXIT)
+
+
+def _take_messages(engine: Engine, relay: Relay, inbox: Connection) -> bool:
+    """Applies every message waiting in the pipe; True once the server asked the engine to stop."""
+    stop = False
+    try:
+        while inbox.poll():
+            kind, *args = inbox.recv()
+            if kind == "add":
+                engine.add_request(args[0], relay)
+            elif kind == "cancel":
+                engine.cancel(args[0])
+            elif kind == "guard":
+                engine.set_expiry_guard(args[0])
+            elif kind == "stop":
+                stop = True
+    except (EOFError, OSError):  # the server is gone: nobody is left to stream to or to bill
+        os._exit(0)
+    return stop

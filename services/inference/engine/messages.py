@@ -1,0 +1,51 @@
+"""What crosses the pipe between the server process (client.py) and the engine process (core.py).
+
+Server -> engine: ("add", Request), ("cancel", request_id), ("guard", guard_ns), ("stop",). Engine -> server:
+("ready", Ready) or ("failed", text) before ready, then ("step", step_wire | None, [RequestOutput tuple]),
+("idle", now_ns) and ("stopped",). The child is built from an `EngineSpec`. No torch here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..device.spec import DeviceInfo, ExecutorConfig
+
+if TYPE_CHECKING:
+    from ..device.executor import Executor
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything the child needs to build the engine; picklable."""
+
+    model_dir: str
+    dtype: str
+    executor: ExecutorConfig
+    max_num_batched_tokens: int
+    calibrate: bool = True
+    # a module-level callable: it crosses by reference (None: the Executor, imported in the child)
+    make_executor: Callable[..., Executor] | None = None
+    json_logs: bool | None = None  # configure structlog like the server (None: leave it)
+    cpus: tuple[int, ...] = ()  # the cores the engine process runs on (empty: any)
+    pace_tokens: int = 0  # paced steps (pacing.py) with this chunk; 0: unpaced
+
+
+@dataclass(frozen=True)
+class Ready:
+    info: DeviceInfo
+    num_slots: int
+    max_seq_len: int
+    max_num_batched_tokens: int
+    cost_rows: tuple[int, ...] = ()  # the calibrated cost model, empty without calibration
+    cost_row_us: tuple[float, ...] = ()
+    cost_us_per_context_token: float = 0.0
+
+
+DEVICE_FAULT_EXIT = 3  # the child's exit status after a device fault
+
+
+class EngineFailed(RuntimeError):
+    """The engine process could not start (it names why) or died."""
