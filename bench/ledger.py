@@ -26,30 +26,19 @@ import logging
 import os
 import platform
 import shutil
+import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
 
 import structlog
-from sqlalchemy import (
-    JSON,
-    BigInteger,
-    Boolean,
-    Engine,
-    String,
-    case,
-    cast,
-    create_engine,
-    func,
-    insert,
-    literal,
-    select,
-    text,
-)
+from ledger_bulk import BIG_MONTH, NUM_TENANTS, analyze, generate_idle, generate_usage
+from sqlalchemy import create_engine, func, insert, select, text
 from sqlalchemy.engine import make_url
 
 import migrations
@@ -57,16 +46,15 @@ from billing.chargeback import chargeback_report
 from billing.db import make_engine, session_factory, unit_of_work
 from billing.invoices import create_or_refresh_draft
 from billing.ledger import ingest_usage
-from billing.models import IdleRow, UsageRow
-from billing.period import US_PER_MINUTE, parse_period
+from billing.models import UsageRow
+from billing.period import parse_period
 from billing.pricing import add_price
 from billing.records import UsageRecord
 from billing.render import render_chargeback
 from billing.tenants import create_admin_key, create_tenant
 
+ROOT = Path(__file__).resolve().parents[1]
 INGEST_MONTH = "2026-08"
-BIG_MONTH = "2026-09"
-NUM_TENANTS = 4
 MODELS = (("m-tiny", "core_us"), ("m-small", "core_us"), ("m-big", "sm_us"))
 
 # An ingest path delivers every record of every batch to the ledger at `url`; it is timed end to end.
@@ -91,8 +79,11 @@ def grpc_ingest(url: str, batches: list[list[UsageRecord]]) -> None:
     before the next is sent. Timed end to end: service start (about 0.1 s), protobuf encoding, auth, ingest."""
     from zeroqueue.metering.v1 import metering_pb2 as pb
 
-    from services.metering.inprocess import MeteringThread
     from services.metering.server import usage_to_pb
+
+    if str(ROOT) not in sys.path:  # the in-process harness lives under tests/, which is not installed
+        sys.path.insert(0, str(ROOT))
+    from tests.metering.harness import MeteringThread
 
     engine = make_engine(url)
     try:
@@ -239,84 +230,6 @@ def bench_ingest(url: str, count: int, batch_size: int) -> dict[str, float]:
         bare_insert(url, batched(make_records(count, "floor"), batch_size))
     results["bare INSERT records/s"] = count / floor.seconds
     return results
-
-
-def _series(engine: Engine, count: int):  # type: ignore[no-untyped-def]
-    """A one-column selectable of 0..count-1 named i."""
-    if engine.dialect.name == "postgresql":
-        return select(func.generate_series(0, count - 1).column_valued("i").label("i")).subquery()
-    numbers = select(literal(0).label("i")).cte("numbers", recursive=True)
-    numbers = numbers.union_all(select(numbers.c.i + 1).where(numbers.c.i < count - 1))
-    return numbers
-
-
-def _text(prefix: str, number) -> object:  # type: ignore[no-untyped-def]
-    return literal(prefix) + cast(number, String)
-
-
-def generate_usage(engine: Engine, count: int, now_us: int) -> None:
-    period = parse_period(BIG_MONTH)
-    step_us = (period.end_us - period.start_us - 1_000_000) // count
-    i = cast(_series(engine, count).c.i, BigInteger)
-    gpu = i % 3 == 2
-    missed = i % 20 == 0
-    finished = period.start_us + 1_000_000 + i * step_us
-    labels = literal('{"cost_center":"cc-') + cast(i % 20, String) + '","team":"team-' + cast(i % 10, String) + '"}'
-    columns = {
-        "request_id": _text("bulk-", i),
-        "tenant_id": 1 + i % NUM_TENANTS,
-        "labels": cast(labels, JSON) if engine.dialect.name == "postgresql" else labels,
-        "cost_center": _text("cc-", i % 20),
-        "team": _text("team-", i % 10),
-        "model": case((i % 3 == 0, "m-tiny"), (i % 3 == 1, "m-small"), else_="m-big"),
-        "device_kind": case((gpu, "cuda"), else_="cpu"),
-        "device_id": case((gpu, "GPU-bench"), else_="cpu:bench"),
-        "unit": case((gpu, "sm_us"), else_="core_us"),
-        "num_units": case((gpu, 132), else_=4),
-        "unit_us": 1_000 + (i % 997) * 1_000,
-        "prompt_tokens": i % 500,
-        "completion_tokens": i % 200,
-        "received_at_us": finished - 50_000,
-        "dispatched_at_us": finished - 40_000,
-        "first_token_at_us": finished - 30_000,
-        "finished_at_us": finished,
-        "deadline_at_us": case((missed, finished - 1), else_=finished + 10_000),
-        "deadline_met": cast(case((missed, 0), else_=1), Boolean)
-        if engine.dialect.name == "postgresql"
-        else case((missed, 0), else_=1),
-        "outcome": case((missed, "deadline_exceeded"), else_="ok"),
-        "payload_digest": literal("bulk-placeholder"),
-        "ingested_at_us": literal(now_us),
-    }
-    statement = insert(UsageRow).from_select(list(columns), select(*columns.values()))
-    with engine.begin() as connection:
-        connection.execute(statement)
-
-
-def generate_idle(engine: Engine, now_us: int) -> None:
-    period = parse_period(BIG_MONTH)
-    minutes = (period.end_us - period.start_us) // US_PER_MINUTE
-    i = cast(_series(engine, 2 * minutes).c.i, BigInteger)
-    gpu = i % 2 == 1
-    wall = case((gpu, 132 * US_PER_MINUTE), else_=4 * US_PER_MINUTE)
-    columns = {
-        "record_id": _text("idle-", i),
-        "device_id": case((gpu, "GPU-bench"), else_="cpu:bench"),
-        "unit": case((gpu, "sm_us"), else_="core_us"),
-        "num_units": case((gpu, 132), else_=4),
-        "minute_start_us": period.start_us + (i // 2) * US_PER_MINUTE,
-        "idle_unit_us": wall // 2,
-        "wall_unit_us": wall,
-        "payload_digest": literal("bulk-placeholder"),
-        "ingested_at_us": literal(now_us),
-    }
-    with engine.begin() as connection:
-        connection.execute(insert(IdleRow).from_select(list(columns), select(*columns.values())))
-
-
-def analyze(engine: Engine) -> None:
-    with engine.begin() as connection:
-        connection.execute(text("ANALYZE"))
 
 
 def bench_reports(url: str, count: int) -> dict[str, float]:
