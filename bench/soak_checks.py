@@ -12,7 +12,7 @@ from pathlib import Path
 from sqlalchemy import create_engine, text
 
 from billing import commands
-from services.pulse.scrape import _histogram_ms, delta, server_view  # e2e and TTFT, read like the rest
+from services.pulse.scrape import delta, histogram_ms, server_view  # e2e and TTFT, read like the rest
 
 
 def host_info() -> dict:
@@ -133,6 +133,6 @@ def server_figures(before: dict, after: dict) -> dict:
     d = delta(after, before)
     return {
         **server_view(before, after),
-        "e2e": _histogram_ms(d, "zeroqueue_e2e_seconds"),
-        "ttft": _histogram_ms(d, "zeroqueue_ttft_seconds"),
+        "e2e": histogram_ms(d, "zeroqueue_e2e_seconds"),
+        "ttft": histogram_ms(d, "zeroqueue_ttft_seconds"),
     }

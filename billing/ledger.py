@@ -204,7 +204,7 @@ def query_usage(
     if model is not None:
         check_text("model", model)
     labels = dict(freeze_labels(labels or {}))
-    fingerprint = _fingerprint(start_us, end_us, tenant, labels, model)
+    fingerprint = filter_fingerprint(start_us, end_us, tenant, labels, model)
     query = (
         select(UsageRow, Tenant.name)
         .join(Tenant, Tenant.id == UsageRow.tenant_id)
@@ -241,7 +241,9 @@ def _check_query(start_us: int, end_us: int, page_size: int) -> None:
         raise InvalidArgument(f"page_size must be in [1, {MAX_PAGE_SIZE}], got {page_size}", field="page_size")
 
 
-def _fingerprint(*filters: object) -> str:
+def filter_fingerprint(*filters: object) -> str:
+    """A short digest of a listing's filters, signed into its page tokens: a token only pages the listing it
+    came from."""
     encoded = json.dumps(filters, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(encoded.encode()).hexdigest()[:16]
 

@@ -19,8 +19,6 @@ import uuid
 from dataclasses import asdict
 from pathlib import Path
 
-from .stats import LAG_WARNING_MS as LAG_WARNING_MS  # bench/soak.py reads it here; it lives in stats.py
-
 
 def add_pulse(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(

@@ -58,9 +58,6 @@ def histogram_ms(samples: Samples, name: str) -> dict:
     }
 
 
-_histogram_ms = histogram_ms  # the old name, until bench/soak_checks.py imports histogram_ms
-
-
 def _by_labels(samples: Samples, name: str, *keys: str) -> dict[str, float]:
     out: dict[str, float] = defaultdict(float)
     for (n, labels), value in samples.items():

@@ -11,7 +11,7 @@ import pytest
 from zeroqueue.metering.v1 import metering_pb2 as pb
 
 from billing.db import unit_of_work
-from billing.ledger import _fingerprint, ingest_usage
+from billing.ledger import filter_fingerprint, ingest_usage
 from billing.page_tokens import encode_page_token
 from billing.period import parse_period
 from billing.records import MAX_INT64, MAX_RECORD_WALL_US
@@ -169,7 +169,7 @@ def test_a_forged_or_tampered_page_token_is_invalid_argument(stub, keys: Keys, l
                 "page_token",
                 "INVALID_PAGE_TOKEN",
             ), token
-    assert _fingerprint(0, 1, None, {}, None) != _fingerprint(0, 1, "acme", {}, None)
+    assert filter_fingerprint(0, 1, None, {}, None) != filter_fingerprint(0, 1, "acme", {}, None)
 
 
 def test_a_page_token_survives_a_restart_and_works_on_any_server_of_the_ledger(
