@@ -19,19 +19,22 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from billing.records import IdleRecord, UsageRecord
+from billing.records import IdleRecord, Outcome, UsageRecord
 
 from .engine.digest import EndedRequest, StepDigest
-from .sched.request import RequestStatus
+from .sched.request import FinishReason, RequestStatus
 
 US_PER_MINUTE = 60_000_000
-_OUTCOMES = {
-    RequestStatus.FINISHED_STOPPED: "ok",
-    RequestStatus.FINISHED_LENGTH: "ok",
-    RequestStatus.FINISHED_CANCELLED: "cancelled",
-    RequestStatus.FINISHED_EXPIRED: "deadline_exceeded",
-    RequestStatus.FINISHED_ERROR: "error",
+# The billed outcome of each finish reason: the one map from the engine's word to the ledger's, used by the
+# meter (the record) and the service (its metrics and log).
+OUTCOMES = {
+    FinishReason.STOP: Outcome.OK,
+    FinishReason.LENGTH: Outcome.OK,
+    FinishReason.CANCELLED: Outcome.CANCELLED,
+    FinishReason.DEADLINE_EXCEEDED: Outcome.DEADLINE_EXCEEDED,
+    FinishReason.ERROR: Outcome.ERROR,
 }
+_OUTCOMES = {status: OUTCOMES[status.finish_reason] for status in RequestStatus if status.is_finished}
 
 
 def split_exact(total: int, weights: Sequence[int]) -> list[int]:
@@ -205,7 +208,7 @@ class Meter:
         finished_us = self.epoch_us(ended_ns)
         first_token_us = None if request.first_token_ns is None else self.epoch_us(request.first_token_ns)
         outcome = _OUTCOMES[request.status]
-        met = finished_us <= ctx.deadline_at_us and outcome not in ("deadline_exceeded", "error")
+        met = finished_us <= ctx.deadline_at_us and outcome not in (Outcome.DEADLINE_EXCEEDED, Outcome.ERROR)
         d = self.device
         unit_us = self.usage_unit_us.pop(request.request_id, 0)
         if self.count is not None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from billing.records import UsageRecord
+from billing.records import Outcome, UsageRecord
 from services import errors
 from services.metering.outbox import Outbox
 
@@ -27,9 +27,9 @@ from .device.spec import DeviceInfo
 from .engine.client import EngineClient
 from .engine.engine import Engine, RequestOutput
 from .engine.steplog import StepLog
-from .meter import Meter, RecordContext
+from .meter import OUTCOMES, Meter, RecordContext
 from .metrics import ServiceMetrics
-from .sched.request import Request, SamplingParams
+from .sched.request import FinishReason, Request, SamplingParams
 
 log = structlog.get_logger(__name__)
 
@@ -91,7 +91,7 @@ class Ticket:
     first_scheduled_ns: int | None = None
     first_token_ns: int | None = None
     finished_ns: int | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     num_output_tokens: int = 0
     usage_on_disk: Future | None = None  # the outbox resolves it once the usage record is durable
     usage: UsageRecord | None = None
@@ -342,26 +342,26 @@ class InferenceService:
         """Ends the call's bookkeeping; a call that ends before its stream did is cancelled in the engine."""
         if ticket.finish_reason is None:
             self.engine.cancel(ticket.call_id)
-            outcome = "cancelled"
+            outcome = Outcome.CANCELLED
         else:
-            outcome = {"stop": "ok", "length": "ok"}.get(ticket.finish_reason, ticket.finish_reason)
-        if outcome == "ok":
+            outcome = OUTCOMES[ticket.finish_reason]
+        if outcome is Outcome.OK:
             self.metrics.e2e.observe((ticket.finished_ns - ticket.received_ns) / 1e9)
             predicted = ticket.predicted_finish_ns - ticket.dispatched_ns
             if self.deadline_mode and predicted > 0:
                 actual = ticket.finished_ns - ticket.dispatched_ns
                 self.metrics.finish_error.observe(actual / predicted)
                 self.admission.observe_finish(predicted, actual)
-        if outcome == "deadline_exceeded" or (outcome == "ok" and not ticket.deadline_met):
+        if outcome is Outcome.DEADLINE_EXCEEDED or (outcome is Outcome.OK and not ticket.deadline_met):
             self.metrics.deadline_misses.inc()
-        self.metrics.requests.labels(outcome).inc()
+        self.metrics.requests.labels(outcome.value).inc()
         self._untrack(ticket)
         log.info(
             "request_done",
             request_id=ticket.spec.request_id,
             call_id=ticket.call_id,
             tenant=ticket.tenant,
-            outcome=outcome,
+            outcome=outcome.value,
             prompt_tokens=len(ticket.spec.prompt_token_ids),
             completion_tokens=ticket.num_output_tokens,
             budget_ms=ticket.budget_ms,

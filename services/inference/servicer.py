@@ -26,13 +26,13 @@ from services.auth import Authenticator, bearer_key
 from services.errors import FieldViolation, clip
 from services.status import rpc_errors
 
-from .sched.request import SamplingParams
+from .sched.request import FinishReason, SamplingParams
 from .service import BudgetSource, GenerateSpec, InferenceService, ModelCard, Ticket, WarmupState
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _ATTEMPT = re.compile(r"[0-9]{1,6}")
 _ATTEMPT_HEADERS = ("x-retry-attempt", "grpc-previous-rpc-attempts")
-_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+_FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}
 _STATE = {
     WarmupState.WARMING_UP: pb.WARMUP_STATE_WARMING_UP,
     WarmupState.READY: pb.WARMUP_STATE_READY,
@@ -322,12 +322,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 self.service.close(ticket)
 
     def _raise_if_failed(self, ticket: Ticket) -> None:
-        if ticket.finish_reason == "deadline_exceeded":
+        if ticket.finish_reason == FinishReason.DEADLINE_EXCEEDED:
             raise errors.DeadlineMissed(
                 f"the request ran out of its {ticket.budget_ms} ms budget after "
                 f"{ticket.num_output_tokens} tokens; it is recorded as a deadline miss"
             )
-        if ticket.finish_reason == "error":
+        if ticket.finish_reason == FinishReason.ERROR:
             raise errors.EngineFailure("the engine failed while running this request; it has been logged")
 
     def _admission(self, t: Ticket) -> pb.Admission:

@@ -77,7 +77,7 @@ def usage_from_pb(message: pb.UsageRecord) -> UsageRecord:
         finished_at_us=message.finished_at_us,
         deadline_at_us=message.deadline_at_us,
         deadline_met=message.deadline_met,
-        outcome=message.outcome,
+        outcome=message.outcome,  # the wire's string: UsageRecord makes it an Outcome, or refuses it naming the field
         client_request_id=message.client_request_id,
     )
 

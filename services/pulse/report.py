@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from .stats import RequestTrace, Summary, time_series
+from .stats import RequestTrace, Summary, TraceOutcome, time_series
 
 
 @dataclass
@@ -133,7 +133,7 @@ def plot(out_dir: Path, runs: Sequence[RunReport]) -> list[Path]:
     written = []
     plt, fig, axes = _axes(len(runs), "End-to-end latency of completed requests")
     for ax, run in zip(axes, runs, strict=True):
-        done = [t for t in run.traces if t.outcome == "ok"]
+        done = [t for t in run.traces if t.outcome == TraceOutcome.OK]
         ax.hist([(t.finished_s - t.sent_s) * 1000 for t in done], bins=40, alpha=0.6, label="call")
         ax.hist(
             [(t.finished_s - t.admitted_s) * 1000 for t in done if t.admitted_s is not None],
@@ -153,7 +153,11 @@ def plot(out_dir: Path, runs: Sequence[RunReport]) -> list[Path]:
         "Dispatch (admitted attempt sent; never admitted: first attempt) vs finish "
         "per request: a thin band along y = x means nothing queued",
     )
-    colors = {"ok": "tab:green", "rejected": "tab:orange", "deadline_exceeded": "tab:red"}
+    colors = {
+        TraceOutcome.OK: "tab:green",
+        TraceOutcome.REJECTED: "tab:orange",
+        TraceOutcome.DEADLINE_EXCEEDED: "tab:red",
+    }
     for ax, run in zip(axes, runs, strict=True):
         for outcome in sorted({t.outcome for t in run.traces}):
             pts = [

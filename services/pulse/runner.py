@@ -13,18 +13,18 @@ from collections.abc import Callable, Sequence
 from services.client import AsyncClient, DeadlineExceeded, DeadlineInfeasible, Rejected, Unavailable, ZeroQueueError
 
 from .schedule import PlannedRequest
-from .stats import RequestTrace
+from .stats import RequestTrace, TraceOutcome
 
 OUTCOMES = (
-    (Rejected, "rejected"),
-    (DeadlineInfeasible, "infeasible"),
-    (DeadlineExceeded, "deadline_exceeded"),
-    (Unavailable, "unavailable"),
+    (Rejected, TraceOutcome.REJECTED),
+    (DeadlineInfeasible, TraceOutcome.INFEASIBLE),
+    (DeadlineExceeded, TraceOutcome.DEADLINE_EXCEEDED),
+    (Unavailable, TraceOutcome.UNAVAILABLE),
 )
 
 
-def outcome_of(error: ZeroQueueError) -> str:
-    return next((name for cls, name in OUTCOMES if isinstance(error, cls)), "error")
+def outcome_of(error: ZeroQueueError) -> TraceOutcome:
+    return next((name for cls, name in OUTCOMES if isinstance(error, cls)), TraceOutcome.ERROR)
 
 
 async def _one(
@@ -50,7 +50,7 @@ async def _one(
         trace.finished_s = time.monotonic() - t0
         result = generation.result
         trace.final_lag_us = time.time_ns() // 1000 - result.timings.finished_at_us
-        trace.outcome, trace.completion_tokens = "ok", result.usage.completion_tokens
+        trace.outcome, trace.completion_tokens = TraceOutcome.OK, result.usage.completion_tokens
         trace.device_us = result.usage.device_us
         trace.server_deadline_met, trace.server_queue_us = result.timings.deadline_met, result.timings.queue_us
         trace.server_total_us = result.timings.total_us
@@ -61,7 +61,8 @@ async def _one(
         trace.retry_after_ms = error.failure.retry_after_ms
     except Exception as error:  # noqa: BLE001 - a load generator records a client-side failure and goes on
         trace.finished_s = time.monotonic() - t0
-        trace.outcome, trace.error, report = "error", f"client:{type(error).__name__}: {error}", generation.report
+        trace.outcome = TraceOutcome.ERROR
+        trace.error, report = f"client:{type(error).__name__}: {error}", generation.report
     if report is not None:
         start = trace.sent_s
         trace.attempts = [(start + a.started_s, a.outcome) for a in report.attempts]
@@ -88,7 +89,7 @@ async def run_plan(
         if delay_s > 0:
             await asyncio.sleep(delay_s)
         if len(in_flight) >= max_in_flight:
-            trace.outcome = "not_sent"
+            trace.outcome = TraceOutcome.NOT_SENT
             on_done(trace)
             continue
         task = asyncio.create_task(_one(client, request, trace, t0, f"{id_prefix}-{request.index}", on_done))
@@ -127,9 +128,9 @@ async def run_closed_loop(
             )
             traces.append(trace)
             await _one(client, request, trace, t0, f"{id_prefix}-{request.index}", lambda t: None)
-            if trace.outcome == "rejected" and trace.retry_after_ms:
+            if trace.outcome == TraceOutcome.REJECTED and trace.retry_after_ms:
                 await asyncio.sleep(min(trace.retry_after_ms / 1000, max(duration_s - (time.monotonic() - t0), 0)))
-            elif trace.outcome not in ("ok", "rejected"):
+            elif trace.outcome not in (TraceOutcome.OK, TraceOutcome.REJECTED):
                 await asyncio.sleep(0.01)  # a failing replica must not turn this into a hot loop
 
     await asyncio.gather(*(caller() for _ in range(concurrency)))

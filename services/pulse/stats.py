@@ -18,11 +18,26 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 
 # a run whose scheduler fired a request later than this is flagged: the load generator's host fell behind
 LAG_WARNING_MS = 50.0
 
 OVERLOADED = "RESOURCE_EXHAUSTED"
+
+
+class TraceOutcome(StrEnum):
+    """How a planned request ended, as the load tester saw it: not the ledger's billing.records.Outcome (a refused
+    call is never billed; a call never sent is not a call)."""
+
+    PENDING = "pending"
+    OK = "ok"
+    REJECTED = "rejected"
+    INFEASIBLE = "infeasible"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    UNAVAILABLE = "unavailable"
+    ERROR = "error"
+    NOT_SENT = "not_sent"
 
 
 @dataclass
@@ -33,7 +48,7 @@ class RequestTrace:
     prompt_tokens: int
     max_tokens: int
     sent_s: float | None = None
-    outcome: str = "pending"  # ok, rejected, infeasible, deadline_exceeded, unavailable, error, not_sent
+    outcome: TraceOutcome = TraceOutcome.PENDING
     error: str = ""
     attempts: list[tuple[float, str]] = field(default_factory=list)  # (start_s, "admitted" or a code name)
     attempt_endpoints: list[str] = field(default_factory=list)
@@ -61,7 +76,7 @@ class RequestTrace:
     def in_deadline(self) -> bool:
         """Completed, and inside the caller's deadline by both the client's and the server's clocks."""
         return (
-            self.outcome == "ok"
+            self.outcome == TraceOutcome.OK
             and self.finished_s is not None
             and self.sent_s is not None
             and self.finished_s - self.sent_s <= self.deadline_ms / 1000
@@ -138,7 +153,7 @@ def _ms(values) -> list[float]:
 
 def summarize(traces: Sequence[RequestTrace], duration_s: float) -> Summary:
     sent = [t for t in traces if t.sent_s is not None]
-    done = [t for t in sent if t.outcome == "ok" and t.finished_s is not None]
+    done = [t for t in sent if t.outcome == TraceOutcome.OK and t.finished_s is not None]
     admitted = [t for t in sent if t.admitted_s is not None]
     in_deadline = [t for t in sent if t.in_deadline]
     refused_first = [t for t in sent if t.attempts and t.attempts[0][1] == OVERLOADED]
@@ -199,7 +214,7 @@ def time_series(traces: Sequence[RequestTrace], duration_s: float, bin_s: float 
                 add("admissions", at)
             elif outcome == OVERLOADED:
                 add("rejections", at)
-        if t.outcome == "ok" and t.finished_s is not None:
+        if t.outcome == TraceOutcome.OK and t.finished_s is not None:
             add("completions", t.finished_s)
     series["bin_start_s"] = [i * bin_s for i in range(num_bins)]
     return series

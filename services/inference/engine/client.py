@@ -17,7 +17,7 @@ import structlog
 
 from services import errors
 
-from ..sched.request import Request, RequestStatus
+from ..sched.request import FinishReason, Request, RequestStatus
 from .core import engine_main
 from .digest import EndedRequest, StepDigest
 from .engine import OutputSink, RequestOutput, StepObserver
@@ -174,6 +174,7 @@ class EngineClient:
         digest = StepDigest(now_ns, now_ns, False, (), 0, ended, 0, 0)
         for observer in self.observers:
             observer.on_step(digest)
-        self._relay([RequestOutput(e.request_id, (), "", now_ns, e.num_output_tokens, "error") for e in ended])
+        error = FinishReason.ERROR
+        self._relay([RequestOutput(e.request_id, (), "", now_ns, e.num_output_tokens, error) for e in ended])
         if self.on_lost is not None:
             self.on_lost(why)

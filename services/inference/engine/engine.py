@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import structlog
 
 from ..device.spec import StepResult, is_device_fault
-from ..sched.request import Request, RequestStatus
+from ..sched.request import FinishReason, Request, RequestStatus
 from ..sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepUpdate
 from .detokenizer import Detokenizer
 from .digest import StepDigest, ended_request
@@ -32,7 +32,7 @@ class RequestOutput(NamedTuple):
     text: str  # new text; held back while it may be the start of a stop string
     time_ns: int  # engine clock when the step that produced it ended
     num_output_tokens: int  # generated so far, stop tokens included
-    finish_reason: str | None = None  # set on a request's last output
+    finish_reason: FinishReason | None = None  # set on a request's last output
     first_scheduled_ns: int | None = None  # start of the first step that ran the request
 
 

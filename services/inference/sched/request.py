@@ -22,16 +22,27 @@ class RequestStatus(enum.IntEnum):
         return self >= RequestStatus.FINISHED_STOPPED
 
     @property
-    def finish_reason(self) -> str | None:
+    def finish_reason(self) -> FinishReason | None:
         return _FINISH_REASONS.get(self)
 
 
+class FinishReason(enum.StrEnum):
+    """Why the engine ended a request, on its last output. Not the billed outcome (billing.records.Outcome, which
+    services/inference/meter.py maps these to): "stop" and "length" are both an "ok" call."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    ERROR = "error"
+
+
 _FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_CANCELLED: "cancelled",
-    RequestStatus.FINISHED_EXPIRED: "deadline_exceeded",
-    RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_CANCELLED: FinishReason.CANCELLED,
+    RequestStatus.FINISHED_EXPIRED: FinishReason.DEADLINE_EXCEEDED,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 
