@@ -79,7 +79,7 @@ def grpc_ingest(url: str, batches: list[list[UsageRecord]]) -> None:
     before the next is sent. Timed end to end: service start (about 0.1 s), protobuf encoding, auth, ingest."""
     from zeroqueue.metering.v1 import metering_pb2 as pb
 
-    from services.metering.server import usage_to_pb
+    from services.metering.servicer import usage_to_pb
 
     if str(ROOT) not in sys.path:  # the in-process harness lives under tests/, which is not installed
         sys.path.insert(0, str(ROOT))

@@ -84,7 +84,7 @@ def _parser(sub: argparse._SubParsersAction, name: str, help_text: str, run: Cal
 
 
 def run_metering(args: argparse.Namespace) -> int:
-    from services.metering.app import MeteringApp
+    from services.metering.server import MeteringApp
 
     if (args.tls_cert is None) != (args.tls_key is None):
         print("zeroqueue: error: --tls-cert and --tls-key go together", file=sys.stderr)

@@ -19,9 +19,9 @@ from prometheus_client import start_http_server
 from zeroqueue.inference.v1 import inference_pb2
 
 from billing.db import data_dir
-from services.metering.app import MAX_MESSAGE_BYTES as METERING_MAX_MESSAGE_BYTES
-from services.metering.app import server_credentials
 from services.metering.link import MeteringLink
+from services.metering.server import MAX_MESSAGE_BYTES as METERING_MAX_MESSAGE_BYTES
+from services.metering.server import server_credentials
 from services.standard import SERVICE_NAMES as STANDARD_SERVICES
 from services.standard import add_health, enable_reflection
 

@@ -17,9 +17,9 @@ from zeroqueue.metering.v1 import metering_pb2_grpc
 
 from billing.db import default_ledger_url, make_engine, session_factory
 from services.auth import Authenticator, LedgerAuthenticator, RemoteAuthenticator
-from services.metering.app import METERING_SERVICE, add_metering_to_server
 from services.metering.outbox import Outbox
 from services.metering.schema import check_schema_at_head
+from services.metering.server import METERING_SERVICE, add_metering_to_server
 from services.metering.shipper import GrpcSink, LedgerSink, Shipper, Sink
 
 log = structlog.get_logger(__name__)

@@ -23,7 +23,7 @@ from billing.errors import UnknownTenant
 from billing.records import IdleRecord, UsageRecord
 
 from .outbox import Outbox
-from .server import idle_to_pb, usage_to_pb
+from .servicer import idle_to_pb, usage_to_pb
 
 log = structlog.get_logger(__name__)
 

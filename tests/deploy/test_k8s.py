@@ -14,8 +14,8 @@ from kubernetes_validate import utils as k8s
 
 from services.cli import build_parser
 from services.inference.replica import INFERENCE_SERVICE, LIVENESS, drain_grace_s
-from services.metering.app import METERING_SERVICE, MeteringApp
 from services.metering.link import MeteringLink
+from services.metering.server import METERING_SERVICE, MeteringApp
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"

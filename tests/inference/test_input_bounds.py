@@ -20,7 +20,7 @@ from services.inference import servicer as servicer_module
 from services.inference.device.executor import ExecutorConfig
 from services.inference.replica import ServeConfig, receive_limit
 from services.inference.servicer import RequestLimits, to_spec
-from services.metering.app import MAX_MESSAGE_BYTES as METERING_MAX_MESSAGE_BYTES
+from services.metering.server import MAX_MESSAGE_BYTES as METERING_MAX_MESSAGE_BYTES
 from tests.fuzz_generate import GENERATE, delimited, tag, varint
 from tests.inference.harness import ServerThread, status_details
 from tests.inference.test_server import PROMPT, generate, health, rejected

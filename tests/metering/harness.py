@@ -11,7 +11,7 @@ import threading
 import grpc
 from zeroqueue.metering.v1 import metering_pb2_grpc
 
-from services.metering.app import MeteringApp
+from services.metering.server import MeteringApp
 
 
 class MeteringThread:

@@ -17,7 +17,7 @@ from zeroqueue.metering.v1 import metering_pb2 as pb
 from zeroqueue.metering.v1 import metering_pb2_grpc
 
 from billing.period import parse_period
-from services.metering.server import usage_to_pb
+from services.metering.servicer import usage_to_pb
 from tests.billing.factories import missed, usage
 from tests.metering.conftest import bearer
 

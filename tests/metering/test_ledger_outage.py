@@ -33,7 +33,7 @@ from billing.period import parse_period
 from billing.pricing import add_price
 from billing.tenants import create_admin_key, create_tenant
 from services.auth import LedgerAuthenticator
-from services.metering.server import usage_to_pb
+from services.metering.servicer import usage_to_pb
 from services.status import status_for
 from tests.billing.conftest import POSTGRES_URL, require_postgres
 from tests.billing.factories import usage

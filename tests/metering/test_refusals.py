@@ -19,7 +19,7 @@ from tests.billing.conftest import Ledger
 from tests.billing.factories import usage
 from tests.metering.conftest import Keys, bearer, failed
 from tests.metering.harness import MeteringThread
-from tests.metering.test_server import bad_field, reason, record, send, stored_rows
+from tests.metering.test_servicer import bad_field, reason, record, send, stored_rows
 
 U = grpc.StatusCode
 PAST = "2021-03"
