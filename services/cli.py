@@ -121,7 +121,7 @@ def _non_negative_int(text: str) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from services.inference.device.executor import ExecutorConfig
+    from services.inference.device.spec import ExecutorConfig
     from services.inference.replica import InferenceApp, ServeConfig
 
     config = ServeConfig(

@@ -5,11 +5,11 @@ shutdown."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import structlog
@@ -29,9 +29,9 @@ from .admission import AdmissionConfig, AdmissionController
 from .admission.costmodel import CostModel
 from .admission.fifo import FifoAdmission
 from .clock import Clock
-from .device.cpus import allowed_cpus, engine_threads, pin, split_cpus
-from .device.executor import Executor, ExecutorConfig, runs_on_cpu
-from .device.loader import load_checkpoint
+from .device.card import read_card
+from .device.cpus import pin
+from .device.spec import ExecutorConfig
 from .engine.client import EngineClient
 from .engine.core import build_engine
 from .engine.engine import Engine
@@ -102,14 +102,16 @@ def drain_grace_s(default_deadline_ms: int) -> float:
 
 
 class InferenceApp:
-    """Construct inside a running event loop."""
+    """Construct inside a running event loop. This process reads the model's card (config and tokenizer) and
+    never imports torch: the weights and the device are the engine's (`make_executor`, a module-level callable
+    that crosses into the engine process by reference; None: the device's Executor, imported there)."""
 
-    def __init__(self, config: ServeConfig, make_executor: Callable[..., Executor] = Executor) -> None:
+    def __init__(self, config: ServeConfig, make_executor: Callable[..., Any] | None = None) -> None:
         self.config = config
         self.make_executor = make_executor
         self.clock = Clock()
         self.metrics = ServiceMetrics()
-        self.checkpoint = load_checkpoint(config.model_dir, config.dtype)
+        self.card = read_card(config.model_dir, config.dtype)
         self.credentials = server_credentials(config.tls_cert, config.tls_key)
         self.link = MeteringLink(
             Path(config.data_dir) if config.data_dir else data_dir(),
@@ -118,9 +120,7 @@ class InferenceApp:
             config.metering_key,
             config.metering_ca,
         )
-        self.servicer = InferenceServicer(
-            self.checkpoint.name, self.checkpoint.tokenizer, self.link.authenticator, config.limits
-        )
+        self.servicer = InferenceServicer(self.card.name, self.card.tokenizer, self.link.authenticator, config.limits)
         self.meter: Meter | None = None
         self.health = health_aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
@@ -135,7 +135,7 @@ class InferenceApp:
     @property
     def context_length(self) -> int:
         """The context the engine will serve, known before it starts: the executor caps it the same way."""
-        return min(self.config.executor.max_seq_len, self.checkpoint.args.max_position_embeddings)
+        return min(self.config.executor.max_seq_len, self.card.args.max_position_embeddings)
 
     def receive_bytes(self, context_length: int) -> int:
         return receive_limit(self.config.limits, context_length, self.link.hosts_metering)
@@ -184,27 +184,23 @@ class InferenceApp:
 
     def _warm_up(self) -> InferenceService:
         spec = EngineSpec(
-            str(self.checkpoint.path),
+            str(self.card.path),
             self.config.dtype,
             self.config.executor,
             self.config.max_num_batched_tokens,
             make_executor=self.make_executor,
             json_logs=self.config.json_logs,
             pace_tokens=self.config.pace_tokens,
+            pin_cpus=self.config.pin_cpus,
         )
         if self.config.engine_process:
-            split = self._cpu_split()
-            if split is not None:
-                spec = dataclasses.replace(spec, cpus=split[0])
             engine = EngineClient(spec, self.clock.now_ns, on_lost=self._engine_lost)
             ready = engine.launch()
-            if split is not None:
-                pin(split[1])
-                log.info("cpus_pinned", engine=list(split[0]), server=list(split[1]))
-            # the weights live in the engine process; this one keeps the tokenizer and the config
-            self.checkpoint = dataclasses.replace(self.checkpoint, state_dict={})
+            if ready.server_cpus:  # the engine pinned itself to cores of its own: this process takes the rest
+                pin(ready.server_cpus)
+                log.info("cpus_pinned", engine=list(ready.engine_cpus), server=list(ready.server_cpus))
         else:
-            engine, ready = build_engine(spec, self.checkpoint)
+            engine, ready = build_engine(spec)
         cost = CostModel(list(ready.cost_rows), list(ready.cost_row_us), ready.cost_us_per_context_token)
         admission_config = AdmissionConfig(
             ready.num_slots,
@@ -233,12 +229,7 @@ class InferenceApp:
         engine.observers.append(self.meter)
         self.engine = engine
         card = ModelCard(
-            self.checkpoint.name,
-            ready.max_seq_len,
-            str(self.checkpoint.dtype).removeprefix("torch."),
-            self.checkpoint.args.vocab_size,
-            ready.num_slots,
-            info,
+            self.card.name, ready.max_seq_len, self.card.dtype, self.card.args.vocab_size, ready.num_slots, info
         )
         return InferenceService(
             engine,
@@ -252,14 +243,6 @@ class InferenceApp:
             self.config.default_deadline_ms,
             self.config.stream_interval_ms,
         )
-
-    def _cpu_split(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-        """The engine's cores and this process's, when pinning applies: a CPU engine with a core to spare."""
-        executor = self.config.executor
-        if not (self.config.pin_cpus and runs_on_cpu(executor)):
-            return None
-        allowed = allowed_cpus()
-        return split_cpus(allowed, engine_threads(executor.num_threads, allowed))
 
     def _engine_lost(self, why: str) -> None:
         """The engine process died: this replica cannot serve; clients go elsewhere (UNAVAILABLE)."""

@@ -53,6 +53,8 @@ TORCH_FREE_ROOMS = {
         "services.inference.device.spec",
     ),
     "service": ("services.inference.service",),
+    # the server process: it serves from the model's card and leaves the weights to the engine process
+    "server": ("services.inference.replica", "services.inference.servicer", "services.inference.device.card"),
 }
 
 

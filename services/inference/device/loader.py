@@ -1,30 +1,23 @@
-"""Reads a local Hugging Face checkpoint directory into our parameter layout.
+"""Reads a local Hugging Face checkpoint directory into our parameter layout: its card (card.py, no torch),
+then its weights, checked against the card's config.
 
 Every problem with the directory is one `CheckpointError` naming the file and what is wrong with it.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 
-from .config import ConfigError, ModelArgs
+from .card import Card, CheckpointError, read_card, read_json
+from .config import ModelArgs
 
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
+__all__ = ["Checkpoint", "CheckpointError", "load_checkpoint"]
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _FUSED = {  # our fused parameter -> the Hugging Face parameters concatenated into it, in order
@@ -34,37 +27,31 @@ _FUSED = {  # our fused parameter -> the Hugging Face parameters concatenated in
 _PLAIN = ("self_attn.o_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")
 
 
-class CheckpointError(Exception):
-    def __init__(self, path: Path | str, problem: str) -> None:
-        super().__init__(f"{path}: {problem}")
-        self.path = str(path)
-        self.problem = problem
-
-
 @dataclass(frozen=True)
 class Checkpoint:
-    path: Path
-    name: str
-    args: ModelArgs
-    dtype: torch.dtype
-    state_dict: dict[str, torch.Tensor]
-    tokenizer: Tokenizer
-    eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
+    card: Card
+    dtype: torch.dtype  # the card's dtype
+    state_dict: dict[str, torch.Tensor]  # our layout (model.py's parameter names)
 
+    @property
+    def path(self) -> Path:
+        return self.card.path
 
-def _read_json(path: Path, required: bool = True) -> dict[str, Any]:
-    if not path.is_file():
-        if required:
-            raise CheckpointError(path, "file is missing")
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(path, f"not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(path, "expected a JSON object")
-    return data
+    @property
+    def name(self) -> str:
+        return self.card.name
+
+    @property
+    def args(self) -> ModelArgs:
+        return self.card.args
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.card.tokenizer
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.card.eos_token_ids
 
 
 def _weight_files(root: Path) -> list[Path]:
@@ -74,7 +61,7 @@ def _weight_files(root: Path) -> list[Path]:
     index_path = root / "model.safetensors.index.json"
     if not index_path.is_file():
         raise CheckpointError(root / "model.safetensors", "file is missing (and no model.safetensors.index.json)")
-    weight_map = _read_json(index_path).get("weight_map")
+    weight_map = read_json(index_path).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(index_path, "has no weight_map")
     files = [root / name for name in sorted(set(weight_map.values()))]
@@ -170,53 +157,9 @@ def _to_our_layout(
     return sd
 
 
-def _eos_ids(root: Path, config: dict[str, Any], tokenizer: Tokenizer) -> tuple[int, ...]:
-    for source in (_read_json(root / "generation_config.json", required=False), config):
-        eos = source.get("eos_token_id")
-        if eos is not None:
-            return tuple(eos) if isinstance(eos, list) else (int(eos),)
-    token = _read_json(root / "tokenizer_config.json", required=False).get("eos_token")
-    if isinstance(token, dict):
-        token = token.get("content")
-    token_id = tokenizer.token_to_id(token) if isinstance(token, str) else None
-    return (token_id,) if token_id is not None else ()
-
-
-def resolve_dtype(name: str, config: dict[str, Any]) -> torch.dtype:
-    if name == "auto":
-        name = str(config.get("torch_dtype") or config.get("dtype") or "float32")
-    if name not in DTYPES:
-        raise CheckpointError("dtype", f"unsupported dtype {name!r}; use one of float32, bfloat16, float16")
-    return DTYPES[name]
-
-
 def load_checkpoint(path: str | Path, dtype: str = "auto") -> Checkpoint:
-    root = Path(path)
-    if not root.is_dir():
-        raise CheckpointError(root, "is not a directory")
-    config_path = root / "config.json"
-    config = _read_json(config_path)
-    try:
-        args = ModelArgs.from_hf(config)
-    except ConfigError as exc:
-        raise CheckpointError(config_path, str(exc)) from None
-    tokenizer_path = root / "tokenizer.json"
-    if not tokenizer_path.is_file():
-        raise CheckpointError(tokenizer_path, "file is missing")
-    try:
-        tokenizer = Tokenizer.from_file(str(tokenizer_path))
-    except Exception as exc:  # tokenizers raises a bare Exception for every parse failure
-        raise CheckpointError(tokenizer_path, f"cannot parse tokenizer ({exc})") from None
-    torch_dtype = resolve_dtype(dtype, config)
-    tensors = _read_tensors(_weight_files(root))
-    _check(tensors, args, root)
-    return Checkpoint(
-        path=root,
-        name=root.name,
-        args=args,
-        dtype=torch_dtype,
-        state_dict=_to_our_layout(tensors, args, torch_dtype),
-        tokenizer=tokenizer,
-        eos_token_ids=_eos_ids(root, config, tokenizer),
-        bos_token_id=config.get("bos_token_id"),
-    )
+    card = read_card(path, dtype)
+    torch_dtype = getattr(torch, card.dtype)
+    tensors = _read_tensors(_weight_files(card.path))
+    _check(tensors, card.args, card.path)
+    return Checkpoint(card, torch_dtype, _to_our_layout(tensors, card.args, torch_dtype))

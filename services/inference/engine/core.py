@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from services.logs import configure_logging
 
 from ..admission.costmodel import CostModel
-from ..device.cpus import pin
+from ..device.cpus import allowed_cpus, engine_threads, pin, split_cpus
 from .calibration import calibrate
 from .digest import step_wire
 from .engine import Engine, RequestOutput, StepReport
@@ -61,7 +61,8 @@ class Relay:
 
 def build_engine(spec: EngineSpec, checkpoint: Checkpoint | None = None) -> tuple[Engine, Ready]:
     """Loads (unless given the checkpoint), warms up and (unless told not to) calibrates an engine, in
-    whichever process calls it. Torch comes in here, with the executor and the checkpoint's weights."""
+    whichever process calls it: the engine process, or with --engine-thread the server's. Torch comes in here,
+    with the executor and the checkpoint's weights."""
     from ..device.executor import Executor
     from ..device.loader import load_checkpoint
 
@@ -90,21 +91,36 @@ def build_engine(spec: EngineSpec, checkpoint: Checkpoint | None = None) -> tupl
     return engine, ready
 
 
+def _pin_engine(spec: EngineSpec) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """With pin_cpus, a CPU engine runs on cores of its own, when there is a core to spare for the server:
+    (engine cores, server cores), or None."""
+    from ..device.executor import runs_on_cpu
+
+    if not (spec.pin_cpus and runs_on_cpu(spec.executor)):
+        return None
+    allowed = allowed_cpus()
+    split = split_cpus(allowed, engine_threads(spec.executor.num_threads, allowed))
+    if split is not None:
+        pin(split[0])
+    return split
+
+
 def engine_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None:
     """The child's entry point: builds, says ready, then steps until told to stop or the server is gone."""
     # the server decides when the engine stops (after draining); a terminal's Ctrl-C or a group-wide SIGTERM
     # must not end the engine under calls the server is still finishing
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if spec.cpus:  # before the first parallel region: OpenMP's threads inherit the mask
-        pin(spec.cpus)
     if spec.json_logs is not None:
         configure_logging(spec.json_logs)
     try:
+        split = _pin_engine(spec)  # before the first parallel region: OpenMP's threads inherit the mask
         engine, ready = build_engine(spec)
     except Exception as exc:  # noqa: BLE001 - reported to the server, which names it and exits
         outbox.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
+    if split is not None:
+        ready = replace(ready, engine_cpus=split[0], server_cpus=split[1])
     relay = Relay(outbox)
     engine.sink = relay
     outbox.send(("ready", ready))

@@ -29,7 +29,9 @@ class EngineSpec:
     # a module-level callable: it crosses by reference (None: the Executor, imported in the child)
     make_executor: Callable[..., Executor] | None = None
     json_logs: bool | None = None  # configure structlog like the server (None: leave it)
-    cpus: tuple[int, ...] = ()  # the cores the engine process runs on (empty: any)
+    # a CPU engine process takes cores of its own and leaves the rest to the server (device/cpus.py); the
+    # child decides, since only it knows (with torch) whether it runs on the CPU
+    pin_cpus: bool = False
     pace_tokens: int = 0  # paced steps (pacing.py) with this chunk; 0: unpaced
 
 
@@ -42,6 +44,8 @@ class Ready:
     cost_rows: tuple[int, ...] = ()  # the calibrated cost model, empty without calibration
     cost_row_us: tuple[float, ...] = ()
     cost_us_per_context_token: float = 0.0
+    engine_cpus: tuple[int, ...] = ()  # with pin_cpus: the engine process's cores, and the server's
+    server_cpus: tuple[int, ...] = ()
 
 
 DEVICE_FAULT_EXIT = 3  # the child's exit status after a device fault
