@@ -47,7 +47,7 @@ from services.inference.device.loader import load_checkpoint  # noqa: E402
 from services.inference.device.nvml import gpu_facts  # noqa: E402
 from services.inference.engine.client import EngineClient  # noqa: E402
 from services.inference.engine.messages import EngineSpec  # noqa: E402
-from services.inference.meter import Device, Meter, RecordContext  # noqa: E402
+from services.inference.meter import Meter, RecordContext  # noqa: E402
 from services.inference.sched.request import Request, SamplingParams  # noqa: E402
 
 SMOLLM2 = dict(
@@ -181,11 +181,11 @@ def environment(out: dict, device: str) -> None:
 
 def metering_check(out: dict, ckpt, device: str, batch: int, tokens: int) -> None:
     engine = parts.make_engine(ckpt, device, batch, graphs=True)
-    info = engine.executor.info
     records: list = []
     now_ns, epoch = engine.clock(), 1_800_000_000_000_000
     meter = Meter(
-        Device(info.kind, info.device_id, info.unit, info.num_compute_units),
+        engine.executor.info,
+        "random",
         "gpucheck",
         lambda ns: (ns - now_ns) // 1000 + epoch,
         lambda usage, idle: records.extend(b() for b in usage),
@@ -194,7 +194,7 @@ def metering_check(out: dict, ckpt, device: str, batch: int, tokens: int) -> Non
     reports: list = []
     engine.observers.append(meter)
     for i in range(batch):
-        meter.register(f"m-{i}", RecordContext("gpucheck", {}, "random", epoch, epoch, epoch + 10**12))
+        meter.register(f"m-{i}", RecordContext("gpucheck", {}, now_ns, now_ns, now_ns + 10**15))
     parts.add_calls(engine, parts.Sink(), "m", batch, tokens, seed=batch)
     parts.run_all(engine, reports)
     steps = [r for r in reports if r.result is not None]
@@ -206,8 +206,8 @@ def metering_check(out: dict, ckpt, device: str, batch: int, tokens: int) -> Non
         "records": len(records),
         "billed_equals_sum_of_records": sum(r.unit_us for r in records) == meter.billed_unit_us,
         "billed_plus_idle_equals_wall": meter.billed_unit_us + meter.idle_unit_us == meter.wall_unit_us,
-        "unit": info.unit,
-        "num_units": info.num_compute_units,
+        "unit": meter.device.unit,
+        "num_units": meter.device.num_units,
     }
 
 
@@ -219,12 +219,12 @@ async def _serve(out: dict, model_dir: Path, device: str, max_tokens: int) -> No
     ready = await asyncio.to_thread(client.launch)  # spawned, warmed up and calibrated
     out |= {
         "launch_s": round(time.monotonic() - t0, 1),
-        "device": ready.info.__dict__,
+        "device": ready.device.__dict__,
         "slots": ready.num_slots,
         "calibrated_rows": list(ready.cost_rows),
         "calibrated_row_us": [round(u) for u in ready.cost_row_us],
     }
-    info, records, sink, done = ready.info, {}, parts.Sink(), asyncio.Event()
+    records, sink, done = {}, parts.Sink(), asyncio.Event()
     start_ns, start_us = time.monotonic_ns(), time.time_ns() // 1000
     epoch_us = lambda ns: start_us + (ns - start_ns) // 1000  # noqa: E731
 
@@ -235,22 +235,14 @@ async def _serve(out: dict, model_dir: Path, device: str, max_tokens: int) -> No
         if len(records) == 4:
             done.set()
 
-    client.observers.append(
-        Meter(
-            Device(info.kind, info.device_id, info.unit, info.num_compute_units),
-            "gpucheck",
-            epoch_us,
-            write,
-            started_ns=start_ns,
-        )
-    )
+    client.observers.append(Meter(ready.device, "random", "gpucheck", epoch_us, write, started_ns=start_ns))
     client.start()
     meter = client.observers[-1]
     for i, (name, temperature) in enumerate(
         [("greedy-0", 0.0), ("greedy-1", 0.0), ("default-0", 1.0), ("default-1", 1.0)]
     ):
-        now_us = epoch_us(time.monotonic_ns())
-        meter.register(name, RecordContext("gpucheck", {}, "random", now_us, now_us, now_us + 60_000_000))
+        now_ns = time.monotonic_ns()
+        meter.register(name, RecordContext("gpucheck", {}, now_ns, now_ns, now_ns + 60 * 10**9))
         prompt = tuple(range(5 + i, 25 + 3 * i))
         client.add_request(
             Request(

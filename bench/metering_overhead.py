@@ -41,7 +41,7 @@ from services.inference.device.executor import Executor, ExecutorConfig  # noqa:
 from services.inference.device.loader import load_checkpoint  # noqa: E402
 from services.inference.engine.core import Relay  # noqa: E402
 from services.inference.engine.engine import Engine, Observers  # noqa: E402
-from services.inference.meter import Device, Meter, RecordContext  # noqa: E402
+from services.inference.meter import Meter, RecordContext  # noqa: E402
 from services.inference.sched.request import Request, SamplingParams  # noqa: E402
 from services.metering.outbox import Outbox  # noqa: E402
 
@@ -123,11 +123,10 @@ def main() -> None:
     conn = CountingConn()
     sink = TimedSink(conn)
     engine = Engine(executor, checkpoint.tokenizer, checkpoint.eos_token_ids, clock=clock.now_ns, sink=sink)
-    info = executor.info
-    device = Device(info.kind, info.device_id, info.unit, info.num_compute_units)
+    device = executor.info
     with tempfile.TemporaryDirectory() as tmp:
         outbox = Outbox(Path(tmp) / "outbox.db")
-        meter = Meter(device, "bench", clock.epoch_us, outbox.append, started_ns=clock.now_ns())
+        meter = Meter(device, checkpoint.name, "bench", clock.epoch_us, outbox.append, started_ns=clock.now_ns())
         # blocks of steps take turns (records of calls that end outside the meter's blocks are not made:
         # the bench times the meter, it bills nobody)
         observers = {"meter-thread": [meter]}
@@ -145,14 +144,8 @@ def main() -> None:
             sink.arm, sink.local.observers[:] = arm, observers.get(arm, [])
             while engine.scheduler.num_unfinished + len(engine._inbox) < args.batch:
                 rid = f"r{n}"
-                context = RecordContext(
-                    "bench",
-                    {"team": "bench"},
-                    checkpoint.name,
-                    clock.now_epoch_us(),
-                    clock.now_epoch_us(),
-                    clock.now_epoch_us() + 10**9,
-                )
+                now_ns = clock.now_ns()
+                context = RecordContext("bench", {"team": "bench"}, now_ns, now_ns, now_ns + 10**12)
                 meter.register(rid, context)
                 engine.add_request(
                     Request(

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from billing.records import IdleRecord, Outcome, UsageRecord
 
+from .device.spec import Device
 from .engine.digest import EndedRequest, StepDigest
 from .sched.request import FinishReason, RequestStatus
 
@@ -57,23 +58,16 @@ def split_exact(total: int, weights: Sequence[int]) -> list[int]:
 
 @dataclass(frozen=True)
 class RecordContext:
-    """What the service knows of a request that the engine does not."""
+    """What the service knows of an admitted call that the engine does not, fixed at admission. It is the
+    frozen part of the service's `Ticket` (which holds it, not a copy): the meter reads it off the event loop,
+    on the engine's thread with --engine-thread. Times are on the engine clock; the meter makes them epoch µs."""
 
     tenant: str
     labels: Mapping[str, str]
-    model: str
-    received_at_us: int
-    dispatched_at_us: int
-    deadline_at_us: int
+    received_ns: int
+    dispatched_ns: int  # admitted: handed to the engine
+    deadline_ns: int
     client_request_id: str = ""  # the caller's request_id (the record's own id is the call's)
-
-
-@dataclass(frozen=True)
-class Device:
-    kind: str
-    device_id: str
-    unit: str
-    num_units: int
 
 
 @dataclass
@@ -88,6 +82,7 @@ class Meter:
     happens off this thread) and closed minutes' idle records, before the engine emits the final outputs."""
 
     device: Device
+    model: str  # the model this replica serves, on every record
     boot_id: str
     epoch_us: Callable[[int], int]  # engine clock ns -> µs since the epoch
     write: Callable[[list[Callable[[], UsageRecord]], list[IdleRecord]], None]
@@ -205,10 +200,10 @@ class Meter:
     def _record(self, request: EndedRequest, ended_ns: int) -> Callable[[], UsageRecord]:
         """The request's record, built (and validated) later by whoever calls it: off the engine's thread."""
         ctx = self.contexts.pop(request.request_id)
-        finished_us = self.epoch_us(ended_ns)
+        finished_us, deadline_us = self.epoch_us(ended_ns), self.epoch_us(ctx.deadline_ns)
         first_token_us = None if request.first_token_ns is None else self.epoch_us(request.first_token_ns)
         outcome = _OUTCOMES[request.status]
-        met = finished_us <= ctx.deadline_at_us and outcome not in (Outcome.DEADLINE_EXCEEDED, Outcome.ERROR)
+        met = finished_us <= deadline_us and outcome not in (Outcome.DEADLINE_EXCEEDED, Outcome.ERROR)
         d = self.device
         unit_us = self.usage_unit_us.pop(request.request_id, 0)
         if self.count is not None:
@@ -218,7 +213,7 @@ class Meter:
             request_id=request.request_id,
             tenant=ctx.tenant,
             labels=ctx.labels,
-            model=ctx.model,
+            model=self.model,
             device_kind=d.kind,
             device_id=d.device_id,
             unit=d.unit,
@@ -226,11 +221,11 @@ class Meter:
             unit_us=unit_us,
             prompt_tokens=request.num_prompt_tokens,
             completion_tokens=request.num_output_tokens,
-            received_at_us=ctx.received_at_us,
-            dispatched_at_us=ctx.dispatched_at_us,
+            received_at_us=self.epoch_us(ctx.received_ns),
+            dispatched_at_us=self.epoch_us(ctx.dispatched_ns),
             first_token_at_us=first_token_us,
             finished_at_us=finished_us,
-            deadline_at_us=ctx.deadline_at_us,
+            deadline_at_us=deadline_us,
             deadline_met=met,
             outcome=outcome,
             client_request_id=ctx.client_request_id,

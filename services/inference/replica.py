@@ -37,7 +37,7 @@ from .engine.core import build_engine
 from .engine.engine import Engine
 from .engine.messages import EngineSpec
 from .engine.steplog import StepLog
-from .meter import Device, Meter
+from .meter import Meter
 from .metrics import ServiceMetrics, StepStats
 from .service import InferenceService, ModelCard, WarmupState
 from .servicer import InferenceServicer, RequestLimits
@@ -216,20 +216,20 @@ class InferenceApp:
             engine.set_expiry_guard(int(cost.step_us(ready.num_slots) * 1000))
         steps = StepLog()
         engine.observers.append(StepStats(observed_cost, self.metrics, ready.num_slots, steps, self.config.pace_tokens))
-        info = ready.info
         self.meter = Meter(
-            Device(info.kind, info.device_id, info.unit, info.num_compute_units),
+            ready.device,
+            self.card.name,
             uuid.uuid4().hex[:12],
             self.clock.epoch_us,
             self.link.outbox.append,
             started_ns=self.clock.now_ns(),
             count=self.metrics.count_usage,
         )
-        self.metrics.compute_units.set(info.num_compute_units)
+        self.metrics.compute_units.set(ready.device.num_units)
         engine.observers.append(self.meter)
         self.engine = engine
         card = ModelCard(
-            self.card.name, ready.max_seq_len, self.card.dtype, self.card.args.vocab_size, ready.num_slots, info
+            self.card.name, ready.max_seq_len, self.card.dtype, self.card.args.vocab_size, ready.num_slots, ready.device
         )
         return InferenceService(
             engine,

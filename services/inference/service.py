@@ -23,7 +23,7 @@ from services.metering.outbox import Outbox
 from .admission import AdmissionController, Admit, Commitment, Infeasible, Reject
 from .admission.fifo import FifoAdmission
 from .clock import Clock
-from .device.spec import DeviceInfo
+from .device.spec import Device
 from .engine.client import EngineClient
 from .engine.engine import Engine, RequestOutput
 from .engine.steplog import StepLog
@@ -60,7 +60,7 @@ class ModelCard:
     dtype: str
     vocab_size: int
     max_batch: int
-    device: DeviceInfo
+    device: Device
 
 
 @dataclass(frozen=True)
@@ -78,13 +78,10 @@ class Ticket:
     the caller's request_id is an idempotency key scoped to its tenant (`key`), never a handle."""
 
     spec: GenerateSpec
-    tenant: str
+    context: RecordContext  # tenant, labels and times: what the meter bills the call with
     call_id: str
     request: Request
     outputs: asyncio.Queue
-    received_ns: int
-    dispatched_ns: int
-    deadline_ns: int
     budget_ms: int
     budget_source: BudgetSource
     predicted_finish_ns: int
@@ -95,6 +92,22 @@ class Ticket:
     num_output_tokens: int = 0
     usage_on_disk: Future | None = None  # the outbox resolves it once the usage record is durable
     usage: UsageRecord | None = None
+
+    @property
+    def tenant(self) -> str:
+        return self.context.tenant
+
+    @property
+    def received_ns(self) -> int:
+        return self.context.received_ns
+
+    @property
+    def dispatched_ns(self) -> int:
+        return self.context.dispatched_ns
+
+    @property
+    def deadline_ns(self) -> int:
+        return self.context.deadline_ns
 
     @property
     def deadline_met(self) -> bool:
@@ -229,34 +242,20 @@ class InferenceService:
             deadline_ns=deadline_ns if self.deadline_mode else None,
         )
         sink = LoopSink(asyncio.get_running_loop())
+        context = RecordContext(tenant, spec.labels, received_ns, decided_ns, deadline_ns, spec.request_id)
         ticket = Ticket(
             spec,
-            tenant,
+            context,
             call_id,
             request,
             sink.queue,
-            received_ns,
-            decided_ns,
-            deadline_ns,
             budget_ns // 1_000_000,
             source,
             decision.predicted_finish_ns or deadline_ns,
         )
         self.in_flight[ticket.key] = ticket
         self.metrics.in_flight.set(len(self.in_flight))
-        epoch = self.clock.epoch_us
-        self.meter.register(
-            call_id,
-            RecordContext(
-                tenant,
-                spec.labels,
-                self.card.name,
-                epoch(received_ns),
-                epoch(decided_ns),
-                epoch(deadline_ns),
-                spec.request_id,
-            ),
-        )
+        self.meter.register(call_id, context)
         ticket.usage_on_disk = self.outbox.expect(call_id)
         try:
             self.engine.add_request(request, sink)

@@ -368,7 +368,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             unit=device.unit,
             device_kind=device.kind,
             device_id=device.device_id,
-            num_compute_units=device.num_compute_units,
+            num_compute_units=device.num_units,
         )
         return pb.Final(finish_reason=_FINISH[t.finish_reason], timings=timings, usage=usage)
 
@@ -386,7 +386,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                         dtype=card.dtype,
                         device_kind=card.device.kind,
                         device_name=card.device.name,
-                        num_compute_units=card.device.num_compute_units,
+                        num_compute_units=card.device.num_units,
                         unit=card.device.unit,
                         state=_STATE[self.service.state],
                         max_batch=card.max_batch,

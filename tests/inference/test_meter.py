@@ -5,12 +5,13 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from services.inference.device.spec import Device
 from services.inference.engine.digest import StepDigest, ended_request
-from services.inference.meter import US_PER_MINUTE, Device, Meter, RecordContext, split_exact
+from services.inference.meter import US_PER_MINUTE, Meter, RecordContext, split_exact
 from services.inference.sched.request import Request, RequestStatus, SamplingParams
 
 EPOCH_US = 29_833_334 * 60_000_000  # a UTC minute boundary in 2026
-DEVICE = Device("cpu", "cpu:test", "core_us", 2)
+DEVICE = Device("cpu", "cpu", "cpu:test", 2, "core_us")
 
 
 @settings(max_examples=300, deadline=None)
@@ -39,7 +40,7 @@ class Recorder:
 
 
 def make_meter(recorder, start_ns=0):
-    return Meter(DEVICE, "boot1", lambda ns: EPOCH_US + ns // 1000, recorder, started_ns=start_ns)
+    return Meter(DEVICE, "m", "boot1", lambda ns: EPOCH_US + ns // 1000, recorder, started_ns=start_ns)
 
 
 def req(rid, prompt=4, max_tokens=8):
@@ -53,7 +54,7 @@ def report(decodes, prefills, began_ns, ended_ns, ended=(), unfinished=1):
 
 def register(meter, *requests):
     for r in requests:
-        meter.register(r.request_id, RecordContext("acme", {"team": "ml"}, "m", EPOCH_US, EPOCH_US, EPOCH_US + 10**9))
+        meter.register(r.request_id, RecordContext("acme", {"team": "ml"}, 0, 0, 10**12))
 
 
 def test_a_step_is_split_by_tokens_and_the_record_carries_the_sum():

@@ -11,7 +11,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from services.inference.device.executor import DeviceInfo, describe_device
+from services.inference.device.executor import Device, describe_device
 from services.inference.device.nvml import GpuFacts, gpu_facts
 
 H100 = "GPU-5e6f7a8b-1111-2222-3333-444455556666"
@@ -193,29 +193,29 @@ CUDA0 = torch.device("cuda", 0)
 def test_describe_cuda_with_nvml(monkeypatch):
     install(monkeypatch, mig_host())
     cuda_props(monkeypatch, A100.removeprefix("GPU-"), name="torch's name")
-    assert describe_device(CUDA0) == DeviceInfo("cuda", "NVIDIA A100-SXM4-40GB", A100, 132, "sm_us")
+    assert describe_device(CUDA0) == Device("cuda", "NVIDIA A100-SXM4-40GB", A100, 132, "sm_us")
 
 
 def test_describe_cuda_mig_slice_with_nvml(monkeypatch):
     install(monkeypatch, mig_host())
     cuda_props(monkeypatch, SLICE.removeprefix("MIG-"), name="NVIDIA H100 80GB HBM3 MIG 3g.40gb")
-    assert describe_device(CUDA0) == DeviceInfo("cuda", "NVIDIA H100 80GB HBM3", SLICE, 132, "sm_us")
+    assert describe_device(CUDA0) == Device("cuda", "NVIDIA H100 80GB HBM3", SLICE, 132, "sm_us")
 
 
 @pytest.mark.parametrize(("torch_uuid", "device_id"), [(H100.removeprefix("GPU-"), H100), (H100, H100), (SLICE, SLICE)])
 def test_describe_cuda_without_nvml(monkeypatch, torch_uuid, device_id):
     monkeypatch.setitem(sys.modules, "pynvml", None)
     cuda_props(monkeypatch, torch_uuid, name="torch's name")
-    assert describe_device(CUDA0) == DeviceInfo("cuda", "torch's name", device_id, 132, "sm_us")
+    assert describe_device(CUDA0) == Device("cuda", "torch's name", device_id, 132, "sm_us")
 
 
 def test_describe_a_mig_slice_without_nvml_by_its_cuda_name(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)
     cuda_props(monkeypatch, SLICE.removeprefix("MIG-"), name="NVIDIA H100 80GB HBM3 MIG 3g.40gb")
-    assert describe_device(CUDA0) == DeviceInfo("cuda", "NVIDIA H100 80GB HBM3 MIG 3g.40gb", SLICE, 132, "sm_us")
+    assert describe_device(CUDA0) == Device("cuda", "NVIDIA H100 80GB HBM3 MIG 3g.40gb", SLICE, 132, "sm_us")
 
 
 def test_describe_cuda_when_nvml_fails_after_init(monkeypatch):
     install(monkeypatch, mig_host(), fail=("nvmlDeviceGetCount",))
     cuda_props(monkeypatch, A100.removeprefix("GPU-"), name="torch's name")
-    assert describe_device(CUDA0) == DeviceInfo("cuda", "torch's name", A100, 132, "sm_us")
+    assert describe_device(CUDA0) == Device("cuda", "torch's name", A100, 132, "sm_us")

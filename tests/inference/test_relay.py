@@ -10,6 +10,7 @@ from types import MappingProxyType
 from services.inference.clock import Clock
 from services.inference.engine.engine import RequestOutput
 from services.inference.engine.steplog import StepLog
+from services.inference.meter import RecordContext
 from services.inference.metrics import ServiceMetrics
 from services.inference.sched.request import SamplingParams
 from services.inference.service import BudgetSource, GenerateSpec, InferenceService, LoopSink, Ticket
@@ -44,13 +45,10 @@ def _ticket(queue: asyncio.Queue, received_ns: int) -> Ticket:
     done.set_result(None)
     return Ticket(
         spec,
-        "tenant",
+        RecordContext("tenant", spec.labels, received_ns, received_ns, received_ns + 10**10, spec.request_id),
         "call-1",
         None,
         queue,
-        received_ns,
-        received_ns,
-        received_ns + 10**10,
         10_000,
         BudgetSource.CLIENT_DEADLINE,
         received_ns + 10**9,

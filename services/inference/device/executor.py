@@ -24,7 +24,7 @@ from .model import Transformer
 from .nvml import gpu_facts
 from .packed import pack_model
 from .sampler import sample
-from .spec import DeviceInfo, ExecutorConfig, StepResult
+from .spec import Device, ExecutorConfig, StepResult
 
 log = structlog.get_logger(__name__)
 
@@ -48,7 +48,7 @@ def _cpu_threads(requested: int) -> int:
     return engine_threads(requested, allowed_cpus())
 
 
-def describe_device(device: torch.device) -> DeviceInfo:
+def describe_device(device: torch.device) -> Device:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)  # SMs of the device or MIG slice we were given
         torch_uuid = str(props.uuid)
@@ -59,8 +59,8 @@ def describe_device(device: torch.device) -> DeviceInfo:
             uuid = torch_uuid
         else:  # torch's UUID has no prefix; CUDA names a slice "<GPU> MIG <profile>"
             uuid = ("MIG-" if " MIG " in props.name else "GPU-") + torch_uuid
-        return DeviceInfo("cuda", facts.name if facts else props.name, uuid, props.multi_processor_count, "sm_us")
-    return DeviceInfo("cpu", "cpu", f"cpu:{os.uname().nodename}", torch.get_num_threads(), "core_us")
+        return Device("cuda", facts.name if facts else props.name, uuid, props.multi_processor_count, "sm_us")
+    return Device("cpu", "cpu", f"cpu:{os.uname().nodename}", torch.get_num_threads(), "core_us")
 
 
 class Executor:

@@ -19,11 +19,14 @@ class ExecutorConfig:
 
 
 @dataclass(frozen=True)
-class DeviceInfo:
+class Device:
+    """The device a replica serves on, as the executor found it and as the meter bills it: a call's usage is
+    unit·µs, its share of each step's time × num_units."""
+
     kind: str  # cpu | cuda
     name: str
-    device_id: str  # GPU UUID, or cpu:<host>
-    num_compute_units: int  # SMs on a GPU, cores on a CPU
+    device_id: str  # GPU UUID (MIG-… for a slice), or cpu:<host>
+    num_units: int  # compute units: SMs on a GPU, cores on a CPU
     unit: str  # sm_us | core_us
 
 

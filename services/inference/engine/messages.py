@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..device.spec import DeviceInfo, ExecutorConfig
+from ..device.spec import Device, ExecutorConfig
 
 if TYPE_CHECKING:
     from ..device.executor import Executor
@@ -37,7 +37,7 @@ class EngineSpec:
 
 @dataclass(frozen=True)
 class Ready:
-    info: DeviceInfo
+    device: Device
     num_slots: int
     max_seq_len: int
     max_num_batched_tokens: int
