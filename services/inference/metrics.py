@@ -6,6 +6,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .admission.costmodel import CostModel
+from .device.spec import Device
+from .device.telemetry import GpuTelemetry, HostSteal
 from .engine.digest import StepDigest
 from .engine.steplog import StepLog
 
@@ -115,6 +117,18 @@ class ServiceMetrics:
         )
         self.in_flight = Gauge("zeroqueue_in_flight", "Admitted calls not yet finished", registry=r)
         self.free_slots = Gauge("zeroqueue_kv_slots_free", "Free KV cache slots", registry=r)
+        r.register(HostSteal())
+
+    def watch_device(self, device: Device) -> GpuTelemetry | None:
+        """Adds a GPU's NVML readings to this registry (docs/OPERATIONS.md, "Device telemetry"); None for a CPU,
+        or where NVML cannot see the device. The caller closes what it gets."""
+        if device.kind != "cuda":
+            return None
+        telemetry = GpuTelemetry(device.device_id)
+        if not telemetry.start():
+            return None
+        self.registry.register(telemetry)
+        return telemetry
 
     def count_usage(self, tenant: str, cost_center: str, unit: str, unit_us: int) -> None:
         """Called for every usage record; keeps the cost_center label's cardinality bounded."""

@@ -32,6 +32,7 @@ from .clock import Clock
 from .device.card import read_card
 from .device.cpus import pin
 from .device.spec import ExecutorConfig
+from .device.telemetry import GpuTelemetry
 from .engine.client import EngineClient
 from .engine.core import build_engine
 from .engine.engine import Engine
@@ -122,6 +123,7 @@ class InferenceApp:
         )
         self.servicer = InferenceServicer(self.card.name, self.card.tokenizer, self.link.authenticator, config.limits)
         self.meter: Meter | None = None
+        self.telemetry: GpuTelemetry | None = None
         self.health = health_aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.health_server: grpc.aio.Server | None = None
@@ -226,6 +228,7 @@ class InferenceApp:
             count=self.metrics.count_usage,
         )
         self.metrics.compute_units.set(ready.device.num_units)
+        self.telemetry = self.metrics.watch_device(ready.device)
         engine.observers.append(self.meter)
         self.engine = engine
         card = ModelCard(
@@ -275,4 +278,6 @@ class InferenceApp:
         if self.meter is not None:
             self.meter.on_idle(self.clock.now_ns(), final=True)
         await self.link.stop()
+        if self.telemetry is not None:
+            self.telemetry.close()
         log.info("stopped")

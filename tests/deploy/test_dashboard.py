@@ -1,20 +1,25 @@
 """deploy/grafana: every query parses as PromQL and asks only for metrics (and labels) that a replica exports.
 
-The exported names come from the service's own registry (services/inference/metrics.py), so renaming a metric
-there without updating the dashboard fails here.
+The exported names come from the service's own registry (services/inference/metrics.py), with a GPU's telemetry
+read from a fake NVML (services/inference/device/telemetry.py), so renaming a metric there without updating the
+dashboard fails here.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
+from unittest import mock
 
 import promql_parser as promql
 import pytest
 from prometheus_client.metrics import MetricWrapperBase
 
+from services.inference.device.spec import Device
 from services.inference.metrics import ServiceMetrics
+from tests.inference.fake_nvml import A100, FakeNvml, mig_host
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((ROOT / "deploy" / "grafana").glob("*.json"))
@@ -29,8 +34,12 @@ SUFFIXES = {
 
 
 def exported() -> dict[str, set[str]]:
-    """Sample name -> its label names, for every metric a replica's ServiceMetrics registers."""
+    """Sample name -> its label names, for every metric a replica's ServiceMetrics registers, a GPU's included."""
     metrics = ServiceMetrics()
+    gpus = mig_host()
+    gpus[1].xids.append(79)  # so that the XID counter has a sample, and its label is seen
+    with mock.patch.dict(sys.modules, {"pynvml": FakeNvml(gpus)}):
+        metrics.watch_device(Device("cuda", "NVIDIA A100-SXM4-40GB", A100, 108, "sm_us"))
     labels = {
         m._name: set(m._labelnames)
         for m in vars(metrics).values()  # noqa: SLF001 - no public accessor
@@ -40,7 +49,8 @@ def exported() -> dict[str, set[str]]:
     for family in metrics.registry.collect():
         for suffix in SUFFIXES[family.type]:
             extra = {"le"} if suffix == "_bucket" else set()
-            names[family.name + suffix] = labels.get(family.name, set()) | extra
+            sampled = {label for sample in family.samples for label in sample.labels}
+            names[family.name + suffix] = labels.get(family.name, set()) | sampled | extra
     return names
 
 
@@ -141,6 +151,16 @@ def test_panels_cover_the_board(dashboard: dict) -> None:
         "zeroqueue_deadline_misses_total",
         "zeroqueue_device_unit_us_total",
         "zeroqueue_device_compute_units",
+        "zeroqueue_gpu_utilization_ratio",
+        "zeroqueue_gpu_sm_clock_hertz",
+        "zeroqueue_gpu_clocks_event_reason",
+        "zeroqueue_gpu_temperature_celsius",
+        "zeroqueue_gpu_power_watts",
+        "zeroqueue_gpu_memory_used_bytes",
+        "zeroqueue_gpu_xid_errors_total",
+        "zeroqueue_gpu_ecc_errors_total",
+        "zeroqueue_cost_model_ratio",
+        "zeroqueue_host_steal_seconds_total",
     ):
         assert metric in text, metric
     assert re.search(r'attempt="1",result="admitted"', text), "first-retry success"

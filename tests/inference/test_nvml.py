@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import sys
-import types
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import pytest
@@ -13,99 +11,7 @@ from structlog.testing import capture_logs
 
 from services.inference.device.executor import Device, describe_device
 from services.inference.device.nvml import GpuFacts, gpu_facts
-
-H100 = "GPU-5e6f7a8b-1111-2222-3333-444455556666"
-A100 = "GPU-0a1b2c3d-aaaa-bbbb-cccc-ddddeeeeffff"
-SLICE = "MIG-9f8e7d6c-5555-6666-7777-888899990000"
-OTHER_SLICE = "MIG-12345678-0000-0000-0000-000000000000"
-DRIVER = "550.54.15"
-
-
-class NVMLError(Exception):
-    pass
-
-
-@dataclass
-class Dev:
-    uuid: str | bytes
-    name: str | bytes = "NVIDIA H100 80GB HBM3"
-    memory: int = 80 << 30
-    mig: bool | None = None  # None: not MIG-capable, the query raises as NVML's does
-    slices: list[Dev | None] = field(default_factory=list)  # None: an empty slot, whose handle query raises
-
-
-class FakeNvml(types.ModuleType):
-    """The part of pynvml that gpu_facts calls; `fail` names functions that raise NVMLError."""
-
-    NVML_DEVICE_MIG_ENABLE = 1
-    NVMLError = NVMLError
-
-    def __init__(self, gpus: list[Dev], fail: tuple[str, ...] = ()) -> None:
-        super().__init__("pynvml")
-        self.gpus, self.fail, self.calls = gpus, fail, []
-
-    def _call(self, name: str) -> None:
-        self.calls.append(name)
-        if name in self.fail:
-            raise NVMLError(f"{name}: Unknown Error")
-
-    def nvmlInit(self) -> None:
-        self._call("nvmlInit")
-
-    def nvmlShutdown(self) -> None:
-        self._call("nvmlShutdown")
-
-    def nvmlDeviceGetCount(self) -> int:
-        self._call("nvmlDeviceGetCount")
-        return len(self.gpus)
-
-    def nvmlDeviceGetHandleByIndex(self, i: int) -> Dev:
-        self._call("nvmlDeviceGetHandleByIndex")
-        return self.gpus[i]
-
-    def nvmlDeviceGetMigMode(self, handle: Dev) -> tuple[int, int]:
-        self._call("nvmlDeviceGetMigMode")
-        if handle.mig is None:
-            raise NVMLError("Not Supported")
-        return (int(handle.mig), int(handle.mig))
-
-    def nvmlDeviceGetMaxMigDeviceCount(self, handle: Dev) -> int:
-        self._call("nvmlDeviceGetMaxMigDeviceCount")
-        return len(handle.slices)
-
-    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: Dev, j: int) -> Dev:
-        self._call("nvmlDeviceGetMigDeviceHandleByIndex")
-        if handle.slices[j] is None:
-            raise NVMLError("Not Found")
-        return handle.slices[j]
-
-    def nvmlDeviceGetUUID(self, handle: Dev) -> str | bytes:
-        self._call("nvmlDeviceGetUUID")
-        return handle.uuid
-
-    def nvmlDeviceGetName(self, handle: Dev) -> str | bytes:
-        self._call("nvmlDeviceGetName")
-        return handle.name
-
-    def nvmlSystemGetDriverVersion(self) -> str | bytes:
-        self._call("nvmlSystemGetDriverVersion")
-        return DRIVER
-
-    def nvmlDeviceGetMemoryInfo(self, handle: Dev) -> SimpleNamespace:
-        self._call("nvmlDeviceGetMemoryInfo")
-        return SimpleNamespace(total=handle.memory, free=handle.memory, used=0)
-
-
-def install(monkeypatch, gpus: list[Dev], fail: tuple[str, ...] = ()) -> FakeNvml:
-    fake = FakeNvml(gpus, fail)
-    monkeypatch.setitem(sys.modules, "pynvml", fake)
-    return fake
-
-
-def mig_host() -> list[Dev]:
-    """A MIG-enabled H100 with an empty slot and two slices, beside a plain A100."""
-    slices = [None, Dev(OTHER_SLICE, name="slice", memory=10 << 30), Dev(SLICE, name="slice", memory=20 << 30)]
-    return [Dev(H100, mig=True, slices=slices), Dev(A100, name="NVIDIA A100-SXM4-40GB", memory=40 << 30, mig=False)]
+from tests.inference.fake_nvml import A100, DRIVER, H100, SLICE, Dev, install, mig_host
 
 
 def test_plain_gpu_matched_without_prefix_and_bytes_decoded(monkeypatch):

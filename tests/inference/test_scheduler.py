@@ -54,7 +54,12 @@ TORCH_FREE_ROOMS = {
     ),
     "service": ("services.inference.service",),
     # the server process: it serves from the model's card and leaves the weights to the engine process
-    "server": ("services.inference.replica", "services.inference.servicer", "services.inference.device.card"),
+    "server": (
+        "services.inference.replica",
+        "services.inference.servicer",
+        "services.inference.device.card",
+        "services.inference.device.telemetry",
+    ),
 }
 
 

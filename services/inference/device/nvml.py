@@ -1,4 +1,5 @@
-"""GPU facts from NVML (nvidia-ml-py): name, UUID, MIG attributes, driver. No CUDA here.
+"""GPU facts from NVML (nvidia-ml-py): name, UUID, MIG attributes, driver; and finding a device's handles for
+telemetry.py. No CUDA here.
 
 The usage record names the device by its NVML UUID (`GPU-…`, or `MIG-…` for a MIG slice), which is how
 `nvidia-smi` and DCGM name it too; the SM count comes from torch, which sees the slice the process got.
@@ -44,19 +45,34 @@ def _candidates(pynvml):
                     continue
 
 
-def _find(pynvml, wanted: str) -> GpuFacts | None:
+def _match(pynvml, wanted: str):
+    """(handle, parent, is MIG slice, MIG mode on, UUID) of the device whose UUID ends with `wanted`, or None."""
     for handle, parent, is_mig, mig_mode in _candidates(pynvml):
         uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
         if uuid.endswith(wanted):
-            return GpuFacts(
-                uuid,
-                _text(pynvml.nvmlDeviceGetName(parent)),
-                is_mig,
-                mig_mode,
-                _text(pynvml.nvmlSystemGetDriverVersion()),
-                pynvml.nvmlDeviceGetMemoryInfo(handle).total,
-            )
+            return handle, parent, is_mig, mig_mode, uuid
     return None
+
+
+def find_handles(pynvml, wanted: str):
+    """(the device's handle, its parent GPU's handle: the same for a whole GPU) for an initialised NVML, or None."""
+    match = _match(pynvml, wanted)
+    return None if match is None else match[:2]
+
+
+def _find(pynvml, wanted: str) -> GpuFacts | None:
+    match = _match(pynvml, wanted)
+    if match is None:
+        return None
+    handle, parent, is_mig, mig_mode, uuid = match
+    return GpuFacts(
+        uuid,
+        _text(pynvml.nvmlDeviceGetName(parent)),
+        is_mig,
+        mig_mode,
+        _text(pynvml.nvmlSystemGetDriverVersion()),
+        pynvml.nvmlDeviceGetMemoryInfo(handle).total,
+    )
 
 
 def gpu_facts(cuda_uuid: str) -> GpuFacts | None:
