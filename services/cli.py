@@ -110,7 +110,58 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         "starved the server under overload: see BENCHMARKS.md)",
     )
     p.add_argument("--json-logs", action=argparse.BooleanOptionalAction, default=True)
+    add_device_options(p)
     p.set_defaults(run=fails_cleanly(run_serve))
+
+
+def add_device_options(p: argparse.ArgumentParser) -> None:
+    """The device's watchdog (services/inference/engine/watchdog.py) and faults injected for drills."""
+    p.add_argument(
+        "--watchdog-period-ms",
+        type=_non_negative_int,
+        default=100,
+        help="how often the watchdog judges the device, and probes it while idle; 0: no watchdog",
+    )
+    p.add_argument(
+        "--device-hang-ms",
+        type=_non_negative_int,
+        default=1000,
+        help="a device operation running this long (or 8x its calibrated time, if longer) for 3 watchdog periods "
+        "fails the device: calls in flight end UNAVAILABLE, billed, and readiness goes NOT_SERVING",
+    )
+    p.add_argument(
+        "--device-recovery-s",
+        type=float,
+        default=60.0,
+        help="a device failed this long takes liveness down too, so the pod is restarted",
+    )
+    p.add_argument(
+        "--inject-fault",
+        type=_fault,
+        default=None,
+        metavar="SPEC",
+        help="for tests and drills: slow:FACTOR, hang or fail, with after=SECONDS (from SERVING) and for=SECONDS; "
+        "e.g. slow:4,after=10,for=20",
+    )
+
+
+def _fault(text: str):
+    from services.inference.device.faults import Fault
+
+    try:
+        return Fault.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def device_config(args: argparse.Namespace) -> dict:
+    """ServeConfig's device fields from the options of add_device_options."""
+    from services.inference.engine.watchdog import WatchdogConfig
+
+    watchdog = None
+    if args.watchdog_period_ms:
+        watchdog = WatchdogConfig(period_s=args.watchdog_period_ms / 1000, min_allowance_s=args.device_hang_ms / 1000)
+    return {"watchdog": watchdog, "device_recovery_s": args.device_recovery_s, "fault": args.inject_fault}
 
 
 def _non_negative_int(text: str) -> int:
@@ -155,6 +206,7 @@ def run_serve(args: argparse.Namespace) -> int:
         json_logs=args.json_logs,
         pace_tokens=args.pace_tokens,
         stream_interval_ms=args.stream_interval_ms,
+        **device_config(args),
     )
     if args.demo_tenant and not args.metering:
         ensure_demo_tenant(args.ledger, args.demo_tenant, args.data_dir)

@@ -183,6 +183,14 @@ class NotServing(ServiceError):
     reason = "NOT_SERVING"
 
 
+class DeviceFailed(ServiceError):
+    """The replica's device stopped answering (engine/watchdog.py): new calls and the calls it was running go
+    elsewhere; the calls are billed for what ran."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    reason = "DEVICE_FAILED"
+
+
 class RequestIdInUse(ServiceError):
     code = grpc.StatusCode.ALREADY_EXISTS
     reason = "REQUEST_ID_IN_USE"

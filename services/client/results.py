@@ -125,6 +125,7 @@ class ModelInfo:
     max_batch: int
     device_kind: str
     ready: bool
+    device_state: str = ""  # healthy, slow or failed: the replica's watchdog on its device ("" if not said)
 
 
 def admission_from(msg: pb.Admission, endpoint: str) -> Admission:
@@ -172,8 +173,19 @@ def result_from(final: pb.Final, admission: Admission, chunks: list[Chunk], repo
     )
 
 
+_DEVICE_STATES = {pb.DEVICE_STATE_HEALTHY: "healthy", pb.DEVICE_STATE_SLOW: "slow", pb.DEVICE_STATE_FAILED: "failed"}
+
+
 def models_from(reply: pb.ListModelsResponse) -> list[ModelInfo]:
     return [
-        ModelInfo(m.name, m.context_length, m.vocab_size, m.max_batch, m.device_kind, m.state == pb.WARMUP_STATE_READY)
+        ModelInfo(
+            m.name,
+            m.context_length,
+            m.vocab_size,
+            m.max_batch,
+            m.device_kind,
+            m.state == pb.WARMUP_STATE_READY,
+            _DEVICE_STATES.get(m.device_state, ""),
+        )
         for m in reply.models
     ]

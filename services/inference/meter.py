@@ -120,9 +120,16 @@ class Meter:
                 # device waits for work, and that time is idle, not the next request's
                 self._busy = False
             records = [self._record(r, digest.ended_ns) for r in digest.ended if r.request_id in self.contexts]
+            for request in digest.ended:  # one already billed (abandoned: service.abandon) is billed no more
+                self.usage_unit_us.pop(request.request_id, None)
             idle = self._close_minutes(digest.ended_ns)
         if records or idle:
             self.write(records, idle)
+
+    def end_now(self, request: EndedRequest, now_ns: int) -> None:
+        """Bills a call the service ended itself (its device stopped answering) for the steps that ran, unless it
+        is billed already."""
+        self.on_step(StepDigest(now_ns, now_ns, False, (), 0, (request,), 1, 0))
 
     def on_idle(self, now_ns: int, final: bool = False) -> None:
         """Accounts idle time up to now and closes finished minutes (all of them when `final`)."""

@@ -10,6 +10,7 @@ from .device.spec import Device
 from .device.telemetry import GpuTelemetry, HostSteal
 from .engine.digest import StepDigest
 from .engine.steplog import StepLog
+from .engine.watchdog import DeviceState
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 STEP_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1)
@@ -117,7 +118,18 @@ class ServiceMetrics:
         )
         self.in_flight = Gauge("zeroqueue_in_flight", "Admitted calls not yet finished", registry=r)
         self.free_slots = Gauge("zeroqueue_kv_slots_free", "Free KV cache slots", registry=r)
+        self.device_state = Gauge(
+            "zeroqueue_device_state",
+            "1 for the device's state (healthy, slow, failed), 0 for the others",
+            ["state"],
+            registry=r,
+        )
+        self.set_device_state(DeviceState.HEALTHY)
         r.register(HostSteal())
+
+    def set_device_state(self, state: DeviceState) -> None:
+        for each in DeviceState:
+            self.device_state.labels(each.value).set(1 if each is state else 0)
 
     def watch_device(self, device: Device) -> GpuTelemetry | None:
         """Adds a GPU's NVML readings to this registry (docs/OPERATIONS.md, "Device telemetry"); None for a CPU,

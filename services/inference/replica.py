@@ -31,6 +31,7 @@ from .admission.fifo import FifoAdmission
 from .clock import Clock
 from .device.card import read_card
 from .device.cpus import pin
+from .device.faults import Fault
 from .device.spec import ExecutorConfig
 from .device.telemetry import GpuTelemetry
 from .engine.client import EngineClient
@@ -38,10 +39,12 @@ from .engine.core import build_engine
 from .engine.engine import Engine
 from .engine.messages import EngineSpec
 from .engine.steplog import StepLog
+from .engine.watchdog import DeviceState, WatchdogConfig
+from .generate_request import RequestLimits
 from .meter import Meter
 from .metrics import ServiceMetrics, StepStats
 from .service import InferenceService, ModelCard, WarmupState
-from .servicer import InferenceServicer, RequestLimits
+from .servicer import InferenceServicer
 
 log = structlog.get_logger(__name__)
 INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -87,6 +90,9 @@ class ServeConfig:
     tls_key: str | None = None
     health_port: int | None = None  # plaintext gRPC health only (kubelet probes cannot speak TLS)
     limits: RequestLimits = RequestLimits()  # what one Generate request may hold (servicer.py)
+    watchdog: WatchdogConfig | None = WatchdogConfig()  # the device's watchdog (engine/watchdog.py); None: off
+    device_recovery_s: float = 60.0  # a device failed this long takes liveness down too, so the pod restarts
+    fault: Fault | None = None  # a fault injected on purpose, for tests and drills (device/faults.py)
 
 
 def receive_limit(limits: RequestLimits, context_length: int, hosts_metering: bool) -> int:
@@ -128,6 +134,8 @@ class InferenceApp:
         self.server: grpc.aio.Server | None = None
         self.health_server: grpc.aio.Server | None = None
         self.engine: Engine | EngineClient | None = None
+        self.cost: CostModel | None = None
+        self._device_lost: asyncio.TimerHandle | None = None  # takes liveness down unless the device recovers
         self.port = 0
 
     @property
@@ -176,6 +184,7 @@ class InferenceApp:
         if isinstance(self.engine, Engine):  # the engine thread: a device fault stops it, from that thread
             loop = asyncio.get_running_loop()
             self.engine.on_lost = lambda why: loop.call_soon_threadsafe(self._engine_lost, why)
+            self.engine.on_device = lambda *verdict: loop.call_soon_threadsafe(self._device_changed, *verdict)
         self.engine.start()
         service.state = WarmupState.READY
         self.servicer.service = service
@@ -194,16 +203,18 @@ class InferenceApp:
             json_logs=self.config.json_logs,
             pace_tokens=self.config.pace_tokens,
             pin_cpus=self.config.pin_cpus,
+            watchdog=self.config.watchdog,
+            fault=self.config.fault,
         )
         if self.config.engine_process:
-            engine = EngineClient(spec, self.clock.now_ns, on_lost=self._engine_lost)
+            engine = EngineClient(spec, self.clock.now_ns, on_lost=self._engine_lost, on_device=self._device_changed)
             ready = engine.launch()
             if ready.server_cpus:  # the engine pinned itself to cores of its own: this process takes the rest
                 pin(ready.server_cpus)
                 log.info("cpus_pinned", engine=list(ready.engine_cpus), server=list(ready.server_cpus))
         else:
             engine, ready = build_engine(spec)
-        cost = CostModel(list(ready.cost_rows), list(ready.cost_row_us), ready.cost_us_per_context_token)
+        cost = self.cost = CostModel(list(ready.cost_rows), list(ready.cost_row_us), ready.cost_us_per_context_token)
         admission_config = AdmissionConfig(
             ready.num_slots,
             ready.max_num_batched_tokens,
@@ -252,8 +263,38 @@ class InferenceApp:
         if self.service is not None:
             self.service.state = WarmupState.FAILED
         log.error("replica_failed", why=why)
-        for name in ("", INFERENCE_SERVICE, LIVENESS):  # liveness too: only a restart brings it back
-            asyncio.get_running_loop().create_task(self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING))
+        # liveness too: only a restart brings it back
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING, "", INFERENCE_SERVICE, LIVENESS)
+
+    def _device_changed(self, state: DeviceState, ratio: float, why: str) -> None:
+        """The engine's watchdog changed its verdict on the device (on the event loop). Slow: admission predicts
+        with the measured speed at once. Failed: the calls in flight end now, billed, and readiness goes
+        NOT_SERVING; liveness too if the device has not recovered in `device_recovery_s`. Recovered: SERVING."""
+        service = self.service
+        if service is None or service.device_state is state:
+            return
+        previous, service.device_state = service.device_state, state
+        self.metrics.set_device_state(state)
+        if state is DeviceState.SLOW:
+            self.cost.follow(ratio)
+        loop = asyncio.get_running_loop()
+        if state is DeviceState.FAILED:
+            service.abandon(why)
+            self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING, "", INFERENCE_SERVICE)
+            self._device_lost = loop.call_later(self.config.device_recovery_s, self._device_not_recovered)
+        elif previous is DeviceState.FAILED and service.state is WarmupState.READY:
+            if self._device_lost is not None:
+                self._device_lost.cancel()
+            self._set_health(health_pb2.HealthCheckResponse.SERVING, "", INFERENCE_SERVICE, LIVENESS)
+
+    def _device_not_recovered(self) -> None:
+        log.error("device_not_recovered", after_s=self.config.device_recovery_s)
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING, LIVENESS)
+
+    def _set_health(self, status: int, *names: str) -> None:
+        loop = asyncio.get_running_loop()
+        for name in names:
+            loop.create_task(self.health.set(name, status))
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stops admitting (NOT_SERVING), lets admitted calls finish inside their deadlines, then exits.

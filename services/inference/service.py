@@ -10,26 +10,28 @@ from __future__ import annotations
 import asyncio
 import enum
 import uuid
-from collections.abc import AsyncIterator, Mapping
-from concurrent.futures import Future
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import structlog
 
-from billing.records import Outcome, UsageRecord
+from billing.records import Outcome
 from services import errors
 from services.metering.outbox import Outbox
 
 from .admission import AdmissionController, Admit, Commitment, Infeasible, Reject
 from .admission.fifo import FifoAdmission
+from .call import BudgetSource, GenerateSpec, Ticket, admission_key
 from .clock import Clock
 from .device.spec import Device
 from .engine.client import EngineClient
+from .engine.digest import EndedRequest
 from .engine.engine import Engine, RequestOutput
 from .engine.steplog import StepLog
+from .engine.watchdog import DeviceState
 from .meter import OUTCOMES, Meter, RecordContext
 from .metrics import ServiceMetrics
-from .sched.request import FinishReason, Request, SamplingParams
+from .sched.request import FinishReason, Request, RequestStatus
 
 log = structlog.get_logger(__name__)
 
@@ -48,11 +50,6 @@ class WarmupState(enum.Enum):
     FAILED = "failed"  # the engine died; this replica cannot serve
 
 
-class BudgetSource(enum.Enum):
-    CLIENT_DEADLINE = "client_deadline"
-    SERVER_DEFAULT = "server_default"
-
-
 @dataclass(frozen=True)
 class ModelCard:
     name: str
@@ -61,72 +58,6 @@ class ModelCard:
     vocab_size: int
     max_batch: int
     device: Device
-
-
-@dataclass(frozen=True)
-class GenerateSpec:
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    sampling: SamplingParams
-    labels: Mapping[str, str]
-    retry_attempt: int = 0
-
-
-@dataclass
-class Ticket:
-    """One admitted call. The engine, the meter and the outbox know it by `call_id`, which this replica made;
-    the caller's request_id is an idempotency key scoped to its tenant (`key`), never a handle."""
-
-    spec: GenerateSpec
-    context: RecordContext  # tenant, labels and times: what the meter bills the call with
-    call_id: str
-    request: Request
-    outputs: asyncio.Queue
-    budget_ms: int
-    budget_source: BudgetSource
-    predicted_finish_ns: int
-    first_scheduled_ns: int | None = None
-    first_token_ns: int | None = None
-    finished_ns: int | None = None
-    finish_reason: FinishReason | None = None
-    num_output_tokens: int = 0
-    usage_on_disk: Future | None = None  # the outbox resolves it once the usage record is durable
-    usage: UsageRecord | None = None
-
-    @property
-    def tenant(self) -> str:
-        return self.context.tenant
-
-    @property
-    def received_ns(self) -> int:
-        return self.context.received_ns
-
-    @property
-    def dispatched_ns(self) -> int:
-        return self.context.dispatched_ns
-
-    @property
-    def deadline_ns(self) -> int:
-        return self.context.deadline_ns
-
-    @property
-    def deadline_met(self) -> bool:
-        return self.finished_ns is not None and self.finished_ns <= self.deadline_ns
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return self.tenant, self.spec.request_id
-
-    @property
-    def admission_key(self) -> str:
-        return admission_key(self.tenant, self.spec.request_id)
-
-
-def admission_key(tenant: str, request_id: str) -> str:
-    """The tenant-scoped key admission holds a call's slot (and a refused call's reservation) under: a retry
-    with the same request_id finds its reservation, another tenant's call with that id does not. Tenant
-    names have no '/'."""
-    return f"{tenant}/{request_id}"
 
 
 @dataclass
@@ -185,6 +116,7 @@ class InferenceService:
         self.default_budget_ms = default_budget_ms
         self.stream_interval_ns = stream_interval_ms * 1_000_000  # 0: a message per engine step
         self.state = WarmupState.WARMING_UP
+        self.device_state = DeviceState.HEALTHY  # the engine's watchdog says (engine/watchdog.py)
         self.in_flight: dict[tuple[str, str], Ticket] = {}  # (tenant, request_id) -> its admitted call
         self.drained = asyncio.Event()
 
@@ -202,6 +134,8 @@ class InferenceService:
         """Admits the call into the next engine step, or raises the domain error that says why not."""
         if self.state is not WarmupState.READY:
             raise errors.NotServing(f"replica is {self.state.value}; try another replica", {"state": self.state.value})
+        if self.device_state is DeviceState.FAILED:
+            raise errors.DeviceFailed("this replica's device is not responding; try another replica")
         if (tenant, spec.request_id) in self.in_flight:  # only the tenant's own ids: no one else's is seen
             raise errors.RequestIdInUse(
                 f"request_id {spec.request_id!r} is already in flight", {"request_id": spec.request_id}
@@ -301,6 +235,10 @@ class InferenceService:
             last = outputs[-1]
             if last.finish_reason is not None:
                 ticket.finish_reason, ticket.finished_ns = last.finish_reason, last.time_ns
+                if ticket.device_failure is not None and last.finish_reason is FinishReason.ERROR:
+                    self.meter.end_now(self._ended(ticket), last.time_ns)  # abandoned: billed here, once
+                elif ticket.device_failure is not None:  # the engine's own end came first: the call finished
+                    ticket.device_failure = None
                 await self._usage_on_disk(ticket)
                 self.metrics.usage_durable.observe((self.clock.now_ns() - last.time_ns) / 1e9)
             elif sent_ns is not None and now_ns - sent_ns < self.stream_interval_ns:
@@ -309,6 +247,25 @@ class InferenceService:
                 sent_ns = now_ns
             yield held[0] if len(held) == 1 else _merged(held)
             held = []
+
+    def abandon(self, why: str) -> None:
+        """The device stopped answering: every call in flight ends now, told UNAVAILABLE (DEVICE_FAILED) instead of
+        waiting out its deadline, and billed for the steps that ran (when its stream takes the end: the tokens it
+        relayed by then are the ones it is billed for). The engine drops them whenever it runs again."""
+        now_ns = self.clock.now_ns()
+        for ticket in self.in_flight.values():
+            if ticket.finish_reason is None and ticket.device_failure is None:
+                ticket.device_failure = why
+                self.engine.cancel(ticket.call_id)
+                ticket.outputs.put_nowait(
+                    RequestOutput(ticket.call_id, (), "", now_ns, ticket.num_output_tokens, FinishReason.ERROR)
+                )
+
+    @staticmethod
+    def _ended(ticket: Ticket) -> EndedRequest:
+        prompt = len(ticket.spec.prompt_token_ids)
+        status = RequestStatus.FINISHED_ERROR
+        return EndedRequest(ticket.call_id, status, prompt, ticket.num_output_tokens, ticket.first_token_ns)
 
     def _account(self, ticket: Ticket, output: RequestOutput, last_ns: int) -> int:
         """One engine output's bookkeeping; returns the time of the call's latest token."""

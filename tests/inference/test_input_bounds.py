@@ -16,10 +16,10 @@ from grpc_health.v1 import health_pb2
 from zeroqueue.inference.v1 import inference_pb2 as pb
 
 from services import errors
-from services.inference import servicer as servicer_module
+from services.inference import generate_request as request_module
 from services.inference.device.executor import ExecutorConfig
+from services.inference.generate_request import RequestLimits, to_spec
 from services.inference.replica import ServeConfig, receive_limit
-from services.inference.servicer import RequestLimits, to_spec
 from services.metering.server import MAX_MESSAGE_BYTES as METERING_MAX_MESSAGE_BYTES
 from tests.fuzz_generate import GENERATE, delimited, tag, varint
 from tests.inference.harness import ServerThread, status_details
@@ -176,7 +176,7 @@ def test_token_ids_past_the_context_are_counted_before_they_are_copied(server, m
         sizes.append(len(items) if hasattr(items, "__len__") else -1)
         return builtins.tuple(items)
 
-    monkeypatch.setattr(servicer_module, "tuple", spy_tuple, raising=False)
+    monkeypatch.setattr(request_module, "tuple", spy_tuple, raising=False)
     error = rejected(server.stub(), prompt="", prompt_token_ids=[5] * 10_000)
     assert error.code() == grpc.StatusCode.OUT_OF_RANGE and violations(error) == ["prompt_token_ids"]
     assert "10000 tokens" in error.details() and reason(error) == "INVALID_ARGUMENT"
@@ -186,7 +186,7 @@ def test_token_ids_past_the_context_are_counted_before_they_are_copied(server, m
 def test_to_spec_counts_two_million_ids_without_copying_or_scanning(monkeypatch, llama_dir):
     message = pb.GenerateRequest(prompt_token_ids=[400] * 2_000_000, max_tokens=1)  # 400: outside the vocab
     copies = []
-    monkeypatch.setattr(servicer_module, "tuple", lambda items=(): copies.append(len(items)) or (), raising=False)
+    monkeypatch.setattr(request_module, "tuple", lambda items=(): copies.append(len(items)) or (), raising=False)
     card = type("Card", (), {"name": "m", "context_length": CONTEXT, "vocab_size": 320})()
 
     async def never(text):
@@ -309,11 +309,11 @@ def test_grpc_previous_rpc_attempts_is_gRPCs_own_and_never_fails_a_call(server, 
 
 
 def test_retry_headers_parse_with_a_length_cap():
-    v = servicer_module._Violations()
-    assert servicer_module._retry_attempt((("x-retry-attempt", "2"), ("grpc-previous-rpc-attempts", "5")), v) == 5
+    v = request_module._Violations()
+    assert request_module._retry_attempt((("x-retry-attempt", "2"), ("grpc-previous-rpc-attempts", "5")), v) == 5
     assert not v.items
     headers = (("grpc-previous-rpc-attempts", "9" * 5000), ("x-retry-attempt", "٣"))
-    assert servicer_module._retry_attempt(headers, v) == 0
+    assert request_module._retry_attempt(headers, v) == 0
     assert [i.field for i in v.items] == ["grpc-previous-rpc-attempts", "x-retry-attempt"]
     assert all(len(i.description) < 200 for i in v.items)
 

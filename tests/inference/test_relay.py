@@ -7,13 +7,14 @@ import asyncio
 from concurrent.futures import Future
 from types import MappingProxyType
 
+from services.inference.call import BudgetSource, GenerateSpec, Ticket
 from services.inference.clock import Clock
 from services.inference.engine.engine import RequestOutput
 from services.inference.engine.steplog import StepLog
 from services.inference.meter import RecordContext
 from services.inference.metrics import ServiceMetrics
 from services.inference.sched.request import SamplingParams
-from services.inference.service import BudgetSource, GenerateSpec, InferenceService, LoopSink, Ticket
+from services.inference.service import InferenceService, LoopSink
 
 
 class Progress:

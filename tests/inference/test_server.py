@@ -13,10 +13,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from zeroqueue.inference.v1 import inference_pb2 as pb
 
 from services import errors
+from services.inference.call import BudgetSource, GenerateSpec
 from services.inference.device.executor import ExecutorConfig
 from services.inference.replica import ServeConfig
 from services.inference.sched.request import SamplingParams
-from services.inference.service import BudgetSource, GenerateSpec
 from services.status import status_for
 from tests.inference.conftest import Collector, make_engine, request, run_to_completion
 from tests.inference.harness import ServerThread, status_details

@@ -82,6 +82,12 @@ class CostModel:
             self.ratio += self.alpha * (ratio - self.ratio)
             self.deviation += self.alpha * (abs(ratio - self.ratio) - self.deviation)
 
+    def follow(self, ratio: float) -> None:
+        """The device runs `ratio` times its calibrated speed, as its watchdog measured over its last steps:
+        predictions take that at once rather than over the running ratio's dozens of steps."""
+        with self._lock:
+            self.ratio = max(self.ratio, ratio)
+
     def to_dict(self) -> dict:
         return {
             "rows": self.rows,

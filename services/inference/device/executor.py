@@ -27,6 +27,7 @@ from .sampler import sample
 from .spec import Device, ExecutorConfig, StepResult
 
 log = structlog.get_logger(__name__)
+PROBE_SIZE = 128  # the probe's square fp32 matmul: about 4 MFLOP, tens of µs on one core
 
 
 def _pick_device(name: str) -> torch.device:
@@ -97,6 +98,10 @@ class Executor:
         decode_kernel = self.cpu_ops.decode_attention if use_kernel else None
         self.backend = AttentionBackend(self.kv_cache, decode_kernel)
         self.info = describe_device(self.device)
+        # the watchdog's probe (engine/watchdog.py): one small matmul, on a stream of its own on a GPU
+        self._probe_in = torch.ones(PROBE_SIZE, PROBE_SIZE, device=self.device)
+        self._probe_out = torch.empty_like(self._probe_in)
+        self._probe_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.graphs: GraphRunner | None = None
         if self.device.type == "cuda" and config.use_cuda_graphs:
             self.graphs = GraphRunner(self.model, self.backend, self.num_slots, self.max_seq_len, self.device)
@@ -147,6 +152,17 @@ class Executor:
             sampled = self._sample(step, logits)
             device_us = (time.perf_counter_ns() - t0) // 1000
         return StepResult(sampled, device_us, padded, used_graph)
+
+    @torch.inference_mode()
+    def probe(self) -> None:
+        """A tiny operation on the device, waited for: the watchdog times it while the engine idles. On a GPU it
+        runs on its own stream, so it neither waits behind a step's work nor holds one up."""
+        if self._probe_stream is None:
+            torch.mm(self._probe_in, self._probe_in, out=self._probe_out)
+            return
+        with torch.cuda.stream(self._probe_stream):
+            torch.mm(self._probe_in, self._probe_in, out=self._probe_out)
+        self._probe_stream.synchronize()
 
     def _forward(self, step: SchedulerOutput) -> tuple[torch.Tensor, int, bool]:
         """(logits [rows to sample, vocab], rows computed with padding, whether a graph ran)."""

@@ -38,9 +38,15 @@ class StepResult:
     used_graph: bool
 
 
+class InjectedDeviceFault(RuntimeError):
+    """A device fault made on purpose (`zeroqueue serve --inject-fault fail`, faults.py): handled as a real one."""
+
+
 def is_device_fault(exc: BaseException) -> bool:
     """Whether a failed step left the device unusable: a CUDA error is sticky (a device-side assert fails every
     later launch), so the process that holds the context must go; any other failure ends the step's calls.
     Without torch imported (a fake executor), no torch error can have been raised."""
+    if isinstance(exc, InjectedDeviceFault):
+        return True
     torch = sys.modules.get("torch")
     return (torch is not None and isinstance(exc, torch.AcceleratorError)) or "CUDA error" in str(exc)

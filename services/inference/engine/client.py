@@ -22,6 +22,7 @@ from .core import engine_main
 from .digest import EndedRequest, StepDigest
 from .engine import OutputSink, RequestOutput, StepObserver
 from .messages import DEVICE_FAULT_EXIT, EngineFailed, EngineSpec, Ready
+from .watchdog import DeviceState
 
 log = structlog.get_logger(__name__)
 
@@ -37,12 +38,14 @@ class _Tracked:
 @dataclass
 class EngineClient:
     """Stands in for `Engine` in the server process: the same add_request / cancel / observers, with the
-    engine in a child process. `on_lost` is called (on the event loop) if the child dies while serving."""
+    engine in a child process. `on_lost` is called (on the event loop) if the child dies while serving, and
+    `on_device` with each of the child's watchdog verdicts."""
 
     spec: EngineSpec
     clock: Callable[[], int]
     observers: list[StepObserver] = field(default_factory=list)
     on_lost: Callable[[str], None] | None = None
+    on_device: Callable[[DeviceState, float, str], None] | None = None  # the watchdog's verdicts, on the loop
     _tracked: dict[str, _Tracked] = field(default_factory=dict)
     _process: multiprocessing.process.BaseProcess | None = None
     _to_engine: Connection | None = None
@@ -150,6 +153,9 @@ class EngineClient:
         elif kind == "idle":
             for observer in self.observers:
                 observer.on_idle(message[1])
+        elif kind == "device" and self.on_device is not None:
+            _, state, ratio, why = message
+            self.on_device(DeviceState(state), ratio, why)
 
     def _relay(self, outputs: Sequence[RequestOutput]) -> None:
         for output in outputs:

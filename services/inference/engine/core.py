@@ -13,22 +13,30 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import threading
+from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
+
+import structlog
 
 from services.logs import configure_logging
 
 from ..admission.costmodel import CostModel
 from ..device.cpus import allowed_cpus, engine_threads, pin, split_cpus
+from ..device.faults import Fault, FaultyExecutor
 from .calibration import calibrate
 from .digest import step_wire
 from .engine import Engine, RequestOutput, StepReport
 from .messages import DEVICE_FAULT_EXIT, EngineSpec, Ready
 from .pacing import Pacer
+from .watchdog import DeviceState, Watchdog, WatchedExecutor, probe_us
 
 if TYPE_CHECKING:
     from ..device.loader import Checkpoint
+
+log = structlog.get_logger(__name__)
 
 
 class Relay:
@@ -40,6 +48,12 @@ class Relay:
         self.conn = conn
         self.wire: tuple | None = None  # the step's digest (step_wire), set by report()
         self.outputs: list[RequestOutput] = []
+        self._send_lock = threading.Lock()  # the watchdog's thread sends too
+
+    def send(self, message: tuple) -> None:
+        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
+        with self._send_lock:
+            self.conn.send_bytes(data)
 
     def put(self, output: RequestOutput) -> None:
         self.outputs.append(output)
@@ -48,14 +62,16 @@ class Relay:
         self.wire = step_wire(report, num_free_slots)
 
     def on_idle(self, now_ns: int) -> None:
-        self.conn.send(("idle", now_ns))
+        self.send(("idle", now_ns))
+
+    def device(self, state: DeviceState, ratio: float, why: str) -> None:
+        self.send(("device", state.value, ratio, why))
 
     def flush(self) -> None:
         if self.wire is not None or self.outputs:
             # plain tuples and the C pickler: Connection.send's ForkingPickler (a Python subclass with its own
             # dispatch table) took twice as long, on every step; recv() on the other end reads either
-            message = ("step", self.wire, [tuple(o) for o in self.outputs])
-            self.conn.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
+            self.send(("step", self.wire, [tuple(o) for o in self.outputs]))
             self.wire, self.outputs = None, []
 
 
@@ -88,7 +104,30 @@ def build_engine(spec: EngineSpec, checkpoint: Checkpoint | None = None) -> tupl
             engine.pacer = Pacer(
                 CostModel(list(cost.rows), list(cost.row_us), cost.us_per_context_token), spec.pace_tokens
             )
+        if spec.watchdog is not None:
+            _watch(engine, spec, cost)
+    if spec.fault is not None and engine.watchdog is None:
+        engine.executor = _faulty(engine.executor, spec.fault)
     return engine, ready
+
+
+def _faulty(executor, fault: Fault) -> FaultyExecutor:
+    """The executor with `fault`, armed now: its clock starts once the engine is warm and calibrated."""
+    faulty = FaultyExecutor(executor, fault)
+    faulty.arm()
+    log.warning("fault_injected", fault=str(fault))
+    return faulty
+
+
+def _watch(engine: Engine, spec: EngineSpec, cost: CostModel) -> None:
+    """Puts the calibrated device under the watchdog, with an injected fault (armed from now on) beneath it."""
+    executor = engine.executor
+    expected_probe_us = probe_us(executor)  # on the device as calibrated, before any fault
+    if spec.fault is not None:
+        executor = _faulty(executor, spec.fault)
+    engine.watchdog = Watchdog(spec.watchdog, engine.device_changed)
+    engine.executor = WatchedExecutor(executor, engine.watchdog, cost, expected_probe_us)
+    engine.watchdog.start()
 
 
 def _pin_engine(spec: EngineSpec) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -123,9 +162,10 @@ def engine_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None
         ready = replace(ready, engine_cpus=split[0], server_cpus=split[1])
     relay = Relay(outbox)
     engine.sink = relay
+    engine.on_device = relay.device
     outbox.send(("ready", ready))
     _step_loop(engine, relay, inbox)
-    outbox.send(("stopped",))
+    relay.send(("stopped",))
 
 
 def _step_loop(engine: Engine, relay: Relay, inbox: Connection) -> None:
@@ -133,18 +173,23 @@ def _step_loop(engine: Engine, relay: Relay, inbox: Connection) -> None:
     joins the very next one (a receiving thread would first have to win the GIL from the stepping one)."""
     stopping = False
     while not (stopping and not engine.has_work):
-        if not engine.has_work and not inbox.poll(engine.idle_tick_s):
-            relay.on_idle(engine.clock())
+        if not engine.has_work and not inbox.poll(engine.idle_wait_s):
+            _guarded(engine, engine.idle)  # a probe of the watched device, and idle time for the meter
             continue
         stopping = _take_messages(engine, relay, inbox) or stopping
         if engine.has_work:
-            try:
-                engine.pace(engine.step())
-            except Exception as exc:  # noqa: BLE001 - a failed step must not kill the loop; its calls end with "error"
-                if not engine.recover(exc):
-                    # the calls' ends and usage are flushed; a CUDA context with a sticky error serves nothing
-                    # more, so the process goes, the server goes NOT_SERVING and the pod restarts
-                    os._exit(DEVICE_FAULT_EXIT)
+            _guarded(engine, lambda: engine.pace(engine.step()))
+
+
+def _guarded(engine: Engine, operation: Callable[[], None]) -> None:
+    """Runs a device operation; a failure must not kill the loop (the step's calls end with "error")."""
+    try:
+        operation()
+    except Exception as exc:  # noqa: BLE001 - reported by recover(), which ends the calls
+        if not engine.recover(exc):
+            # the calls' ends and usage are flushed; a CUDA context with a sticky error serves nothing more, so
+            # the process goes, the server goes NOT_SERVING and the pod restarts
+            os._exit(DEVICE_FAULT_EXIT)
 
 
 def _take_messages(engine: Engine, relay: Relay, inbox: Connection) -> bool:

@@ -17,6 +17,7 @@ from ..sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepU
 from .detokenizer import Detokenizer
 from .digest import StepDigest, ended_request
 from .pacing import Pacer
+from .watchdog import DeviceState, Watchdog
 
 if TYPE_CHECKING:
     from ..device.executor import Executor
@@ -146,6 +147,9 @@ class Engine:
         self.idle_tick_s = 1.0  # how often observers hear of idle time while there is no work
         self.pacer: Pacer | None = None  # paced steps (pacing.py); None: each step starts when the last ends
         self.on_lost: Callable[[str], None] | None = None  # the loop stopped on a device fault (engine thread)
+        self.watchdog: Watchdog | None = None  # set once serving (watchdog.py): the idle device is probed
+        self.on_device: Callable[[DeviceState, float, str], None] | None = None  # the watchdog's verdicts
+        self._idle_told_ns = 0
         self._paced_ns = 0  # idled out since the last reported step
         self._streams: dict[str, _Stream] = {}
         self._inbox: list[tuple[Request, OutputSink] | str] = []
@@ -186,6 +190,13 @@ class Engine:
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout_s)
+        if self.watchdog is not None:
+            self.watchdog.stop()
+
+    def device_changed(self, state: DeviceState, ratio: float, why: str) -> None:
+        """The watchdog's verdict (from its thread or the engine's), passed on to whoever listens."""
+        if self.on_device is not None:
+            self.on_device(state, ratio, why)
 
     # ---- engine thread ----
     def step(self) -> StepReport | None:
@@ -253,17 +264,31 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._inbox)
 
+    @property
+    def idle_wait_s(self) -> float:
+        """How long the idle loop waits for work: a probe period when the device is watched."""
+        return self.idle_tick_s if self.watchdog is None else min(self.idle_tick_s, self.watchdog.config.period_s)
+
+    def idle(self) -> None:
+        """No work: probes the device when it is watched, and tells the sink of idle time once per idle tick."""
+        if self.watchdog is not None:
+            self.executor.probe()
+        now_ns = self.clock()
+        if now_ns - self._idle_told_ns >= (self.idle_tick_s - self.idle_wait_s / 2) * 1e9:
+            self._idle_told_ns = now_ns
+            self.sink.on_idle(now_ns)
+
     def _loop(self) -> None:
         while True:
             with self._wake:
                 if self._running and not self._inbox and self.scheduler.num_unfinished == 0:
-                    self._wake.wait(self.idle_tick_s)
+                    self._wake.wait(self.idle_wait_s)
                 idle = not self._inbox and self.scheduler.num_unfinished == 0
                 if idle and not self._running:
                     return
             try:
                 if idle:
-                    self.sink.on_idle(self.clock())
+                    self.idle()
                 else:
                     self.pace(self.step())
             except Exception as exc:  # noqa: BLE001 - a failed step must not kill the loop; its calls end with "error"

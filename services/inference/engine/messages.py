@@ -2,7 +2,8 @@
 
 Server -> engine: ("add", Request), ("cancel", request_id), ("guard", guard_ns), ("stop",). Engine -> server:
 ("ready", Ready) or ("failed", text) before ready, then ("step", step_wire | None, [RequestOutput tuple]),
-("idle", now_ns) and ("stopped",). The child is built from an `EngineSpec`. No torch here.
+("idle", now_ns), ("device", DeviceState value, ratio, why) from the watchdog, and ("stopped",). The child is
+built from an `EngineSpec`. No torch here.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..device.faults import Fault
 from ..device.spec import Device, ExecutorConfig
+from .watchdog import WatchdogConfig
 
 if TYPE_CHECKING:
     from ..device.executor import Executor
@@ -33,6 +36,8 @@ class EngineSpec:
     # child decides, since only it knows (with torch) whether it runs on the CPU
     pin_cpus: bool = False
     pace_tokens: int = 0  # paced steps (pacing.py) with this chunk; 0: unpaced
+    watchdog: WatchdogConfig | None = None  # watch the device once calibrated (watchdog.py); None: unwatched
+    fault: Fault | None = None  # a fault injected on purpose (device/faults.py), armed once calibrated
 
 
 @dataclass(frozen=True)

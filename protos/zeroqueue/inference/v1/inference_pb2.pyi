@@ -26,6 +26,13 @@ class WarmupState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WARMUP_STATE_READY: _ClassVar[WarmupState]
     WARMUP_STATE_DRAINING: _ClassVar[WarmupState]
     WARMUP_STATE_FAILED: _ClassVar[WarmupState]
+
+class DeviceState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DEVICE_STATE_UNSPECIFIED: _ClassVar[DeviceState]
+    DEVICE_STATE_HEALTHY: _ClassVar[DeviceState]
+    DEVICE_STATE_SLOW: _ClassVar[DeviceState]
+    DEVICE_STATE_FAILED: _ClassVar[DeviceState]
 BUDGET_SOURCE_UNSPECIFIED: BudgetSource
 BUDGET_SOURCE_CLIENT_DEADLINE: BudgetSource
 BUDGET_SOURCE_SERVER_DEFAULT: BudgetSource
@@ -37,6 +44,10 @@ WARMUP_STATE_WARMING_UP: WarmupState
 WARMUP_STATE_READY: WarmupState
 WARMUP_STATE_DRAINING: WarmupState
 WARMUP_STATE_FAILED: WarmupState
+DEVICE_STATE_UNSPECIFIED: DeviceState
+DEVICE_STATE_HEALTHY: DeviceState
+DEVICE_STATE_SLOW: DeviceState
+DEVICE_STATE_FAILED: DeviceState
 
 class GenerateRequest(_message.Message):
     __slots__ = ("model", "prompt", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "request_id", "labels")
@@ -172,7 +183,7 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "context_length", "dtype", "device_kind", "device_name", "num_compute_units", "unit", "state", "max_batch", "vocab_size")
+    __slots__ = ("name", "context_length", "dtype", "device_kind", "device_name", "num_compute_units", "unit", "state", "max_batch", "vocab_size", "device_state")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +194,7 @@ class ModelInfo(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_STATE_FIELD_NUMBER: _ClassVar[int]
     name: str
     context_length: int
     dtype: str
@@ -193,4 +205,5 @@ class ModelInfo(_message.Message):
     state: WarmupState
     max_batch: int
     vocab_size: int
-    def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., num_compute_units: _Optional[int] = ..., unit: _Optional[str] = ..., state: _Optional[_Union[WarmupState, str]] = ..., max_batch: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    device_state: DeviceState
+    def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., num_compute_units: _Optional[int] = ..., unit: _Optional[str] = ..., state: _Optional[_Union[WarmupState, str]] = ..., max_batch: _Optional[int] = ..., vocab_size: _Optional[int] = ..., device_state: _Optional[_Union[DeviceState, str]] = ...) -> None: ...

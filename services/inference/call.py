@@ -1,0 +1,87 @@
+"""One call as the service holds it: its validated spec (servicer.py makes it from protobuf), and once admitted
+its ticket. No protobuf, no torch."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from billing.records import UsageRecord
+
+from .meter import RecordContext
+from .sched.request import FinishReason, Request, SamplingParams
+
+
+class BudgetSource(enum.Enum):
+    CLIENT_DEADLINE = "client_deadline"
+    SERVER_DEFAULT = "server_default"
+
+
+@dataclass(frozen=True)
+class GenerateSpec:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    labels: Mapping[str, str]
+    retry_attempt: int = 0
+
+
+@dataclass
+class Ticket:
+    """One admitted call. The engine, the meter and the outbox know it by `call_id`, which this replica made;
+    the caller's request_id is an idempotency key scoped to its tenant (`key`), never a handle."""
+
+    spec: GenerateSpec
+    context: RecordContext  # tenant, labels and times: what the meter bills the call with
+    call_id: str
+    request: Request
+    outputs: asyncio.Queue
+    budget_ms: int
+    budget_source: BudgetSource
+    predicted_finish_ns: int
+    first_scheduled_ns: int | None = None
+    first_token_ns: int | None = None
+    finished_ns: int | None = None
+    finish_reason: FinishReason | None = None
+    num_output_tokens: int = 0
+    usage_on_disk: Future | None = None  # the outbox resolves it once the usage record is durable
+    usage: UsageRecord | None = None
+    device_failure: str | None = None  # why the call was ended when the device stopped answering
+
+    @property
+    def tenant(self) -> str:
+        return self.context.tenant
+
+    @property
+    def received_ns(self) -> int:
+        return self.context.received_ns
+
+    @property
+    def dispatched_ns(self) -> int:
+        return self.context.dispatched_ns
+
+    @property
+    def deadline_ns(self) -> int:
+        return self.context.deadline_ns
+
+    @property
+    def deadline_met(self) -> bool:
+        return self.finished_ns is not None and self.finished_ns <= self.deadline_ns
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.tenant, self.spec.request_id
+
+    @property
+    def admission_key(self) -> str:
+        return admission_key(self.tenant, self.spec.request_id)
+
+
+def admission_key(tenant: str, request_id: str) -> str:
+    """The tenant-scoped key admission holds a call's slot (and a refused call's reservation) under: a retry
+    with the same request_id finds its reservation, another tenant's call with that id does not. Tenant
+    names have no '/'."""
+    return f"{tenant}/{request_id}"

@@ -1,0 +1,143 @@
+"""When the device falters, with faults injected into a real replica: a hang fails the device, ends the calls in
+flight with a precise code and bills them, takes readiness down and sends new calls elsewhere, then the replica
+comes back; a slowdown makes the state slow and admission predict with the measured speed at once."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from zeroqueue.inference.v1 import inference_pb2 as pb
+
+from billing import commands
+from services.client import Client
+from services.inference.device.executor import ExecutorConfig
+from services.inference.device.faults import Fault, FaultKind
+from services.inference.engine.watchdog import DeviceState, WatchdogConfig
+from services.inference.replica import ServeConfig
+from tests.inference.harness import ServerThread, status_details
+from tests.inference.test_usage import ledger_rows
+
+PROMPT = "def add(a, b):\n    return"
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+WATCHDOG = WatchdogConfig(period_s=0.05, min_allowance_s=0.2)  # a hang is judged within 0.2 s + 3 periods
+STEP_S = 0.02  # each step's floor: a call of 300 tokens runs for 6 s
+
+
+def replica(llama_dir, fault: Fault | None, engine_process: bool = True, **config) -> ServerThread:
+    config = ServeConfig(
+        str(llama_dir),
+        port=0,
+        engine_process=engine_process,
+        executor=ExecutorConfig(max_batch=4, max_seq_len=512),
+        watchdog=WATCHDOG,
+        fault=fault,
+        **config,
+    )
+    return ServerThread(config, step_floor_s=STEP_S).start()
+
+
+def health(server: ServerThread, service: str = "") -> int:
+    with grpc.insecure_channel(server.address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service)).status
+
+
+def wait_for(predicate, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def device_state(server: ServerThread) -> int:
+    return server.stub().ListModels(pb.ListModelsRequest(), timeout=5).models[0].device_state
+
+
+def long_call(server: ServerThread, request_id: str):
+    return server.stub().Generate(
+        pb.GenerateRequest(prompt=PROMPT, max_tokens=300, temperature=0.0, request_id=request_id), timeout=30
+    )
+
+
+@pytest.mark.parametrize("engine_process", [True, False], ids=["engine-process", "engine-thread"])
+def test_a_hung_device_ends_its_calls_billed_goes_not_serving_and_comes_back(llama_dir, engine_process):
+    server = replica(llama_dir, Fault(FaultKind.HANG, after_s=1.5, for_s=3.0), engine_process)
+    try:
+        call = long_call(server, "running")
+        assert next(call).HasField("admission")
+        streamed = [m for m in call]  # runs until the hang, then ends
+    except grpc.RpcError as error:
+        ended = error
+    else:
+        pytest.fail(f"the call finished through a hung device: {streamed[-1]}")
+    try:
+        assert ended.code() == grpc.StatusCode.UNAVAILABLE, ended.details()
+        assert status_details(ended)["ErrorInfo"].reason == "DEVICE_FAILED"
+        assert health(server) == NOT_SERVING and health(server, "liveness") == SERVING
+        assert device_state(server) == pb.DEVICE_STATE_FAILED
+        assert server.app.metrics.registry.get_sample_value("zeroqueue_device_state", {"state": "failed"}) == 1
+        with pytest.raises(grpc.RpcError) as refused:
+            list(long_call(server, "during"))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert status_details(refused.value)["ErrorInfo"].reason == "DEVICE_FAILED"
+        # the fault clears: the hung step completes, the probes are on time again
+        assert wait_for(lambda: health(server) == SERVING)
+        assert server.app.service.device_state is not DeviceState.FAILED
+        final = list(server.stub().Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=4, request_id="after")))
+        assert final[-1].final.usage.sm_us > 0
+    finally:
+        server.stop(grace_s=1)
+    rows = ledger_rows(
+        server.config.ledger_url,
+        "SELECT client_request_id, outcome, completion_tokens, unit_us FROM usage_records ORDER BY client_request_id",
+    )
+    assert [(r.client_request_id, r.outcome) for r in rows] == [("after", "ok"), ("running", "error")]
+    running = rows[1]
+    assert running.unit_us > 0 and running.completion_tokens >= 1  # billed for the steps that ran, once
+
+
+def test_a_device_that_stays_failed_takes_liveness_down(llama_dir):
+    server = replica(llama_dir, Fault(FaultKind.HANG, after_s=0.5), device_recovery_s=0.5)
+    try:
+        assert wait_for(lambda: health(server) == NOT_SERVING)
+        assert wait_for(lambda: health(server, "liveness") == NOT_SERVING)
+    finally:
+        server.stop(grace_s=0)
+
+
+def test_calls_after_a_hang_go_to_the_other_replica(llama_dir, tmp_path):
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    commands.migrate(url)
+    key = commands.create_tenant(url, "acme")
+    hung = replica(llama_dir, Fault(FaultKind.HANG, after_s=0.5), ledger_url=url)
+    healthy = replica(llama_dir, None, ledger_url=url)
+    hung.key = healthy.key = key
+    try:
+        assert wait_for(lambda: device_state(hung) == pb.DEVICE_STATE_FAILED)
+        with Client([hung.address, healthy.address], api_key=key) as client:
+            results = [client.complete(PROMPT, deadline_ms=10_000, max_tokens=4, temperature=0) for _ in range(4)]
+        assert all(r.report.attempts[-1].endpoint == healthy.address for r in results)
+        refusals = [(a.outcome, a.reason) for r in results for a in r.report.attempts[:-1]]
+        assert set(refusals) <= {("UNAVAILABLE", "DEVICE_FAILED")}  # the hung one refuses at once, precisely
+    finally:
+        hung.stop(grace_s=0)
+        healthy.stop(grace_s=1)
+
+
+def test_a_slow_device_is_said_slow_and_admission_follows_it_at_once(llama_dir):
+    server = replica(llama_dir, Fault(FaultKind.SLOW, 4.0, for_s=3.0))  # 4x slower from the start, for 3 s
+    try:
+        request = pb.GenerateRequest(prompt=PROMPT, max_tokens=20, temperature=0.0)
+        assert list(server.stub().Generate(request, timeout=30))[-1].HasField("final")  # 20 slow steps
+        assert device_state(server) == pb.DEVICE_STATE_SLOW
+        assert server.app.cost.ratio >= 2.0  # at once: the running ratio alone moves 5 % a step
+        assert health(server) == SERVING  # slow is not out
+        time.sleep(3.0)  # the fault is over
+        assert list(server.stub().Generate(request, timeout=30))[-1].HasField("final")
+        assert device_state(server) == pb.DEVICE_STATE_HEALTHY
+    finally:
+        server.stop(grace_s=1)
