@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "protos"), str(ROOT / "bench")]
 
 import gpu_parts as parts  # noqa: E402
+from gpu_watchdog import watchdog_check  # noqa: E402
 
 from services.inference.device.executor import ExecutorConfig, describe_device  # noqa: E402
 from services.inference.device.loader import load_checkpoint  # noqa: E402
@@ -72,7 +73,18 @@ TINY = dict(
     max_position_embeddings=512,
     rms_norm_eps=1e-5,
 )
-PARTS = ("environment", "greedy", "replay", "sampling", "logits", "speed", "kernels", "metering", "engine_process")
+PARTS = (
+    "environment",
+    "greedy",
+    "replay",
+    "sampling",
+    "logits",
+    "speed",
+    "kernels",
+    "metering",
+    "watchdog",
+    "engine_process",
+)
 
 
 class Report:
@@ -301,6 +313,7 @@ def main() -> int:
             "speed": lambda out: parts.decode_speed(out, ckpt, device, speed_batches, 8 if dry else 64),
             "kernels": lambda out: parts.kernels_used(out, ckpt, device),
             "metering": lambda out: metering_check(out, ckpt, device, batches[-1], tokens),
+            "watchdog": lambda out: watchdog_check(out, ckpt, device, batches[-1], tokens),
             "engine_process": lambda out: engine_process_check(out, model_dir, device, tokens),
         }
         for name in args.only or PARTS:

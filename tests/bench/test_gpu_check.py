@@ -27,7 +27,18 @@ def test_gpu_check_dry_run_reports_every_part(tmp_path):
     done, report = gpu_check(tmp_path, "--dry-run")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     log = (tmp_path / "gpu_check.log").read_text()
-    parts = ("environment", "greedy", "replay", "sampling", "logits", "speed", "kernels", "metering", "engine_process")
+    parts = (
+        "environment",
+        "greedy",
+        "replay",
+        "sampling",
+        "logits",
+        "speed",
+        "kernels",
+        "metering",
+        "watchdog",
+        "engine_process",
+    )
     assert [line.split("--- ")[1] for line in log.splitlines() if "--- " in line] == list(parts)
     assert not [p for p in parts if "error" in report[p]]
     assert report["mode"].startswith("dry-run") and report["environment"]["device"]["unit"] == "core_us"
@@ -49,6 +60,10 @@ def test_gpu_check_dry_run_reports_every_part(tmp_path):
     metering = report["metering"]
     assert metering["billed_equals_sum_of_records"] and metering["billed_plus_idle_equals_wall"]
     assert metering["records"] == 4
+    watchdog = report["watchdog"]
+    assert watchdog["state"] == "healthy" and watchdog["verdicts"] == [] and watchdog["steps"] > 0
+    assert watchdog["probe_us"]["calibrated"] > 0 and watchdog["watchdog_us_per_step_median"] > 0
+    assert watchdog["telemetry"].startswith("cpu")  # no NVML device on the dry run
     served = report["engine_process"]
     assert served["calibrated_rows"] and set(served["calls"]) == {"greedy-0", "greedy-1", "default-0", "default-1"}
     for call in served["calls"].values():
