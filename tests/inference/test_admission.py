@@ -324,3 +324,13 @@ def test_a_run_of_k_steps_spreads_by_root_k_step_deviations():
     (finish,) = predictor.finish_times([Commitment("a", 1, 100, 10**12, num_generated=1)], 0).values()
     # 99 steps of 1 ms expected, spread 0.1 ms each: 99 ms + 3 × √99 × 0.1 ms, not 99 × 1.3 ms
     assert finish == pytest.approx((99_000 + 3 * 99**0.5 * 100) * 1000, abs=1)
+
+
+def test_infeasible_is_judged_on_the_idle_calibration_not_on_a_slowed_replica():
+    """A budget an idle replica meets is never called infeasible because this one runs slow or loaded: it is
+    refused (retry elsewhere), and the minimum budget it is told comes from the calibration."""
+    c = controller(margin_ms=5)
+    c.predictor.cost.follow(4.0)  # the device runs 4x slower than calibrated
+    slowed = c.decide(commit("a", max_tokens=10, deadline_ms=200), 0)  # idle: 100 ms; here: 400 ms
+    assert isinstance(slowed, Reject) and not slowed.within_budget
+    assert c.decide(commit("b", max_tokens=10, deadline_ms=50), 0) == Infeasible(min_budget_ms=105)

@@ -53,6 +53,16 @@ class AdmissionController:
         # a rejection storm must not grow the work of every decision: at most this many reservations
         self.max_reservations = config.num_slots if max_reservations is None else max_reservations
         self.predictor = Predictor(cost, config, max_batch=config.num_slots + self.max_reservations + 1)
+        # "infeasible" says no idle replica could meet the budget: judged on the calibration as it was measured on
+        # the idle device, never on the running ratio, which a loaded or slowed replica inflates
+        calibrated = CostModel(
+            list(cost.rows),
+            list(cost.row_us),
+            cost.us_per_context_token,
+            num_deviations=cost.num_deviations,
+            deviation=cost.deviation,
+        )
+        self.idle = Predictor(calibrated, config, max_batch=2)
         self.config = config
         self.commitments: dict[str, Commitment] = {}
         self.lateness = Lateness()
@@ -75,8 +85,8 @@ class AdmissionController:
         if on_time:
             del self.commitments[new.request_id]  # a retry takes up its own reservation
         has_turn = on_time or self.turns.pop(new.request_id, None) is not None
-        idle = self.predictor.finish_times([new], now_ns)[new.request_id]
-        if idle > new.deadline_ns - self.predictor.margin_for(new, now_ns):
+        idle = self.idle.finish_times([new], now_ns)[new.request_id]
+        if idle > new.deadline_ns - self.idle.margin_for(new, now_ns):
             return Infeasible(min_budget_ms=math.ceil(self.config.min_budget_ns(idle - now_ns) / NS_PER_MS))
         admitted = [c for c in self.commitments.values() if c.reserved_from_ns is None]
         finishes = self.predictor.finish_times(admitted, now_ns)
