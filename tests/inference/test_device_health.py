@@ -129,14 +129,14 @@ def test_calls_after_a_hang_go_to_the_other_replica(llama_dir, tmp_path):
 
 
 def test_a_slow_device_is_said_slow_and_admission_follows_it_at_once(llama_dir):
-    server = replica(llama_dir, Fault(FaultKind.SLOW, 4.0, for_s=3.0))  # 4x slower from the start, for 3 s
+    server = replica(llama_dir, Fault(FaultKind.SLOW, 4.0, for_s=5.0))  # 4x slower from the start, for 5 s
     try:
-        request = pb.GenerateRequest(prompt=PROMPT, max_tokens=20, temperature=0.0)
-        assert list(server.stub().Generate(request, timeout=30))[-1].HasField("final")  # 20 slow steps
+        request = pb.GenerateRequest(prompt=PROMPT, max_tokens=40, temperature=0.0)
+        assert list(server.stub().Generate(request, timeout=30))[-1].HasField("final")  # 40 slow steps
         assert device_state(server) == pb.DEVICE_STATE_SLOW
         assert server.app.cost.ratio >= 2.0  # at once: the running ratio alone moves 5 % a step
         assert health(server) == SERVING  # slow is not out
-        time.sleep(3.0)  # the fault is over
+        time.sleep(5.0)  # the fault is over
         assert list(server.stub().Generate(request, timeout=30))[-1].HasField("final")
         assert device_state(server) == pb.DEVICE_STATE_HEALTHY
     finally:

@@ -36,7 +36,7 @@ def timed(dog: Watchdog, measured_us: float, expected_us: float = 1000.0) -> Non
 
 
 def test_steps_slower_than_calibrated_for_a_window_make_it_slow_then_healthy_again():
-    dog, _, verdicts = watchdog(window=4)
+    dog, _, verdicts = watchdog(window=4, confirmations=1)
     for _ in range(3):
         timed(dog, 4000)
     assert dog.state is DeviceState.HEALTHY and verdicts == []  # a window is not full yet
@@ -55,6 +55,24 @@ def test_one_stalled_step_in_a_window_is_not_a_slow_device():
     for i in range(20):
         timed(dog, 50_000 if i % 8 == 0 else 1000)
     assert dog.state is DeviceState.HEALTHY and verdicts == []
+
+
+def test_a_state_changes_only_when_two_medians_in_a_row_agree():
+    dog, _, verdicts = watchdog(window=4, confirmations=2)  # a median every 2 steps, over the last 4
+    for _ in range(4):
+        timed(dog, 4000)
+    assert dog.state is DeviceState.HEALTHY  # one slow median
+    for _ in range(2):
+        timed(dog, 1000)  # the next median, over 4000, 4000, 1000, 1000: 2.5, slow again
+    assert dog.state is DeviceState.SLOW
+
+    # medians over half-overlapping windows that lean slow, then healthy, then neither, over and over
+    cycle = [3000] * 4 + [3000, 3000, 0, 0] + [0] * 4
+    for confirmations, flaps in ((2, False), (1, True)):
+        dog, _, verdicts = watchdog(window=8, confirmations=confirmations)
+        for measured in cycle * 5:
+            timed(dog, measured)
+        assert bool(verdicts) is flaps, verdicts
 
 
 def test_an_operation_late_for_three_ticks_fails_the_device_and_its_end_brings_it_back():
@@ -121,7 +139,7 @@ class Step:
 
 
 def test_the_watched_executor_judges_speed_by_steps_and_hangs_by_probes_too():
-    dog, clock, _ = watchdog(window=1, slow_ratio=1.5, min_allowance_s=0.05)
+    dog, clock, _ = watchdog(window=1, confirmations=1, slow_ratio=1.5, min_allowance_s=0.05)
     cost = CostModel([1, 8], [500.0, 2000.0], 10.0)  # 8 rows, 100 context: 3000 µs
     device = Device(op_s=0.02)
     watched = WatchedExecutor(device, dog, cost, probe_us=1)

@@ -3,8 +3,10 @@
 Every device operation is timed: each step against the cost model's calibrated time for its rows and context,
 and, while the engine idles, a small probe every period. Two ways to go wrong:
 - *slow*: the median of the last `window` steps is more than `slow_ratio` times their calibrated time (a
-  throttled GPU, a noisy neighbour); back to *healthy* once that median is under `healthy_ratio`. Probes do not
-  judge speed: an op of tens of µs is all jitter on a shared host, and a slow verdict moves admission;
+  throttled GPU, a noisy neighbour); back to *healthy* once that median is under `healthy_ratio`. The median is
+  taken every half window, and `confirmations` of them in a row change the state: a busy shared host pushes one
+  median over now and then, and a slow verdict moves admission. Probes do not judge speed: an op of tens of µs is
+  all jitter there;
 - *failed*: an operation, step or probe, still running past its allowance (`late_factor` × its calibrated time,
   at least `min_allowance_s`) at `failures` judge ticks in a row: a hung kernel, a lost device. A judge thread
   ticks every period, since the thread that runs the device is the one stuck. After `failures` operations
@@ -40,7 +42,8 @@ class DeviceState(enum.StrEnum):
 @dataclass(frozen=True)
 class WatchdogConfig:
     period_s: float = 0.1  # probe cadence when idle, and the judge's tick
-    window: int = 8  # timings the state is judged on (their median)
+    window: int = 16  # steps the state is judged on (their median, taken every half window)
+    confirmations: int = 2  # medians in a row that must agree before the state changes
     slow_ratio: float = 1.5
     healthy_ratio: float = 1.25
     late_factor: float = 8.0
@@ -61,6 +64,7 @@ class Watchdog:
         self.state = DeviceState.HEALTHY
         self._ratios: deque[float] = deque(maxlen=config.window)
         self._num_unjudged = 0  # steps timed since the last verdict on speed
+        self._leaning: tuple[DeviceState, int] = (DeviceState.HEALTHY, 0)  # where the medians point, how often
         # (started_ns, expected_us) of the operation running now: set and cleared by the device's thread alone, read
         # by the judge (one reference, so no lock: this is on every step's path)
         self._op: tuple[int, float] | None = None
@@ -98,7 +102,11 @@ class Watchdog:
             new = DeviceState.HEALTHY
         else:
             return
-        self._change(new, median, f"the median of the last {len(self._ratios)} steps took {median:.2f}x calibrated")
+        leaning, times = self._leaning
+        self._leaning = (new, times + 1 if leaning is new else 1)
+        if new is not self.state and self._leaning[1] >= self.config.confirmations:
+            why = f"the median of the last {len(self._ratios)} steps took {median:.2f}x calibrated"
+            self._change(new, median, why)
 
     # ---- the judge ----
     def check(self) -> None:
