@@ -4,6 +4,7 @@ comes back; a slowdown makes the state slow and admission predict with the measu
 
 from __future__ import annotations
 
+import json
 import time
 
 import grpc
@@ -141,3 +142,32 @@ def test_a_slow_device_is_said_slow_and_admission_follows_it_at_once(llama_dir):
         assert device_state(server) == pb.DEVICE_STATE_HEALTHY
     finally:
         server.stop(grace_s=1)
+
+
+def test_a_slowdown_mid_call_misses_with_its_credit_on_the_invoice_and_later_calls_keep_theirs(llama_dir):
+    server = replica(llama_dir, Fault(FaultKind.SLOW, 8.0, after_s=0.5, for_s=30.0))  # 20-ms steps become 160
+    try:
+        caught = pb.GenerateRequest(prompt=PROMPT, max_tokens=60, temperature=0.0, request_id="caught")
+        with pytest.raises(grpc.RpcError) as missed:  # admitted for 60 steps of 20 ms in 3 s; most run at 160
+            list(server.stub().Generate(caught, timeout=3.0))
+        assert missed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert status_details(missed.value)["ErrorInfo"].reason == "DEADLINE_MISSED"  # the replica's, in time
+        later = []
+        for i in range(4):  # admitted on what admission has learnt of the slowed device, or refused
+            request = pb.GenerateRequest(prompt=PROMPT, max_tokens=8, temperature=0.0, request_id=f"later-{i}")
+            try:
+                later.append(list(server.stub().Generate(request, timeout=3.0))[-1].final.timings.deadline_met)
+            except grpc.RpcError as error:
+                assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
+        assert later and all(later)
+        model = server.app.card.name
+    finally:
+        server.stop(grace_s=1)
+    url = server.config.ledger_url
+    rows = ledger_rows(url, "SELECT client_request_id, outcome, deadline_met FROM usage_records")
+    assert ("caught", "deadline_exceeded", False) in [tuple(r) for r in rows]
+    commands.add_price(url, model, "core_us", 1_000_000, "USD", "2020-01-01T00:00:00Z")
+    period = time.strftime("%Y-%m", time.gmtime())
+    lines = json.loads(commands.invoice(url, "acme", period))["lines"]
+    assert [line["kind"] for line in lines] == ["usage", "sla_credit"]  # the missed call is not charged
+    assert lines[1]["amount_micros"] < 0
