@@ -19,6 +19,15 @@ import uuid
 from dataclasses import asdict
 from pathlib import Path
 
+from services.client.policy import RetryConfig
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
 
 def add_pulse(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -51,6 +60,12 @@ def add_pulse(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--pulse-every", type=float, default=10.0, help="one burst per this many seconds")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--max-in-flight", type=int, default=10_000)
+    g.add_argument(
+        "--max-attempts",
+        type=_positive_int,
+        default=RetryConfig.max_attempts,
+        help="attempts per call, the first included, as the SDK makes them (1: no retries)",
+    )
     s = p.add_argument_group("requests")
     s.add_argument("--shape", choices=("fixed", "mix"), default="fixed")
     s.add_argument("--prompt-tokens", type=int, default=64, help="exact (fixed) or median (mix)")

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from services.client.policy import RetryConfig
+
 from .stats import LAG_WARNING_MS
 
 
@@ -24,6 +26,7 @@ class Target:
     api_key: str | None = None
     admission: str = "deadline"  # the mode of a replica the tool starts when no endpoints are given
     tls_ca: str | None = None
+    max_attempts: int = RetryConfig.max_attempts  # a call's attempts, the first included (1: no retries)
 
     def client(self):
         import grpc
@@ -31,20 +34,27 @@ class Target:
         from services.client import AsyncClient
 
         tls = grpc.ssl_channel_credentials(Path(self.tls_ca).read_bytes()) if self.tls_ca else False
-        return AsyncClient(self.endpoints, self.api_key, tls)
+        return AsyncClient(self.endpoints, self.api_key, tls, retry=RetryConfig(max_attempts=self.max_attempts))
 
 
 def targets_from(args: argparse.Namespace) -> list[Target]:
     """The targets `zeroqueue pulse`'s arguments name: deadline then fifo with --compare, else one."""
+    attempts = args.max_attempts
     if args.compare:
         return [
             Target(
-                "deadline", args.deadline_endpoint, args.deadline_metrics_url, args.api_key, "deadline", args.tls_ca
+                "deadline",
+                args.deadline_endpoint,
+                args.deadline_metrics_url,
+                args.api_key,
+                "deadline",
+                args.tls_ca,
+                attempts,
             ),
-            Target("fifo", args.fifo_endpoint, args.fifo_metrics_url, args.api_key, "fifo", args.tls_ca),
+            Target("fifo", args.fifo_endpoint, args.fifo_metrics_url, args.api_key, "fifo", args.tls_ca, attempts),
         ]
     label = "run" if args.endpoint else args.admission
-    return [Target(label, args.endpoint, args.metrics_url, args.api_key, args.admission, args.tls_ca)]
+    return [Target(label, args.endpoint, args.metrics_url, args.api_key, args.admission, args.tls_ca, attempts)]
 
 
 @contextlib.contextmanager

@@ -82,3 +82,15 @@ def test_capacity_against_a_named_endpoint_writes_capacity_json(tmp_path):
     assert doc["concurrency"] == 4  # the fake's max_batch: one closed-loop caller per slot
     assert doc["saturation_qps"] > 0 and doc["capacity_qps"] == doc["saturation_qps"] / 2  # the one probe passed
     assert len(doc["probes"]) == 1 and doc["confirmations"] == [] and doc["confirmed"] is None
+
+
+def test_pulse_with_one_attempt_makes_no_retries(tmp_path):
+    script = [Reject(20), Serve(), Fail(grpc.StatusCode.DEADLINE_EXCEEDED, "DEADLINE_INFEASIBLE")] + [Serve()] * 50
+    with FakeReplicas([script]) as fakes:
+        args = ["pulse", "--endpoint", fakes.addresses[0], "--api-key", "k", "--qps", "10", "--duration", "2"]
+        args += ["--arrival", "constant", "--max-attempts", "1", "--out", str(tmp_path), "--no-progress", "--no-plots"]
+        assert main(args) == 0
+        calls = fakes[0].calls
+    summary = json.loads((tmp_path / "pulse.json").read_text())["runs"]["run"]["summary"]
+    assert len(calls) == summary["num_sent"] == 20  # the refused call was not tried again
+    assert summary["outcomes"] == {"ok": 18, "rejected": 1, "infeasible": 1}
