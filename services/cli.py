@@ -70,6 +70,12 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: all cores but one)")
     p.add_argument("--safety-margin-ms", type=float, default=20.0)
     p.add_argument("--safety-margin-pct", type=float, default=5.0)
+    p.add_argument(
+        "--max-reservations",
+        type=_non_negative_int,
+        default=None,
+        help="refused calls whose hinted retry may hold a KV slot at once (default: one per slot; 0: none)",
+    )
     p.add_argument("--data-dir", default=None, help="outbox and default ledger ($ZEROQUEUE_HOME or ~/.zeroqueue)")
     p.add_argument("--ledger", metavar="URL", default=None, help="embedded metering: the ledger database URL")
     p.add_argument(
@@ -193,6 +199,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_batched_tokens,
         margin_ms=args.safety_margin_ms,
         margin_fraction=args.safety_margin_pct / 100,
+        max_reservations=args.max_reservations,
         data_dir=args.data_dir,
         ledger_url=args.ledger,
         metering_address=args.metering,

@@ -81,6 +81,7 @@ class ServeConfig:
     stream_interval_ms: int = 0  # least time between a call's token messages after its first; 0: each step
     margin_ms: float = 20.0
     margin_fraction: float = 0.05
+    max_reservations: int | None = None  # refused calls' retries that may hold a slot at once; None: one per slot
     data_dir: str | None = None  # the outbox (and the default ledger); $ZEROQUEUE_HOME or ~/.zeroqueue
     ledger_url: str | None = None  # embedded metering: the ledger database
     metering_address: str | None = None  # remote metering: ship usage and check keys there
@@ -225,7 +226,8 @@ class InferenceApp:
         if self.config.admission == "fifo":
             admission, observed_cost = FifoAdmission(), None
         else:
-            admission, observed_cost = AdmissionController(cost, admission_config), cost
+            controller = AdmissionController(cost, admission_config, max_reservations=self.config.max_reservations)
+            admission, observed_cost = controller, cost
             engine.set_expiry_guard(int(cost.step_us(ready.num_slots) * 1000))
         steps = StepLog()
         engine.observers.append(StepStats(observed_cost, self.metrics, ready.num_slots, steps, self.config.pace_tokens))
