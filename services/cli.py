@@ -177,11 +177,12 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def serve_config(args: argparse.Namespace):
+    """The replica's ServeConfig from `zeroqueue serve`'s options."""
     from services.inference.device.spec import ExecutorConfig
-    from services.inference.replica import InferenceApp, ServeConfig
+    from services.inference.replica import ServeConfig
 
-    config = ServeConfig(
+    return ServeConfig(
         model_dir=args.model,
         host=args.host,
         port=args.port,
@@ -215,6 +216,12 @@ def run_serve(args: argparse.Namespace) -> int:
         stream_interval_ms=args.stream_interval_ms,
         **device_config(args),
     )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from services.inference.replica import InferenceApp
+
+    config = serve_config(args)
     if args.demo_tenant and not args.metering:
         ensure_demo_tenant(args.ledger, args.demo_tenant, args.data_dir)
     return asyncio.run(_serve(lambda: InferenceApp(config)))

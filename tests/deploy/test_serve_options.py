@@ -1,0 +1,52 @@
+"""`zeroqueue serve`'s device and admission options, as the replica's config receives them."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.cli import build_parser, serve_config
+from services.inference.device.faults import Fault, FaultKind
+from services.inference.engine.watchdog import WatchdogConfig
+
+
+def config(*options: str):
+    return serve_config(build_parser().parse_args(["serve", "--model", "m", *options]))
+
+
+def test_the_defaults_watch_the_device_inject_nothing_and_reserve_a_slot_per_slot():
+    default = config()
+    assert default.watchdog == WatchdogConfig() and default.fault is None
+    assert default.device_recovery_s == 60.0 and default.max_reservations is None
+
+
+def test_the_options_reach_the_config():
+    chosen = config(
+        "--watchdog-period-ms",
+        "50",
+        "--device-hang-ms",
+        "300",
+        "--device-recovery-s",
+        "5",
+        "--inject-fault",
+        "hang,after=5,for=3",
+        "--max-reservations",
+        "0",
+    )
+    assert chosen.watchdog == WatchdogConfig(period_s=0.05, min_allowance_s=0.3)
+    assert chosen.fault == Fault(FaultKind.HANG, after_s=5.0, for_s=3.0)
+    assert chosen.device_recovery_s == 5.0 and chosen.max_reservations == 0
+    assert config("--watchdog-period-ms", "0").watchdog is None
+
+
+@pytest.mark.parametrize(
+    ("option", "says"),
+    [
+        (["--inject-fault", "melt"], "fault kind 'melt'"),
+        (["--max-reservations", "-1"], "must be 0 or more"),
+        (["--watchdog-period-ms", "-5"], "must be 0 or more"),
+    ],
+)
+def test_bad_options_are_refused_by_name(option, says, capsys):
+    with pytest.raises(SystemExit) as exited:
+        config(*option)
+    assert exited.value.code == 2 and says in capsys.readouterr().err
