@@ -105,12 +105,11 @@ def main() -> None:
             if report is not None and report.result is not None:
                 steps_us[arm].append(report.interval_ns / 1000)
                 between_us[arm].append((arms[arm].last_ns - inner[arm].last_ns) / 1000)
-        probes = [_timed(executor.probe) for _ in range(201)]
+        probe_median = probe_us(executor, repeats=201)  # the watchdog's own calibration of the probe
     finally:
         watchdog.stop()
     per_step_us = statistics.median(between_us["watched"]) - statistics.median(between_us["bare"])
     median_step = statistics.median(steps_us["bare"])
-    probe_median = statistics.median(probes)
     print(
         json.dumps(
             {
@@ -130,12 +129,6 @@ def main() -> None:
             indent=2,
         )
     )
-
-
-def _timed(operation) -> float:
-    started = time.perf_counter_ns()
-    operation()
-    return (time.perf_counter_ns() - started) / 1000
 
 
 if __name__ == "__main__":
