@@ -7,6 +7,9 @@ retry, as a careful client makes; 8: the SDK's default). Reported per run: goodp
 second), the first attempts refused, first-retry success, retries per refused call, and admitted calls that missed.
 
     python bench/retries.py --model bench/out/smollm2-135m-random --qps 7,14,28 --attempts 1,2,8 --duration 40
+
+With --repeats R every rate and setting runs R times, interleaved (the settings' order rotating), and the median
+goodput per cell is reported: one run to the next on a 2-core host differs by a few per cent.
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,12 +46,40 @@ def numbers(text: str, kind=float) -> list:
     return [kind(part) for part in text.split(",")]
 
 
+def reservation_events(metrics_url: str) -> dict[str, float]:
+    """The replica's zeroqueue_reservation_events_total, by event."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    prefix = 'zeroqueue_reservation_events_total{event="'
+    return {
+        line[len(prefix) :].split('"')[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(prefix)
+    }
+
+
+def one_run(replica, args: argparse.Namespace, qps: float, attempts: int, run: Path) -> dict:
+    """One pulse against the replica: its summary and what became of the replica's reservations meanwhile."""
+    cmd = [sys.executable, "-m", "services.cli", "pulse", "--endpoint", replica.address, "--api-key"]
+    cmd += [replica.api_key, "--metrics-url", replica.metrics_url, "--qps", str(qps), "--duration"]
+    cmd += [str(args.duration), "--shape", "fixed", "--prompt-tokens", "64", "--max-tokens", "32"]
+    cmd += ["--deadline-ms", "2000", "--seed", "1", "--max-attempts", str(attempts), "--out", str(run)]
+    before = reservation_events(replica.metrics_url)
+    subprocess.run([*cmd, "--no-plots", "--no-progress"], check=True, stdout=subprocess.DEVNULL)
+    time.sleep(3)  # the last calls' retries drain (and their reservations lapse) before the next run
+    after = reservation_events(replica.metrics_url)
+    summary = json.loads((run / "pulse.json").read_text())["runs"]["run"]["summary"]
+    row = {k: summary[k] for k in KEYS}
+    row["reservation_events"] = {k: int(v - before.get(k, 0)) for k, v in after.items() if v > before.get(k, 0)}
+    return row
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None, help="default: the bundled model")
     parser.add_argument("--qps", type=numbers, default=[7.0, 14.0, 28.0], help="rates, comma-separated")
     parser.add_argument("--attempts", type=lambda t: numbers(t, int), default=[1, 2, 8], help="max attempts")
     parser.add_argument("--duration", type=float, default=40.0)
+    parser.add_argument("--repeats", type=int, default=1, help="rounds over every rate and attempts, interleaved")
     parser.add_argument("--serve-args", default="", help="extra `zeroqueue serve` arguments")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/out/retries")
     args = parser.parse_args()
@@ -54,20 +87,20 @@ def main() -> int:
     replica = start_replica(args.model or default_model(), "deadline", args.out, shlex.split(args.serve_args))
     result = {"host": host_info(), "args": {k: str(v) for k, v in vars(args).items()}, "runs": {}}
     try:
-        for qps in args.qps:
-            for attempts in args.attempts:
-                run = args.out / f"qps{qps:g}-attempts{attempts}"
-                cmd = [sys.executable, "-m", "services.cli", "pulse", "--endpoint", replica.address, "--api-key"]
-                cmd += [replica.api_key, "--metrics-url", replica.metrics_url, "--qps", str(qps), "--duration"]
-                cmd += [str(args.duration), "--shape", "fixed", "--prompt-tokens", "64", "--max-tokens", "32"]
-                cmd += ["--deadline-ms", "2000", "--seed", "1", "--max-attempts", str(attempts), "--out", str(run)]
-                subprocess.run([*cmd, "--no-plots", "--no-progress"], check=True, stdout=subprocess.DEVNULL)
-                summary = json.loads((run / "pulse.json").read_text())["runs"]["run"]["summary"]
-                result["runs"][f"{qps:g} req/s, {attempts} attempts"] = row = {k: summary[k] for k in KEYS}
-                print(f"{qps:>6g} req/s, at most {attempts} attempts: {json.dumps(row)}", flush=True)
-                time.sleep(3)  # the last calls' retries drain before the next run
+        for rep in range(args.repeats):
+            for qps in args.qps:
+                # the attempts rotate from one repeat to the next: no setting always runs first, or last
+                for attempts in args.attempts[rep % len(args.attempts) :] + args.attempts[: rep % len(args.attempts)]:
+                    row = one_run(replica, args, qps, attempts, args.out / f"rep{rep}-qps{qps:g}-attempts{attempts}")
+                    result["runs"].setdefault(f"{qps:g} req/s, {attempts} attempts", []).append(row)
+                    print(f"rep {rep}: {qps:>6g} req/s, at most {attempts} attempts: {json.dumps(row)}", flush=True)
     finally:
         replica.stop()
+    result["median_goodput_rps"] = {
+        cell: statistics.median(row["goodput_rps"] for row in rows) for cell, rows in result["runs"].items()
+    }
+    for cell, goodput in result["median_goodput_rps"].items():
+        print(f"{cell}: median goodput {goodput:.2f} req/s")
     (args.out / "retries.json").write_text(json.dumps(result, indent=2) + "\n")
     return 0
 

@@ -104,9 +104,11 @@ class Overloaded(ServiceError):
         within_budget: bool = True,
         cause: str = "deadline",
         reserved: bool = False,
+        saturated: bool = False,
     ) -> None:
         # a hint at or past the call's remaining time is for another replica or a fresh call, never this one
-        self.within_budget = within_budget and retry_after_ms < budget_ms
+        self.within_budget = within_budget and retry_after_ms < budget_ms and not saturated
+        self.saturated = saturated
         self.reserved = reserved and self.within_budget
         self.retry_after_ms = retry_after_ms
         why = _WHY.get(cause, _WHY["deadline"]).format(finish=predicted_finish_ms, budget=budget_ms)
@@ -119,13 +121,22 @@ class Overloaded(ServiceError):
                 "retry_within_budget": str(self.within_budget).lower(),
                 "cause": cause,
                 "retry_reserved": str(self.reserved).lower(),
+                "saturated": str(saturated).lower(),
             },
         )
 
     def _next_step(self, for_turn: bool) -> str:
         hint, held = self.retry_after_ms, "its turn is held" if for_turn else "a slot is reserved for it"
+        if self.saturated:
+            return (
+                f"this replica has been refusing most new calls: a retry here would only take another call's place;"
+                f" a slot frees in {hint} ms (try another replica)"
+            )
         if not self.within_budget:
-            return f"no retry fits inside this budget; this replica frees up in {hint} ms (try another replica)"
+            return (
+                f"no retry fits inside this budget with room to spare; this replica frees up in {hint} ms"
+                " (try another replica)"
+            )
         if self.reserved:
             return f"retry in {hint} ms: {held} from then"
         return f"retry in {hint} ms is a best guess: nothing is held for it (every reservation is taken)"

@@ -3,7 +3,12 @@ observer (`StepStats`) that feeds them and the cost model from every step."""
 
 from __future__ import annotations
 
+from collections import Counter as Tally
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from .admission.costmodel import CostModel
 from .device.spec import Device
@@ -142,6 +147,10 @@ class ServiceMetrics:
         self.registry.register(telemetry)
         return telemetry
 
+    def watch_reservations(self, events: Tally[str]) -> None:
+        """Exports admission's count of what became of its promises to refused calls (read at scrape time)."""
+        self.registry.register(ReservationEvents(events))
+
     def count_usage(self, tenant: str, cost_center: str, unit: str, unit_us: int) -> None:
         """Called for every usage record; keeps the cost_center label's cardinality bounded."""
         if cost_center not in self._cost_centers:
@@ -150,6 +159,22 @@ class ServiceMetrics:
             else:
                 self._cost_centers.add(cost_center)
         self.device_unit_us.labels(tenant, cost_center, unit).inc(unit_us)
+
+
+class ReservationEvents(Collector):
+    """zeroqueue_reservation_events_total{event}: reserved, taken, taken_refused, retry_held, lapsed, unbacked,
+    turn_held, turn_retry, turn_lapsed (docs/OPERATIONS.md, "Retry hints")."""
+
+    def __init__(self, events: Tally[str]) -> None:
+        self.events = events
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "zeroqueue_reservation_events", "What became of refused calls' reserved retries, by event", labels=["event"]
+        )
+        for event, count in sorted(self.events.items()):
+            family.add_metric([event], count)
+        yield family
 
 
 class StepStats:

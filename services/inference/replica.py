@@ -228,6 +228,7 @@ class InferenceApp:
         else:
             controller = AdmissionController(cost, admission_config, max_reservations=self.config.max_reservations)
             admission, observed_cost = controller, cost
+            self.metrics.watch_reservations(controller.events)
             engine.set_expiry_guard(int(cost.step_us(ready.num_slots) * 1000))
         steps = StepLog()
         engine.observers.append(StepStats(observed_cost, self.metrics, ready.num_slots, steps, self.config.pace_tokens))
@@ -270,8 +271,9 @@ class InferenceApp:
 
     def _device_changed(self, state: DeviceState, ratio: float, why: str) -> None:
         """The engine's watchdog changed its verdict on the device (on the event loop). Slow: admission predicts
-        with the measured speed at once. Failed: the calls in flight end now, billed, and readiness goes
-        NOT_SERVING; liveness too if the device has not recovered in `device_recovery_s`. Recovered: SERVING."""
+        with the measured speed at once; healthy again: with the recovered speed at once. Failed: the calls in
+        flight end now, billed, and readiness goes NOT_SERVING; liveness too if the device has not recovered in
+        `device_recovery_s`. Recovered: SERVING."""
         service = self.service
         if service is None or service.device_state is state:
             return
@@ -279,6 +281,8 @@ class InferenceApp:
         self.metrics.set_device_state(state)
         if state is DeviceState.SLOW:
             self.cost.follow(ratio)
+        elif state is DeviceState.HEALTHY:
+            self.cost.settle(ratio)
         loop = asyncio.get_running_loop()
         if state is DeviceState.FAILED:
             service.abandon(why)

@@ -145,7 +145,12 @@ class InferenceService:
             raise errors.DeadlineExpired("the call's deadline had already passed when it arrived")
         deadline_ns = received_ns + budget_ns
         commitment = Commitment(
-            admission_key(tenant, spec.request_id), len(spec.prompt_token_ids), spec.sampling.max_tokens, deadline_ns
+            admission_key(tenant, spec.request_id),
+            len(spec.prompt_token_ids),
+            spec.sampling.max_tokens,
+            deadline_ns,
+            tenant=tenant,
+            attempt=spec.retry_attempt,
         )
         now_ns = self.clock.now_ns()
         decision = self.admission.decide(commitment, now_ns)
@@ -164,6 +169,7 @@ class InferenceService:
                 decision.within_budget,
                 decision.reason,
                 decision.reserved,
+                decision.saturated,
             )
         assert isinstance(decision, Admit)
         self._count_decision(attempt, "admitted")

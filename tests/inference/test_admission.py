@@ -71,6 +71,20 @@ def test_cost_model_learns_a_slower_device_online():
     assert cost.step_us(1) == pytest.approx(2000, rel=0.01)
 
 
+def test_the_watchdog_moves_predictions_both_ways_at_once():
+    cost = CostModel(rows=[1, 2], row_us=[1000, 1100], us_per_context_token=0.0)
+    cost.follow(4.0)  # said slow: 4x at once
+    for _ in range(20):
+        cost.observe(1, 0, 4000)
+    assert cost.ratio == pytest.approx(4.0)
+    cost.observe(1, 0, 1000)  # recovered: one step alone moves the running ratio 5 % of the way
+    assert cost.ratio > 3.8
+    cost.settle(1.05)  # said healthy, at 1.05x calibrated
+    assert cost.ratio == 1.05
+    cost.settle(2.0)  # a recovery never raises the prediction
+    assert cost.ratio == 1.05
+
+
 def test_one_stalled_step_cannot_lock_admission_out_but_a_slow_run_still_counts():
     cost = CostModel(rows=[1, 2], row_us=[1000, 1100], us_per_context_token=0.0)
     for _ in range(50):

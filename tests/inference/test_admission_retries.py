@@ -10,6 +10,7 @@ import pytest
 from services.inference.admission import AdmissionConfig, AdmissionController, Admit, Reject
 from services.inference.admission.costmodel import CostModel
 from services.inference.admission.lateness import Lateness
+from services.inference.admission.saturation import Saturation
 from tests.inference.overload import overload
 from tests.inference.test_admission import MS, NoShortcut, commit, controller
 
@@ -114,6 +115,8 @@ def test_under_overload_the_quick_answers_give_every_call_the_same_decision_and_
     cost = CostModel(rows=[1, 8, 32, 96, 256], row_us=[2000, 2300, 3000, 4500, 8000], us_per_context_token=0.01)
     config = AdmissionConfig(32, 256, pace_tokens=pace)
     quick, slow = AdmissionController(cost, config), NoShortcut(cost, config)
+    for c in (quick, slow):  # never saturated: every refusal plans its retry, the path the quick answers shorten
+        c.saturation = Saturation(enter=2.0)
     kinds = collections.Counter()
     for a, b in overload([quick, slow], load=3.0, seconds=4.0):
         assert type(a) is type(b) and {**a.__dict__, "predicted_finish_ns": 0} == {

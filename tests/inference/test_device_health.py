@@ -140,6 +140,8 @@ def test_a_slow_device_is_said_slow_and_admission_follows_it_at_once(llama_dir):
         time.sleep(5.0)  # the fault is over
         assert list(server.stub().Generate(request, timeout=30))[-1].HasField("final")
         assert device_state(server) == pb.DEVICE_STATE_HEALTHY
+        # predictions are back to the calibration with the device, not decaying from 4x over dozens of steps
+        assert server.app.cost.ratio < 1.25
     finally:
         server.stop(grace_s=1)
 

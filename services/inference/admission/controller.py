@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import Counter
 
 from .costmodel import CostModel
 from .decisions import (
@@ -23,8 +24,10 @@ from .decisions import (
     Infeasible,
     Reject,
 )
+from .follow import FollowThrough
 from .lateness import Lateness
 from .predictor import Predictor, peak_occupancy
+from .saturation import Saturation
 
 
 class AdmissionController:
@@ -41,6 +44,10 @@ class AdmissionController:
     time, may wait up to `retry_hold_ms` for that room, where a newcomer would be refused."""
 
     max_retry_candidates = 8
+    # a retry is invited only to a time from which its predicted run leaves at least this much of the run again
+    # spare in its budget: a call admitted with less holds back the prompts of every call admitted after it
+    # (each one that joins lengthens its run), so near capacity it costs more goodput than it brings
+    retry_slack = 1.0
 
     def __init__(
         self,
@@ -66,9 +73,13 @@ class AdmissionController:
         self.config = config
         self.commitments: dict[str, Commitment] = {}
         self.lateness = Lateness()
+        self.follow = FollowThrough()
+        self.saturation = Saturation()
         self.reservation_grace_ns = int(reservation_grace_ms * NS_PER_MS)
         self.retry_hold_ns = int(retry_hold_ms * NS_PER_MS)
         self.turns: dict[str, int] = {}  # refused for the step budget: request_id -> when its turn lapses
+        # what became of the promises to refused calls, by event (RESERVATION_EVENTS): the metrics read it
+        self.events: Counter[str] = Counter()
 
     @property
     def num_admitted(self) -> int:
@@ -84,7 +95,18 @@ class AdmissionController:
         on_time = held is not None and held.is_reservation
         if on_time:
             del self.commitments[new.request_id]  # a retry takes up its own reservation
+            self.follow.observe(held.tenant, held.again, came=True)
+        decision = self._decide(new, now_ns, on_time)
+        if new.attempt == 0 and not on_time and not isinstance(decision, Infeasible):
+            self.saturation.observe(isinstance(decision, Reject), now_ns)
+        if on_time:
+            self.events["taken" if isinstance(decision, Admit) else "taken_refused"] += 1
+        return decision
+
+    def _decide(self, new: Commitment, now_ns: int, on_time: bool) -> Decision:
         has_turn = on_time or self.turns.pop(new.request_id, None) is not None
+        if has_turn and not on_time:
+            self.events["turn_retry"] += 1
         idle = self.idle.finish_times([new], now_ns)[new.request_id]
         if idle > new.deadline_ns - self.idle.margin_for(new, now_ns):
             return Infeasible(min_budget_ms=math.ceil(self.config.min_budget_ns(idle - now_ns) / NS_PER_MS))
@@ -92,13 +114,17 @@ class AdmissionController:
         finishes = self.predictor.finish_times(admitted, now_ns)
         why, finish_ns = self._fits_at(new, now_ns, admitted, finishes, ahead_of_later_reservations=on_time)
         if why is None:
-            wait_ns = self._steps_until_room(admitted) * int(
-                self.predictor.cost.step_us(self.config.max_num_batched_tokens) * 1000
-            )
-            if wait_ns and not (has_turn and wait_ns <= self.retry_hold_ns):
+            full_step_ns = int(self.predictor.cost.step_us(self.config.max_num_batched_tokens) * 1000)
+            wait_ns = self._steps_until_room(admitted) * full_step_ns
+            # a retry that kept its turn may wait for prompts ahead: one full step, or retry_hold_ms if longer
+            hold_ns = max(self.retry_hold_ns, full_step_ns)
+            if wait_ns and not (has_turn and wait_ns <= hold_ns and finish_ns + wait_ns <= self._limit(new, now_ns)):
                 # it would not join the very next step: a short refusal that holds no slot, only its turn
+                if self.saturation.saturated:
+                    return self._saturated(wait_ns, finish_ns, STEP_BUDGET)
                 if held_turn := len(self.turns) < self.max_reservations:
                     self.turns[new.request_id] = now_ns + wait_ns + self._grace_ns(wait_ns)
+                self.events["turn_held" if held_turn else "unbacked"] += 1
                 return Reject(_ms(wait_ns), finish_ns, reason=STEP_BUDGET, reserved=held_turn)
             self.commitments[new.request_id] = new
             return Admit(finish_ns + wait_ns)
@@ -109,15 +135,28 @@ class AdmissionController:
         at_ns, retry_finish_ns = retry
         if on_time and at_ns - now_ns <= self.retry_hold_ns:  # its slot frees a little late: held for it
             self.commitments[new.request_id] = new
+            self.events["retry_held"] += 1
             return Admit(retry_finish_ns)
+        if self.saturation.saturated:
+            return self._saturated(at_ns - now_ns, finish_ns, why)
         until_ns = self.lateness.stretch(at_ns, retry_finish_ns)
-        # at most max_reservations, so a storm cannot grow every decision's work: past that, a best guess
-        reserved = self.num_reserved < self.max_reservations
+        # at most max_reservations, so a storm cannot grow every decision's work: past that, a best guess; and
+        # only for tenants whose refused calls have been coming back for their reservations
+        again = has_turn or new.attempt > 0
+        reserved = self.num_reserved < self.max_reservations and self.follow.expects(new.tenant, again)
         if reserved:
             new.reserved_from_ns, new.reserved_until_ns = at_ns, until_ns
             new.expires_ns = at_ns + self._grace_ns(at_ns - now_ns)
+            new.again = again
             self.commitments[new.request_id] = new
+        self.events["reserved" if reserved else "unbacked"] += 1
         return Reject(_ms(at_ns - now_ns), finish_ns, reason=why, reserved=reserved)
+
+    def _saturated(self, wait_ns: int, finish_ns: int, why: str) -> Reject:
+        """A refusal that invites no retry here: on a saturated replica a retry would only take another call's
+        place (saturation.py). The hint still says when room frees, for a client with other replicas."""
+        self.events["saturated"] += 1
+        return Reject(_ms(wait_ns), finish_ns, within_budget=False, reason=why, saturated=True)
 
     def _grace_ns(self, wait_ns: int) -> int:
         """How long past its hinted time a refused call's reservation or turn waits for its retry."""
@@ -156,6 +195,7 @@ class AdmissionController:
         ok, finish_ns = self.predictor.meets_deadlines(admitted, new, at_ns, finishes)
         due = [r for r in reservations if r.reserved_from_ns < finish_ns and r.reserved_until_ns > at_ns]
         if ok and due:  # retries arriving during the run share its steps: count them as running too
+            due = self._from_their_time(due, at_ns, len(admitted) + len(due) + 1)
             ok, finish_ns = self.predictor.meets_deadlines(
                 admitted + due, new, at_ns, self.predictor.finish_times(admitted + due, at_ns)
             )
@@ -164,9 +204,24 @@ class AdmissionController:
         if (ok or not finish_unused) and peak_occupancy(intervals, at_ns, holds_until) >= self.config.num_slots:
             return SLOTS_FULL, finish_ns
         if not ok:  # meets_deadlines said no, for its own deadline or for another's
-            own_limit_ns = new.deadline_ns - self.predictor.margin_for(new, at_ns)
-            return (DEADLINE if finish_ns > own_limit_ns else DELAYS_ADMITTED), finish_ns
+            return (DEADLINE if finish_ns > self._limit(new, at_ns) else DELAYS_ADMITTED), finish_ns
         return None, finish_ns
+
+    def _limit(self, c: Commitment, at_ns: int) -> int:
+        """The latest predicted finish `c` is admitted with: its deadline less the safety margin."""
+        return c.deadline_ns - self.predictor.margin_for(c, at_ns)
+
+    def _from_their_time(self, due: list[Commitment], at_ns: int, num_rows: int) -> list[Commitment]:
+        """Reserved retries as the prediction from `at_ns` must see them: it runs every commitment from then, but
+        a retry joins at its reserved time, so it shares the steps of calls that run past its predicted finish
+        from now. Each is counted as running from now with a step more for every step before it joins (at the
+        expected, not the cautious, step time: more steps is the cautious side), its prompt from now."""
+        step_ns = max(self.predictor.cost.raw_step_us(num_rows) * self.predictor.cost.ratio * 1000, 1.0)
+        shifted = []
+        for r in due:
+            steps_before = int((r.reserved_from_ns - at_ns) // step_ns) if r.reserved_from_ns > at_ns else 0
+            shifted.append(Commitment(r.request_id, r.num_prompt_tokens, r.max_tokens + steps_before, r.deadline_ns))
+        return shifted
 
     def _steps_until_room(self, admitted: list[Commitment]) -> int:
         """Steps before the engine's step token budget has room for one more prompt: 0 when a call admitted
@@ -208,7 +263,7 @@ class AdmissionController:
             why, finish_ns = self._fits_at(
                 new, at_ns, later, self.predictor.finish_times(later, at_ns), finish_unused=True
             )
-            if why is None:
+            if why is None and finish_ns + self.retry_slack * (finish_ns - at_ns) <= self._limit(new, at_ns):
                 return at_ns, finish_ns
         return None
 
@@ -228,9 +283,12 @@ class AdmissionController:
 
     def _expire_reservations(self, now_ns: int) -> None:
         for request_id in [r for r, c in self.commitments.items() if c.is_reservation and c.expires_ns <= now_ns]:
-            del self.commitments[request_id]
+            lapsed = self.commitments.pop(request_id)
+            self.follow.observe(lapsed.tenant, lapsed.again, came=False)
+            self.events["lapsed"] += 1
         for request_id in [r for r, expires_ns in self.turns.items() if expires_ns <= now_ns]:
             del self.turns[request_id]
+            self.events["turn_lapsed"] += 1
 
 
 def _ms(ns: int) -> int:

@@ -88,6 +88,13 @@ class CostModel:
         with self._lock:
             self.ratio = max(self.ratio, ratio)
 
+    def settle(self, ratio: float) -> None:
+        """The device is back to `ratio` times its calibrated speed, as its watchdog measured on recovery:
+        predictions drop to it at once rather than over the dozens of steps the running ratio takes to decay
+        from a slowdown (a replica that has recovered must not go on refusing what it can serve)."""
+        with self._lock:
+            self.ratio = min(self.ratio, ratio)
+
     def to_dict(self) -> dict:
         return {
             "rows": self.rows,

@@ -16,11 +16,14 @@ class Commitment:
     max_tokens: int
     deadline_ns: int
     num_generated: int = 0
+    tenant: str = ""
+    attempt: int = 0  # the client's count of earlier attempts (x-retry-attempt); 0 when it says none
     # A reservation holds a KV slot for a rejected call's hinted retry, over [from, until); it lapses at
     # `expires` if the retry has not come.
     reserved_from_ns: int | None = None
     reserved_until_ns: int | None = None
     expires_ns: int | None = None
+    again: bool = False  # the reservation is for a call refused on a retry: its rate of return is its own
 
     @property
     def is_reservation(self) -> bool:
@@ -76,6 +79,8 @@ class Reject:
     reason: str = DEADLINE  # why not now: one of the four above
     reserved: bool = False  # a slot is reserved for a retry at the hint (STEP_BUDGET: its turn is held);
     # False: a best guess, every reservation was taken
+    saturated: bool = False  # the replica has been refusing most new calls: no retry is invited here (within_budget
+    # is False), the hint says when a slot frees, for another replica's sake
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,47 @@
+"""Whether the replica is saturated: refusing a large share of new calls for a while, not just in a burst."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NS_PER_S = 1_000_000_000
+
+
+@dataclass
+class Saturation:
+    """The share of first attempts refused lately (retries are not counted: they would feed it themselves), each
+    weighted by its age (half-life `half_life_s`), with hysteresis so that the verdict does not flap; judged only
+    once `min_weight` attempts' worth are that recent, so a few refusals at a low rate are no verdict.
+
+    A burst refuses a few calls and their retries find the slots reserved for them; a saturated replica has no
+    slot to spare for anyone. There a retry can only take the place of another call, and a worse one: it comes
+    with less of its budget left, so it is admitted with less slack and holds back the prompts of those admitted
+    after it. So a saturated replica does not invite retries to itself (it points them at other replicas), which
+    keeps its goodput what it is without them."""
+
+    half_life_s: float = 2.0
+    enter: float = 0.3
+    leave: float = 0.15
+    min_weight: float = 8.0
+    refused: float = 0.0  # age-weighted counts
+    weight: float = 0.0
+    last_ns: int | None = None
+    saturated: bool = False
+
+    @property
+    def share(self) -> float:
+        return self.refused / self.weight if self.weight else 0.0
+
+    def observe(self, refused: bool, now_ns: int) -> None:
+        if self.last_ns is not None and now_ns > self.last_ns:
+            keep = 0.5 ** ((now_ns - self.last_ns) / NS_PER_S / self.half_life_s)
+            self.refused *= keep
+            self.weight *= keep
+        self.last_ns = max(now_ns, self.last_ns or now_ns)
+        self.refused += 1.0 if refused else 0.0
+        self.weight += 1.0
+        share = self.share
+        if self.saturated and (share < self.leave or self.weight < self.min_weight):
+            self.saturated = False
+        elif not self.saturated and share > self.enter and self.weight >= self.min_weight:
+            self.saturated = True

@@ -1,0 +1,101 @@
+"""A virtual-time replica whose device runs exactly as its calibration says: each step takes the calibrated time
+of its rows, prompts join the next step in order within its token budget, a call gets a token per step. Open-
+loop Poisson arrivals; a refused call retries at its hint while the hint fits its budget, up to `max_attempts`.
+What the admission tests use to judge promises on a device that keeps them: a reserved retry that comes on time
+must be admitted, and an admitted call must finish in its deadline."""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+
+from services.inference.admission import AdmissionController, Admit, Commitment, Reject
+
+MS = 1_000_000
+
+
+@dataclass
+class Tally:
+    outcomes: Counter[str] = field(default_factory=Counter)
+    misses: list[str] = field(default_factory=list)  # admitted calls that finished past their deadline
+
+
+def run(
+    controller: AdmissionController,
+    rate_per_s: float,
+    seconds: float,
+    seed: int = 0,
+    prompt_tokens: int = 64,
+    max_tokens: int = 32,
+    budget_ms: int = 2000,
+    max_attempts: int = 8,
+) -> Tally:
+    cost, budget = controller.predictor.cost, controller.config.max_num_batched_tokens
+    rng, tally = random.Random(seed), Tally()
+    arrivals, t_s = [], 0.0  # (at_ns, seq, request id, deadline_ns, attempt, held a reservation)
+    while t_s < seconds:
+        t_s += rng.expovariate(rate_per_s)
+        n = len(arrivals)
+        arrivals.append((int(t_s * 1e9), n, f"t/r{n}", int(t_s * 1e9) + budget_ms * MS, 0, False))
+    heapq.heapify(arrivals)
+    seq, now_ns = len(arrivals), 0
+    pending: list[str] = []  # admitted, prompt not yet run
+    generated: dict[str, int] = {}  # running: tokens so far
+    deadlines: dict[str, int] = {}
+    prompt_left: dict[str, int] = {}  # pending calls whose prompt began: tokens still to run
+    admitted_at: dict[str, tuple[int, int]] = {}  # when admitted, predicted finish
+
+    def arrive() -> None:
+        nonlocal seq
+        at_ns, _, rid, deadline_ns, attempt, held = heapq.heappop(arrivals)
+        commitment = Commitment(rid, prompt_tokens, max_tokens, deadline_ns, tenant="t", attempt=attempt)
+        decision = controller.decide(commitment, at_ns)
+        kind = "retry_on_time" if held else ("retry" if attempt else "first")
+        tally.outcomes[f"{kind}_{type(decision).__name__.lower()}"] += 1
+        if held and isinstance(decision, Reject):  # a promise not kept: why
+            tally.outcomes[f"retry_on_time_refused_{decision.reason}"] += 1
+        if isinstance(decision, Admit):
+            pending.append(rid)
+            deadlines[rid] = deadline_ns
+            admitted_at[rid] = (at_ns, decision.predicted_finish_ns)
+        elif isinstance(decision, Reject) and decision.within_budget and attempt + 1 < max_attempts:
+            retry_ns = at_ns + decision.retry_after_ms * MS
+            if deadline_ns - retry_ns >= 25 * MS:
+                heapq.heappush(arrivals, (retry_ns, seq, rid, deadline_ns, attempt + 1, decision.reserved))
+                seq += 1
+
+    while arrivals or generated or pending:
+        if not (generated or pending):  # idle until the next arrival
+            now_ns = max(now_ns, arrivals[0][0])
+            arrive()
+            continue
+        # one step from now_ns: every running call decodes a token, then prompts in order, in chunks, within
+        # the step's token budget; a call's first token comes with its prompt's last chunk
+        rows, joining = len(generated), []
+        while pending and rows < budget:
+            chunk = min(prompt_left.get(pending[0], prompt_tokens), budget - rows)
+            rows += chunk
+            prompt_left[pending[0]] = prompt_left.get(pending[0], prompt_tokens) - chunk
+            if prompt_left[pending[0]] == 0:
+                del prompt_left[pending[0]]
+                joining.append(pending.pop(0))
+        end_ns = now_ns + int(cost.raw_step_us(rows) * 1000)
+        while arrivals and arrivals[0][0] < end_ns:  # decided during the step: they join a later one
+            arrive()
+        now_ns = end_ns
+        for rid in list(generated):
+            generated[rid] += 1
+        for rid in joining:
+            generated[rid] = 1
+        for rid, count in list(generated.items()):
+            controller.on_progress(rid, count)
+            if count >= max_tokens:
+                del generated[rid]
+                controller.release(rid)
+                at_ns, predicted_ns = admitted_at.pop(rid)
+                controller.observe_finish(predicted_ns - at_ns, now_ns - at_ns)  # as the service does
+                if now_ns > deadlines.pop(rid):
+                    tally.misses.append(rid)
+    return tally
