@@ -160,6 +160,8 @@ _WHY = {
     "the current load",
     "delays_admitted": "joining now would push an admitted call past its deadline (its own predicted finish, "
     "{finish} ms, fits the budget of {budget} ms)",
+    "over_share": "your tenant holds its fair share of this replica's slots or more, and the free ones are kept "
+    "for tenants under theirs (its run would end in {finish} ms of a {budget} ms budget)",
 }
 
 

@@ -20,11 +20,17 @@ MS = 1_000_000
 class Tally:
     outcomes: Counter[str] = field(default_factory=Counter)
     misses: list[str] = field(default_factory=list)  # admitted calls that finished past their deadline
+    by_tenant: dict[str, Counter[str]] = field(default_factory=dict)  # calls, admitted, in_deadline
+
+    def goodput(self, seconds: float) -> float:
+        """Calls finished inside their deadline per second."""
+        admitted = sum(n for outcome, n in self.outcomes.items() if outcome.endswith("_admit"))
+        return (admitted - len(self.misses)) / seconds
 
 
 def run(
     controller: AdmissionController,
-    rate_per_s: float,
+    rate_per_s: float | dict[str, float],
     seconds: float,
     seed: int = 0,
     prompt_tokens: int = 64,
@@ -32,13 +38,19 @@ def run(
     budget_ms: int = 2000,
     max_attempts: int = 8,
 ) -> Tally:
+    """`rate_per_s`: one tenant's ("t") rate, or each tenant's."""
     cost, budget = controller.predictor.cost, controller.config.max_num_batched_tokens
     rng, tally = random.Random(seed), Tally()
-    arrivals, t_s = [], 0.0  # (at_ns, seq, request id, deadline_ns, attempt, held a reservation)
-    while t_s < seconds:
-        t_s += rng.expovariate(rate_per_s)
-        n = len(arrivals)
-        arrivals.append((int(t_s * 1e9), n, f"t/r{n}", int(t_s * 1e9) + budget_ms * MS, 0, False))
+    rates = rate_per_s if isinstance(rate_per_s, dict) else {"t": rate_per_s}
+    arrivals = []  # (at_ns, seq, request id, deadline_ns, attempt, held a reservation)
+    for tenant, rate in rates.items():
+        tally.by_tenant[tenant] = Counter()
+        t_s = 0.0
+        while t_s < seconds:
+            t_s += rng.expovariate(rate)
+            rid = f"{tenant}/r{len(arrivals)}"
+            arrivals.append((int(t_s * 1e9), len(arrivals), rid, int(t_s * 1e9) + budget_ms * MS, 0, False))
+            tally.by_tenant[tenant]["calls"] += 1
     heapq.heapify(arrivals)
     seq, now_ns = len(arrivals), 0
     pending: list[str] = []  # admitted, prompt not yet run
@@ -50,13 +62,17 @@ def run(
     def arrive() -> None:
         nonlocal seq
         at_ns, _, rid, deadline_ns, attempt, held = heapq.heappop(arrivals)
-        commitment = Commitment(rid, prompt_tokens, max_tokens, deadline_ns, tenant="t", attempt=attempt)
+        tenant = rid.split("/")[0]
+        commitment = Commitment(rid, prompt_tokens, max_tokens, deadline_ns, tenant=tenant, attempt=attempt)
         decision = controller.decide(commitment, at_ns)
         kind = "retry_on_time" if held else ("retry" if attempt else "first")
         tally.outcomes[f"{kind}_{type(decision).__name__.lower()}"] += 1
         if held and isinstance(decision, Reject):  # a promise not kept: why
             tally.outcomes[f"retry_on_time_refused_{decision.reason}"] += 1
+        if isinstance(decision, Reject):
+            tally.by_tenant[tenant][f"refused_{decision.reason}"] += 1
         if isinstance(decision, Admit):
+            tally.by_tenant[tenant]["admitted"] += 1
             pending.append(rid)
             deadlines[rid] = deadline_ns
             admitted_at[rid] = (at_ns, decision.predicted_finish_ns)
@@ -98,4 +114,6 @@ def run(
                 controller.observe_finish(predicted_ns - at_ns, now_ns - at_ns)  # as the service does
                 if now_ns > deadlines.pop(rid):
                     tally.misses.append(rid)
+                else:
+                    tally.by_tenant[rid.split("/")[0]]["in_deadline"] += 1
     return tally

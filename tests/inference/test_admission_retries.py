@@ -116,7 +116,7 @@ def test_under_overload_the_quick_answers_give_every_call_the_same_decision_and_
     config = AdmissionConfig(32, 256, pace_tokens=pace)
     quick, slow = AdmissionController(cost, config), NoShortcut(cost, config)
     for c in (quick, slow):  # never saturated: every refusal plans its retry, the path the quick answers shorten
-        c.saturation = Saturation(enter=2.0)
+        c.new_saturation = lambda: Saturation(enter=2.0)
     kinds = collections.Counter()
     for a, b in overload([quick, slow], load=3.0, seconds=4.0):
         assert type(a) is type(b) and {**a.__dict__, "predicted_finish_ns": 0} == {

@@ -63,9 +63,9 @@ def test_before_saturation_retries_raise_goodput_and_find_their_slots():
 def test_a_saturated_replica_invites_no_retry_and_holds_nothing():
     controller = replica()
     run(controller, 4 * CAPACITY_PER_S, 10.0, seed=1, max_attempts=8)
-    assert controller.saturation.saturated
+    assert controller.saturations["t"].saturated
     refusals_before = controller.events["saturated"]
-    now_ns = controller.saturation.last_ns + 1_000_000  # the run's calls have finished; the verdict stands
+    now_ns = controller.saturations["t"].last_ns + 1_000_000  # the run's calls have finished; the verdict stands
     busy = [controller.decide(replica_call(f"busy{i}", now_ns), now_ns) for i in range(40)]
     refusals = [d for d in busy if isinstance(d, Reject)]
     assert refusals and all(d.saturated and not d.within_budget and not d.reserved for d in refusals)

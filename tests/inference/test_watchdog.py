@@ -4,7 +4,6 @@ and faults injected on purpose."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -119,19 +118,23 @@ def test_the_judge_thread_fails_a_hung_operation_on_its_own():
 
 
 class Device:
-    """A fake executor: each operation takes `op_s` of wall time."""
+    """A fake executor: each operation takes `op_s` on the watchdog's fake clock (the one that times it)."""
 
-    def __init__(self, op_s: float = 0.0) -> None:
-        self.op_s, self.runs, self.probes = op_s, 0, 0
+    def __init__(self, clock=None, op_s: float = 0.0) -> None:
+        self.clock, self.op_s, self.runs, self.probes = clock, op_s, 0, 0
 
     def run(self, step):
         self.runs += 1
-        time.sleep(self.op_s)
+        self._take()
         return step
 
     def probe(self) -> None:
         self.probes += 1
-        time.sleep(self.op_s)
+        self._take()
+
+    def _take(self) -> None:
+        if self.clock is not None:
+            self.clock.ns += int(self.op_s * 1e9)
 
 
 class Step:
@@ -141,10 +144,10 @@ class Step:
 def test_the_watched_executor_judges_speed_by_steps_and_hangs_by_probes_too():
     dog, clock, _ = watchdog(window=1, confirmations=1, slow_ratio=1.5, min_allowance_s=0.05)
     cost = CostModel([1, 8], [500.0, 2000.0], 10.0)  # 8 rows, 100 context: 3000 µs
-    device = Device(op_s=0.02)
+    device = Device(clock, op_s=0.02)
     watched = WatchedExecutor(device, dog, cost, probe_us=1)
     step = Step()
-    assert watched.run(step) is step and dog.state is DeviceState.SLOW  # at least 20 ms against 3
+    assert watched.run(step) is step and dog.state is DeviceState.SLOW  # 20 ms against 3
     watched.probe()  # 20 ms against 1 µs: a probe does not judge speed
     assert dog.state is DeviceState.SLOW and device.probes == 1
 

@@ -1,6 +1,8 @@
 """Deadline admission at arrival: the decisions (decisions.py), the prediction (predictor.py) over the step-time
 cost model (costmodel.py), the controller that admits or refuses with a retry hint (controller.py), the FIFO
-baseline (fifo.py) and the lateness tracker (lateness.py). Runs on the server's event loop. It may import the
+baseline (fifo.py), the lateness tracker (lateness.py), and what decides whether a refusal invites a retry: the
+replica's saturation (saturation.py) and each tenant's record of coming back (follow.py); and each tenant's fair
+share of the slots (shares.py). Runs on the server's event loop. It may import the
 standard library and its own modules only: no torch, nothing of the engine or the device.
 
 The controller and its decisions are re-exported here, so callers write `from services.inference.admission
@@ -12,6 +14,7 @@ from .decisions import (
     DEADLINE,
     DELAYS_ADMITTED,
     NS_PER_MS,
+    OVER_SHARE,
     SLOTS_FULL,
     STEP_BUDGET,
     AdmissionConfig,
@@ -27,6 +30,7 @@ __all__ = [
     "DEADLINE",
     "DELAYS_ADMITTED",
     "NS_PER_MS",
+    "OVER_SHARE",
     "SLOTS_FULL",
     "STEP_BUDGET",
     "AdmissionConfig",

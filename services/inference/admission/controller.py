@@ -9,12 +9,14 @@ from __future__ import annotations
 import bisect
 import math
 from collections import Counter
+from collections.abc import Callable, Mapping
 
 from .costmodel import CostModel
 from .decisions import (
     DEADLINE,
     DELAYS_ADMITTED,
     NS_PER_MS,
+    OVER_SHARE,
     SLOTS_FULL,
     STEP_BUDGET,
     AdmissionConfig,
@@ -28,6 +30,7 @@ from .follow import FollowThrough
 from .lateness import Lateness
 from .predictor import Predictor, peak_occupancy
 from .saturation import Saturation
+from .shares import Shares
 
 
 class AdmissionController:
@@ -44,6 +47,7 @@ class AdmissionController:
     time, may wait up to `retry_hold_ms` for that room, where a newcomer would be refused."""
 
     max_retry_candidates = 8
+    shares_bound = 1024  # tenants whose saturation is remembered
     # a retry is invited only to a time from which its predicted run leaves at least this much of the run again
     # spare in its budget: a call admitted with less holds back the prompts of every call admitted after it
     # (each one that joins lengthens its run), so near capacity it costs more goodput than it brings
@@ -56,6 +60,7 @@ class AdmissionController:
         reservation_grace_ms: float = 50.0,
         max_reservations: int | None = None,
         retry_hold_ms: float = 50.0,
+        weights: Mapping[str, float] | None = None,
     ) -> None:
         # a rejection storm must not grow the work of every decision: at most this many reservations
         self.max_reservations = config.num_slots if max_reservations is None else max_reservations
@@ -74,7 +79,10 @@ class AdmissionController:
         self.commitments: dict[str, Commitment] = {}
         self.lateness = Lateness()
         self.follow = FollowThrough()
-        self.saturation = Saturation()
+        # per tenant: a flood saturates its sender, not the modest tenant beside it (saturation.py)
+        self.saturations: dict[str, Saturation] = {}
+        self.new_saturation: Callable[[], Saturation] = Saturation
+        self.shares = Shares(config.num_slots, dict(weights or {}))
         self.reservation_grace_ns = int(reservation_grace_ms * NS_PER_MS)
         self.retry_hold_ns = int(retry_hold_ms * NS_PER_MS)
         self.turns: dict[str, int] = {}  # refused for the step budget: request_id -> when its turn lapses
@@ -96,9 +104,12 @@ class AdmissionController:
         if on_time:
             del self.commitments[new.request_id]  # a retry takes up its own reservation
             self.follow.observe(held.tenant, held.again, came=True)
+        self.shares.arrive(new.tenant, now_ns)
         decision = self._decide(new, now_ns, on_time)
+        if isinstance(decision, Admit):
+            self.shares.admit(new.tenant)
         if new.attempt == 0 and not on_time and not isinstance(decision, Infeasible):
-            self.saturation.observe(isinstance(decision, Reject), now_ns)
+            self._saturation(new.tenant).observe(isinstance(decision, Reject), now_ns)
         if on_time:
             self.events["taken" if isinstance(decision, Admit) else "taken_refused"] += 1
         return decision
@@ -112,6 +123,17 @@ class AdmissionController:
             return Infeasible(min_budget_ms=math.ceil(self.config.min_budget_ns(idle - now_ns) / NS_PER_MS))
         admitted = [c for c in self.commitments.values() if c.reserved_from_ns is None]
         finishes = self.predictor.finish_times(admitted, now_ns)
+        kept = 0 if on_time else self.shares.kept_free(new.tenant, now_ns)
+        if kept and self._over_share(kept, now_ns, len(admitted)):
+            frees_ns = min((self.lateness.stretch(now_ns, f) for f in finishes.values() if f > now_ns), default=now_ns)
+            finish_ns = self.predictor.finish_times([*admitted, new], now_ns)[new.request_id]
+            self.events["over_share"] += 1
+            return Reject(_ms(frees_ns - now_ns), finish_ns, within_budget=False, reason=OVER_SHARE)
+        if kept:  # a borrower leaves room in time too: a call of each tenant under its share could still join
+            admitted = admitted + [
+                Commitment(f"\0kept{i}", new.num_prompt_tokens, new.max_tokens, new.deadline_ns) for i in range(kept)
+            ]
+            finishes = self.predictor.finish_times(admitted, now_ns)
         why, finish_ns = self._fits_at(new, now_ns, admitted, finishes, ahead_of_later_reservations=on_time)
         if why is None:
             full_step_ns = int(self.predictor.cost.step_us(self.config.max_num_batched_tokens) * 1000)
@@ -120,7 +142,7 @@ class AdmissionController:
             hold_ns = max(self.retry_hold_ns, full_step_ns)
             if wait_ns and not (has_turn and wait_ns <= hold_ns and finish_ns + wait_ns <= self._limit(new, now_ns)):
                 # it would not join the very next step: a short refusal that holds no slot, only its turn
-                if self.saturation.saturated:
+                if self._saturated_for(new.tenant, now_ns):
                     return self._saturated(wait_ns, finish_ns, STEP_BUDGET)
                 if held_turn := len(self.turns) < self.max_reservations:
                     self.turns[new.request_id] = now_ns + wait_ns + self._grace_ns(wait_ns)
@@ -128,7 +150,8 @@ class AdmissionController:
                 return Reject(_ms(wait_ns), finish_ns, reason=STEP_BUDGET, reserved=held_turn)
             self.commitments[new.request_id] = new
             return Admit(finish_ns + wait_ns)
-        retry = self._earliest_retry(new, now_ns, admitted, finishes)
+        slack = 0.0 if self.shares.lent_to_others(new.tenant, now_ns) else self.retry_slack
+        retry = self._earliest_retry(new, now_ns, admitted, finishes, slack)
         if retry is None:
             frees_ns = min((self.lateness.stretch(now_ns, f) for f in finishes.values() if f > now_ns), default=now_ns)
             return Reject(_ms(frees_ns - now_ns), finish_ns, within_budget=False, reason=why)
@@ -137,7 +160,7 @@ class AdmissionController:
             self.commitments[new.request_id] = new
             self.events["retry_held"] += 1
             return Admit(retry_finish_ns)
-        if self.saturation.saturated:
+        if self._saturated_for(new.tenant, now_ns):
             return self._saturated(at_ns - now_ns, finish_ns, why)
         until_ns = self.lateness.stretch(at_ns, retry_finish_ns)
         # at most max_reservations, so a storm cannot grow every decision's work: past that, a best guess; and
@@ -151,6 +174,24 @@ class AdmissionController:
             self.commitments[new.request_id] = new
         self.events["reserved" if reserved else "unbacked"] += 1
         return Reject(_ms(at_ns - now_ns), finish_ns, reason=why, reserved=reserved)
+
+    def _over_share(self, kept: int, now_ns: int, num_running: int) -> bool:
+        """The free slot a tenant holding its fair share or more would take is one of the `kept` that tenants
+        under their share keep in hand (shares.py)."""
+        held = sum(1 for r in self._reservations() if r.reserved_from_ns <= now_ns < r.reserved_until_ns)
+        return self.config.num_slots - num_running - held - 1 < kept
+
+    def _saturated_for(self, tenant: str, now_ns: int) -> bool:
+        """No retry is invited here for `tenant`: it has been refused most of the time lately, and it is not a
+        tenant under its share whose slots others have borrowed (for it, a retry takes back what was lent)."""
+        return self._saturation(tenant).saturated and not self.shares.lent_to_others(tenant, now_ns)
+
+    def _saturation(self, tenant: str) -> Saturation:
+        saturation = self.saturations.pop(tenant, None) or self.new_saturation()
+        self.saturations[tenant] = saturation  # the most recent last: the oldest go first past the bound
+        if len(self.saturations) > self.shares_bound:
+            del self.saturations[next(iter(self.saturations))]
+        return saturation
 
     def _saturated(self, wait_ns: int, finish_ns: int, why: str) -> Reject:
         """A refusal that invites no retry here: on a saturated replica a retry would only take another call's
@@ -244,7 +285,7 @@ class AdmissionController:
         return num_running + held >= self.config.num_slots
 
     def _earliest_retry(
-        self, new: Commitment, now_ns: int, admitted: list[Commitment], finishes: dict[str, int]
+        self, new: Commitment, now_ns: int, admitted: list[Commitment], finishes: dict[str, int], slack: float
     ) -> tuple[int, int] | None:
         """The first moment a slot frees (a call finishes or a reservation ends) from which `new` would be
         admitted inside its own deadline, with its predicted finish from then; None if there is none."""
@@ -263,7 +304,7 @@ class AdmissionController:
             why, finish_ns = self._fits_at(
                 new, at_ns, later, self.predictor.finish_times(later, at_ns), finish_unused=True
             )
-            if why is None and finish_ns + self.retry_slack * (finish_ns - at_ns) <= self._limit(new, at_ns):
+            if why is None and finish_ns + slack * (finish_ns - at_ns) <= self._limit(new, at_ns):
                 return at_ns, finish_ns
         return None
 
@@ -280,6 +321,7 @@ class AdmissionController:
         c = self.commitments.get(request_id)
         if c is not None and not c.is_reservation:
             del self.commitments[request_id]
+            self.shares.release(c.tenant)
 
     def _expire_reservations(self, now_ns: int) -> None:
         for request_id in [r for r, c in self.commitments.items() if c.is_reservation and c.expires_ns <= now_ns]:

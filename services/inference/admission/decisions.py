@@ -68,6 +68,7 @@ SLOTS_FULL = "slots_full"  # every slot is taken (running calls, reserved retrie
 STEP_BUDGET = "step_budget"  # a slot is free, but the next steps' token budget is taken by prompts ahead
 DEADLINE = "deadline"  # its own predicted finish is past its deadline less the margin
 DELAYS_ADMITTED = "delays_admitted"  # it would push an admitted call past a deadline it was predicted to meet
+OVER_SHARE = "over_share"  # its tenant holds its fair share or more, and the free slot is kept for another
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ class Reject:
     predicted_finish_ns: int
     within_budget: bool = True  # False: no time inside this call's own budget works; the hint is when
     # the replica frees up, for a call with a fresh budget
-    reason: str = DEADLINE  # why not now: one of the four above
+    reason: str = DEADLINE  # why not now: one of the five above
     reserved: bool = False  # a slot is reserved for a retry at the hint (STEP_BUDGET: its turn is held);
     # False: a best guess, every reservation was taken
     saturated: bool = False  # the replica has been refusing most new calls: no retry is invited here (within_budget
