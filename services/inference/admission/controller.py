@@ -125,10 +125,9 @@ class AdmissionController:
         finishes = self.predictor.finish_times(admitted, now_ns)
         kept = 0 if on_time else self.shares.kept_free(new.tenant, now_ns)
         if kept and self._over_share(kept, now_ns, len(admitted)):
-            frees_ns = min((self.lateness.stretch(now_ns, f) for f in finishes.values() if f > now_ns), default=now_ns)
             finish_ns = self.predictor.finish_times([*admitted, new], now_ns)[new.request_id]
             self.events["over_share"] += 1
-            return Reject(_ms(frees_ns - now_ns), finish_ns, within_budget=False, reason=OVER_SHARE)
+            return Reject(self._frees_ms(finishes, now_ns), finish_ns, within_budget=False, reason=OVER_SHARE)
         if kept:  # a borrower leaves room in time too: a call of each tenant under its share could still join
             admitted = admitted + [
                 Commitment(f"\0kept{i}", new.num_prompt_tokens, new.max_tokens, new.deadline_ns) for i in range(kept)
@@ -136,25 +135,45 @@ class AdmissionController:
             finishes = self.predictor.finish_times(admitted, now_ns)
         why, finish_ns = self._fits_at(new, now_ns, admitted, finishes, ahead_of_later_reservations=on_time)
         if why is None:
-            full_step_ns = int(self.predictor.cost.step_us(self.config.max_num_batched_tokens) * 1000)
-            wait_ns = self._steps_until_room(admitted) * full_step_ns
-            # a retry that kept its turn may wait for prompts ahead: one full step, or retry_hold_ms if longer
-            hold_ns = max(self.retry_hold_ns, full_step_ns)
-            if wait_ns and not (has_turn and wait_ns <= hold_ns and finish_ns + wait_ns <= self._limit(new, now_ns)):
-                # it would not join the very next step: a short refusal that holds no slot, only its turn
-                if self._saturated_for(new.tenant, now_ns):
-                    return self._saturated(wait_ns, finish_ns, STEP_BUDGET)
-                if held_turn := len(self.turns) < self.max_reservations:
-                    self.turns[new.request_id] = now_ns + wait_ns + self._grace_ns(wait_ns)
-                self.events["turn_held" if held_turn else "unbacked"] += 1
-                return Reject(_ms(wait_ns), finish_ns, reason=STEP_BUDGET, reserved=held_turn)
-            self.commitments[new.request_id] = new
-            return Admit(finish_ns + wait_ns)
+            return self._join(new, now_ns, admitted, finish_ns, has_turn)
+        return self._refuse(new, now_ns, admitted, finishes, why, finish_ns, on_time, has_turn)
+
+    def _join(
+        self, new: Commitment, now_ns: int, admitted: list[Commitment], finish_ns: int, has_turn: bool
+    ) -> Decision:
+        """`new` fits: admitted if its prompt joins the very next step (or, holding its turn, within a step);
+        else a short refusal that holds no slot, only its turn."""
+        full_step_ns = int(self.predictor.cost.step_us(self.config.max_num_batched_tokens) * 1000)
+        wait_ns = self._steps_until_room(admitted) * full_step_ns
+        # a retry that kept its turn may wait for prompts ahead: one full step, or retry_hold_ms if longer
+        hold_ns = max(self.retry_hold_ns, full_step_ns)
+        if wait_ns and not (has_turn and wait_ns <= hold_ns and finish_ns + wait_ns <= self._limit(new, now_ns)):
+            if self._saturated_for(new.tenant, now_ns):
+                return self._saturated(wait_ns, finish_ns, STEP_BUDGET)
+            if held_turn := len(self.turns) < self.max_reservations:
+                self.turns[new.request_id] = now_ns + wait_ns + self._grace_ns(wait_ns)
+            self.events["turn_held" if held_turn else "unbacked"] += 1
+            return Reject(_ms(wait_ns), finish_ns, reason=STEP_BUDGET, reserved=held_turn)
+        self.commitments[new.request_id] = new
+        return Admit(finish_ns + wait_ns)
+
+    def _refuse(
+        self,
+        new: Commitment,
+        now_ns: int,
+        admitted: list[Commitment],
+        finishes: dict[str, int],
+        why: str,
+        finish_ns: int,
+        on_time: bool,
+        has_turn: bool,
+    ) -> Decision:
+        """`new` does not fit now: a refusal with the hint of its earliest retry, and a reservation for it when
+        one is due; or, for a retry come for its reservation whose slot frees a little late, admission."""
         slack = 0.0 if self.shares.lent_to_others(new.tenant, now_ns) else self.retry_slack
         retry = self._earliest_retry(new, now_ns, admitted, finishes, slack)
         if retry is None:
-            frees_ns = min((self.lateness.stretch(now_ns, f) for f in finishes.values() if f > now_ns), default=now_ns)
-            return Reject(_ms(frees_ns - now_ns), finish_ns, within_budget=False, reason=why)
+            return Reject(self._frees_ms(finishes, now_ns), finish_ns, within_budget=False, reason=why)
         at_ns, retry_finish_ns = retry
         if on_time and at_ns - now_ns <= self.retry_hold_ns:  # its slot frees a little late: held for it
             self.commitments[new.request_id] = new
@@ -162,18 +181,22 @@ class AdmissionController:
             return Admit(retry_finish_ns)
         if self._saturated_for(new.tenant, now_ns):
             return self._saturated(at_ns - now_ns, finish_ns, why)
-        until_ns = self.lateness.stretch(at_ns, retry_finish_ns)
         # at most max_reservations, so a storm cannot grow every decision's work: past that, a best guess; and
         # only for tenants whose refused calls have been coming back for their reservations
         again = has_turn or new.attempt > 0
         reserved = self.num_reserved < self.max_reservations and self.follow.expects(new.tenant, again)
         if reserved:
-            new.reserved_from_ns, new.reserved_until_ns = at_ns, until_ns
+            new.reserved_from_ns, new.reserved_until_ns = at_ns, self.lateness.stretch(at_ns, retry_finish_ns)
             new.expires_ns = at_ns + self._grace_ns(at_ns - now_ns)
             new.again = again
             self.commitments[new.request_id] = new
         self.events["reserved" if reserved else "unbacked"] += 1
         return Reject(_ms(at_ns - now_ns), finish_ns, reason=why, reserved=reserved)
+
+    def _frees_ms(self, finishes: dict[str, int], now_ns: int) -> int:
+        """When the first slot frees, as slots really free (later than predicted): a hint for a fresh call."""
+        frees_ns = min((self.lateness.stretch(now_ns, f) for f in finishes.values() if f > now_ns), default=now_ns)
+        return _ms(frees_ns - now_ns)
 
     def _over_share(self, kept: int, now_ns: int, num_running: int) -> bool:
         """The free slot a tenant holding its fair share or more would take is one of the `kept` that tenants
