@@ -97,6 +97,15 @@ def test_saturation_needs_a_run_of_refusals_and_clears_with_hysteresis():
     assert s.share < 0.15
 
 
+def test_a_burst_into_a_full_replica_is_no_saturation():
+    s = Saturation()
+    for i in range(30):  # 30 refusals within 30 ms: a burst
+        s.observe(True, i * 1_000_000)
+    assert not s.saturated
+    s.observe(True, 600_000_000)  # still refusing most of what comes half a second later: saturated
+    assert s.saturated
+
+
 def test_saturation_is_forgotten_after_a_quiet_spell():
     s = Saturation()
     for i in range(100):

@@ -11,7 +11,8 @@ NS_PER_S = 1_000_000_000
 class Saturation:
     """The share of first attempts refused lately (retries are not counted: they would feed it themselves), each
     weighted by its age (half-life `half_life_s`), with hysteresis so that the verdict does not flap; judged only
-    once `min_weight` attempts' worth are that recent, so a few refusals at a low rate are no verdict.
+    once `min_weight` attempts' worth are that recent, so a few refusals at a low rate are no verdict, and only
+    once the share has stayed over `enter` for `hold_s`, so a burst into a full replica is no verdict either.
 
     A burst refuses a few calls and their retries find the slots reserved for them; a saturated replica has no
     slot to spare for anyone. There a retry can only take the place of another call, and a worse one: it comes
@@ -23,6 +24,8 @@ class Saturation:
     enter: float = 0.3
     leave: float = 0.15
     min_weight: float = 8.0
+    hold_s: float = 0.5
+    above_since_ns: int | None = None  # when the share last rose over `enter`
     refused: float = 0.0  # age-weighted counts
     weight: float = 0.0
     last_ns: int | None = None
@@ -41,7 +44,12 @@ class Saturation:
         self.refused += 1.0 if refused else 0.0
         self.weight += 1.0
         share = self.share
-        if self.saturated and (share < self.leave or self.weight < self.min_weight):
-            self.saturated = False
-        elif not self.saturated and share > self.enter and self.weight >= self.min_weight:
-            self.saturated = True
+        if self.saturated:
+            if share < self.leave or self.weight < self.min_weight:
+                self.saturated, self.above_since_ns = False, None
+        elif share > self.enter and self.weight >= self.min_weight:
+            if self.above_since_ns is None:
+                self.above_since_ns = now_ns
+            self.saturated = now_ns - self.above_since_ns >= self.hold_s * NS_PER_S
+        else:
+            self.above_since_ns = None
