@@ -25,16 +25,25 @@ RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4)
 
 
 MAX_COST_CENTERS = 64  # cost_center comes from callers: more distinct values than this count as "_other"
+MAX_TENANTS = 256  # tenants as a label: past this many, "_other"
 
 
 class ServiceMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self._cost_centers: set[str] = set()
+        self._tenants: set[str] = set()
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.requests = Counter("zeroqueue_requests", "Generate calls by outcome", ["outcome"], registry=r)
         self.rejections = Counter(
             "zeroqueue_rejections", "Calls refused at admission, by reason", ["reason"], registry=r
+        )
+        self.refusals = Counter(
+            "zeroqueue_refusals",
+            "Calls refused at admission, by cause (admission's, or infeasible) and tenant (at most "
+            f"{MAX_TENANTS}; more count as _other)",
+            ["cause", "tenant"],
+            registry=r,
         )
         self.retry_attempts = Counter(
             "zeroqueue_retry_attempts",
@@ -150,6 +159,15 @@ class ServiceMetrics:
     def watch_reservations(self, events: Tally[str]) -> None:
         """Exports admission's count of what became of its promises to refused calls (read at scrape time)."""
         self.registry.register(ReservationEvents(events))
+
+    def count_refusal(self, cause: str, tenant: str) -> None:
+        """A call refused at admission: `cause` is why not now (admission's Reject.reason, or infeasible)."""
+        if tenant not in self._tenants:
+            if len(self._tenants) >= MAX_TENANTS:
+                tenant = "_other"
+            else:
+                self._tenants.add(tenant)
+        self.refusals.labels(cause, tenant).inc()
 
     def count_usage(self, tenant: str, cost_center: str, unit: str, unit_us: int) -> None:
         """Called for every usage record; keeps the cost_center label's cardinality bounded."""

@@ -159,9 +159,11 @@ class InferenceService:
         attempt = _attempt_label(spec.retry_attempt)
         if isinstance(decision, Infeasible):
             self._count_decision(attempt, "infeasible")
+            self.metrics.count_refusal("infeasible", tenant)
             raise errors.DeadlineInfeasible(budget_ns // 1_000_000, decision.min_budget_ms)
         if isinstance(decision, Reject):
             self._count_decision(attempt, "overloaded")
+            self.metrics.count_refusal(decision.reason, tenant)
             raise errors.Overloaded(
                 decision.retry_after_ms,
                 (decision.predicted_finish_ns - now_ns) // 1_000_000,

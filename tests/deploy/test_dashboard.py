@@ -146,6 +146,7 @@ def test_panels_cover_the_board(dashboard: dict) -> None:
     for metric in (
         "zeroqueue_retry_attempts_total",
         "zeroqueue_rejections_total",
+        "zeroqueue_refusals_total",
         "zeroqueue_e2e_seconds_bucket",
         "zeroqueue_queue_time_seconds_bucket",
         "zeroqueue_deadline_misses_total",

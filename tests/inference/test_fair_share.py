@@ -75,3 +75,16 @@ def test_one_tenant_alone_borrows_nothing_and_is_kept_out_of_nothing():
     for _ in range(4):
         shares.admit("only")
     assert shares.kept_free("only", 0) == 0 and not shares.lent_to_others("only", 0)
+
+
+def test_refusals_are_counted_by_cause_and_tenant_with_the_tenants_bounded():
+    from services.inference.metrics import MAX_TENANTS, ServiceMetrics
+
+    metrics = ServiceMetrics()
+    metrics.count_refusal("over_share", "flood")
+    metrics.count_refusal("slots_full", "modest")
+    for i in range(MAX_TENANTS + 5):
+        metrics.count_refusal("slots_full", f"t{i}")
+    value = metrics.registry.get_sample_value
+    assert value("zeroqueue_refusals_total", {"cause": "over_share", "tenant": "flood"}) == 1
+    assert value("zeroqueue_refusals_total", {"cause": "slots_full", "tenant": "_other"}) == 7

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import threading
 import time
@@ -39,6 +40,16 @@ def server(llama_dir):
 def metric(server, name, **labels):
     value = server.app.metrics.registry.get_sample_value(name, labels)
     return value or 0.0
+
+
+def refusals_by_cause(server) -> collections.Counter:
+    """zeroqueue_refusals_total summed over tenants, by cause."""
+    counts = collections.Counter()
+    for family in server.app.metrics.registry.collect():
+        for sample in family.samples:
+            if sample.name == "zeroqueue_refusals_total":
+                counts[sample.labels["cause"]] += int(sample.value)
+    return counts
 
 
 class Background:
@@ -118,6 +129,7 @@ def test_grpc_retry_policy_waits_the_pushback_delay(server):
         server, "zeroqueue_retry_attempts_total", attempt="1", result="overloaded"
     )
     before_first = metric(server, "zeroqueue_retry_attempts_total", attempt="0", result="overloaded")
+    before_causes = refusals_by_cause(server)
     t0 = time.monotonic()
     messages = list(
         inference_pb2_grpc.InferenceStub(channel).Generate(
@@ -131,6 +143,8 @@ def test_grpc_retry_policy_waits_the_pushback_delay(server):
         server, "zeroqueue_retry_attempts_total", attempt="1", result="overloaded"
     )
     assert after_retry == before_retry + 1, "the server saw grpc-previous-rpc-attempts: 1"
+    causes = refusals_by_cause(server) - before_causes
+    assert causes["slots_full"] >= 1 and set(causes) <= {"slots_full", "step_budget"}, causes
     assert elapsed >= 10 * STEP_S, "the client waited the pushback, not the 10 ms backoff"
     for c in running:
         c.join()
