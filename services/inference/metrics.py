@@ -162,26 +162,26 @@ class ServiceMetrics:
 
     def count_refusal(self, cause: str, tenant: str) -> None:
         """A call refused at admission: `cause` is why not now (admission's Reject.reason, or infeasible)."""
-        if tenant not in self._tenants:
-            if len(self._tenants) >= MAX_TENANTS:
-                tenant = "_other"
-            else:
-                self._tenants.add(tenant)
-        self.refusals.labels(cause, tenant).inc()
+        self.refusals.labels(cause, _bounded(tenant, self._tenants, MAX_TENANTS)).inc()
 
     def count_usage(self, tenant: str, cost_center: str, unit: str, unit_us: int) -> None:
         """Called for every usage record; keeps the cost_center label's cardinality bounded."""
-        if cost_center not in self._cost_centers:
-            if len(self._cost_centers) >= MAX_COST_CENTERS:
-                cost_center = "_other"
-            else:
-                self._cost_centers.add(cost_center)
+        cost_center = _bounded(cost_center, self._cost_centers, MAX_COST_CENTERS)
         self.device_unit_us.labels(tenant, cost_center, unit).inc(unit_us)
 
 
+def _bounded(value: str, seen: set[str], limit: int) -> str:
+    """A label value from callers, or "_other" once `limit` distinct values have been seen."""
+    if value not in seen:
+        if len(seen) >= limit:
+            return "_other"
+        seen.add(value)
+    return value
+
+
 class ReservationEvents(Collector):
-    """zeroqueue_reservation_events_total{event}: reserved, taken, taken_refused, retry_held, lapsed, unbacked,
-    turn_held, turn_retry, turn_lapsed (docs/OPERATIONS.md, "Retry hints")."""
+    """zeroqueue_reservation_events_total{event}: reserved, unbacked, taken, taken_refused, retry_held, lapsed,
+    turn_held, turn_retry, turn_lapsed, saturated (docs/OPERATIONS.md, "Retries from clients in other languages")."""
 
     def __init__(self, events: Tally[str]) -> None:
         self.events = events

@@ -47,7 +47,7 @@ class AdmissionController:
     time, may wait up to `retry_hold_ms` for that room, where a newcomer would be refused."""
 
     max_retry_candidates = 8
-    shares_bound = 1024  # tenants whose saturation is remembered
+    max_tenants = 1024  # tenants whose saturation is remembered
     # a retry is invited only to a time from which its predicted run leaves at least this much of the run again
     # spare in its budget: a call admitted with less holds back the prompts of every call admitted after it
     # (each one that joins lengthens its run), so near capacity it costs more goodput than it brings
@@ -86,7 +86,7 @@ class AdmissionController:
         self.reservation_grace_ns = int(reservation_grace_ms * NS_PER_MS)
         self.retry_hold_ns = int(retry_hold_ms * NS_PER_MS)
         self.turns: dict[str, int] = {}  # refused for the step budget: request_id -> when its turn lapses
-        # what became of the promises to refused calls, by event (RESERVATION_EVENTS): the metrics read it
+        # what became of the promises to refused calls, by event (metrics.ReservationEvents lists them)
         self.events: Counter[str] = Counter()
 
     @property
@@ -126,7 +126,6 @@ class AdmissionController:
         kept = 0 if on_time else self.shares.kept_free(new.tenant, now_ns)
         if kept and self._over_share(kept, now_ns, len(admitted)):
             finish_ns = self.predictor.finish_times([*admitted, new], now_ns)[new.request_id]
-            self.events["over_share"] += 1
             return Reject(self._frees_ms(finishes, now_ns), finish_ns, within_budget=False, reason=OVER_SHARE)
         if kept:  # a borrower leaves room in time too: a call of each tenant under its share could still join
             admitted = admitted + [
@@ -212,7 +211,7 @@ class AdmissionController:
     def _saturation(self, tenant: str) -> Saturation:
         saturation = self.saturations.pop(tenant, None) or self.new_saturation()
         self.saturations[tenant] = saturation  # the most recent last: the oldest go first past the bound
-        if len(self.saturations) > self.shares_bound:
+        if len(self.saturations) > self.max_tenants:
             del self.saturations[next(iter(self.saturations))]
         return saturation
 

@@ -2,10 +2,11 @@
 
 A tenant is active while it has calls running or has sent calls lately (age-weighted, half-life
 `half_life_s`). Each active tenant's share is the slots × its weight / the active tenants' weights. A tenant may
-hold more than its share (capacity another leaves unused is lent), but a slot it borrows must not be the last free
-one some other active tenant under its share would find: each of those keeps one free slot in hand, so a modest
-tenant's next call finds room at once rather than behind a flood. Running calls are never pushed out; the lent
-slots come back as the borrower's calls finish, which on a replica of many slots is every few tens of ms.
+hold more than its share (capacity another leaves unused is lent), but a slot it borrows must not be one of the last
+free ones some other active tenant under its share would find: each of those keeps `per_tenant` free slots in
+hand, so a modest tenant's next call finds room at once rather than behind a flood. Running calls are never
+pushed out; the lent slots come back as the borrower's calls finish, which on a replica of many slots is every few
+tens of ms.
 
 The work per decision is O(active tenants), at most one per slot plus those seen in the last seconds."""
 
@@ -47,24 +48,23 @@ class Shares:
     def kept_free(self, tenant: str, now_ns: int) -> int:
         """Free slots that `tenant`, holding its share or more, may not take: `per_tenant` for each other active
         tenant under its own share. 0 for a tenant under its share, which takes any free slot."""
-        active = self._active(now_ns) | {tenant}
-        if len(active) < 2:
+        others, per_weight = self._others(tenant, now_ns)
+        if not others or self._under(tenant, per_weight):
             return 0
-        per_weight = self._slots_per_weight(active)
-        if self._under(tenant, per_weight):
-            return 0
-        return self.per_tenant * sum(1 for t in active if t != tenant and self._under(t, per_weight))
+        return self.per_tenant * sum(1 for t in others if self._under(t, per_weight))
 
     def lent_to_others(self, tenant: str, now_ns: int) -> bool:
         """`tenant` holds less than its share while another active tenant holds more than its own: slots of
         `tenant`'s share are lent out."""
+        others, per_weight = self._others(tenant, now_ns)
+        if not others or not self._under(tenant, per_weight):
+            return False
+        return any(self.used[t] > per_weight * self.weights.get(t, 1.0) for t in others)
+
+    def _others(self, tenant: str, now_ns: int) -> tuple[list[str], float]:
+        """The other active tenants, and the slots per unit of weight with `tenant` counted among the active."""
         active = self._active(now_ns) | {tenant}
-        if len(active) < 2:
-            return False
-        per_weight = self._slots_per_weight(active)
-        if not self._under(tenant, per_weight):
-            return False
-        return any(self.used[t] > per_weight * self.weights.get(t, 1.0) for t in active if t != tenant)
+        return [t for t in active if t != tenant], self._slots_per_weight(active)
 
     def _slots_per_weight(self, active: set[str]) -> float:
         return self.num_slots / sum(self.weights.get(t, 1.0) for t in active)

@@ -98,9 +98,7 @@ class Watchdog:
         if self._num_unjudged < max(self.config.window // 2, 1) or len(self._ratios) < self.config.window:
             return
         self._num_unjudged = 0
-        ratios = sorted(self._ratios)  # the median, without statistics.median's checks and conversions
-        half = len(ratios) // 2
-        median = ratios[half] if len(ratios) % 2 else (ratios[half - 1] + ratios[half]) / 2
+        median = statistics.median(self._ratios)
         if median > self.config.slow_ratio:
             new = DeviceState.SLOW
         elif median < self.config.healthy_ratio:
