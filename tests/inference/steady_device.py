@@ -22,10 +22,13 @@ class Tally:
     misses: list[str] = field(default_factory=list)  # admitted calls that finished past their deadline
     by_tenant: dict[str, Counter[str]] = field(default_factory=dict)  # calls, admitted, in_deadline
 
+    @property
+    def num_admitted(self) -> int:
+        return sum(n for outcome, n in self.outcomes.items() if outcome.endswith("_admit"))
+
     def goodput(self, seconds: float) -> float:
         """Calls finished inside their deadline per second."""
-        admitted = sum(n for outcome, n in self.outcomes.items() if outcome.endswith("_admit"))
-        return (admitted - len(self.misses)) / seconds
+        return (self.num_admitted - len(self.misses)) / seconds
 
 
 def run(

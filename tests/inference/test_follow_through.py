@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 from services.inference.admission import AdmissionConfig, AdmissionController, Admit, Commitment, Reject
-from services.inference.admission.costmodel import CostModel
 from services.inference.admission.follow import FollowThrough
-
-MS = 1_000_000
+from tests.inference.test_admission import MS, flat_cost
 
 
 def one_slot() -> AdmissionController:
-    cost = CostModel(rows=[1, 256], row_us=[10_000, 10_000], us_per_context_token=0.0, num_deviations=0, deviation=0)
-    return AdmissionController(cost, AdmissionConfig(1, 256, margin_ms=0, margin_fraction=0), reservation_grace_ms=20)
+    config = AdmissionConfig(1, 256, margin_ms=0, margin_fraction=0)
+    return AdmissionController(flat_cost(10.0), config, reservation_grace_ms=20)
 
 
 def call(rid: str, tenant: str, now_ms: int, attempt: int = 0) -> Commitment:
