@@ -77,6 +77,12 @@ def one_of(column: str, enum: type[StrEnum]) -> str:
 # The bounds of billing/records.py and the ASCII 'YYYY-MM' of billing/period.py, as the database enforces
 # them (migration 0003: CHECK constraints on PostgreSQL, BEFORE triggers on SQLite, the same expressions).
 MAX_PRICE_MICROS = 1_000_000_000  # 1,000 currency units per unit·second: far above any real price
+# Classes of service and tenant policies (migration 0005).
+DEFAULT_CLASS = "standard"  # every budget, priority 0, the whole charge of a miss credited: the rule before classes
+MAX_CLASS_BUDGET_MS = 86_400_000
+MAX_PRIORITY = 100
+MAX_WEIGHT = 1000
+PPM = 1_000_000
 _DIGIT = "('0', '1', '2', '3', '4', '5', '6', '7', '8', '9')"
 _MONTH = ", ".join(f"'{month:02d}'" for month in range(1, 13))
 PERIOD_FORMAT = (
@@ -190,6 +196,7 @@ class UsageRow(Base):
     outcome: Mapped[str] = mapped_column(String(32))
     payload_digest: Mapped[str] = mapped_column(String(64))
     ingested_at_us: Mapped[int]
+    service_class: Mapped[str] = mapped_column(String(32), server_default=DEFAULT_CLASS)
 
 
 class IdleRow(Base):
@@ -246,16 +253,62 @@ class Price(Base):
         CheckConstraint("price_micros >= 0", name="price_non_negative"),
         CheckConstraint(f"price_micros <= {MAX_PRICE_MICROS}", name="price_range"),
         CheckConstraint("length(currency) = 3", name="currency_code"),
-        UniqueConstraint("model", "unit", "effective_from_us"),
+        UniqueConstraint("model", "unit", "service_class", "effective_from_us"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     model: Mapped[str] = mapped_column(String(128))
     unit: Mapped[str] = mapped_column(String(8))
+    service_class: Mapped[str] = mapped_column(String(32), server_default="")  # '' = classes without their own
     price_micros: Mapped[int]
     currency: Mapped[str] = mapped_column(String(3))
     effective_from_us: Mapped[int]
     created_at_us: Mapped[int]
+
+
+class ServiceClass(Base):
+    """An operator's class of service; never deleted, and its name and credit rule never change (migration 0005)."""
+
+    __tablename__ = "service_classes"
+    __table_args__ = (
+        CheckConstraint("length(name) >= 1", name="name_not_empty"),
+        CheckConstraint(
+            f"min_budget_ms >= 1 AND max_budget_ms >= min_budget_ms AND max_budget_ms <= {MAX_CLASS_BUDGET_MS}",
+            name="budget_range",
+        ),
+        CheckConstraint(f"priority >= 0 AND priority <= {MAX_PRIORITY}", name="priority_range"),
+        CheckConstraint(f"credit_ppm >= 0 AND credit_ppm <= {PPM}", name="credit_range"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(32), unique=True)
+    min_budget_ms: Mapped[int]
+    max_budget_ms: Mapped[int]
+    priority: Mapped[int] = mapped_column(Integer)  # higher is admitted first under overload
+    credit_ppm: Mapped[int] = mapped_column(Integer)  # share of a missed call's charge credited, per million
+    created_at_us: Mapped[int]
+
+
+class TenantPolicy(Base):
+    """A tenant's weight in fair share and its optional caps; a tenant without a row has weight 1 and no caps."""
+
+    __tablename__ = "tenant_policies"
+    __table_args__ = (
+        CheckConstraint(f"weight >= 1 AND weight <= {MAX_WEIGHT}", name="weight_range"),
+        CheckConstraint(
+            "(device_us_per_month IS NULL OR device_us_per_month > 0) AND "
+            "(spend_micros_per_month IS NULL OR spend_micros_per_month > 0) AND "
+            "(calls_per_s IS NULL OR calls_per_s > 0)",
+            name="caps_positive",
+        ),
+    )
+
+    tenant_id: Mapped[int] = mapped_column(Integer, ForeignKey("tenants.id"), primary_key=True)
+    weight: Mapped[int] = mapped_column(Integer)
+    device_us_per_month: Mapped[int | None]
+    spend_micros_per_month: Mapped[int | None]
+    calls_per_s: Mapped[int | None] = mapped_column(Integer)
+    updated_at_us: Mapped[int]
 
 
 class Invoice(Base):
@@ -306,6 +359,7 @@ class InvoiceLine(Base):
     kind: Mapped[str] = mapped_column(String(16))
     model: Mapped[str] = mapped_column(String(128))
     unit: Mapped[str] = mapped_column(String(8))
+    service_class: Mapped[str] = mapped_column(String(32), server_default=DEFAULT_CLASS)
     price_id: Mapped[int] = mapped_column(Integer, ForeignKey("prices.id"))
     price_micros: Mapped[int]
     usage_from_us: Mapped[int]

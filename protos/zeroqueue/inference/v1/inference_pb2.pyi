@@ -50,7 +50,7 @@ DEVICE_STATE_SLOW: DeviceState
 DEVICE_STATE_FAILED: DeviceState
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "request_id", "labels")
+    __slots__ = ("model", "prompt", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "request_id", "labels", "service_class")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class GenerateRequest(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_CLASS_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -80,7 +81,8 @@ class GenerateRequest(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     request_id: str
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    service_class: str
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., service_class: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("admission", "chunk", "final")
@@ -93,7 +95,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, admission: _Optional[_Union[Admission, _Mapping]] = ..., chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., final: _Optional[_Union[Final, _Mapping]] = ...) -> None: ...
 
 class Admission(_message.Message):
-    __slots__ = ("request_id", "received_at_us", "dispatched_at_us", "predicted_finish_at_us", "deadline_at_us", "budget_ms", "budget_source", "prompt_tokens", "call_id")
+    __slots__ = ("request_id", "received_at_us", "dispatched_at_us", "predicted_finish_at_us", "deadline_at_us", "budget_ms", "budget_source", "prompt_tokens", "call_id", "service_class")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_AT_US_FIELD_NUMBER: _ClassVar[int]
     DISPATCHED_AT_US_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +105,7 @@ class Admission(_message.Message):
     BUDGET_SOURCE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_CLASS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     received_at_us: int
     dispatched_at_us: int
@@ -112,7 +115,8 @@ class Admission(_message.Message):
     budget_source: BudgetSource
     prompt_tokens: int
     call_id: str
-    def __init__(self, request_id: _Optional[str] = ..., received_at_us: _Optional[int] = ..., dispatched_at_us: _Optional[int] = ..., predicted_finish_at_us: _Optional[int] = ..., deadline_at_us: _Optional[int] = ..., budget_ms: _Optional[int] = ..., budget_source: _Optional[_Union[BudgetSource, str]] = ..., prompt_tokens: _Optional[int] = ..., call_id: _Optional[str] = ...) -> None: ...
+    service_class: str
+    def __init__(self, request_id: _Optional[str] = ..., received_at_us: _Optional[int] = ..., dispatched_at_us: _Optional[int] = ..., predicted_finish_at_us: _Optional[int] = ..., deadline_at_us: _Optional[int] = ..., budget_ms: _Optional[int] = ..., budget_source: _Optional[_Union[BudgetSource, str]] = ..., prompt_tokens: _Optional[int] = ..., call_id: _Optional[str] = ..., service_class: _Optional[str] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("token_ids", "text", "emitted_at_us")
@@ -183,7 +187,7 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "context_length", "dtype", "device_kind", "device_name", "num_compute_units", "unit", "state", "max_batch", "vocab_size", "device_state")
+    __slots__ = ("name", "context_length", "dtype", "device_kind", "device_name", "num_compute_units", "unit", "state", "max_batch", "vocab_size", "device_state", "classes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +199,7 @@ class ModelInfo(_message.Message):
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_STATE_FIELD_NUMBER: _ClassVar[int]
+    CLASSES_FIELD_NUMBER: _ClassVar[int]
     name: str
     context_length: int
     dtype: str
@@ -206,4 +211,23 @@ class ModelInfo(_message.Message):
     max_batch: int
     vocab_size: int
     device_state: DeviceState
-    def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., num_compute_units: _Optional[int] = ..., unit: _Optional[str] = ..., state: _Optional[_Union[WarmupState, str]] = ..., max_batch: _Optional[int] = ..., vocab_size: _Optional[int] = ..., device_state: _Optional[_Union[DeviceState, str]] = ...) -> None: ...
+    classes: _containers.RepeatedCompositeFieldContainer[ClassOffer]
+    def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., num_compute_units: _Optional[int] = ..., unit: _Optional[str] = ..., state: _Optional[_Union[WarmupState, str]] = ..., max_batch: _Optional[int] = ..., vocab_size: _Optional[int] = ..., device_state: _Optional[_Union[DeviceState, str]] = ..., classes: _Optional[_Iterable[_Union[ClassOffer, _Mapping]]] = ...) -> None: ...
+
+class ClassOffer(_message.Message):
+    __slots__ = ("name", "min_budget_ms", "max_budget_ms", "priority", "price_micros", "currency", "credit_ppm")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MIN_BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PRICE_MICROS_FIELD_NUMBER: _ClassVar[int]
+    CURRENCY_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_PPM_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    min_budget_ms: int
+    max_budget_ms: int
+    priority: int
+    price_micros: int
+    currency: str
+    credit_ppm: int
+    def __init__(self, name: _Optional[str] = ..., min_budget_ms: _Optional[int] = ..., max_budget_ms: _Optional[int] = ..., priority: _Optional[int] = ..., price_micros: _Optional[int] = ..., currency: _Optional[str] = ..., credit_ppm: _Optional[int] = ...) -> None: ...

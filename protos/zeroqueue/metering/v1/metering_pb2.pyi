@@ -32,7 +32,7 @@ INVOICE_STATUS_FINALIZED: InvoiceStatus
 INVOICE_STATUS_VOID: InvoiceStatus
 
 class UsageRecord(_message.Message):
-    __slots__ = ("request_id", "tenant", "labels", "model", "device_kind", "device_id", "unit", "num_units", "unit_us", "prompt_tokens", "completion_tokens", "received_at_us", "dispatched_at_us", "first_token_at_us", "finished_at_us", "deadline_at_us", "deadline_met", "outcome", "client_request_id")
+    __slots__ = ("request_id", "tenant", "labels", "model", "device_kind", "device_id", "unit", "num_units", "unit_us", "prompt_tokens", "completion_tokens", "received_at_us", "dispatched_at_us", "first_token_at_us", "finished_at_us", "deadline_at_us", "deadline_met", "outcome", "client_request_id", "service_class")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class UsageRecord(_message.Message):
     DEADLINE_MET_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_CLASS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant: str
     labels: _containers.ScalarMap[str, str]
@@ -78,7 +79,8 @@ class UsageRecord(_message.Message):
     deadline_met: bool
     outcome: str
     client_request_id: str
-    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., model: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_id: _Optional[str] = ..., unit: _Optional[str] = ..., num_units: _Optional[int] = ..., unit_us: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., received_at_us: _Optional[int] = ..., dispatched_at_us: _Optional[int] = ..., first_token_at_us: _Optional[int] = ..., finished_at_us: _Optional[int] = ..., deadline_at_us: _Optional[int] = ..., deadline_met: _Optional[bool] = ..., outcome: _Optional[str] = ..., client_request_id: _Optional[str] = ...) -> None: ...
+    service_class: str
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., model: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_id: _Optional[str] = ..., unit: _Optional[str] = ..., num_units: _Optional[int] = ..., unit_us: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., received_at_us: _Optional[int] = ..., dispatched_at_us: _Optional[int] = ..., first_token_at_us: _Optional[int] = ..., finished_at_us: _Optional[int] = ..., deadline_at_us: _Optional[int] = ..., deadline_met: _Optional[bool] = ..., outcome: _Optional[str] = ..., client_request_id: _Optional[str] = ..., service_class: _Optional[str] = ...) -> None: ...
 
 class IdleRecord(_message.Message):
     __slots__ = ("record_id", "device_id", "unit", "num_units", "minute_start_us", "idle_unit_us", "wall_unit_us")
@@ -158,7 +160,7 @@ class QueryUsageResponse(_message.Message):
     def __init__(self, records: _Optional[_Iterable[_Union[UsageRecord, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class InvoiceLine(_message.Message):
-    __slots__ = ("kind", "model", "unit", "quantity_unit_us", "requests", "price_micros", "amount_micros")
+    __slots__ = ("kind", "model", "unit", "quantity_unit_us", "requests", "price_micros", "amount_micros", "service_class")
     KIND_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     UNIT_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +168,7 @@ class InvoiceLine(_message.Message):
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PRICE_MICROS_FIELD_NUMBER: _ClassVar[int]
     AMOUNT_MICROS_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_CLASS_FIELD_NUMBER: _ClassVar[int]
     kind: str
     model: str
     unit: str
@@ -173,7 +176,8 @@ class InvoiceLine(_message.Message):
     requests: int
     price_micros: int
     amount_micros: int
-    def __init__(self, kind: _Optional[str] = ..., model: _Optional[str] = ..., unit: _Optional[str] = ..., quantity_unit_us: _Optional[int] = ..., requests: _Optional[int] = ..., price_micros: _Optional[int] = ..., amount_micros: _Optional[int] = ...) -> None: ...
+    service_class: str
+    def __init__(self, kind: _Optional[str] = ..., model: _Optional[str] = ..., unit: _Optional[str] = ..., quantity_unit_us: _Optional[int] = ..., requests: _Optional[int] = ..., price_micros: _Optional[int] = ..., amount_micros: _Optional[int] = ..., service_class: _Optional[str] = ...) -> None: ...
 
 class CreditNote(_message.Message):
     __slots__ = ("id", "amount_micros", "reason", "created_at_us")
@@ -325,3 +329,67 @@ class Principal(_message.Message):
     tenant: str
     role: str
     def __init__(self, tenant: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
+
+class GetServingPolicyRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServiceClass(_message.Message):
+    __slots__ = ("name", "min_budget_ms", "max_budget_ms", "priority", "credit_ppm")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MIN_BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_PPM_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    min_budget_ms: int
+    max_budget_ms: int
+    priority: int
+    credit_ppm: int
+    def __init__(self, name: _Optional[str] = ..., min_budget_ms: _Optional[int] = ..., max_budget_ms: _Optional[int] = ..., priority: _Optional[int] = ..., credit_ppm: _Optional[int] = ...) -> None: ...
+
+class ClassPrice(_message.Message):
+    __slots__ = ("model", "unit", "service_class", "price_micros", "currency")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    UNIT_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_CLASS_FIELD_NUMBER: _ClassVar[int]
+    PRICE_MICROS_FIELD_NUMBER: _ClassVar[int]
+    CURRENCY_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    unit: str
+    service_class: str
+    price_micros: int
+    currency: str
+    def __init__(self, model: _Optional[str] = ..., unit: _Optional[str] = ..., service_class: _Optional[str] = ..., price_micros: _Optional[int] = ..., currency: _Optional[str] = ...) -> None: ...
+
+class TenantQuota(_message.Message):
+    __slots__ = ("tenant", "weight", "device_us_per_month", "spend_micros_per_month", "calls_per_s", "used_device_us", "spent_micros", "resets_at_us")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_US_PER_MONTH_FIELD_NUMBER: _ClassVar[int]
+    SPEND_MICROS_PER_MONTH_FIELD_NUMBER: _ClassVar[int]
+    CALLS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    USED_DEVICE_US_FIELD_NUMBER: _ClassVar[int]
+    SPENT_MICROS_FIELD_NUMBER: _ClassVar[int]
+    RESETS_AT_US_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    weight: int
+    device_us_per_month: int
+    spend_micros_per_month: int
+    calls_per_s: int
+    used_device_us: int
+    spent_micros: int
+    resets_at_us: int
+    def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[int] = ..., device_us_per_month: _Optional[int] = ..., spend_micros_per_month: _Optional[int] = ..., calls_per_s: _Optional[int] = ..., used_device_us: _Optional[int] = ..., spent_micros: _Optional[int] = ..., resets_at_us: _Optional[int] = ...) -> None: ...
+
+class ServingPolicy(_message.Message):
+    __slots__ = ("classes", "prices", "tenants", "read_at_us")
+    CLASSES_FIELD_NUMBER: _ClassVar[int]
+    PRICES_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    READ_AT_US_FIELD_NUMBER: _ClassVar[int]
+    classes: _containers.RepeatedCompositeFieldContainer[ServiceClass]
+    prices: _containers.RepeatedCompositeFieldContainer[ClassPrice]
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantQuota]
+    read_at_us: int
+    def __init__(self, classes: _Optional[_Iterable[_Union[ServiceClass, _Mapping]]] = ..., prices: _Optional[_Iterable[_Union[ClassPrice, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantQuota, _Mapping]]] = ..., read_at_us: _Optional[int] = ...) -> None: ...

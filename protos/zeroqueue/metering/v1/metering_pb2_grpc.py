@@ -74,6 +74,11 @@ class MeteringStub:
                 request_serializer=zeroqueue_dot_metering_dot_v1_dot_metering__pb2.WhoAmIRequest.SerializeToString,
                 response_deserializer=zeroqueue_dot_metering_dot_v1_dot_metering__pb2.Principal.FromString,
                 _registered_method=True)
+        self.GetServingPolicy = channel.unary_unary(
+                '/zeroqueue.metering.v1.Metering/GetServingPolicy',
+                request_serializer=zeroqueue_dot_metering_dot_v1_dot_metering__pb2.GetServingPolicyRequest.SerializeToString,
+                response_deserializer=zeroqueue_dot_metering_dot_v1_dot_metering__pb2.ServingPolicy.FromString,
+                _registered_method=True)
 
 
 class MeteringServicer:
@@ -135,6 +140,14 @@ class MeteringServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetServingPolicy(self, request, context):
+        """What a replica enforces: the classes of service and their current prices, each tenant's weight, and the
+        quotas of tenants that have caps with their month-to-date use. Admin keys only; replicas poll it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MeteringServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -177,6 +190,11 @@ def add_MeteringServicer_to_server(servicer, server):
                     servicer.WhoAmI,
                     request_deserializer=zeroqueue_dot_metering_dot_v1_dot_metering__pb2.WhoAmIRequest.FromString,
                     response_serializer=zeroqueue_dot_metering_dot_v1_dot_metering__pb2.Principal.SerializeToString,
+            ),
+            'GetServingPolicy': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetServingPolicy,
+                    request_deserializer=zeroqueue_dot_metering_dot_v1_dot_metering__pb2.GetServingPolicyRequest.FromString,
+                    response_serializer=zeroqueue_dot_metering_dot_v1_dot_metering__pb2.ServingPolicy.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -395,6 +413,33 @@ class Metering:
             '/zeroqueue.metering.v1.Metering/WhoAmI',
             zeroqueue_dot_metering_dot_v1_dot_metering__pb2.WhoAmIRequest.SerializeToString,
             zeroqueue_dot_metering_dot_v1_dot_metering__pb2.Principal.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetServingPolicy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/zeroqueue.metering.v1.Metering/GetServingPolicy',
+            zeroqueue_dot_metering_dot_v1_dot_metering__pb2.GetServingPolicyRequest.SerializeToString,
+            zeroqueue_dot_metering_dot_v1_dot_metering__pb2.ServingPolicy.FromString,
             options,
             channel_credentials,
             insecure,
