@@ -209,16 +209,18 @@ def insert(url: str, statement: TextClause, row: dict[str, object]) -> None:
 
 
 def test_0004_upgrades_and_downgrades(empty_url: str) -> None:
-    migrations.upgrade(empty_url)
+    migrations.upgrade(empty_url, "0004")
     assert installed(empty_url) == set(RULES)
-    at_head = tables_and_routines(empty_url)
+    at_0004 = tables_and_routines(empty_url)
     migrations.downgrade(empty_url, "0003")
     assert installed(empty_url) == set()
     tables, routines = tables_and_routines(empty_url)
-    assert tables == at_head[0] and routines <= at_head[1]  # 0001's and 0003's guards stay
-    migrations.upgrade(empty_url)
+    assert tables == at_0004[0] and routines <= at_0004[1]  # 0001's and 0003's guards stay
+    migrations.upgrade(empty_url, "0004")
     assert installed(empty_url) == set(RULES)
-    assert tables_and_routines(empty_url) == at_head
+    assert tables_and_routines(empty_url) == at_0004
+    migrations.upgrade(empty_url)
+    assert installed(empty_url) == set(RULES)  # 0005 copies prices and adds columns; 0004's rules stay
     assert drift(empty_url) == []
     insert(empty_url, text("INSERT INTO tenants (name, created_at_us) VALUES ('acme', 0)"), {})
     for index, (change, constraint) in enumerate(BROKEN_USAGE):
