@@ -165,6 +165,47 @@ _WHY = {
 }
 
 
+class QuotaExceeded(ServiceError):
+    """The tenant is at one of its caps (billing/policy.py): a monthly one (device time or spend, until the month
+    resets) or its calls per second on this replica. Nothing was admitted, nothing is billed. `retry_after_ms`
+    is when the cap lifts; a hint at or past the call's budget says -1 as its pushback (do not retry)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "QUOTA_EXCEEDED"
+
+    def __init__(
+        self, tenant: str, cap: str, limit: int, used: int, retry_after_ms: int, budget_ms: int, resets_at_us: int = 0
+    ) -> None:
+        self.subject = f"tenant:{tenant}"
+        self.description = f"{cap}: {used} of {limit} used"
+        self.retry_after_ms = max(retry_after_ms, 0)
+        self.within_budget = self.retry_after_ms < budget_ms
+        when = "the next call is allowed" if resets_at_us == 0 else "the cap resets"
+        then = "" if self.within_budget else f", past this call's budget of {budget_ms} ms (do not retry it)"
+        metadata = {"cap": cap, "limit": str(limit), "used": str(used), "retry_after_ms": str(self.retry_after_ms)}
+        if resets_at_us:
+            metadata["resets_at_us"] = str(resets_at_us)
+        super().__init__(
+            f"tenant {tenant!r} is at its quota ({self.description}); {when} in {self.retry_after_ms} ms{then}",
+            metadata,
+        )
+
+    @property
+    def pushback_ms(self) -> int:
+        """grpc-retry-pushback-ms: the hint when it fits the call's remaining time, else -1 (do not retry)."""
+        return self.retry_after_ms if self.within_budget else -1
+
+
+class ServiceClassRefused(InvalidArgument):
+    """The call's class of service is unknown, or does not accept its budget; or, with no class named, no class
+    accepts its budget. Names the field (service_class, or deadline) and the classes' budget ranges."""
+
+    def __init__(self, field: str, description: str, reason: str, metadata: dict[str, str]) -> None:
+        super().__init__([FieldViolation(field, description)])
+        self.reason = reason
+        self.metadata = metadata
+
+
 class DeadlineInfeasible(ServiceError):
     """Even an idle server could not finish inside the budget: retrying with it is pointless."""
 

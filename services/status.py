@@ -23,7 +23,16 @@ from grpc_status import rpc_status
 
 from billing import errors as billing
 
-from .errors import DOMAIN, MAX_VIOLATIONS, DeadlineInfeasible, InvalidArgument, Overloaded, ServiceError, clip
+from .errors import (
+    DOMAIN,
+    MAX_VIOLATIONS,
+    DeadlineInfeasible,
+    InvalidArgument,
+    Overloaded,
+    QuotaExceeded,
+    ServiceError,
+    clip,
+)
 
 log = structlog.get_logger(__name__)
 # Every status stays well inside the 8 KiB soft limit of gRPC's metadata (16 KiB hard): above the soft limit a
@@ -93,7 +102,10 @@ def status_for(error: Exception) -> RpcStatus:
         if len(error.violations) > MAX_VIOLATIONS:
             listed.append(_more(len(error.violations) - MAX_VIOLATIONS))
         details.append(error_details_pb2.BadRequest(field_violations=listed))
-    if isinstance(error, Overloaded):
+    if isinstance(error, QuotaExceeded):
+        violation = error_details_pb2.QuotaFailure.Violation(subject=error.subject, description=error.description)
+        details.append(error_details_pb2.QuotaFailure(violations=[violation]))
+    if isinstance(error, (Overloaded, QuotaExceeded)):
         delay = duration_pb2.Duration()
         delay.FromMilliseconds(error.retry_after_ms)
         details.append(error_details_pb2.RetryInfo(retry_delay=delay))
@@ -138,7 +150,7 @@ def _clipped(detail):
 def _bounded(status: RpcStatus) -> status_pb2.Status:
     """The google.rpc.Status of `status`, at most MAX_STATUS_BYTES whatever went into it: the safety net behind
     every refusal's own bounds. Clips its strings first, then drops field violations from the end (one more says
-    how many), then keeps only the ErrorInfo's reason and any RetryInfo."""
+    how many), then keeps only the ErrorInfo's reason, any RetryInfo and any QuotaFailure."""
     code = getattr(code_pb2, status.code.name)
     message = _clip_bytes(status.message, MAX_STATUS_MESSAGE_BYTES)
     proto = status_pb2.Status(code=code, message=message, details=[_pack(d) for d in status.details])
@@ -167,7 +179,7 @@ def _bounded(status: RpcStatus) -> status_pb2.Status:
             if isinstance(d, error_details_pb2.ErrorInfo)
             else d
             for d in status.details
-            if isinstance(d, (error_details_pb2.ErrorInfo, error_details_pb2.RetryInfo))
+            if isinstance(d, (error_details_pb2.ErrorInfo, error_details_pb2.RetryInfo, error_details_pb2.QuotaFailure))
         ]
         proto = status_pb2.Status(code=code, message=message, details=[_pack(d) for d in details])
     return proto

@@ -27,6 +27,7 @@ class GenerateSpec:
     sampling: SamplingParams
     labels: Mapping[str, str]
     retry_attempt: int = 0
+    service_class: str = ""  # the class the request named (its size and characters checked); "": none
 
 
 @dataclass
@@ -54,6 +55,11 @@ class Ticket:
     @property
     def tenant(self) -> str:
         return self.context.tenant
+
+    @property
+    def service_class(self) -> str:
+        """The class the call runs and is billed in."""
+        return self.context.service_class
 
     @property
     def received_ns(self) -> int:

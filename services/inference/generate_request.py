@@ -27,6 +27,8 @@ from .service import ModelCard
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _ATTEMPT = re.compile(r"[0-9]{1,6}")
+MAX_CLASS_CHARS = 32  # a class of service's name, as the ledger holds it
+_CLASS = re.compile(r"[a-z0-9_\-]{1,32}")
 _ATTEMPT_HEADERS = ("x-retry-attempt", "grpc-previous-rpc-attempts")
 _TOKEN_ID_BYTES = 8  # a token id on the wire: a varint of at most 5 bytes, and a tag when not packed
 _SMALL_FIELDS_BYTES = 64 << 10  # every other field of a valid request together (stop strings, labels, ids: ~12 KiB)
@@ -82,6 +84,19 @@ def _retry_attempt(metadata: tuple, v: _Violations) -> int:
             shown = clip(value if isinstance(value, str) else repr(value))
             v.add(key, f"must be a retry count of 1 to 6 digits 0-9, got {shown!r} ({len(value)} characters)")
     return attempt
+
+
+def _service_class(msg: pb.GenerateRequest, v: _Violations) -> str:
+    """The class the request names, if any: its size first, then its characters. Whether the replica offers it
+    and whether it accepts the call's budget is the servicer's to say (classes.py), once the budget is known."""
+    name = msg.service_class
+    if len(name) > MAX_CLASS_CHARS:
+        v.add("service_class", f"at most {MAX_CLASS_CHARS} characters, got {len(name)}")
+        return ""
+    if name and not _CLASS.fullmatch(name):
+        v.add("service_class", f"a class's name is characters from a-z 0-9 _ -, got {clip(name)!r}")
+        return ""
+    return name
 
 
 def _sampling(msg: pb.GenerateRequest, v: _Violations, limits: RequestLimits) -> SamplingParams:
@@ -218,12 +233,13 @@ async def to_spec(
     sampling = _sampling(msg, v, limits)
     labels = _labels(msg, v)
     attempt = _retry_attempt(metadata, v)
+    service_class = _service_class(msg, v)
     v.raise_if_any()
     field = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
     tokens = await tokenize(prompt) if isinstance(prompt, str) else prompt
     _check_length(tokens, field, msg.max_tokens, card.context_length, v)
     v.raise_if_any()
-    return GenerateSpec(msg.request_id or uuid.uuid4().hex, tokens, sampling, labels, attempt)
+    return GenerateSpec(msg.request_id or uuid.uuid4().hex, tokens, sampling, labels, attempt, service_class)
 
 
 def encode(tokenizer: Tokenizer, text: str) -> tuple[int, ...]:

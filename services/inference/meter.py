@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from billing.policy import STANDARD
 from billing.records import IdleRecord, Outcome, UsageRecord
 
 from .device.spec import Device
@@ -26,6 +27,7 @@ from .engine.digest import EndedRequest, StepDigest
 from .sched.request import FinishReason, RequestStatus
 
 US_PER_MINUTE = 60_000_000
+DEFAULT_CLASS = STANDARD.name
 # The billed outcome of each finish reason: the one map from the engine's word to the ledger's, used by the
 # meter (the record) and the service (its metrics and log).
 OUTCOMES = {
@@ -68,6 +70,7 @@ class RecordContext:
     dispatched_ns: int  # admitted: handed to the engine
     deadline_ns: int
     client_request_id: str = ""  # the caller's request_id (the record's own id is the call's)
+    service_class: str = DEFAULT_CLASS  # the class the call runs and is billed in
 
 
 @dataclass
@@ -236,4 +239,5 @@ class Meter:
             deadline_met=met,
             outcome=outcome,
             client_request_id=ctx.client_request_id,
+            service_class=ctx.service_class,
         )

@@ -26,12 +26,15 @@ RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4)
 
 MAX_COST_CENTERS = 64  # cost_center comes from callers: more distinct values than this count as "_other"
 MAX_TENANTS = 256  # tenants as a label: past this many, "_other"
+MAX_CLASSES = 32  # classes of service as a label (the operator's, from the ledger): past this many, "_other"
+DEFAULT_CLASS = "standard"  # billing.models.DEFAULT_CLASS: the class of a call before classes
 
 
 class ServiceMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self._cost_centers: set[str] = set()
         self._tenants: set[str] = set()
+        self._classes: set[str] = set()
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.requests = Counter("zeroqueue_requests", "Generate calls by outcome", ["outcome"], registry=r)
@@ -40,9 +43,27 @@ class ServiceMetrics:
         )
         self.refusals = Counter(
             "zeroqueue_refusals",
-            "Calls refused at admission, by cause (admission's, or infeasible) and tenant (at most "
-            f"{MAX_TENANTS}; more count as _other)",
-            ["cause", "tenant"],
+            "Calls refused at admission, by cause (admission's, infeasible, or quota) and tenant (at most "
+            f"{MAX_TENANTS}; more count as _other) and service_class (at most {MAX_CLASSES})",
+            ["cause", "tenant", "service_class"],
+            registry=r,
+        )
+        self.requests_by_class = Counter(
+            "zeroqueue_class_requests",
+            f"Admitted Generate calls by class of service (at most {MAX_CLASSES}; more count as _other) and outcome",
+            ["service_class", "outcome"],
+            registry=r,
+        )
+        self.policy_refreshes = Counter(
+            "zeroqueue_policy_refreshes",
+            "Reads of the serving policy (classes, prices, quotas) from the ledger or the metering service, by "
+            "result (ok, failed: the last policy read stays in force)",
+            ["result"],
+            registry=r,
+        )
+        self.policy_read_at = Gauge(
+            "zeroqueue_policy_read_timestamp_seconds",
+            "When the serving policy in force was read (Unix time); 0 before the first read",
             registry=r,
         )
         self.retry_attempts = Counter(
@@ -160,9 +181,20 @@ class ServiceMetrics:
         """Exports admission's count of what became of its promises to refused calls (read at scrape time)."""
         self.registry.register(ReservationEvents(events))
 
-    def count_refusal(self, cause: str, tenant: str) -> None:
-        """A call refused at admission: `cause` is why not now (admission's Reject.reason, or infeasible)."""
-        self.refusals.labels(cause, _bounded(tenant, self._tenants, MAX_TENANTS)).inc()
+    def count_refusal(self, cause: str, tenant: str, service_class: str = DEFAULT_CLASS) -> None:
+        """A call refused at admission: `cause` is why not now (admission's Reject.reason, infeasible, or quota)."""
+        tenant = _bounded(tenant, self._tenants, MAX_TENANTS)
+        self.refusals.labels(cause, tenant, _bounded(service_class, self._classes, MAX_CLASSES)).inc()
+
+    def count_outcome(self, outcome: str, service_class: str) -> None:
+        """An admitted call's end: zeroqueue_requests_total{outcome}, and by class too."""
+        self.requests.labels(outcome).inc()
+        self.requests_by_class.labels(_bounded(service_class, self._classes, MAX_CLASSES), outcome).inc()
+
+    def count_policy_refresh(self, ok: bool, read_at_us: int) -> None:
+        self.policy_refreshes.labels("ok" if ok else "failed").inc()
+        if ok:
+            self.policy_read_at.set(read_at_us / 1e6)
 
     def count_usage(self, tenant: str, cost_center: str, unit: str, unit_us: int) -> None:
         """Called for every usage record; keeps the cost_center label's cardinality bounded."""

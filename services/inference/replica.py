@@ -5,6 +5,7 @@ shutdown."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from prometheus_client import start_http_server
 from zeroqueue.inference.v1 import inference_pb2
 
 from billing.db import data_dir
+from billing.policy import ServingPolicy
 from services.metering.link import MeteringLink
 from services.metering.server import MAX_MESSAGE_BYTES as METERING_MAX_MESSAGE_BYTES
 from services.metering.server import server_credentials
@@ -43,6 +45,8 @@ from .engine.watchdog import DeviceState, WatchdogConfig
 from .generate_request import RequestLimits
 from .meter import Meter
 from .metrics import ServiceMetrics, StepStats
+from .policy_book import DEFAULT_REFRESH_S, PolicyBook, ledger_reader, remote_reader, weights_of
+from .quotas import QuotaGate
 from .service import InferenceService, ModelCard, WarmupState
 from .servicer import InferenceServicer
 
@@ -94,6 +98,7 @@ class ServeConfig:
     watchdog: WatchdogConfig | None = WatchdogConfig()  # the device's watchdog (engine/watchdog.py); None: off
     device_recovery_s: float = 60.0  # a device failed this long takes liveness down too, so the pod restarts
     fault: Fault | None = None  # a fault injected on purpose, for tests and drills (device/faults.py)
+    policy_refresh_s: float = DEFAULT_REFRESH_S  # how often the serving policy (classes, quotas) is read again
 
 
 def receive_limit(limits: RequestLimits, context_length: int, hosts_metering: bool) -> int:
@@ -128,7 +133,14 @@ class InferenceApp:
             config.metering_key,
             config.metering_ca,
         )
-        self.servicer = InferenceServicer(self.card.name, self.card.tokenizer, self.link.authenticator, config.limits)
+        if self.link.channel is not None:  # remote metering: GetServingPolicy under the replica's admin key
+            read = remote_reader(self.link.channel, config.metering_key or "")
+        else:
+            read = ledger_reader(self.link.sessions)
+        self.book = PolicyBook(read, config.policy_refresh_s, self._policy_read)
+        self.servicer = InferenceServicer(
+            self.card.name, self.card.tokenizer, self.link.authenticator, config.limits, self.book
+        )
         self.meter: Meter | None = None
         self.telemetry: GpuTelemetry | None = None
         self.health = health_aio.HealthServicer()
@@ -178,6 +190,7 @@ class InferenceApp:
             self.health_server.add_insecure_port(f"{self.config.host}:{self.config.health_port}")
             await self.health_server.start()
         self.link.start()
+        self.book.start()
         if self.config.metrics_port is not None:
             start_http_server(self.config.metrics_port, addr=self.config.host, registry=self.metrics.registry)
         log.info("listening", address=f"{self.config.host}:{self.port}", state="warming_up")
@@ -187,6 +200,8 @@ class InferenceApp:
             self.engine.on_lost = lambda why: loop.call_soon_threadsafe(self._engine_lost, why)
             self.engine.on_device = lambda *verdict: loop.call_soon_threadsafe(self._device_changed, *verdict)
         self.engine.start()
+        if hasattr(service.admission, "set_weights"):  # fair share weighs tenants as the ledger says
+            self.book.subscribe(lambda policy: service.admission.set_weights(weights_of(policy)))
         service.state = WarmupState.READY
         self.servicer.service = service
         for name in ("", INFERENCE_SERVICE):
@@ -259,7 +274,11 @@ class InferenceApp:
             steps,
             self.config.default_deadline_ms,
             self.config.stream_interval_ms,
+            QuotaGate(lambda: self.book.policy),
         )
+
+    def _policy_read(self, ok: bool, policy: ServingPolicy) -> None:
+        self.metrics.count_policy_refresh(ok, policy.read_at_us or time.time_ns() // 1000)
 
     def _engine_lost(self, why: str) -> None:
         """The engine process died: this replica cannot serve; clients go elsewhere (UNAVAILABLE)."""
@@ -324,6 +343,7 @@ class InferenceApp:
             await asyncio.to_thread(self.engine.stop)
         if self.meter is not None:
             self.meter.on_idle(self.clock.now_ns(), final=True)
+        await self.book.stop()
         await self.link.stop()
         if self.telemetry is not None:
             self.telemetry.close()

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from billing.policy import STANDARD, ClassSpec
 from billing.records import Outcome
 from services import errors
 from services.metering.outbox import Outbox
@@ -31,6 +32,7 @@ from .engine.steplog import StepLog
 from .engine.watchdog import DeviceState
 from .meter import OUTCOMES, Meter, RecordContext
 from .metrics import ServiceMetrics
+from .quotas import QuotaGate
 from .sched.request import FinishReason, Request, RequestStatus
 
 log = structlog.get_logger(__name__)
@@ -87,6 +89,11 @@ def _merged(outputs: list[RequestOutput]) -> RequestOutput:
     )
 
 
+def _priority(service_class: ClassSpec) -> dict[str, int]:
+    """Commitment's priority field, where admission has it (admission/decisions.py)."""
+    return {"priority": service_class.priority} if "priority" in Commitment.__dataclass_fields__ else {}
+
+
 def _attempt_label(attempt: int) -> str:
     return str(attempt) if attempt < 3 else "3+"
 
@@ -104,8 +111,10 @@ class InferenceService:
         steps: StepLog,
         default_budget_ms: int = 30_000,
         stream_interval_ms: int = 0,
+        quotas: QuotaGate | None = None,
     ) -> None:
         self.engine = engine
+        self.quotas = quotas  # tenants' caps (quotas.py); None: none enforced
         self.meter = meter
         self.outbox = outbox
         self.card = card
@@ -130,8 +139,17 @@ class InferenceService:
             return self.default_budget_ms * 1_000_000, BudgetSource.SERVER_DEFAULT
         return int(time_remaining_s * 1e9), BudgetSource.CLIENT_DEADLINE
 
-    def submit(self, spec: GenerateSpec, tenant: str, received_ns: int, budget_ns: int, source: BudgetSource) -> Ticket:
-        """Admits the call into the next engine step, or raises the domain error that says why not."""
+    def submit(
+        self,
+        spec: GenerateSpec,
+        tenant: str,
+        received_ns: int,
+        budget_ns: int,
+        source: BudgetSource,
+        service_class: ClassSpec = STANDARD,
+    ) -> Ticket:
+        """Admits the call, in its class of service, into the next engine step, or raises the domain error that
+        says why not. The tenant's quotas come before the cost model: a tenant at a cap is refused at once."""
         if self.state is not WarmupState.READY:
             raise errors.NotServing(f"replica is {self.state.value}; try another replica", {"state": self.state.value})
         if self.device_state is DeviceState.FAILED:
@@ -143,6 +161,14 @@ class InferenceService:
         if budget_ns <= 0:
             self.metrics.rejections.labels("deadline_expired").inc()
             raise errors.DeadlineExpired("the call's deadline had already passed when it arrived")
+        klass = service_class.name
+        if self.quotas is not None:
+            try:
+                self.quotas.check(tenant, received_ns, budget_ns)
+            except errors.QuotaExceeded:
+                self._count_decision(_attempt_label(spec.retry_attempt), "quota")
+                self.metrics.count_refusal("quota", tenant, klass)
+                raise
         deadline_ns = received_ns + budget_ns
         commitment = Commitment(
             admission_key(tenant, spec.request_id),
@@ -151,6 +177,7 @@ class InferenceService:
             deadline_ns,
             tenant=tenant,
             attempt=spec.retry_attempt,
+            **_priority(service_class),
         )
         now_ns = self.clock.now_ns()
         decision = self.admission.decide(commitment, now_ns)
@@ -159,11 +186,11 @@ class InferenceService:
         attempt = _attempt_label(spec.retry_attempt)
         if isinstance(decision, Infeasible):
             self._count_decision(attempt, "infeasible")
-            self.metrics.count_refusal("infeasible", tenant)
+            self.metrics.count_refusal("infeasible", tenant, klass)
             raise errors.DeadlineInfeasible(budget_ns // 1_000_000, decision.min_budget_ms)
         if isinstance(decision, Reject):
             self._count_decision(attempt, "overloaded")
-            self.metrics.count_refusal(decision.reason, tenant)
+            self.metrics.count_refusal(decision.reason, tenant, klass)
             raise errors.Overloaded(
                 decision.retry_after_ms,
                 (decision.predicted_finish_ns - now_ns) // 1_000_000,
@@ -184,7 +211,7 @@ class InferenceService:
             deadline_ns=deadline_ns if self.deadline_mode else None,
         )
         sink = LoopSink(asyncio.get_running_loop())
-        context = RecordContext(tenant, spec.labels, received_ns, decided_ns, deadline_ns, spec.request_id)
+        context = RecordContext(tenant, spec.labels, received_ns, decided_ns, deadline_ns, spec.request_id, klass)
         ticket = Ticket(
             spec,
             context,
@@ -318,13 +345,14 @@ class InferenceService:
                 self.admission.observe_finish(predicted, actual)
         if outcome is Outcome.DEADLINE_EXCEEDED or (outcome is Outcome.OK and not ticket.deadline_met):
             self.metrics.deadline_misses.inc()
-        self.metrics.requests.labels(outcome.value).inc()
+        self.metrics.count_outcome(outcome.value, ticket.service_class)
         self._untrack(ticket)
         log.info(
             "request_done",
             request_id=ticket.spec.request_id,
             call_id=ticket.call_id,
             tenant=ticket.tenant,
+            service_class=ticket.service_class,
             outcome=outcome.value,
             prompt_tokens=len(ticket.spec.prompt_token_ids),
             completion_tokens=ticket.num_output_tokens,

@@ -13,14 +13,17 @@ from zeroqueue.inference.v1 import inference_pb2 as pb
 from zeroqueue.inference.v1 import inference_pb2_grpc
 
 from billing.errors import PermissionDenied
+from billing.policy import STANDARD, ServingPolicy
 from services import errors, parsing
 from services.auth import Authenticator, bearer_key
 from services.errors import clip
 from services.status import rpc_errors
 
 from .call import BudgetSource, Ticket
+from .classes import class_of
 from .engine.watchdog import DeviceState
 from .generate_request import RequestLimits, encode, to_spec
+from .policy_book import PolicyBook
 from .sched.request import FinishReason
 from .service import InferenceService, WarmupState
 
@@ -44,12 +47,19 @@ INFERENCE = pb.DESCRIPTOR.services_by_name["Inference"]
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
-    """`service` stays None while the replica warms up; Generate then answers UNAVAILABLE."""
+    """`service` stays None while the replica warms up; Generate then answers UNAVAILABLE. `book` holds the serving
+    policy (classes of service, prices, quotas) the replica read last; without one, ServingPolicy()."""
 
     def __init__(
-        self, name: str, tokenizer: Tokenizer, authenticator: Authenticator, limits: RequestLimits | None = None
+        self,
+        name: str,
+        tokenizer: Tokenizer,
+        authenticator: Authenticator,
+        limits: RequestLimits | None = None,
+        book: PolicyBook | None = None,
     ) -> None:
         self.name = name
+        self.book = book or PolicyBook()
         self.tokenizer = tokenizer
         self.authenticator = authenticator
         self.limits = limits or RequestLimits()
@@ -94,7 +104,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             service = self._ready_service()
             spec = await to_spec(request, service.card, self.limits, context.invocation_metadata(), self._tokenize)
             budget_ns, source = service.budget(context.time_remaining())
-            ticket = service.submit(spec, tenant, received_ns, budget_ns, source)
+            policy = self.book.policy  # an expired budget has no class: submit says DEADLINE_EXPIRED
+            klass = STANDARD if budget_ns <= 0 else class_of(policy, spec.service_class, _ms(budget_ns), source)
+            ticket = service.submit(spec, tenant, received_ns, budget_ns, source, klass)
         try:
             await context.send_initial_metadata(
                 (("x-budget-ms", str(ticket.budget_ms)), ("x-budget-source", source.value))
@@ -143,6 +155,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             budget_ms=t.budget_ms,
             budget_source=_SOURCE[t.budget_source],
             prompt_tokens=len(t.spec.prompt_token_ids),
+            service_class=t.service_class,
         )
 
     def _final(self, t: Ticket) -> pb.Final:
@@ -193,6 +206,31 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                         max_batch=card.max_batch,
                         vocab_size=card.vocab_size,
                         device_state=_DEVICE_STATE[self.service.device_state],
+                        classes=_offers(self.book.policy, card.name, card.device.unit),
                     )
                 ]
             )
+
+
+def _ms(budget_ns: int) -> int:
+    """A budget in whole ms, at least 1 (a call with under 1 ms left is judged by admission, not by its class)."""
+    return max(budget_ns // 1_000_000, 1)
+
+
+def _offers(policy: ServingPolicy, model: str, unit: str) -> list[pb.ClassOffer]:
+    """Every class of service with what a call in it costs on this model, per unit·second (-1: no price set)."""
+    offers = []
+    for spec in policy.classes:
+        quote = policy.price_of(model, unit, spec.name)
+        offers.append(
+            pb.ClassOffer(
+                name=spec.name,
+                min_budget_ms=spec.min_budget_ms,
+                max_budget_ms=spec.max_budget_ms,
+                priority=spec.priority,
+                price_micros=quote.price_micros if quote is not None else -1,
+                currency=quote.currency if quote is not None else "",
+                credit_ppm=spec.credit_ppm,
+            )
+        )
+    return offers
