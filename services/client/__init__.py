@@ -15,6 +15,7 @@ from .errors import (
     DeadlineInfeasible,
     InvalidRequest,
     PermissionDenied,
+    QuotaExceeded,
     Rejected,
     RequestIdInUse,
     ServerError,
@@ -23,8 +24,8 @@ from .errors import (
     ZeroQueueError,
 )
 from .policy import RetryConfig, RetryPolicy
-from .results import Admission, AttemptRecord, CallReport, Chunk, ModelInfo, Result, Timings, Usage
-from .status import Failure, FieldViolation
+from .results import Admission, AttemptRecord, CallReport, Chunk, ClassOffer, ModelInfo, Result, Timings, Usage
+from .status import Failure, FieldViolation, QuotaViolation
 
 __all__ = [
     "Admission",
@@ -33,6 +34,7 @@ __all__ = [
     "AttemptRecord",
     "CallReport",
     "Chunk",
+    "ClassOffer",
     "Client",
     "DeadlineExceeded",
     "DeadlineInfeasible",
@@ -42,8 +44,10 @@ __all__ = [
     "InvalidRequest",
     "ModelInfo",
     "PermissionDenied",
+    "QuotaExceeded",
     "Rejected",
     "RequestIdInUse",
+    "QuotaViolation",
     "Result",
     "RetryConfig",
     "RetryPolicy",

@@ -124,6 +124,7 @@ class AsyncClient:
         stop: Sequence[str] = (),
         request_id: str | None = None,
         labels: Mapping[str, str] | None = None,
+        service_class: str = "",
     ) -> AsyncGeneration:
         request = build_request(
             prompt,
@@ -136,6 +137,7 @@ class AsyncClient:
             stop=stop,
             request_id=request_id,
             labels=labels,
+            service_class=service_class,
         )
         if not deadline_ms > 0:
             raise ValueError(f"deadline_ms must be > 0, got {deadline_ms}")

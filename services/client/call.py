@@ -30,9 +30,11 @@ def build_request(
     stop: Sequence[str] = (),
     request_id: str | None = None,
     labels: Mapping[str, str] | None = None,
+    service_class: str = "",
 ) -> pb.GenerateRequest:
     """A GenerateRequest; a prompt given as token ids goes in prompt_token_ids. The request_id is the
-    caller's or a fresh one, and every attempt of the call carries the same one."""
+    caller's or a fresh one, and every attempt of the call carries the same one. `service_class`: the class of
+    service to run in (ListModels lists them with their prices); "": the least privileged one the deadline fits."""
     if isinstance(prompt, str):
         text, token_ids = prompt, ()
     else:
@@ -46,6 +48,7 @@ def build_request(
         stop=list(stop),
         request_id=request_id or uuid.uuid4().hex,
         labels=dict(labels or {}),
+        service_class=service_class,
     )
     if temperature is not None:
         request.temperature = temperature

@@ -128,6 +128,7 @@ class Client:
         stop: Sequence[str] = (),
         request_id: str | None = None,
         labels: Mapping[str, str] | None = None,
+        service_class: str = "",
     ) -> Generation:
         """A call whose whole life, retries included, fits in `deadline_ms`. A prompt given as a sequence of
         ints is sent as token ids."""
@@ -142,6 +143,7 @@ class Client:
             stop=stop,
             request_id=request_id,
             labels=labels,
+            service_class=service_class,
         )
         if not deadline_ms > 0:
             raise ValueError(f"deadline_ms must be > 0, got {deadline_ms}")

@@ -35,6 +35,39 @@ class Rejected(ZeroQueueError):
         return self.failure.retry_after_ms
 
 
+class QuotaExceeded(ZeroQueueError):
+    """The tenant is at one of its caps (RESOURCE_EXHAUSTED, QUOTA_EXCEEDED): a monthly one (device time, spend)
+    until `resets_at_us`, or its calls per second. Not overload: no replica takes the call before the cap lifts, so
+    the SDK tried no other (and this one again only after its hint, when that fitted the deadline)."""
+
+    @property
+    def cap(self) -> str:
+        """device_us_per_month, spend_micros_per_month or calls_per_s."""
+        return self.failure.error_metadata.get("cap", "")
+
+    @property
+    def limit(self) -> int | None:
+        return _int(self.failure.error_metadata.get("limit"))
+
+    @property
+    def used(self) -> int | None:
+        return _int(self.failure.error_metadata.get("used"))
+
+    @property
+    def resets_at_us(self) -> int | None:
+        """When a monthly cap resets (epoch µs, the server's clock); None for calls per second."""
+        return _int(self.failure.error_metadata.get("resets_at_us"))
+
+    @property
+    def retry_after_ms(self) -> int | None:
+        """How long until the cap lifts, as the server said."""
+        return self.failure.retry_after_ms
+
+
+def _int(value: str | None) -> int | None:
+    return int(value) if value is not None and value.isdigit() else None
+
+
 class DeadlineInfeasible(ZeroQueueError):
     """Even an idle replica could not finish inside this budget: ask for fewer tokens or allow more time."""
 
@@ -91,4 +124,6 @@ _BY_CODE = {
 def error_for(failure: Failure, report: CallReport) -> ZeroQueueError:
     if failure.code == grpc.StatusCode.DEADLINE_EXCEEDED and failure.reason == "DEADLINE_INFEASIBLE":
         return DeadlineInfeasible(failure, report)
+    if failure.is_quota:
+        return QuotaExceeded(failure, report)
     return _BY_CODE.get(failure.code, ServerError)(failure, report)

@@ -5,6 +5,9 @@ The rules, in order:
   - Never retry a call the server had admitted (its stream began: tokens may have been delivered, and its
     usage may already be recorded), nor any code but RESOURCE_EXHAUSTED / UNAVAILABLE, nor a
     RESOURCE_EXHAUSTED that is not the server's OVERLOADED (gRPC's own size limits say it).
+  - A quota refusal (QUOTA_EXCEEDED, or a google.rpc.QuotaFailure) is the tenant's cap, not a replica's load: never
+    retried on another replica, and on the same one only after its hint, when that fits the deadline (calls per
+    second); a monthly cap resets long after any deadline, so the call gives up at once.
   - RESOURCE_EXHAUSTED: the replica is busy until its hint (RetryInfo) plus a little jitter. If its
     x-server-time is more than `skew_threshold_s` off our clock, the hint is not trusted and exponential
     backoff with full jitter replaces it.
@@ -55,12 +58,12 @@ class RetryConfig:
 class Retry:
     endpoint: int
     delay_s: float
-    reason: str  # failover, hint, clock_skew, no_hint, unavailable, fallback_model
+    reason: str  # failover, hint, clock_skew, no_hint, unavailable, fallback_model, quota
 
 
 @dataclass(frozen=True)
 class GiveUp:
-    why: str  # not_retryable, after_admission, deadline, max_attempts, no_room_within_deadline
+    why: str  # not_retryable, after_admission, deadline, max_attempts, no_room_within_deadline, quota
 
 
 Decision = Retry | GiveUp
@@ -137,6 +140,8 @@ class RetryPolicy:
             return GiveUp("after_admission")
         if failure.code not in RETRYABLE:
             return GiveUp("not_retryable")
+        if failure.is_quota:
+            return self._after_quota(state, endpoint, failure)
         # RESOURCE_EXHAUSTED from gRPC itself (a message or headers past its limits) names no overload: the
         # same call would be refused again, on every replica
         if failure.code == grpc.StatusCode.RESOURCE_EXHAUSTED and failure.reason != "OVERLOADED":
@@ -153,6 +158,18 @@ class RetryPolicy:
         if isinstance(decision, Retry) and not self._fits(state, now + decision.delay_s):
             return GiveUp("deadline")
         return decision
+
+    def _after_quota(self, state: CallState, endpoint: int, failure: Failure) -> Decision:
+        """The same endpoint once its hint has passed, if that leaves the call room; never another (the cap is the
+        tenant's) and the endpoint board is left alone (the replica is not busy for anyone else)."""
+        hint_ms = failure.retry_after_ms
+        if hint_ms is None or hint_ms < 0 or state.num_attempts >= self.config.max_attempts:
+            return GiveUp("quota")
+        jitter_ms = self.rand() * min(self.config.max_jitter_ms, self.config.jitter_fraction * hint_ms)
+        delay_s = (hint_ms + jitter_ms) / 1000
+        if not self._fits(state, self.clock() + delay_s):
+            return GiveUp("quota")
+        return Retry(endpoint, delay_s, "quota")
 
     def _fits(self, state: CallState, at_s: float) -> bool:
         return state.deadline_s - at_s >= self.config.min_attempt_budget_ms / 1000

@@ -78,6 +78,7 @@ class Admission:
     budget_ms: int
     prompt_tokens: int
     call_id: str = ""  # the replica's id of this call: the ledger's key for its usage record
+    service_class: str = ""  # the class of service the call runs and is billed in
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,17 @@ class Result:
 
 
 @dataclass(frozen=True)
+class ClassOffer:
+    name: str
+    min_budget_ms: int  # the deadlines the class accepts
+    max_budget_ms: int
+    priority: int  # higher is admitted first under overload
+    price_micros: int  # per unit·second (ModelInfo's unit); -1 when no price is set
+    currency: str
+    credit_ppm: int  # share of a missed call's charge credited, per million
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     name: str
     context_length: int
@@ -126,6 +138,7 @@ class ModelInfo:
     device_kind: str
     ready: bool
     device_state: str = ""  # healthy, slow or failed: the replica's watchdog on its device ("" if not said)
+    classes: tuple[ClassOffer, ...] = ()  # the classes of service a call may name, with their prices here
 
 
 def admission_from(msg: pb.Admission, endpoint: str) -> Admission:
@@ -139,6 +152,7 @@ def admission_from(msg: pb.Admission, endpoint: str) -> Admission:
         msg.budget_ms,
         msg.prompt_tokens,
         msg.call_id,
+        msg.service_class,
     )
 
 
@@ -176,6 +190,10 @@ def result_from(final: pb.Final, admission: Admission, chunks: list[Chunk], repo
 _DEVICE_STATES = {pb.DEVICE_STATE_HEALTHY: "healthy", pb.DEVICE_STATE_SLOW: "slow", pb.DEVICE_STATE_FAILED: "failed"}
 
 
+def _offer(c: pb.ClassOffer) -> ClassOffer:
+    return ClassOffer(c.name, c.min_budget_ms, c.max_budget_ms, c.priority, c.price_micros, c.currency, c.credit_ppm)
+
+
 def models_from(reply: pb.ListModelsResponse) -> list[ModelInfo]:
     return [
         ModelInfo(
@@ -186,6 +204,7 @@ def models_from(reply: pb.ListModelsResponse) -> list[ModelInfo]:
             m.device_kind,
             m.state == pb.WARMUP_STATE_READY,
             _DEVICE_STATES.get(m.device_state, ""),
+            tuple(_offer(c) for c in m.classes),
         )
         for m in reply.models
     ]

@@ -14,12 +14,25 @@ import grpc
 from google.rpc import error_details_pb2, status_pb2
 
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
+QUOTA_EXCEEDED = "QUOTA_EXCEEDED"  # ErrorInfo.reason of a refusal for a tenant's quota, not for load
+_DETAILS = (
+    error_details_pb2.ErrorInfo,
+    error_details_pb2.RetryInfo,
+    error_details_pb2.BadRequest,
+    error_details_pb2.QuotaFailure,
+)
 
 
 @dataclass(frozen=True)
 class FieldViolation:
     field: str
     description: str
+
+
+@dataclass(frozen=True)
+class QuotaViolation:
+    subject: str  # e.g. tenant:acme
+    description: str  # e.g. device_us_per_month: 3600000000 of 3600000000 used
 
 
 @dataclass(frozen=True)
@@ -33,6 +46,14 @@ class Failure:
     violations: tuple[FieldViolation, ...] = ()  # google.rpc.BadRequest
     after_admission: bool = False  # the server had admitted the call (stream had begun)
     num_tokens_delivered: int = 0
+    quota_violations: tuple[QuotaViolation, ...] = ()  # google.rpc.QuotaFailure
+
+    @property
+    def is_quota(self) -> bool:
+        """A refusal for the tenant's quota (its cap, not the replica's load): no other replica takes it either."""
+        return self.code == grpc.StatusCode.RESOURCE_EXHAUSTED and (
+            self.reason == QUOTA_EXCEEDED or bool(self.quota_violations)
+        )
 
 
 def _text(value: str | bytes) -> str:
@@ -46,22 +67,21 @@ def _int(value: str | None) -> int | None:
         return None
 
 
-def _details(
-    raw: bytes | None,
-) -> tuple[error_details_pb2.ErrorInfo | None, error_details_pb2.RetryInfo | None, error_details_pb2.BadRequest | None]:
+def _details(raw: bytes | None) -> dict[str, object]:
+    """The first detail of each known type, by its name (ErrorInfo, RetryInfo, BadRequest, QuotaFailure)."""
     found: dict[str, object] = {}
     if raw:
         try:
             status = status_pb2.Status.FromString(raw)
         except Exception:  # noqa: BLE001 - a malformed details blob from a proxy: treat as absent
-            return None, None, None
+            return {}
         for packed in status.details:
-            for cls in (error_details_pb2.ErrorInfo, error_details_pb2.RetryInfo, error_details_pb2.BadRequest):
+            for cls in _DETAILS:
                 if packed.Is(cls.DESCRIPTOR) and cls.DESCRIPTOR.name not in found:
                     message = cls()
                     packed.Unpack(message)
                     found[cls.DESCRIPTOR.name] = message
-    return found.get("ErrorInfo"), found.get("RetryInfo"), found.get("BadRequest")  # type: ignore[return-value]
+    return found
 
 
 def parse_failure(
@@ -75,7 +95,8 @@ def parse_failure(
     for key, value in trailing or ():
         pairs.setdefault(key.lower(), value)
     raw = pairs.get(STATUS_DETAILS_KEY)
-    info, retry, bad = _details(raw if isinstance(raw, bytes) else None)
+    found = _details(raw if isinstance(raw, bytes) else None)
+    info, retry, bad, quota = (found.get(cls.DESCRIPTOR.name) for cls in _DETAILS)
     retry_after_ms = retry.retry_delay.ToMilliseconds() if retry is not None else None
     if retry_after_ms is None and "retry-after-ms" in pairs:
         retry_after_ms = _int(_text(pairs["retry-after-ms"]))
@@ -90,6 +111,7 @@ def parse_failure(
         violations=tuple(FieldViolation(v.field, v.description) for v in (bad.field_violations if bad else ())),
         after_admission=after_admission,
         num_tokens_delivered=num_tokens_delivered,
+        quota_violations=tuple(QuotaViolation(v.subject, v.description) for v in (quota.violations if quota else ())),
     )
 
 

@@ -155,3 +155,66 @@ def test_a_resource_exhausted_from_grpc_itself_is_no_overload_and_is_not_retried
     too_big = Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max (5000000 vs. 4194304)")
     assert attempt(p, state, 0, too_big) == GiveUp("not_retryable")
     assert isinstance(attempt(p, state, 0, overloaded(50)), Retry)
+
+
+# --- quota refusals: the tenant's cap, not a replica's load -----------------------------------------------------
+
+
+def quota_refusal(hint_ms: int | None, cap: str = "calls_per_s", reason: str = "QUOTA_EXCEEDED", **fields) -> Failure:
+    return Failure(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "tenant 'acme' is at its quota",
+        reason,
+        error_metadata={"cap": cap},
+        retry_after_ms=hint_ms,
+        server_time_us=int(NOW_WALL_S * 1e6),
+        **fields,
+    )
+
+
+def test_a_rate_refusal_waits_its_hint_on_the_same_endpoint_and_never_fails_over():
+    p, _ = policy(num_endpoints=3, rand=0.5)
+    state = p.start(deadline_ms=5_000, model="")
+    decision = attempt(p, state, 1, quota_refusal(200))
+    assert isinstance(decision, Retry) and decision.endpoint == 1 and decision.reason == "quota"
+    assert 0.200 <= decision.delay_s <= 0.200 + 0.020
+    assert p.board.free_at_s == [0.0, 0.0, 0.0]  # the replicas are not busy for the client's other calls
+
+
+@pytest.mark.parametrize("hint_ms", [None, -1, 4_990, 10 * 86_400_000])
+def test_a_quota_refusal_without_a_hint_that_fits_the_deadline_gives_up_at_once(hint_ms):
+    p, _ = policy(num_endpoints=2)
+    state = p.start(deadline_ms=5_000, model="")
+    assert attempt(p, state, 0, quota_refusal(hint_ms, cap="device_us_per_month")) == GiveUp("quota")
+
+
+def test_a_quota_failure_detail_alone_is_a_quota_refusal_and_overload_is_not():
+    from services.client.status import QuotaViolation
+
+    bare = quota_refusal(None, reason="", quota_violations=(QuotaViolation("tenant:acme", "calls_per_s: 5 of 5"),))
+    assert bare.is_quota and not overloaded(100).is_quota
+    p, _ = policy(num_endpoints=2)
+    assert attempt(p, p.start(deadline_ms=5_000, model=""), 0, bare) == GiveUp("quota")
+
+
+def test_quota_retries_count_against_the_attempt_limit():
+    p, _ = policy(num_endpoints=1, max_attempts=2)
+    state = p.start(deadline_ms=60_000, model="")
+    assert isinstance(attempt(p, state, 0, quota_refusal(100)), Retry)
+    assert attempt(p, state, 0, quota_refusal(100)) == GiveUp("quota")
+
+
+def test_the_replicas_quota_status_parses_into_a_quota_failure_with_its_hint():
+    from services import errors
+    from services.client.status import parse_failure
+    from services.status import status_for, to_grpc_status
+
+    reset_us = 1_800_086_400_000_000
+    refusal = errors.QuotaExceeded("acme", "device_us_per_month", 3_600, 3_600, 86_400_000, 2_000, reset_us)
+    sent = to_grpc_status(status_for(refusal))
+    failure = parse_failure(sent.code, sent.details, sent.trailing_metadata)
+    assert failure.is_quota and failure.reason == "QUOTA_EXCEEDED" and failure.retry_after_ms == 86_400_000
+    (violation,) = failure.quota_violations
+    assert violation.subject == "tenant:acme" and violation.description == "device_us_per_month: 3600 of 3600 used"
+    assert failure.error_metadata["cap"] == "device_us_per_month"
+    assert dict(sent.trailing_metadata)["grpc-retry-pushback-ms"] == "-1"  # the reset is past the deadline

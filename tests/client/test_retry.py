@@ -24,6 +24,7 @@ from services.client import (
     DeadlineInfeasible,
     InvalidRequest,
     PermissionDenied,
+    QuotaExceeded,
     Rejected,
     RequestIdInUse,
     Result,
@@ -338,3 +339,24 @@ def test_tls_with_the_replica_certificate_and_no_plaintext_fallback(tmp_path, vt
             with pytest.raises(Unavailable):
                 plaintext.complete("x", deadline_ms=5_000)
     assert len(fakes[0].calls) == 1
+
+
+@pytest.mark.parametrize("cap", ["device_us_per_month", "spend_micros_per_month", "calls_per_s"])
+def test_a_quota_refusal_is_raised_as_quota_exceeded_and_no_other_replica_is_tried(kind, vt, cap):
+    meta = {"cap": cap, "limit": "3600", "used": "3600", "resets_at_us": "1800000000000000"}
+    with FakeReplicas([[Fail(grpc.StatusCode.RESOURCE_EXHAUSTED, "QUOTA_EXCEEDED", meta)], [Serve()]]) as fakes:
+        out = run_call(kind, fakes.addresses, vt)
+    assert type(out.error) is QuotaExceeded and not isinstance(out.error, Rejected)
+    assert out.error.cap == cap and out.error.limit == out.error.used == 3600
+    assert out.error.resets_at_us == 1_800_000_000_000_000
+    assert len(fakes.all_calls) == 1 and vt.sleeps == [] and out.report.gave_up == "quota"
+
+
+def test_the_call_names_its_class_of_service_on_every_attempt(kind, vt):
+    with FakeReplicas([[Reject(50), Serve()]]) as fakes:
+        out = run_call(kind, fakes.addresses, vt, service_class="interactive")
+    assert out.error is None
+    assert [c.request.service_class for c in fakes[0].calls] == ["interactive", "interactive"]
+    with FakeReplicas([[Serve()]]) as fakes:
+        run_call(kind, fakes.addresses, vt)
+    assert fakes[0].calls[0].request.service_class == ""  # none named: the replica picks by the deadline
