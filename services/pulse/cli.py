@@ -4,6 +4,8 @@
     zeroqueue pulse --compare --qps 20 --duration 30            # starts a deadline and a fifo replica in turn
     zeroqueue pulse --capacity --duration 30                    # saturation, then the knee: the capacity
     zeroqueue pulse --compare --load 2 --capacity-json out/capacity/capacity.json --duration 60
+    zeroqueue pulse --tenant name=A,load=4 --tenant name=B,load=0.4 --alone B \
+        --capacity-json out/capacity/capacity.json --duration 30   # tenants side by side, B also alone
 
 A compare run replays one schedule (same seed) against each mode in turn, one replica at a time, so the
 two never share the machine's cores.
@@ -20,6 +22,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from services.client.policy import RetryConfig
+
+from .tenants import parse_tenant
 
 
 def _positive_int(text: str) -> int:
@@ -54,6 +58,21 @@ def add_pulse(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--load", type=float, default=None, help="base rate as a multiple of --capacity-json's capacity")
     g.add_argument("--capacity-json", default=None, help="capacity.json written by --capacity")
     g.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals")
+    g.add_argument(
+        "--tenant",
+        action="append",
+        type=parse_tenant,
+        default=[],
+        metavar="name=N,(qps=R|load=M),[key=K,class=C,deadline-ms=D,seed=S]",
+        help="a tenant with its own key, rate, class and seed; repeat for each (instead of --qps/--load)",
+    )
+    g.add_argument(
+        "--alone",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="with --tenant: first send this tenant's schedule on its own, for its goodput vs alone; repeatable",
+    )
     g.add_argument("--arrival", choices=("poisson", "constant"), default="poisson")
     g.add_argument("--pulse-factor", type=float, default=1.0, help="rate multiplier inside a burst")
     g.add_argument("--pulse-seconds", type=float, default=0.0, help="burst length (0: no bursts)")
@@ -136,6 +155,12 @@ def run_pulse(args: argparse.Namespace) -> int:
         kind=args.shape, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, sigma=args.shape_sigma
     )
     run_id = uuid.uuid4().hex[:8]
+    if args.tenant:
+        from .multi import run_multi_tenant
+
+        return run_multi_tenant(args, shape_args, out_dir, run_id, console)
+    if args.alone:
+        raise SystemExit("zeroqueue pulse: error: --alone names a --tenant")
     if args.capacity:
         from .capacity import run_capacity
 

@@ -25,6 +25,13 @@ class Replica:
     api_key: str
     log_path: Path
     proc: subprocess.Popen
+    ledger_url: str = ""
+
+    def create_tenant(self, name: str) -> str:
+        """A tenant of this name in the replica's ledger; its API key."""
+        from billing import commands
+
+        return commands.create_tenant(self.ledger_url, name)
 
     def stop(self, grace_s: float = 60.0) -> None:
         if self.proc.poll() is None:
@@ -52,12 +59,18 @@ def default_model() -> Path:
 
 
 def start_replica(
-    model: Path, admission: str, workdir: Path, serve_args: list[str] = (), timeout_s: float = 900.0
+    model: Path,
+    admission: str,
+    workdir: Path,
+    serve_args: list[str] = (),
+    timeout_s: float = 900.0,
+    name: str | None = None,
 ) -> Replica:
-    """Starts a replica and waits until it says SERVING (warm-up and calibration take a while on a CPU)."""
+    """Starts a replica and waits until it says SERVING (warm-up and calibration take a while on a CPU). Its data
+    directory is workdir/replica-<name> (default: the admission mode)."""
     from billing import commands
 
-    data_dir = workdir / f"replica-{admission}"
+    data_dir = workdir / f"replica-{name or admission}"
     data_dir.mkdir(parents=True, exist_ok=True)
     ledger = f"sqlite:///{data_dir / 'ledger.db'}"
     commands.migrate(ledger)
@@ -85,7 +98,8 @@ def start_replica(
     ]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    replica = Replica(admission, f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", key, log_path, proc)
+    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    replica = Replica(admission, f"127.0.0.1:{port}", metrics_url, key, log_path, proc, ledger)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if "zeroqueue: SERVING" in log_path.read_text(errors="replace"):

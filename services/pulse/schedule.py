@@ -82,6 +82,7 @@ class PlannedRequest:
     prompt_token_ids: tuple[int, ...]
     max_tokens: int
     deadline_ms: float
+    service_class: str = ""  # GenerateRequest.service_class ("": the replica picks by the budget)
 
 
 def arrival_times(load: LoadSpec, rng: random.Random) -> list[float]:
@@ -119,6 +120,7 @@ def plan(
     deadline_ms: float,
     deadline_per_token_ms: float = 0.0,
     first_token_id: int = 16,
+    service_class: str = "",
 ) -> list[PlannedRequest]:
     """The whole schedule. Prompt tokens are drawn from [first_token_id, vocab_size) so low special ids stay out."""
     if deadline_ms <= 0:
@@ -129,5 +131,5 @@ def plan(
         prompt_len, max_tokens = _lengths(shape, rng)
         prompt = tuple(rng.randrange(first_token_id, vocab_size) for _ in range(prompt_len))
         deadline = deadline_ms + deadline_per_token_ms * max_tokens
-        requests.append(PlannedRequest(index, at_s, prompt, max_tokens, deadline))
+        requests.append(PlannedRequest(index, at_s, prompt, max_tokens, deadline, service_class))
     return requests

@@ -1,6 +1,6 @@
 """The replica's own view of a run, from its Prometheus /metrics before and after: queue time (receive ->
-first engine step), steps waited (steps that began in between), step time and period, deadline misses and the
-retry-attempt counters the SDK's x-retry-attempt feeds."""
+first engine step), steps waited (steps that began in between), step time and period, deadline misses, the
+retry-attempt counters the SDK's x-retry-attempt feeds, and refusals by cause per tenant and per class."""
 
 from __future__ import annotations
 
@@ -81,6 +81,17 @@ def _steps_waited(samples: Samples) -> dict:
     }
 
 
+def nested_counts(samples: Samples, name: str, outer: str, inner: str) -> dict[str, dict[str, float]]:
+    """A counter's non-zero samples as {outer label: {inner label: count}}, summed over its other labels; a label
+    the series lack reads as "" (zeroqueue_refusals_total before it had service_class, say)."""
+    out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for (n, labels), value in samples.items():
+        if n == name and value:
+            label = dict(labels)
+            out[label.get(outer, "")][label.get(inner, "")] += value
+    return {key: dict(counts) for key, counts in out.items()}
+
+
 def server_view(before: Samples, after: Samples) -> dict:
     d = delta(after, before)
     return {
@@ -92,4 +103,7 @@ def server_view(before: Samples, after: Samples) -> dict:
         "requests_by_outcome": _by_labels(d, "zeroqueue_requests_total", "outcome"),
         "rejections_by_reason": _by_labels(d, "zeroqueue_rejections_total", "reason"),
         "retry_attempts": _by_labels(d, "zeroqueue_retry_attempts_total", "attempt", "result"),
+        "refusals_by_tenant": nested_counts(d, "zeroqueue_refusals_total", "tenant", "cause"),
+        "refusals_by_class": nested_counts(d, "zeroqueue_refusals_total", "service_class", "cause"),
+        "device_unit_us_by_tenant": nested_counts(d, "zeroqueue_device_unit_us_total", "tenant", "unit"),
     }

@@ -63,6 +63,7 @@ class RequestTrace:
     # (epoch clocks of both hosts: exact on one host)
     endpoint: str = ""
     retry_after_ms: int | None = None  # a failed call's last hint (Rejected: when to come back)
+    refusal_cause: str = ""  # a refused call's last refusal: why not now (ErrorInfo metadata "cause")
 
     @property
     def admitted_s(self) -> float | None:

@@ -12,10 +12,14 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.client.policy import RetryConfig
 
 from .stats import LAG_WARNING_MS
+
+if TYPE_CHECKING:
+    from .replicas import Replica
 
 
 @dataclass
@@ -27,6 +31,7 @@ class Target:
     admission: str = "deadline"  # the mode of a replica the tool starts when no endpoints are given
     tls_ca: str | None = None
     max_attempts: int = RetryConfig.max_attempts  # a call's attempts, the first included (1: no retries)
+    replica: Replica | None = None  # when the tool started the replica (it can create tenants there)
 
     def client(self):
         import grpc
@@ -58,10 +63,11 @@ def targets_from(args: argparse.Namespace) -> list[Target]:
 
 
 @contextlib.contextmanager
-def opened(target: Target, args: argparse.Namespace, out_dir: Path, console) -> Iterator[Target]:
-    """The target itself if it names endpoints; otherwise a replica started for it, stopped afterwards."""
+def opened(target: Target, args: argparse.Namespace, out_dir: Path, console, need_key: bool = True) -> Iterator[Target]:
+    """The target itself if it names endpoints; otherwise a replica started for it, stopped afterwards.
+    `need_key` False: the callers bring their own keys (tenants)."""
     if target.endpoints:
-        if not target.api_key:
+        if need_key and not target.api_key:
             raise SystemExit("zeroqueue pulse: error: --api-key (or $ZEROQUEUE_API_KEY) is needed with endpoints")
         yield target
         return
@@ -78,6 +84,7 @@ def opened(target: Target, args: argparse.Namespace, out_dir: Path, console) -> 
             metrics_urls=[replica.metrics_url],
             api_key=replica.api_key,
             tls_ca=None,
+            replica=replica,
         )
     finally:
         replica.stop()
