@@ -147,6 +147,7 @@ def test_panels_cover_the_board(dashboard: dict) -> None:
         "zeroqueue_retry_attempts_total",
         "zeroqueue_rejections_total",
         "zeroqueue_refusals_total",
+        "zeroqueue_class_requests_total",
         "zeroqueue_e2e_seconds_bucket",
         "zeroqueue_queue_time_seconds_bucket",
         "zeroqueue_deadline_misses_total",
@@ -177,3 +178,77 @@ def test_panel_ids_are_unique_and_datasources_are_the_variable(dashboard: dict) 
     for panel in panels(dashboard["panels"]):
         if panel["type"] != "row":
             assert panel["datasource"]["uid"].strip("${}") in variables, panel["title"]
+
+
+def refusal_exprs(dashboard: dict) -> list[str]:
+    return [e for e in queries(dashboard) if "zeroqueue_refusals_total" in e]
+
+
+def cause_matchers(expr_text: str) -> set[str]:
+    """The causes a query's cause="x" or cause=~"x|y" matcher selects (none: every cause)."""
+    found: set[str] = set()
+    for selector in selectors(promql.parse(grafana_to_promql(expr_text))):
+        for m in selector.matchers.matchers:
+            if m.name == "cause":
+                found |= set(m.value.split("|"))
+    return found
+
+
+def test_refusals_by_kind_are_the_causes_pulse_groups_them_by(dashboard: dict) -> None:
+    """The board's kinds (overload, share, priority, quota, infeasible) select exactly the causes `zeroqueue pulse`
+    groups under each, and every cause admission gives falls in one."""
+    from services.inference.admission import decisions
+    from services.pulse.tenant_stats import CAUSE_KINDS, KIND_OF_CAUSE
+
+    kinds = [p for p in panels(dashboard["panels"]) if p.get("title") == "Refusals by kind"]
+    assert kinds, "a panel of refusals by kind"
+    chosen = {t["legendFormat"]: cause_matchers(t["expr"]) for t in kinds[0]["targets"]}
+    assert chosen == {kind: set(causes) for kind, causes in CAUSE_KINDS.items()}
+    given = {decisions.SLOTS_FULL, decisions.STEP_BUDGET, decisions.DEADLINE, decisions.DELAYS_ADMITTED}
+    given |= {decisions.OVER_SHARE, "infeasible", "quota", "priority"}
+    assert given <= set(KIND_OF_CAUSE), given - set(KIND_OF_CAUSE)
+
+
+def test_refusals_are_shown_per_tenant_and_per_class(dashboard: dict) -> None:
+    grouped = set()
+    for text in refusal_exprs(dashboard):
+        expr = promql.parse(grafana_to_promql(text))
+        promql.walk(
+            expr,
+            lambda n: (
+                grouped.update(n.modifier.labels)
+                if isinstance(n, promql.AggregateExpr) and n.modifier is not None
+                else None
+            ),
+        )
+    assert {"tenant", "service_class", "cause"} <= grouped
+
+
+def test_the_rejection_board_has_a_row_per_class(dashboard: dict) -> None:
+    """A row repeated over the service_class variable, its panels each filtered to that class."""
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    klass = variables["service_class"]
+    assert klass["multi"] and klass["includeAll"], "a repeated row needs a multi-value variable"
+    assert klass["definition"] == "label_values(zeroqueue_refusals_total, service_class)"
+    items = dashboard["panels"]
+    rows = [i for i, p in enumerate(items) if p["type"] == "row" and p.get("repeat") == "service_class"]
+    assert len(rows) == 1
+    start = rows[0]
+    end = next((i for i in range(start + 1, len(items)) if items[i]["type"] == "row"), len(items))
+    under = items[start + 1 : end]
+    assert len(under) >= 2
+    for panel in under:
+        assert "$service_class" in panel["title"]
+        for target in panel["targets"]:
+            assert 'service_class=~"$service_class"' in target["expr"], panel["title"]
+
+
+def test_panels_do_not_overlap(dashboard: dict) -> None:
+    taken: dict[tuple[int, int], str] = {}
+    for panel in dashboard["panels"]:
+        g = panel["gridPos"]
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                assert (x, y) not in taken, f"{panel['title']} overlaps {taken[(x, y)]}"
+                taken[(x, y)] = panel["title"]
+        assert g["x"] + g["w"] <= 24, panel["title"]
