@@ -1,4 +1,5 @@
-"""Usage aggregated per group, model, unit and price version: the input of invoices and chargeback.
+"""Usage aggregated per group, model, unit, class of service and price version: the input of invoices,
+chargeback and the serving policy's month-to-date spend.
 
 The period is split at every price change, each piece is aggregated in SQL
 (SUMs over integer columns), and pieces that share a price version are
@@ -17,6 +18,18 @@ second for the whole month into one group, a table of several TB.  The
 joined totals are exact; what is stored or sent must fit a signed 64-bit
 integer, which :func:`check_int64` asks before anything is written (a
 refusal names the period, never an overflow in the database).
+
+SLA credit per class.  Calls that missed their deadline are credited the
+class's credit_ppm share of their cost, rounded ONCE, half up, in integers:
+
+    credit_micros = round_half_up(missed_unit_us × price_micros × credit_ppm / 10^12)
+
+With credit_ppm = 10^6 (the class `standard`, and the rule before classes)
+this is exactly cost_micros(missed_unit_us, price_micros), so invoices made
+before classes are unchanged.  A credit never exceeds the charge.  A usage
+row naming a class the ledger does not know (a replica's newer
+configuration) is credited 100 %, the rule before classes: the tenant is
+never credited less than it would have been.
 """
 
 from __future__ import annotations
@@ -25,23 +38,24 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import BigInteger, ColumnElement, case, cast, func, select
+from sqlalchemy import BigInteger, ColumnElement, Select, case, cast, func, select
 from sqlalchemy.orm import Session
 
-from billing.errors import AmountOutOfRange
-from billing.models import Tenant, UsageRow
+from billing.errors import AmountOutOfRange, MissingPrice
+from billing.models import PPM, ServiceClass, Tenant, UsageRow
 from billing.period import US_PER_DAY
-from billing.pricing import PriceSchedule, PriceVersion, cost_micros
-from billing.records import MAX_INT64
+from billing.pricing import US_PER_SECOND, PriceSchedule, PriceVersion, cost_micros
+from billing.records import DEFAULT_CLASS, MAX_INT64
 
 SPLIT = 1 << 29
 
 
 @dataclass(slots=True)
 class UsageAggregate:
-    """Usage of one group under one price version; ``missed_*`` are the requests that missed their deadline.
+    """Usage of one group and class of service under one price version; ``missed_*`` are the requests that
+    missed their deadline, credited ``credit_ppm`` per million of their cost (the class's rule).
 
-    [from_us, to_us) is where that price version was in force within the aggregated range.
+    [from_us, to_us) is where that price version was in force for the class within the aggregated range.
     """
 
     key: tuple[object, ...]
@@ -50,6 +64,8 @@ class UsageAggregate:
     price: PriceVersion
     from_us: int
     to_us: int
+    service_class: str = DEFAULT_CLASS
+    credit_ppm: int = PPM
     num_requests: int = 0
     unit_us: int = 0
     prompt_tokens: int = 0
@@ -65,12 +81,28 @@ class UsageAggregate:
 
     @property
     def sla_credit_micros(self) -> int:
-        """The (positive) credit for requests that missed their deadline: they are not charged."""
-        return cost_micros(self.missed_unit_us, self.price.price_micros)
+        """The (positive) credit for requests that missed their deadline: the class's share of their cost,
+        rounded once, half up (see the module's comment)."""
+        return credit_micros(self.missed_unit_us, self.price.price_micros, self.credit_ppm)
 
     @property
     def net_micros(self) -> int:
         return self.charge_micros - self.sla_credit_micros
+
+
+def credit_micros(unit_us: int, price_micros: int, credit_ppm: int) -> int:
+    """``unit_us × price_micros × credit_ppm / 10^12`` rounded half up, in integers (all ≥ 0)."""
+    if credit_ppm < 0 or credit_ppm > PPM:
+        raise ValueError(f"credit_ppm must be in [0, {PPM}], got {credit_ppm}")
+    if credit_ppm == PPM:
+        return cost_micros(unit_us, price_micros)
+    scale = US_PER_SECOND * PPM
+    return (unit_us * price_micros * credit_ppm + scale // 2) // scale
+
+
+def class_credits(session: Session) -> dict[str, int]:
+    """Each known class's credit_ppm (a class the ledger does not know is credited :data:`PPM`)."""
+    return {name: ppm for name, ppm in session.execute(select(ServiceClass.name, ServiceClass.credit_ppm))}
 
 
 def check_int64(name: str, value: int, where: str) -> int:
@@ -110,6 +142,7 @@ def group_column(name: str, period_start_us: int) -> ColumnElement[object]:
         "team": UsageRow.team,
         "model": UsageRow.model,
         "tenant": Tenant.name,
+        "service_class": UsageRow.service_class,
         "day": (UsageRow.finished_at_us - period_start_us) // US_PER_DAY,
     }
     return columns[name].label(f"g_{name}")
@@ -123,50 +156,67 @@ def aggregate_usage(
     group_by: Sequence[str] = (),
     tenant_id: int | None = None,
     schedule: PriceSchedule | None = None,
+    skip_unpriced: bool = False,
 ) -> list[UsageAggregate]:
-    """Aggregate usage finished in [start_us, end_us) per group, model, unit and price version."""
+    """Aggregate usage finished in [start_us, end_us) per group, model, unit, class and price version.
+
+    Usage without a price in force raises MissingPrice, or with ``skip_unpriced`` is left out."""
     schedule = schedule or PriceSchedule.load(session, end_us)
+    credits = class_credits(session)
     groups = [group_column(name, start_us) for name in group_by]
     merged: dict[tuple[object, ...], UsageAggregate] = {}
-    bounds = schedule.boundaries(start_us, end_us)
-    for piece_start, piece_end in itertools.pairwise(bounds):
-        query = (
-            select(
-                *groups,
-                UsageRow.model,
-                UsageRow.unit,
-                func.count().label("num_requests"),
-                *exact_sum(UsageRow.unit_us),
-                *exact_sum(UsageRow.prompt_tokens),
-                *exact_sum(UsageRow.completion_tokens),
-                _sum(case((UsageRow.deadline_met, 0), else_=1)),
-                *_missed(UsageRow.unit_us),
-                *_missed(UsageRow.prompt_tokens),
-                *_missed(UsageRow.completion_tokens),
-            )
-            .where(UsageRow.finished_at_us >= piece_start, UsageRow.finished_at_us < piece_end)
-            .group_by(*groups, UsageRow.model, UsageRow.unit)
-        )
-        if "tenant" in group_by:
-            query = query.join(Tenant, Tenant.id == UsageRow.tenant_id)
-        if tenant_id is not None:
-            query = query.where(UsageRow.tenant_id == tenant_id)
-        for row in session.execute(query):
-            key, (model, unit, *sums) = tuple(row[: len(groups)]), row[len(groups) :]
-            price = schedule.version_at(model, unit, piece_start)
-            aggregate = merged.get((key, model, unit, price.id))
+    for piece_start, piece_end in itertools.pairwise(schedule.boundaries(start_us, end_us)):
+        for row in session.execute(_piece_query(groups, group_by, piece_start, piece_end, tenant_id)):
+            key, (model, unit, service_class, *sums) = tuple(row[: len(groups)]), row[len(groups) :]
+            try:
+                price = schedule.version_at(model, unit, piece_start, service_class)
+            except MissingPrice:
+                if skip_unpriced:
+                    continue
+                raise
+            aggregate = merged.get((key, model, unit, service_class, price.id))
             if aggregate is None:
-                until = schedule.valid_until(price)
-                aggregate = merged[(key, model, unit, price.id)] = UsageAggregate(
+                until = schedule.valid_until(price, service_class)
+                aggregate = merged[(key, model, unit, service_class, price.id)] = UsageAggregate(
                     key,
                     model,
                     unit,
                     price,
                     max(start_us, price.effective_from_us),
                     end_us if until is None else min(end_us, until),
+                    service_class,
+                    credits.get(service_class, PPM),
                 )
             _accumulate(aggregate, sums)
     return list(merged.values())
+
+
+def _piece_query(
+    groups: list[ColumnElement[object]], group_by: Sequence[str], start_us: int, end_us: int, tenant_id: int | None
+) -> Select[tuple[object, ...]]:
+    query = (
+        select(
+            *groups,
+            UsageRow.model,
+            UsageRow.unit,
+            UsageRow.service_class,
+            func.count().label("num_requests"),
+            *exact_sum(UsageRow.unit_us),
+            *exact_sum(UsageRow.prompt_tokens),
+            *exact_sum(UsageRow.completion_tokens),
+            _sum(case((UsageRow.deadline_met, 0), else_=1)),
+            *_missed(UsageRow.unit_us),
+            *_missed(UsageRow.prompt_tokens),
+            *_missed(UsageRow.completion_tokens),
+        )
+        .where(UsageRow.finished_at_us >= start_us, UsageRow.finished_at_us < end_us)
+        .group_by(*groups, UsageRow.model, UsageRow.unit, UsageRow.service_class)
+    )
+    if "tenant" in group_by:
+        query = query.join(Tenant, Tenant.id == UsageRow.tenant_id)
+    if tenant_id is not None:
+        query = query.where(UsageRow.tenant_id == tenant_id)
+    return query
 
 
 def _accumulate(aggregate: UsageAggregate, sums: Sequence[int]) -> None:

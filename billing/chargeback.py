@@ -1,9 +1,9 @@
-"""Chargeback: usage, cost and deadline attainment per cost center, team, model, tenant or day,
-plus device utilisation from the idle records.
+"""Chargeback: usage, cost and deadline attainment per cost center, team, model, tenant, day or class of
+service, plus device utilisation from the idle records.
 
 Cost is the billed amount after SLA credits, priced like invoice lines: usage
-is summed per group, model, unit and price version and rounded once there,
-then summed per row.  Grouping finer than invoices (e.g. by day) can
+is summed per group, model, unit, class and price version (each class at its
+own price and credit rule) and rounded once there, then summed per row.  Grouping finer than invoices (e.g. by day) can
 therefore differ from invoice totals by the rounding of the extra splits,
 at most half a micro-unit per aggregate.  Rows never mix units: SM·µs and
 core·µs are reported on separate rows.
@@ -24,7 +24,7 @@ from billing.models import IdleRow, UsageRow
 from billing.period import US_PER_DAY, day_label, parse_period
 from billing.period import now_us as clock_us
 
-GROUPINGS = ("cost_center", "team", "model", "tenant", "day")
+GROUPINGS = ("cost_center", "team", "model", "tenant", "day", "service_class")
 NO_LABEL = "(none)"
 
 

@@ -141,9 +141,12 @@ class PriceExists(AlreadyExists):
 class MissingPrice(FailedPrecondition):
     reason = "MISSING_PRICE"
 
-    def __init__(self, model: str, unit: str, at_us: int) -> None:
-        super().__init__(f"model: no price for model {model!r} unit {unit!r} in force at {at_us} µs", field="model")
-        self.model, self.unit, self.at_us = model, unit, at_us
+    def __init__(self, model: str, unit: str, at_us: int, service_class: str = "") -> None:
+        of_class = f" class {service_class!r} (nor a generic one)" if service_class else ""
+        super().__init__(
+            f"model: no price for model {model!r} unit {unit!r}{of_class} in force at {at_us} µs", field="model"
+        )
+        self.model, self.unit, self.at_us, self.service_class = model, unit, at_us, service_class
 
 
 class CurrencyMismatch(FailedPrecondition):
@@ -168,3 +171,34 @@ class InvoiceState(FailedPrecondition):
 
 class CreditExceedsInvoice(FailedPrecondition):
     reason = "CREDIT_EXCEEDS_INVOICE"
+
+
+# Classes of service and tenant policies (billing/classes.py).
+class InvalidClass(InvalidArgument):
+    reason = "INVALID_CLASS"
+
+
+class UnknownClass(NotFound):
+    reason = "UNKNOWN_CLASS"
+
+    def __init__(self, name: str, *, field: str = "service_class") -> None:
+        super().__init__(f"{field}: no class of service named {name!r}", field=field)
+        self.name = name
+
+
+class ClassExists(AlreadyExists):
+    reason = "CLASS_EXISTS"
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"name: a class of service named {name!r} already exists", field="name")
+        self.name = name
+
+
+class ClassRuleFixed(FailedPrecondition):
+    """A class's name and credit rule never change (they decide money already billed); a new rule is a new class."""
+
+    reason = "CLASS_RULE_FIXED"
+
+
+class InvalidPolicy(InvalidArgument):
+    reason = "INVALID_POLICY"

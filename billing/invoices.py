@@ -6,10 +6,12 @@ draft (the database allows one non-void invoice per tenant and month).  A
 finalized invoice is immutable, refused here and by database triggers; the
 only correction is a credit note (or voiding it and issuing a new one).
 
-Lines: per model, unit and price version, usage is summed first and priced
-once (see :mod:`billing.pricing` for the rounding rule).  Requests that missed
-their deadline (``deadline_met`` false) are not charged: their cost appears
-as a separate negative ``sla_credit`` line priced the same way.
+Lines: per model, unit, class of service and price version, usage is summed
+first and priced once (see :mod:`billing.pricing` for the rounding rule), each
+class at its own price (or the generic one).  Requests that missed their
+deadline (``deadline_met`` false) are credited their class's share of their
+cost (credit_ppm; the class `standard`: all of it) on a separate negative
+``sla_credit`` line, rounded once (see :mod:`billing.aggregate`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from billing.ledger import dialect_insert, tenant_ids
 from billing.models import CreditNote, Invoice, InvoiceLine, InvoiceStatus, LineKind, Tenant
 from billing.period import Period, day_label, parse_period
 from billing.period import now_us as clock_us
-from billing.records import MAX_INT32, MAX_INT64
+from billing.records import DEFAULT_CLASS, MAX_INT32, MAX_INT64
 
 DEFAULT_CURRENCY = "USD"  # only for an invoice without lines
 # Literal SQL, as in the partial unique index, so PostgreSQL can infer that index as the arbiter.
@@ -54,12 +56,14 @@ class InvoiceLineView:
     prompt_tokens: int
     completion_tokens: int
     amount_micros: int
+    service_class: str = DEFAULT_CLASS
 
     @property
     def description(self) -> str:
         what = "SLA credit: missed deadlines" if self.kind is LineKind.SLA_CREDIT else "usage"
         unit = "SM" if self.unit == "sm_us" else "core"
-        return f"{self.model} {what} ({unit}·µs at {self.price_micros} micros per {unit}·s)"
+        of_class = "" if self.service_class == DEFAULT_CLASS else f", class {self.service_class}"
+        return f"{self.model} {what} ({unit}·µs at {self.price_micros} micros per {unit}·s{of_class})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,10 +108,11 @@ _STORED = ("num_requests", "unit_us", "prompt_tokens", "completion_tokens", "amo
 
 def _line_rows(aggregates: list[UsageAggregate], period: str) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
-    for agg in sorted(aggregates, key=lambda a: (a.model, a.unit, a.from_us)):
+    for agg in sorted(aggregates, key=lambda a: (a.model, a.unit, a.service_class, a.from_us)):
         common = dict(
             model=agg.model,
             unit=agg.unit,
+            service_class=agg.service_class,
             price_id=agg.price.id,
             price_micros=agg.price.price_micros,
             usage_from_us=agg.from_us,
@@ -139,7 +144,8 @@ def _line_rows(aggregates: list[UsageAggregate], period: str) -> list[dict[str, 
     for position, row in enumerate(rows):
         row["position"] = position
         for name in _STORED:
-            check_int64(name, row[name], f"{row['model']} {row['unit']} in {period}")  # type: ignore[arg-type]
+            where = f"{row['model']} {row['unit']} {row['service_class']} in {period}"
+            check_int64(name, row[name], where)  # type: ignore[arg-type]
     return rows
 
 
@@ -344,6 +350,7 @@ def _view(session: Session, invoice: Invoice, tenant: str) -> InvoiceView:
                 line.prompt_tokens,
                 line.completion_tokens,
                 line.amount_micros,
+                line.service_class,
             )
             for line in lines
         ),

@@ -269,4 +269,5 @@ def _to_record(row: UsageRow, tenant: str) -> UsageRecord:
         deadline_met=row.deadline_met,
         outcome=row.outcome,
         client_request_id=row.client_request_id,
+        service_class=row.service_class,
     )

@@ -5,6 +5,11 @@ A price is an integer number of micro-units of a currency per unit·second
 adds a new version with a later ``effective_from_us``; no version is edited
 (the database refuses UPDATE and DELETE on ``prices``).
 
+Prices per class of service (migration 0005): a version names a class, or
+'' (GENERIC_PRICE) for every class without a price of its own.  A call of
+class C is priced by C's own version in force at the time, and where C has
+none in force yet, by the generic version in force then.
+
 Rounding rule: the cost of an invoice line is
 
     cost_micros = round_half_up(total_unit_us × price_micros / 1_000_000)
@@ -26,12 +31,13 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from billing.errors import InvalidArgument, InvalidPrice, MissingPrice, PriceExists
-from billing.models import MAX_PRICE_MICROS, Price
+from billing.errors import InvalidArgument, InvalidPrice, MissingPrice, PriceExists, UnknownClass
+from billing.models import MAX_PRICE_MICROS, Price, ServiceClass
 from billing.period import now_us as clock_us
-from billing.records import MAX_INT64, Unit, check_text
+from billing.records import MAX_INT64, Unit, check_class_name, check_text
 
 US_PER_SECOND = 1_000_000
+GENERIC_PRICE = ""  # a price version's service_class for every class without a version of its own
 _CURRENCY = re.compile(r"[A-Z]{3}")
 
 
@@ -50,10 +56,13 @@ class PriceVersion:
     price_micros: int
     currency: str
     effective_from_us: int
+    service_class: str = GENERIC_PRICE
 
     @classmethod
     def of(cls, row: Price) -> PriceVersion:
-        return cls(row.id, row.model, row.unit, row.price_micros, row.currency, row.effective_from_us)
+        return cls(
+            row.id, row.model, row.unit, row.price_micros, row.currency, row.effective_from_us, row.service_class
+        )
 
 
 def _validate(model: str, unit: str, price_micros: int, currency: str, effective_from_us: int) -> None:
@@ -82,20 +91,34 @@ def add_price(
     effective_from_us: int,
     *,
     now_us: int | None = None,
+    service_class: str = GENERIC_PRICE,
 ) -> PriceVersion:
-    """Add a price version in force from ``effective_from_us`` until the next version."""
+    """Add a price version in force from ``effective_from_us`` until the next version of the same model, unit
+    and class; ``service_class`` '' is the generic price of every class without one of its own, else the name
+    of an existing class (UnknownClass otherwise)."""
     _validate(model, unit, price_micros, currency, effective_from_us)
+    if service_class != GENERIC_PRICE:
+        check_class_name("service_class", service_class, InvalidPrice)
+        if session.scalar(select(ServiceClass.id).where(ServiceClass.name == service_class)) is None:
+            raise UnknownClass(service_class)
     clash = session.scalar(
-        select(Price.id).where(Price.model == model, Price.unit == unit, Price.effective_from_us == effective_from_us)
+        select(Price.id).where(
+            Price.model == model,
+            Price.unit == unit,
+            Price.service_class == service_class,
+            Price.effective_from_us == effective_from_us,
+        )
     )
     if clash is not None:
+        which = f"class {service_class!r}" if service_class else "every class (generic)"
         raise PriceExists(
-            f"effective_from_us: a price for {model!r} {unit} from {effective_from_us} already exists",
+            f"effective_from_us: a price for {model!r} {unit} of {which} from {effective_from_us} already exists",
             field="effective_from_us",
         )
     row = Price(
         model=model,
         unit=unit,
+        service_class=service_class,
         price_micros=price_micros,
         currency=currency,
         effective_from_us=effective_from_us,
@@ -106,12 +129,17 @@ def add_price(
     return PriceVersion.of(row)
 
 
-def price_history(session: Session, model: str | None = None, unit: str | None = None) -> list[PriceVersion]:
-    query = select(Price).order_by(Price.model, Price.unit, Price.effective_from_us)
+def price_history(
+    session: Session, model: str | None = None, unit: str | None = None, service_class: str | None = None
+) -> list[PriceVersion]:
+    """Every price version (each with its class, '' for generic), by model, unit, class and start."""
+    query = select(Price).order_by(Price.model, Price.unit, Price.service_class, Price.effective_from_us)
     if model is not None:
         query = query.where(Price.model == model)
     if unit is not None:
         query = query.where(Price.unit == unit)
+    if service_class is not None:
+        query = query.where(Price.service_class == service_class)
     return [PriceVersion.of(row) for row in session.scalars(query)]
 
 
@@ -119,9 +147,10 @@ class PriceSchedule:
     """Every price version in force before ``end_us``, for lookups while aggregating usage."""
 
     def __init__(self, versions: list[PriceVersion]) -> None:
-        self._versions: dict[tuple[str, str], list[PriceVersion]] = {}
+        self._versions: dict[tuple[str, str, str], list[PriceVersion]] = {}
         for version in sorted(versions, key=lambda v: v.effective_from_us):
-            self._versions.setdefault((version.model, version.unit), []).append(version)
+            key = (version.model, version.unit, version.service_class)
+            self._versions.setdefault(key, []).append(version)
         self._starts = {key: [v.effective_from_us for v in vs] for key, vs in self._versions.items()}
 
     @classmethod
@@ -129,18 +158,31 @@ class PriceSchedule:
         rows = session.scalars(select(Price).where(Price.effective_from_us < end_us))
         return cls([PriceVersion.of(row) for row in rows])
 
-    def version_at(self, model: str, unit: str, at_us: int) -> PriceVersion:
-        starts = self._starts.get((model, unit), [])
-        index = bisect.bisect_right(starts, at_us) - 1
-        if index < 0:
-            raise MissingPrice(model, unit, at_us)
-        return self._versions[(model, unit)][index]
+    def _latest(self, key: tuple[str, str, str], at_us: int) -> PriceVersion | None:
+        index = bisect.bisect_right(self._starts.get(key, []), at_us) - 1
+        return self._versions[key][index] if index >= 0 else None
 
-    def valid_until(self, version: PriceVersion) -> int | None:
-        """When the next version of the same model and unit takes over (None: still in force)."""
-        versions = self._versions[(version.model, version.unit)]
-        index = versions.index(version)
-        return versions[index + 1].effective_from_us if index + 1 < len(versions) else None
+    def version_at(self, model: str, unit: str, at_us: int, service_class: str = GENERIC_PRICE) -> PriceVersion:
+        """The version pricing a call of ``service_class`` at ``at_us``: the class's own, else the generic one."""
+        version = self._latest((model, unit, service_class), at_us) if service_class != GENERIC_PRICE else None
+        version = version or self._latest((model, unit, GENERIC_PRICE), at_us)
+        if version is None:
+            raise MissingPrice(model, unit, at_us, service_class)
+        return version
+
+    def valid_until(self, version: PriceVersion, service_class: str = GENERIC_PRICE) -> int | None:
+        """When another version takes over ``version`` for calls of ``service_class`` (None: still in force):
+        the class's next own version, or for a generic version also the next generic one."""
+        starts = list(self._starts.get((version.model, version.unit, service_class), []) if service_class else [])
+        if version.service_class == GENERIC_PRICE:
+            starts += self._starts[(version.model, version.unit, GENERIC_PRICE)]
+        later = [start for start in starts if start > version.effective_from_us]
+        return min(later) if later else None
+
+    def in_force(self, at_us: int) -> list[PriceVersion]:
+        """The version of each model, unit and class ('' included) in force at ``at_us``."""
+        found = (self._latest(key, at_us) for key in sorted(self._versions))
+        return [version for version in found if version is not None]
 
     def boundaries(self, start_us: int, end_us: int) -> list[int]:
         """``start_us``, every price change strictly inside the range, and ``end_us``, sorted."""
@@ -150,14 +192,21 @@ class PriceSchedule:
         return [start_us, *sorted(inside), end_us]
 
 
-def price_at(session: Session, model: str, unit: str, at_us: int) -> PriceVersion:
-    """The price version in force for ``model`` and ``unit`` at ``at_us``."""
-    row = session.scalars(
-        select(Price)
-        .where(Price.model == model, Price.unit == unit, Price.effective_from_us <= at_us)
-        .order_by(Price.effective_from_us.desc())
-        .limit(1)
-    ).first()
-    if row is None:
-        raise MissingPrice(model, unit, at_us)
-    return PriceVersion.of(row)
+def price_at(session: Session, model: str, unit: str, at_us: int, service_class: str = GENERIC_PRICE) -> PriceVersion:
+    """The price version in force for ``model``, ``unit`` and ``service_class`` at ``at_us`` (the class's own,
+    else the generic one)."""
+    for wanted in dict.fromkeys((service_class, GENERIC_PRICE)):
+        row = session.scalars(
+            select(Price)
+            .where(
+                Price.model == model,
+                Price.unit == unit,
+                Price.service_class == wanted,
+                Price.effective_from_us <= at_us,
+            )
+            .order_by(Price.effective_from_us.desc())
+            .limit(1)
+        ).first()
+        if row is not None:
+            return PriceVersion.of(row)
+    raise MissingPrice(model, unit, at_us, service_class)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from types import MappingProxyType
 
-from billing.errors import InvalidRecord
+from billing.errors import InvalidArgument, InvalidRecord
 from billing.period import US_PER_DAY, US_PER_MINUTE
 
 MAX_INT64 = 2**63 - 1
@@ -46,6 +46,10 @@ CONVENTIONAL_LABELS = ("cost_center", "team")
 _LABEL_KEY = re.compile(r"[a-z][a-z0-9_.\-]*")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _TENANT = re.compile(r"[a-z0-9][a-z0-9._\-]{0,62}")
+# Classes of service (migration 0005): a call runs in one; records made before classes ran in `standard`.
+DEFAULT_CLASS = "standard"  # the same name as billing.models.DEFAULT_CLASS (models imports this module)
+MAX_CLASS_NAME_CHARS = 32
+_CLASS_NAME = re.compile(r"[a-z0-9_\-]{1,32}")
 
 
 class DeviceKind(StrEnum):
@@ -89,6 +93,12 @@ def check_tenant_name(name: str, value: object) -> None:
         raise InvalidRecord(f"{name} must match [a-z0-9][a-z0-9._-]{{0,62}}, got {value!r}", field=name)
 
 
+def check_class_name(name: str, value: object, error: type[InvalidArgument] = InvalidRecord) -> None:
+    """A class of service's name: 1..32 characters of [a-z0-9_-]."""
+    if not isinstance(value, str) or not _CLASS_NAME.fullmatch(value):
+        raise error(f"{name} must be 1..32 characters of [a-z0-9_-], got {value!r}", field=name)
+
+
 def check_int(name: str, value: object, *, minimum: int = 0, maximum: int = MAX_INT64, why: str = "") -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise InvalidRecord(f"{name} must be an integer, got {type(value).__name__}", field=name)
@@ -124,6 +134,8 @@ def canonical_digest(kind: str, record: object) -> str:
     # fields added after v1 count only when set: a record written before them keeps its digest
     if payload.get("client_request_id") == "":
         del payload["client_request_id"]
+    if payload.get("service_class") == DEFAULT_CLASS:  # before classes every call ran in `standard`
+        del payload["service_class"]
     if "labels" in payload:
         payload["labels"] = dict(payload["labels"])
     encoded = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -174,9 +186,13 @@ class UsageRecord:
     deadline_met: bool
     outcome: Outcome  # given as the enum or its value; stored as the enum
     client_request_id: str = ""
+    service_class: str = DEFAULT_CLASS  # '' (a sender before classes) is `standard`
 
     def __post_init__(self) -> None:
         check_text("request_id", self.request_id)
+        if self.service_class == "":
+            object.__setattr__(self, "service_class", DEFAULT_CLASS)
+        check_class_name("service_class", self.service_class)
         check_tenant_name("tenant", self.tenant)
         object.__setattr__(self, "labels", freeze_labels(self.labels))
         check_text("model", self.model)

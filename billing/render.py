@@ -70,6 +70,7 @@ def invoice_dict(invoice: InvoiceView) -> dict[str, object]:
                 "description": line.description,
                 "model": line.model,
                 "unit": line.unit,
+                "service_class": line.service_class,
                 "price_id": line.price_id,
                 "price_micros": line.price_micros,
                 "num_requests": line.num_requests,
@@ -106,6 +107,7 @@ INVOICE_CSV_COLUMNS = (
     "kind",
     "model",
     "unit",
+    "service_class",
     "price_micros",
     "num_requests",
     "unit_us",
@@ -125,6 +127,7 @@ def invoice_csv(invoice: InvoiceView) -> str:
             line.kind.value,
             line.model,
             line.unit,
+            line.service_class,
             line.price_micros,
             line.num_requests,
             line.unit_us,
@@ -135,11 +138,9 @@ def invoice_csv(invoice: InvoiceView) -> str:
         )
         for line in invoice.lines
     ]
-    rows.append(
-        (*head, "", "total", "", "", "", "", "", "", "", invoice.total_micros, format_micros(invoice.total_micros))
-    )
+    rows.append((*head, "", "total", *[""] * 8, invoice.total_micros, format_micros(invoice.total_micros)))
     rows.extend(
-        (*head, "", "credit_note", "", "", "", "", "", "", "", -note.amount_micros, format_micros(-note.amount_micros))
+        (*head, "", "credit_note", *[""] * 8, -note.amount_micros, format_micros(-note.amount_micros))
         for note in invoice.credit_notes
     )
     return csv_text(INVOICE_CSV_COLUMNS, rows)
@@ -151,11 +152,21 @@ def invoice_html(invoice: InvoiceView) -> str:
         f"<p>Status: <b>{invoice.status.value}</b>. Total: <b>{format_micros(invoice.total_micros)} "
         f"{invoice.currency}</b>. Balance after credit notes: {format_micros(invoice.balance_micros)}.</p>",
         html_table(
-            ("#", "Description", "Requests", "Unit·µs", "Tokens in", "Tokens out", f"Amount ({invoice.currency})"),
+            (
+                "#",
+                "Description",
+                "Class",
+                "Requests",
+                "Unit·µs",
+                "Tokens in",
+                "Tokens out",
+                f"Amount ({invoice.currency})",
+            ),
             [
                 (
                     line.position,
                     line.description,
+                    line.service_class,
                     line.num_requests,
                     line.unit_us,
                     line.prompt_tokens,
@@ -175,7 +186,7 @@ def invoice_html(invoice: InvoiceView) -> str:
             )
         )
     if invoice.lines:
-        labels = [f"{line.model} {line.kind.value}" for line in invoice.lines]
+        labels = [f"{line.model} {line.service_class} {line.kind.value}" for line in invoice.lines]
         amounts = [line.amount_micros for line in invoice.lines]
         body.append(html_img(bar_chart_png(labels, amounts, f"Amount by line ({invoice.currency})"), "amount by line"))
     return html_page(f"Invoice {invoice.id}", body)

@@ -23,10 +23,14 @@ from sqlalchemy.orm import Session, sessionmaker
 
 import migrations
 from billing.db import make_engine, session_factory
-from billing.models import Base
+from billing.models import MAX_CLASS_BUDGET_MS, PPM, Base
 
 POSTGRES_URL = os.environ.get("ZQ_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 BACKENDS = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
+STANDARD_CLASS = text(
+    "INSERT INTO service_classes (name, min_budget_ms, max_budget_ms, priority, credit_ppm, created_at_us) "
+    f"VALUES ('standard', 1, {MAX_CLASS_BUDGET_MS}, 0, {PPM}, 0)"
+)
 
 
 @dataclass
@@ -99,6 +103,7 @@ def ledger(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Ledger]:
         tables = ", ".join(table.name for table in Base.metadata.sorted_tables if table.name != "ledger_secrets")
         with truncate.begin() as connection:
             connection.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
+            connection.execute(STANDARD_CLASS)  # made by migration 0005, like the schema (TRUNCATE fires no trigger)
         truncate.dispose()
     engine = make_engine(url)
     yield Ledger(url, engine, session_factory(engine))
