@@ -7,19 +7,25 @@ each goes through the SDK, so refusals are retried as a real client would retry 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import time
 from collections.abc import Callable, Sequence
 
-from services.client import AsyncClient, DeadlineExceeded, DeadlineInfeasible, Rejected, Unavailable, ZeroQueueError
+from services.client import (
+    AsyncClient,
+    DeadlineExceeded,
+    DeadlineInfeasible,
+    QuotaExceeded,
+    Rejected,
+    Unavailable,
+    ZeroQueueError,
+)
 
 from .schedule import PlannedRequest
 from .stats import RequestTrace, TraceOutcome
 
-_SDK_TAKES_CLASS = "service_class" in inspect.signature(AsyncClient.generate).parameters
-
 OUTCOMES = (
     (Rejected, TraceOutcome.REJECTED),
+    (QuotaExceeded, TraceOutcome.QUOTA),
     (DeadlineInfeasible, TraceOutcome.INFEASIBLE),
     (DeadlineExceeded, TraceOutcome.DEADLINE_EXCEEDED),
     (Unavailable, TraceOutcome.UNAVAILABLE),
@@ -31,14 +37,14 @@ def outcome_of(error: ZeroQueueError) -> TraceOutcome:
 
 
 def _generate(client: AsyncClient, request: PlannedRequest, request_id: str):
-    """The call, in the request's class of service when it names one."""
-    options = dict(deadline_ms=request.deadline_ms, max_tokens=request.max_tokens, temperature=0.0)
-    if request.service_class and _SDK_TAKES_CLASS:
-        options["service_class"] = request.service_class
-    generation = client.generate(request.prompt_token_ids, request_id=request_id, **options)
-    if request.service_class and not _SDK_TAKES_CLASS:
-        generation._request.service_class = request.service_class  # noqa: SLF001 - until the SDK takes the class
-    return generation
+    return client.generate(
+        request.prompt_token_ids,
+        deadline_ms=request.deadline_ms,
+        max_tokens=request.max_tokens,
+        temperature=0.0,
+        request_id=request_id,
+        service_class=request.service_class,
+    )
 
 
 async def _one(
@@ -67,7 +73,8 @@ async def _one(
         trace.finished_s = time.monotonic() - t0
         trace.outcome, trace.error, report = outcome_of(error), f"{error.code.name}/{error.reason}", error.report
         trace.retry_after_ms = error.failure.retry_after_ms
-        trace.refusal_cause = error.failure.error_metadata.get("cause", "")
+        quota = isinstance(error, QuotaExceeded)
+        trace.refusal_cause = error.failure.error_metadata.get("cause", "quota" if quota else "")
     except Exception as error:  # noqa: BLE001 - a load generator records a client-side failure and goes on
         trace.finished_s = time.monotonic() - t0
         trace.outcome = TraceOutcome.ERROR

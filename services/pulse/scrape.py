@@ -105,5 +105,6 @@ def server_view(before: Samples, after: Samples) -> dict:
         "retry_attempts": _by_labels(d, "zeroqueue_retry_attempts_total", "attempt", "result"),
         "refusals_by_tenant": nested_counts(d, "zeroqueue_refusals_total", "tenant", "cause"),
         "refusals_by_class": nested_counts(d, "zeroqueue_refusals_total", "service_class", "cause"),
+        "requests_by_class": nested_counts(d, "zeroqueue_class_requests_total", "service_class", "outcome"),
         "device_unit_us_by_tenant": nested_counts(d, "zeroqueue_device_unit_us_total", "tenant", "unit"),
     }

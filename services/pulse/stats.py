@@ -33,6 +33,7 @@ class TraceOutcome(StrEnum):
     PENDING = "pending"
     OK = "ok"
     REJECTED = "rejected"
+    QUOTA = "quota_exceeded"  # the tenant is at a cap (calls per second, device time or spend per month)
     INFEASIBLE = "infeasible"
     DEADLINE_EXCEEDED = "deadline_exceeded"
     UNAVAILABLE = "unavailable"

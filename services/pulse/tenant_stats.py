@@ -49,6 +49,8 @@ def final_refusals(traces: Iterable[RequestTrace]) -> dict[str, int]:
     for t in traces:
         if t.outcome == TraceOutcome.REJECTED:
             causes[t.refusal_cause or "unknown"] += 1
+        elif t.outcome == TraceOutcome.QUOTA:
+            causes["quota"] += 1
         elif t.outcome == TraceOutcome.INFEASIBLE:
             causes["infeasible"] += 1
     return dict(causes)

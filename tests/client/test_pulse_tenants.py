@@ -163,11 +163,13 @@ def test_the_replica_view_splits_refusals_by_tenant_and_class() -> None:
         key("zeroqueue_refusals_total", cause="slots_full", tenant="B", service_class="batch"): 1.0,
         key("zeroqueue_refusals_total", cause="quota", tenant="C", service_class="batch"): 0.0,
         key("zeroqueue_device_unit_us_total", tenant="B", cost_center="", unit="core_us"): 7.0,
+        key("zeroqueue_class_requests_total", service_class="batch", outcome="ok"): 5.0,
     }
     view = server_view(before, after)
     assert view["refusals_by_tenant"] == {"A": {"over_share": 3.0, "slots_full": 2.0}, "B": {"slots_full": 1.0}}
     assert view["refusals_by_class"] == {"batch": {"over_share": 3.0, "slots_full": 1.0}, "standard": {"slots_full": 2}}
     assert view["device_unit_us_by_tenant"] == {"B": {"core_us": 7.0}}
+    assert view["requests_by_class"] == {"batch": {"ok": 5.0}}
     # the counter as it was before it had a class: the class reads as ""
     classless = {key("zeroqueue_refusals_total", cause="deadline", tenant="A"): 2.0}
     assert nested_counts(classless, "zeroqueue_refusals_total", "service_class", "cause") == {"": {"deadline": 2.0}}
@@ -194,7 +196,8 @@ def test_the_table_puts_each_tenant_its_alone_run_and_all_side_by_side(b_togethe
 
 def test_two_tenants_end_to_end_each_with_its_key_and_class(tmp_path) -> None:
     refusal = Fail(grpc.StatusCode.RESOURCE_EXHAUSTED, "OVERLOADED", {"cause": "over_share"})
-    with FakeReplicas([[refusal] * 2 + [Serve()] * 100]) as fakes:
+    quota = Fail(grpc.StatusCode.RESOURCE_EXHAUSTED, "QUOTA_EXCEEDED", {"cap": "calls_per_s"})
+    with FakeReplicas([[refusal] * 2 + [quota] + [Serve()] * 100]) as fakes:
         argv = ["pulse", "--endpoint", fakes.addresses[0], "--tenant", "name=A,key=secret-a,qps=12,class=batch"]
         argv += ["--tenant", "name=B,key=kb,qps=4", "--alone", "B", "--duration", "1", "--arrival", "constant"]
         argv += ["--prompt-tokens", "5", "--max-tokens", "2", "--max-attempts", "1", "--out", str(tmp_path)]
@@ -206,9 +209,10 @@ def test_two_tenants_end_to_end_each_with_its_key_and_class(tmp_path) -> None:
     tenants = doc["runs"]["run"]["tenants"]
     assert tenants["A"]["summary"]["num_sent"] == 12 and tenants["B"]["summary"]["num_sent"] == 4
     assert tenants["B"]["alone"]["summary"]["num_sent"] == 4
-    # the first two calls (B's alone) were refused over_share, with no retry: they ended refused
-    assert tenants["B"]["alone"]["refused_in_the_end"] == {"over_share": 2}
-    assert tenants["B"]["goodput_vs_alone"] == pytest.approx(4 / 2)
+    # B's first two calls alone were refused over_share, with no retry, and its third at a quota
+    assert tenants["B"]["alone"]["refused_in_the_end"] == {"over_share": 2, "quota": 1}
+    assert tenants["B"]["alone"]["summary"]["outcomes"] == {"rejected": 2, "quota_exceeded": 1, "ok": 1}
+    assert tenants["B"]["goodput_vs_alone"] == pytest.approx(4 / 1)
     assert doc["runs"]["run"]["total"]["summary"]["num_sent"] == 16
     assert doc["config"]["tenants"][1] == {
         "name": "B",
