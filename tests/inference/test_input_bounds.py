@@ -150,6 +150,7 @@ def test_the_largest_valid_request_fits_its_bound_and_is_served(server):
         top_k=7,
         seed=2**64 - 1,
         labels={f"k{i:02d}" + "k" * 60: "é" * 128 for i in range(16)},
+        service_class="standard",
     )
     size = pb.GenerateRequest(**fields).ByteSize()
     assert size <= LIMITS.max_request_bytes(CONTEXT)
@@ -336,8 +337,11 @@ HUGE_ECHOES = [
     dict(labels={f"key{i}": "v" for i in range(1000)}),
     dict(labels={"k" * 60_000: "v"}),
     dict(labels={f"team{i}": "\x00" * 128 for i in range(16)}),
+    dict(service_class="é" * 20_000),
+    dict(service_class="\x00" * 40_000),
     dict(
         model="é" * 20_000,
+        service_class="G" * 33,
         request_id="!" * 200,
         max_tokens=-1,
         temperature=float("nan"),

@@ -95,6 +95,15 @@ def test_list_models(server):
     (model,) = server.stub().ListModels(pb.ListModelsRequest(), timeout=5).models
     assert model.state == pb.WARMUP_STATE_READY and model.context_length == 256 and model.max_batch == 4
     assert model.device_kind == "cpu" and model.unit == "core_us" and model.num_compute_units >= 1
+    # a ledger with no classes or prices of its own: the standard class, every budget, no price set
+    (offer,) = model.classes
+    assert (offer.name, offer.min_budget_ms, offer.max_budget_ms) == ("standard", 1, 86_400_000)
+    assert (offer.price_micros, offer.priority, offer.credit_ppm) == (-1, 0, 1_000_000)
+
+
+def test_a_call_naming_no_class_runs_in_the_standard_class(server):
+    assert generate(server.stub())[0].admission.service_class == "standard"
+    assert generate(server.stub(), service_class="standard")[0].admission.service_class == "standard"
 
 
 BAD_INPUTS = [
@@ -119,6 +128,9 @@ BAD_INPUTS = [
     (dict(request_id="has spaces!"), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
     (dict(labels={"team": "t" * 300}), grpc.StatusCode.INVALID_ARGUMENT, "labels.team"),
     (dict(labels={"Bad Key": "x"}), grpc.StatusCode.INVALID_ARGUMENT, "labels.Bad Key"),
+    (dict(service_class="gold"), grpc.StatusCode.INVALID_ARGUMENT, "service_class"),
+    (dict(service_class="s" * 33), grpc.StatusCode.INVALID_ARGUMENT, "service_class"),
+    (dict(service_class="Standard"), grpc.StatusCode.INVALID_ARGUMENT, "service_class"),
 ]
 
 

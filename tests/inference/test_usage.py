@@ -82,6 +82,7 @@ def test_served_run_bills_every_call_once_and_conserves_wall_time(llama_dir, tmp
         assert rows[request_id].unit_us == final.usage.sm_us > 0
         assert rows[request_id].cost_center == "cc-7" and rows[request_id].team == "search"
         assert final.usage.unit == "core_us" and rows[request_id].unit == "core_us"
+        assert rows[request_id].service_class == "standard"  # none named, none but standard offered
     assert "refused-1" not in rows
     assert rows["cancel-1"].outcome == "cancelled" and rows["cancel-1"].unit_us > 0
     assert len(records) == len(done) + len(running) + 1
