@@ -34,9 +34,12 @@ from billing.errors import (
 )
 from billing.invoices import check_invoice_id
 from billing.models import InvoiceStatus
+from billing.period import now_us as clock_us
 from billing.records import MAX_INT64, IdleRecord, UsageRecord, check_tenant_name, freeze_labels
+from billing.serving_policy import read_serving_policy
 from billing.tenants import Principal
 from services.auth import Authenticator, bearer_key
+from services.metering.policy_wire import policy_to_proto
 from services.status import rpc_errors
 
 log = structlog.get_logger(__name__)
@@ -79,6 +82,7 @@ def usage_from_pb(message: pb.UsageRecord) -> UsageRecord:
         deadline_met=message.deadline_met,
         outcome=message.outcome,  # the wire's string: UsageRecord makes it an Outcome, or refuses it naming the field
         client_request_id=message.client_request_id,
+        service_class=message.service_class,  # '' (a sender before classes): standard
     )
 
 
@@ -125,6 +129,7 @@ def invoice_to_pb(view: invoices.InvoiceView) -> pb.Invoice:
                 requests=line.num_requests,
                 price_micros=line.price_micros,
                 amount_micros=line.amount_micros,
+                service_class=line.service_class,
             )
             for line in view.lines
         ],
@@ -373,6 +378,12 @@ class MeteringServicer(metering_pb2_grpc.MeteringServicer):
             group_by = _check_group_by(request.group_by)
             report = await self._transaction(lambda s: chargeback_report(s, request.period, group_by, tenant=tenant))
             return chargeback_to_pb(report)
+
+    async def GetServingPolicy(self, request: pb.GetServingPolicyRequest, context) -> pb.ServingPolicy:
+        async with rpc_errors(context, "GetServingPolicy"):
+            (await self._principal(context)).require_admin("GetServingPolicy")
+            policy = await self._transaction(lambda s: read_serving_policy(s, clock_us()))
+            return policy_to_proto(policy)
 
     async def WhoAmI(self, request: pb.WhoAmIRequest, context) -> pb.Principal:
         async with rpc_errors(context, "WhoAmI"):
