@@ -90,6 +90,14 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         help="admin key for --metering (default: $ZEROQUEUE_METERING_KEY)",
     )
     p.add_argument("--metering-ca", metavar="PEM", default=None, help="CA certificates to reach --metering over TLS")
+    p.add_argument(
+        "--policy-refresh-s",
+        type=_positive_float,
+        default=2.0,
+        metavar="S",
+        help="how often the serving policy (classes of service, prices, tenants' weights and quotas) is read again "
+        "from the ledger or --metering; a failed read keeps the last one",
+    )
     p.add_argument("--tls-cert", metavar="PEM", default=None, help="serve over TLS: certificate chain")
     p.add_argument("--tls-key", metavar="PEM", default=None, help="serve over TLS: private key")
     p.add_argument(
@@ -170,6 +178,13 @@ def device_config(args: argparse.Namespace) -> dict:
     return {"watchdog": watchdog, "device_recovery_s": args.device_recovery_s, "fault": args.inject_fault}
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
+
+
 def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -214,6 +229,7 @@ def serve_config(args: argparse.Namespace):
         json_logs=args.json_logs,
         pace_tokens=args.pace_tokens,
         stream_interval_ms=args.stream_interval_ms,
+        policy_refresh_s=args.policy_refresh_s,
         **device_config(args),
     )
 
