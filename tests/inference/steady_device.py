@@ -20,7 +20,7 @@ MS = 1_000_000
 class Tally:
     outcomes: Counter[str] = field(default_factory=Counter)
     misses: list[str] = field(default_factory=list)  # admitted calls that finished past their deadline
-    by_tenant: dict[str, Counter[str]] = field(default_factory=dict)  # calls, admitted, in_deadline
+    by_tenant: dict[str, Counter[str]] = field(default_factory=dict)  # by stream: calls, admitted, in_deadline
 
     @property
     def num_admitted(self) -> int:
@@ -40,20 +40,25 @@ def run(
     max_tokens: int = 32,
     budget_ms: int = 2000,
     max_attempts: int = 8,
+    streams: dict[str, tuple[str, int, int]] | None = None,
 ) -> Tally:
-    """`rate_per_s`: one tenant's ("t") rate, or each tenant's."""
+    """`rate_per_s`: one tenant's ("t") rate, or each stream's. A stream is a tenant's calls of one class: by
+    default its name is its tenant's, of priority 0 and `budget_ms`; `streams` names (tenant, priority, budget_ms)
+    for others. The Tally's by_tenant is by stream."""
+    streams = streams or {}
     cost, budget = controller.predictor.cost, controller.config.max_num_batched_tokens
     rng, tally = random.Random(seed), Tally()
     rates = rate_per_s if isinstance(rate_per_s, dict) else {"t": rate_per_s}
     arrivals = []  # (at_ns, seq, request id, deadline_ns, attempt, held a reservation)
-    for tenant, rate in rates.items():
-        tally.by_tenant[tenant] = Counter()
+    for stream, rate in rates.items():
+        tally.by_tenant[stream] = Counter()
+        stream_budget_ms = streams.get(stream, (stream, 0, budget_ms))[2]
         t_s = 0.0
         while t_s < seconds:
             t_s += rng.expovariate(rate)
-            rid = f"{tenant}/r{len(arrivals)}"
-            arrivals.append((int(t_s * 1e9), len(arrivals), rid, int(t_s * 1e9) + budget_ms * MS, 0, False))
-            tally.by_tenant[tenant]["calls"] += 1
+            rid = f"{stream}/r{len(arrivals)}"
+            arrivals.append((int(t_s * 1e9), len(arrivals), rid, int(t_s * 1e9) + stream_budget_ms * MS, 0, False))
+            tally.by_tenant[stream]["calls"] += 1
     heapq.heapify(arrivals)
     seq, now_ns = len(arrivals), 0
     pending: list[str] = []  # admitted, prompt not yet run
@@ -65,17 +70,20 @@ def run(
     def arrive() -> None:
         nonlocal seq
         at_ns, _, rid, deadline_ns, attempt, held = heapq.heappop(arrivals)
-        tenant = rid.split("/")[0]
-        commitment = Commitment(rid, prompt_tokens, max_tokens, deadline_ns, tenant=tenant, attempt=attempt)
+        stream = rid.split("/")[0]
+        tenant, priority, _ = streams.get(stream, (stream, 0, budget_ms))
+        commitment = Commitment(
+            rid, prompt_tokens, max_tokens, deadline_ns, tenant=tenant, attempt=attempt, priority=priority
+        )
         decision = controller.decide(commitment, at_ns)
         kind = "retry_on_time" if held else ("retry" if attempt else "first")
         tally.outcomes[f"{kind}_{type(decision).__name__.lower()}"] += 1
         if held and isinstance(decision, Reject):  # a promise not kept: why
             tally.outcomes[f"retry_on_time_refused_{decision.reason}"] += 1
         if isinstance(decision, Reject):
-            tally.by_tenant[tenant][f"refused_{decision.reason}"] += 1
+            tally.by_tenant[stream][f"refused_{decision.reason}"] += 1
         if isinstance(decision, Admit):
-            tally.by_tenant[tenant]["admitted"] += 1
+            tally.by_tenant[stream]["admitted"] += 1
             pending.append(rid)
             deadlines[rid] = deadline_ns
             admitted_at[rid] = (at_ns, decision.predicted_finish_ns)

@@ -258,8 +258,9 @@ class NoShortcut(AdmissionController):
     def _full_at(self, at_ns, num_running, reservations):
         return False
 
-    def _fits_at(self, new, at_ns, admitted, finishes, ahead_of_later_reservations=False, finish_unused=False):
-        return super()._fits_at(new, at_ns, admitted, finishes, ahead_of_later_reservations)
+    def _fits_at(self, new, at_ns, admitted, finishes, reservations, ahead_of_later_reservations=False, **kw):
+        kw.pop("finish_unused", None)
+        return super()._fits_at(new, at_ns, admitted, finishes, reservations, ahead_of_later_reservations, **kw)
 
 
 # calibrations that rise with the rows, and one whose noise dips (a floor must hold for it too)

@@ -14,29 +14,28 @@ from tests.inference.test_retry_invitations import CAPACITY_PER_S, replica
 S = 1_000_000_000
 
 
-def flood_beside_modest(per_tenant: int, seed: int):
+def flood_beside_modest(fair: bool, seed: int):
     controller = replica()
-    controller.shares.per_tenant = per_tenant
+    controller.fair = fair
     rates = {"flood": 4 * CAPACITY_PER_S, "modest": 0.4 * CAPACITY_PER_S}
     return run(controller, rates, 30.0, seed=seed, max_attempts=8)
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_a_modest_tenant_beside_a_flood_is_served_nearly_as_if_alone(seed):
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_a_modest_tenant_beside_a_flood_is_served_as_if_alone(seed):
     alone = run(replica(), {"modest": 0.4 * CAPACITY_PER_S}, 30.0, seed=seed, max_attempts=8).by_tenant["modest"]
-    first_come = flood_beside_modest(per_tenant=0, seed=seed)  # no slot kept for anyone: today's first come
-    fair = flood_beside_modest(per_tenant=3, seed=seed)
+    first_come = flood_beside_modest(fair=False, seed=seed).by_tenant["modest"]
+    fair = flood_beside_modest(fair=True, seed=seed)
     modest = fair.by_tenant["modest"]
     assert alone["admitted"] == alone["calls"]
-    before = first_come.by_tenant["modest"]["admitted"] / first_come.by_tenant["modest"]["calls"]
-    after = modest["admitted"] / modest["calls"]
-    # issue 22's goal is 95 % admitted and 99 % of those in deadline: not reached yet (see OPERATIONS.md)
-    assert after >= 0.8 and after >= before + 0.2, (before, after)
-    assert modest["in_deadline"] >= 0.98 * modest["admitted"]
-    # the flood has the rest, and the replica stays used: the slots kept in hand cost at most 5 % of goodput
+    # issue 22: 95 % admitted, 99 % of those in deadline, where first come admits well under half
+    assert modest["admitted"] >= 0.95 * modest["calls"] > first_come["admitted"] + 0.3 * modest["calls"]
+    assert modest["in_deadline"] >= 0.99 * modest["admitted"]
+    # the flood has the rest, and the replica stays used: the headroom kept in hand costs at most 5 % of goodput
     flood_alone = run(replica(), {"flood": 4 * CAPACITY_PER_S}, 30.0, seed=seed, max_attempts=8)
     assert fair.goodput(30.0) >= 0.95 * flood_alone.goodput(30.0)
     assert fair.by_tenant["flood"]["in_deadline"] >= 0.9 * (flood_alone.goodput(30.0) * 30 - modest["in_deadline"])
+    assert len(fair.misses) <= 0.005 * fair.num_admitted
 
 
 def test_the_refusal_of_a_borrower_names_its_share_and_invites_no_retry_here():
@@ -44,8 +43,8 @@ def test_the_refusal_of_a_borrower_names_its_share_and_invites_no_retry_here():
     c = AdmissionController(cost, AdmissionConfig(4, 256, margin_ms=0, margin_fraction=0))
     c.shares.per_tenant = 1
 
-    def call(rid: str, tenant: str) -> Commitment:
-        return Commitment(f"{tenant}/{rid}", 4, 5, 10 * S, tenant=tenant)
+    def call(rid: str, tenant: str) -> Commitment:  # 5 s to run: what each tenant offers is more than its share
+        return Commitment(f"{tenant}/{rid}", 4, 500, 10 * S, tenant=tenant)
 
     c.decide(call("m0", "modest"), 0)  # the modest tenant is active, holding one slot of its two
     decisions = [c.decide(call(f"f{i}", "flood"), 0) for i in range(4)]
@@ -56,13 +55,55 @@ def test_the_refusal_of_a_borrower_names_its_share_and_invites_no_retry_here():
     assert type(c.decide(call("m1", "modest"), 0)).__name__ == "Admit"  # it finds its slot at once
 
 
+def test_a_modest_tenant_keeps_headroom_past_its_share_in_a_burst():
+    """Max-min on what tenants offer: a tenant offering less than its share has slots kept for it even while a
+    burst takes it past its share for a moment, and the flood beside it, even under its share, takes none of them."""
+    shares = Shares(12, per_tenant=2)
+    for i in range(40):  # the flood: 20 calls a second of 2 s each, 40 slots' worth
+        shares.arrive("flood", i * S // 20)
+    for i in range(4):  # the modest tenant: 2 calls a second of 2 s each, 4 slots' worth
+        shares.arrive("modest", i * S // 2)
+    now = 2 * S
+    for _ in range(3):
+        shares.admit("flood", hold_ns=2 * S)
+    for _ in range(7):  # a burst: past its share of 6
+        shares.admit("modest", hold_ns=2 * S)
+    assert shares.offered_slots("modest", now) < shares.share("modest", now) < shares.offered_slots("flood", now)
+    assert shares.kept_free("flood", now) == 2 and shares.kept_free("modest", now) == 0
+    assert shares.lent_to_others("modest", now) and not shares.lent_to_others("flood", now)
+
+
+def test_new_weights_take_effect_at_the_next_decision():
+    cost = CostModel([1, 256], [10_000.0, 10_000.0], 0.0, num_deviations=0, deviation=0)
+    c = AdmissionController(cost, AdmissionConfig(12, 256))
+    for tenant in ("big", "small"):
+        c.shares.arrive(tenant, 0)
+    assert c.shares.share("big", 0) == 6
+    c.set_weights({"big": 2.0})
+    assert c.shares.share("big", 0) == 8 and c.shares.share("small", 0) == 4
+    c.set_weights({})
+    assert c.shares.share("big", 0) == 6
+
+
+def test_first_come_mode_keeps_nothing_for_anyone():
+    cost = CostModel([1, 256], [10_000.0, 10_000.0], 0.0, num_deviations=0, deviation=0)
+    c = AdmissionController(cost, AdmissionConfig(4, 256, margin_ms=0, margin_fraction=0), fair=False)
+
+    def call(rid: str, tenant: str, priority: int = 0) -> Commitment:
+        return Commitment(f"{tenant}/{rid}", 4, 500, 10 * S, tenant=tenant, priority=priority)
+
+    c.decide(call("m0", "modest", priority=50), 0)
+    decisions = [c.decide(call(f"f{i}", "flood"), 0) for i in range(3)]
+    assert all(type(d).__name__ == "Admit" for d in decisions)
+
+
 def test_shares_follow_the_weights_of_the_active_tenants():
-    shares = Shares(12, weights={"big": 2.0})
+    shares = Shares(12, weights={"big": 2.0}, per_tenant=3)
     for tenant in ("big", "small"):
         shares.arrive(tenant, 0)
     assert shares.share("big", 0) == 8 and shares.share("small", 0) == 4
-    for _ in range(9):
-        shares.admit("big")
+    for _ in range(9):  # calls that hold their slots 20 s: each tenant offers more than its share
+        shares.admit("big", hold_ns=20 * S)
     assert shares.kept_free("big", 0) == 3 and shares.kept_free("small", 0) == 0
     assert shares.lent_to_others("small", 0) and not shares.lent_to_others("big", 0)
     # a tenant that stopped sending is forgotten after some half-lives: the other has every slot again

@@ -17,6 +17,7 @@ from .decisions import (
     DELAYS_ADMITTED,
     NS_PER_MS,
     OVER_SHARE,
+    PRIORITY,
     SLOTS_FULL,
     STEP_BUDGET,
     AdmissionConfig,
@@ -27,8 +28,11 @@ from .decisions import (
     Reject,
 )
 from .follow import FollowThrough
+from .headroom import NONE, Headroom, headroom
 from .lateness import Lateness
+from .plan import from_their_time, progressed, steps_until_room
 from .predictor import Predictor, peak_occupancy
+from .priorities import Priorities
 from .saturation import Saturation
 from .shares import Shares
 
@@ -61,6 +65,7 @@ class AdmissionController:
         max_reservations: int | None = None,
         retry_hold_ms: float = 50.0,
         weights: Mapping[str, float] | None = None,
+        fair: bool = True,
     ) -> None:
         # a rejection storm must not grow the work of every decision: at most this many reservations
         self.max_reservations = config.num_slots if max_reservations is None else max_reservations
@@ -82,7 +87,10 @@ class AdmissionController:
         # per tenant: a flood saturates its sender, not the modest tenant beside it (saturation.py)
         self.saturations: dict[str, Saturation] = {}
         self.new_saturation: Callable[[], Saturation] = Saturation
+        # fair share between tenants and class priority (headroom.py); off: first come, the comparison of old
+        self.fair = fair
         self.shares = Shares(config.num_slots, dict(weights or {}))
+        self.priorities = Priorities()
         self.reservation_grace_ns = int(reservation_grace_ms * NS_PER_MS)
         self.retry_hold_ns = int(retry_hold_ms * NS_PER_MS)
         self.turns: dict[str, int] = {}  # refused for the step budget: request_id -> when its turn lapses
@@ -97,6 +105,10 @@ class AdmissionController:
     def num_reserved(self) -> int:
         return len(self.commitments) - self.num_admitted
 
+    def set_weights(self, weights: Mapping[str, float]) -> None:
+        """The tenants' weights as the replica's serving policy now says (1 for a tenant not named)."""
+        self.shares.set_weights(weights)
+
     def decide(self, new: Commitment, now_ns: int) -> Decision:
         self._expire_reservations(now_ns)
         held = self.commitments.get(new.request_id)
@@ -104,10 +116,12 @@ class AdmissionController:
         if on_time:
             del self.commitments[new.request_id]  # a retry takes up its own reservation
             self.follow.observe(held.tenant, held.again, came=True)
-        self.shares.arrive(new.tenant, now_ns)
+        self.shares.arrive(new.tenant, now_ns, first=new.attempt == 0 and not on_time)
+        self.priorities.arrive(new.priority, new.num_prompt_tokens, new.max_tokens, new.deadline_ns - now_ns, now_ns)
         decision = self._decide(new, now_ns, on_time)
-        if isinstance(decision, Admit):
-            self.shares.admit(new.tenant)
+        if isinstance(decision, Admit):  # its slot's expected hold: the prediction, as late as calls really finish
+            self.shares.admit(new.tenant, int((decision.predicted_finish_ns - now_ns) * self.lateness.mean))
+            self.priorities.admit(new.priority)
         if new.attempt == 0 and not on_time and not isinstance(decision, Infeasible):
             self._saturation(new.tenant).observe(isinstance(decision, Reject), now_ns)
         if on_time:
@@ -121,21 +135,24 @@ class AdmissionController:
         idle = self.idle.finish_times([new], now_ns)[new.request_id]
         if idle > new.deadline_ns - self.idle.margin_for(new, now_ns):
             return Infeasible(min_budget_ms=math.ceil(self.config.min_budget_ns(idle - now_ns) / NS_PER_MS))
-        admitted = [c for c in self.commitments.values() if c.reserved_from_ns is None]
-        finishes = self.predictor.finish_times(admitted, now_ns)
-        kept = 0 if on_time else self.shares.kept_free(new.tenant, now_ns)
-        if kept and self._over_share(kept, now_ns, len(admitted)):
-            finish_ns = self.predictor.finish_times([*admitted, new], now_ns)[new.request_id]
-            return Reject(self._frees_ms(finishes, now_ns), finish_ns, within_budget=False, reason=OVER_SHARE)
-        if kept:  # a borrower leaves room in time too: a call of each tenant under its share could still join
-            admitted = admitted + [
-                Commitment(f"\0kept{i}", new.num_prompt_tokens, new.max_tokens, new.deadline_ns) for i in range(kept)
-            ]
+        running = [c for c in self.commitments.values() if c.reserved_from_ns is None]
+        real_finishes = finishes = self.predictor.finish_times(running, now_ns)
+        room = NONE if on_time or not self.fair else headroom(self.shares, self.priorities, new, now_ns)
+        blocking = self._blocking(new, room)
+        if room.num_slots and (cause := self._kept_cause(room, now_ns, len(running), blocking)):
+            finish_ns = self.predictor.finish_times([*running, new], now_ns)[new.request_id]
+            return self._headroom_refusal(new, now_ns, real_finishes, finish_ns, cause)
+        admitted, before = running, None
+        if room.phantoms:  # the headroom in time: the phantoms must still meet their deadlines, always
+            admitted = running + list(room.phantoms)
+            before = {**{p.request_id: 0 for p in room.phantoms}, **real_finishes}
             finishes = self.predictor.finish_times(admitted, now_ns)
-        why, finish_ns = self._fits_at(new, now_ns, admitted, finishes, ahead_of_later_reservations=on_time)
+        why, finish_ns = self._fits_at(new, now_ns, admitted, finishes, blocking, on_time, before=before)
         if why is None:
-            return self._join(new, now_ns, admitted, finish_ns, has_turn)
-        return self._refuse(new, now_ns, admitted, finishes, why, finish_ns, on_time, has_turn)
+            return self._join(new, now_ns, running + list(room.prompts), finish_ns, has_turn)
+        if room.for_classes and self._fits_beside_tenants(new, now_ns, running, room, blocking):
+            return self._headroom_refusal(new, now_ns, real_finishes, finish_ns, PRIORITY)
+        return self._refuse(new, now_ns, admitted, finishes, why, finish_ns, on_time, has_turn, blocking)
 
     def _join(
         self, new: Commitment, now_ns: int, admitted: list[Commitment], finish_ns: int, has_turn: bool
@@ -143,7 +160,7 @@ class AdmissionController:
         """`new` fits: admitted if its prompt joins the very next step (or, holding its turn, within a step);
         else a short refusal that holds no slot, only its turn."""
         full_step_ns = int(self.predictor.cost.step_us(self.config.max_num_batched_tokens) * 1000)
-        wait_ns = self._steps_until_room(admitted) * full_step_ns
+        wait_ns = steps_until_room(admitted, self.config.max_num_batched_tokens) * full_step_ns
         # a retry that kept its turn may wait for prompts ahead: one full step, or retry_hold_ms if longer
         hold_ns = max(self.retry_hold_ns, full_step_ns)
         if wait_ns and not (has_turn and wait_ns <= hold_ns and finish_ns + wait_ns <= self._limit(new, now_ns)):
@@ -166,11 +183,12 @@ class AdmissionController:
         finish_ns: int,
         on_time: bool,
         has_turn: bool,
+        blocking: list[Commitment],
     ) -> Decision:
         """`new` does not fit now: a refusal with the hint of its earliest retry, and a reservation for it when
         one is due; or, for a retry come for its reservation whose slot frees a little late, admission."""
-        slack = 0.0 if self.shares.lent_to_others(new.tenant, now_ns) else self.retry_slack
-        retry = self._earliest_retry(new, now_ns, admitted, finishes, slack)
+        slack = 0.0 if self._lent(new.tenant, now_ns) else self.retry_slack
+        retry = self._earliest_retry(new, now_ns, admitted, finishes, slack, blocking)
         if retry is None:
             return Reject(self._frees_ms(finishes, now_ns), finish_ns, within_budget=False, reason=why)
         at_ns, retry_finish_ns = retry
@@ -197,16 +215,50 @@ class AdmissionController:
         frees_ns = min((self.lateness.stretch(now_ns, f) for f in finishes.values() if f > now_ns), default=now_ns)
         return _ms(frees_ns - now_ns)
 
-    def _over_share(self, kept: int, now_ns: int, num_running: int) -> bool:
-        """The free slot a tenant holding its fair share or more would take is one of the `kept` that tenants
-        under their share keep in hand (shares.py)."""
-        held = sum(1 for r in self._reservations() if r.reserved_from_ns <= now_ns < r.reserved_until_ns)
-        return self.config.num_slots - num_running - held - 1 < kept
+    def _blocking(self, new: Commitment, room: Headroom) -> list[Commitment]:
+        """The reservations that hold their slots against `new`: all but, in fair mode, those of a lower class,
+        unless `new`'s tenant borrows (a borrower takes no slot reserved for another tenant)."""
+        reservations = self._reservations()
+        if not self.fair or room.for_tenants:
+            return reservations
+        return [r for r in reservations if r.priority >= new.priority or r.tenant == new.tenant]
+
+    def _kept_cause(self, room: Headroom, now_ns: int, num_running: int, blocking: list[Commitment]) -> str | None:
+        """Whether the free slot `new` would take is one kept in hand for others: for tenants that are modest or
+        under their share (OVER_SHARE), else for a higher class (PRIORITY); None if it is not."""
+        held = sum(1 for r in blocking if r.reserved_from_ns <= now_ns < r.reserved_until_ns)
+        free_after = self.config.num_slots - num_running - held - 1
+        if free_after < room.for_tenants:
+            return OVER_SHARE
+        return PRIORITY if free_after < room.num_slots else None
+
+    def _fits_beside_tenants(
+        self, new: Commitment, now_ns: int, running: list[Commitment], room: Headroom, blocking: list[Commitment]
+    ) -> bool:
+        """`new` would fit now if it left room only for other tenants: the headroom of a higher class refused it."""
+        tenants = running + list(room.phantoms[: room.num_tenant_phantoms])
+        before = {**{p.request_id: 0 for p in tenants[len(running) :]}, **self.predictor.finish_times(running, now_ns)}
+        finishes = self.predictor.finish_times(tenants, now_ns)
+        return self._fits_at(new, now_ns, tenants, finishes, blocking, before=before)[0] is None
+
+    def _headroom_refusal(
+        self, new: Commitment, now_ns: int, finishes: dict[str, int], finish_ns: int, cause: str
+    ) -> Reject:
+        """Refused for headroom kept for others: no reservation (its retry would take that headroom). OVER_SHARE
+        invites no retry here; PRIORITY hints when a slot frees, inside the call's budget if its run still fits."""
+        frees_ms = self._frees_ms(finishes, now_ns)
+        retry_finish_ns = finish_ns + frees_ms * NS_PER_MS
+        within = cause == PRIORITY and retry_finish_ns <= self._limit(new, now_ns)
+        return Reject(frees_ms, finish_ns, within_budget=within, reason=cause)
 
     def _saturated_for(self, tenant: str, now_ns: int) -> bool:
         """No retry is invited here for `tenant`: it has been refused most of the time lately, and it is not a
         tenant under its share whose slots others have borrowed (for it, a retry takes back what was lent)."""
-        return self._saturation(tenant).saturated and not self.shares.lent_to_others(tenant, now_ns)
+        return self._saturation(tenant).saturated and not self._lent(tenant, now_ns)
+
+    def _lent(self, tenant: str, now_ns: int) -> bool:
+        """In fair mode, slots of `tenant`'s share are lent to another tenant (shares.py)."""
+        return self.fair and self.shares.lent_to_others(tenant, now_ns)
 
     def _saturation(self, tenant: str) -> Saturation:
         saturation = self.saturations.pop(tenant, None) or self.new_saturation()
@@ -231,16 +283,19 @@ class AdmissionController:
         at_ns: int,
         admitted: list[Commitment],
         finishes: dict[str, int],
+        reservations: list[Commitment],
         ahead_of_later_reservations: bool = False,
         finish_unused: bool = False,
+        before: dict[str, int] | None = None,
     ) -> tuple[str | None, int]:
         """None if `new` joining at `at_ns` meets every deadline and finds a free slot for its whole run, else
         why not (SLOTS_FULL, DEADLINE, DELAYS_ADMITTED); and `new`'s predicted finish from then.
         `admitted` are the running calls as they will be at `at_ns`, `finishes` their finishes from then.
         A retry that comes for its reservation goes ahead of reservations due after it: they were planned
         behind it, on predictions that have since moved, so they wait (or are refused) rather than it.
+        `reservations` are those that hold their slots against `new`. `before`: the finishes `admitted` were
+        predicted to meet before `new` (default `finishes`; 0 for a phantom of headroom, always kept).
         With `finish_unused`, a no may come with 0 for the finish, before any prediction."""
-        reservations = self._reservations()
         if ahead_of_later_reservations:
             reservations = [r for r in reservations if r.reserved_from_ns <= at_ns]
         # slots free when calls really finish, which is later than predicted
@@ -255,12 +310,13 @@ class AdmissionController:
             if finish_unused:
                 return SLOTS_FULL, 0
             return SLOTS_FULL, self.predictor.finish_times([*admitted, new], at_ns)[new.request_id]
-        ok, finish_ns = self.predictor.meets_deadlines(admitted, new, at_ns, finishes)
+        ok, finish_ns = self.predictor.meets_deadlines(admitted, new, at_ns, finishes if before is None else before)
         due = [r for r in reservations if r.reserved_from_ns < finish_ns and r.reserved_until_ns > at_ns]
         if ok and due:  # retries arriving during the run share its steps: count them as running too
-            due = self._from_their_time(due, at_ns, len(admitted) + len(due) + 1)
+            due = from_their_time(self.predictor, due, at_ns, len(admitted) + len(due) + 1)
+            with_due = self.predictor.finish_times(admitted + due, at_ns)
             ok, finish_ns = self.predictor.meets_deadlines(
-                admitted + due, new, at_ns, self.predictor.finish_times(admitted + due, at_ns)
+                admitted + due, new, at_ns, with_due if before is None else {**with_due, **before}
             )
         holds_until = self.lateness.stretch(at_ns, finish_ns)
         # slots before deadlines, as the quick answers above (finish_unused: no reason wanted, no count after a no)
@@ -274,29 +330,6 @@ class AdmissionController:
         """The latest predicted finish `c` is admitted with: its deadline less the safety margin."""
         return c.deadline_ns - self.predictor.margin_for(c, at_ns)
 
-    def _from_their_time(self, due: list[Commitment], at_ns: int, num_rows: int) -> list[Commitment]:
-        """Reserved retries as the prediction from `at_ns` must see them: it runs every commitment from then, but
-        a retry joins at its reserved time, so it shares the steps of calls that run past its predicted finish
-        from now. Each is counted as running from now with a step more for every step before it joins (at the
-        expected, not the cautious, step time: more steps is the cautious side), its prompt from now."""
-        step_ns = max(self.predictor.cost.raw_step_us(num_rows) * self.predictor.cost.ratio * 1000, 1.0)
-        shifted = []
-        for r in due:
-            steps_before = int((r.reserved_from_ns - at_ns) // step_ns) if r.reserved_from_ns > at_ns else 0
-            shifted.append(Commitment(r.request_id, r.num_prompt_tokens, r.max_tokens + steps_before, r.deadline_ns))
-        return shifted
-
-    def _steps_until_room(self, admitted: list[Commitment]) -> int:
-        """Steps before the engine's step token budget has room for one more prompt: 0 when a call admitted
-        now gets at least its first prompt chunk into the very next step. Every decoding call takes a token of
-        each step first; prompts admitted but not yet begun are prefilled in order, in chunks. (A call whose
-        prompt runs in the current step counts as pending until its first token comes back: cautious.)"""
-        budget = self.config.max_num_batched_tokens
-        decoding = sum(1 for c in admitted if c.num_generated > 0)
-        pending = sum(c.num_prompt_tokens for c in admitted if c.num_generated == 0)
-        excess = decoding + pending - budget  # tokens ahead of the new call that the next step cannot take
-        return 0 if excess < 0 else excess // max(budget - decoding, 1) + 1
-
     def _reservations(self) -> list[Commitment]:
         return [c for c in self.commitments.values() if c.reserved_from_ns is not None]
 
@@ -307,12 +340,17 @@ class AdmissionController:
         return num_running + held >= self.config.num_slots
 
     def _earliest_retry(
-        self, new: Commitment, now_ns: int, admitted: list[Commitment], finishes: dict[str, int], slack: float
+        self,
+        new: Commitment,
+        now_ns: int,
+        admitted: list[Commitment],
+        finishes: dict[str, int],
+        slack: float,
+        reservations: list[Commitment],
     ) -> tuple[int, int] | None:
         """The first moment a slot frees (a call finishes or a reservation ends) from which `new` would be
         admitted inside its own deadline, with its predicted finish from then; None if there is none."""
         slot_ends = {rid: self.lateness.stretch(now_ns, f) for rid, f in finishes.items()}
-        reservations = self._reservations()
         frees = {f for f in slot_ends.values() if f > now_ns} | {r.reserved_until_ns for r in reservations}
         # a running call still holds its slot at a candidate time iff it is predicted to end after it and has
         # tokens left (progressed leaves it short of max_tokens then): counted before copying anything
@@ -324,7 +362,7 @@ class AdmissionController:
                 continue
             later = progressed(admitted, slot_ends, now_ns, at_ns)
             why, finish_ns = self._fits_at(
-                new, at_ns, later, self.predictor.finish_times(later, at_ns), finish_unused=True
+                new, at_ns, later, self.predictor.finish_times(later, at_ns), reservations, finish_unused=True
             )
             if why is None and finish_ns + slack * (finish_ns - at_ns) <= self._limit(new, at_ns):
                 return at_ns, finish_ns
@@ -344,6 +382,7 @@ class AdmissionController:
         if c is not None and not c.is_reservation:
             del self.commitments[request_id]
             self.shares.release(c.tenant)
+            self.priorities.release(c.priority)
 
     def _expire_reservations(self, now_ns: int) -> None:
         for request_id in [r for r, c in self.commitments.items() if c.is_reservation and c.expires_ns <= now_ns]:
@@ -357,26 +396,3 @@ class AdmissionController:
 
 def _ms(ns: int) -> int:
     return max(math.ceil(ns / NS_PER_MS), 1)
-
-
-def progressed(admitted: list[Commitment], finishes: dict[str, int], now_ns: int, at_ns: int) -> list[Commitment]:
-    """The running calls as they will be at `at_ns`: those finished by then gone, the others advanced in
-    proportion to the time elapsed towards their predicted finish."""
-    later = []
-    for c in admitted:
-        finish_ns = finishes[c.request_id]
-        if finish_ns <= at_ns:
-            continue
-        # a plain copy: dataclasses.replace costs more than the prediction that follows
-        generated, max_tokens = c.num_generated, c.max_tokens
-        remaining = max_tokens - generated if max_tokens > generated else 0
-        later.append(
-            Commitment(
-                c.request_id,
-                c.num_prompt_tokens,
-                max_tokens,
-                c.deadline_ns,
-                generated + remaining * (at_ns - now_ns) // max(finish_ns - now_ns, 1),
-            )
-        )
-    return later

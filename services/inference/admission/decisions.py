@@ -18,6 +18,7 @@ class Commitment:
     num_generated: int = 0
     tenant: str = ""
     attempt: int = 0  # the client's count of earlier attempts (x-retry-attempt); 0 when it says none
+    priority: int = 0  # its class's priority, 0..100: higher is admitted first under overload
     # A reservation holds a KV slot for a rejected call's hinted retry, over [from, until); it lapses at
     # `expires` if the retry has not come.
     reserved_from_ns: int | None = None
@@ -69,6 +70,7 @@ STEP_BUDGET = "step_budget"  # a slot is free, but the next steps' token budget 
 DEADLINE = "deadline"  # its own predicted finish is past its deadline less the margin
 DELAYS_ADMITTED = "delays_admitted"  # it would push an admitted call past a deadline it was predicted to meet
 OVER_SHARE = "over_share"  # its tenant holds its fair share or more, and the free slot is kept for another
+PRIORITY = "priority"  # what is free is headroom kept for a higher-priority class that is active
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ class Reject:
     predicted_finish_ns: int
     within_budget: bool = True  # False: no time inside this call's own budget works; the hint is when
     # the replica frees up, for a call with a fresh budget
-    reason: str = DEADLINE  # why not now: one of the five above
+    reason: str = DEADLINE  # why not now: one of the six above
     reserved: bool = False  # a slot is reserved for a retry at the hint (STEP_BUDGET: its turn is held);
     # False: a best guess, every reservation was taken
     saturated: bool = False  # the replica has been refusing most new calls: no retry is invited here (within_budget

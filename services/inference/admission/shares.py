@@ -1,17 +1,22 @@
 """Each tenant's fair share of the replica's slots, and who may borrow what others leave unused. No torch.
 
 A tenant is active while it has calls running or has sent calls lately (age-weighted, half-life
-`half_life_s`). Each active tenant's share is the slots × its weight / the active tenants' weights. A tenant may
-hold more than its share (capacity another leaves unused is lent), but a slot it borrows must not be one of the last
-free ones some other active tenant under its share would find: each of those keeps `per_tenant` free slots in
-hand, so a modest tenant's next call finds room at once rather than behind a flood. Running calls are never
-pushed out; the lent slots come back as the borrower's calls finish, which on a replica of many slots is every few
-tens of ms.
+`half_life_s`). Each active tenant's share is the slots × its weight / the active tenants' weights.
+
+Max-min fairness on what tenants offer: a tenant is *modest* while what it offers, in slots (its rate of first
+attempts lately × how long its calls hold a slot), fits inside its share. A modest tenant is served as if alone:
+its bursts may take it past its share for a moment, since on average it holds less. A tenant that offers more
+than its share (a flood) borrows what the others leave, but never one of the last free slots a modest tenant, or a
+tenant under its share now, would find: each of those keeps `per_tenant` free slots in hand (and the room in
+time and in the step's token budget for as many calls, controller.py), so its next call finds room at once rather
+than behind the flood. Running calls are never pushed out; the lent slots come back as the borrower's calls
+finish, which on a replica of many slots is every few tens of ms.
 
 The work per decision is O(active tenants), at most one per slot plus those seen in the last seconds."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,20 +25,48 @@ NS_PER_S = 1_000_000_000
 
 
 @dataclass
+class _Recent:
+    """A tenant's age-weighted arrivals (every attempt: it is active) and first attempts (what it offers)."""
+
+    arrivals: float = 0.0
+    offered: float = 0.0
+    as_of_ns: int = 0
+    since_ns: int = 0  # first seen
+
+
+@dataclass
 class Shares:
     num_slots: int
     weights: Mapping[str, float] = field(default_factory=dict)  # tenant -> weight; 1 for a tenant not named
     half_life_s: float = 2.0
-    per_tenant: int = 3  # free slots kept for each tenant under its share: its calls come in bursts
+    offered_half_life_s: float = 8.0  # of the rate a tenant offers: long enough that a Poisson stream reads steady
+    per_tenant: int = 4  # free slots kept for each modest tenant or tenant under its share: calls come in bursts
+    per_tenant_prompts: int = 2  # of those, prompts kept room for in the next step's token budget
     active_weight: float = 0.25  # age-weighted arrivals below which a tenant with nothing running is idle
+    hold_alpha: float = 0.05  # weight of the newest admitted call in a tenant's mean slot hold
     used: Counter[str] = field(default_factory=Counter)  # slots held by admitted calls, by tenant
-    _recent: dict[str, tuple[float, int]] = field(default_factory=dict)  # tenant -> (arrivals, as of ns)
+    _recent: dict[str, _Recent] = field(default_factory=dict)
+    _hold_ns: dict[str, float] = field(default_factory=dict)  # tenant -> mean predicted slot hold of its calls
+    _mean_hold_ns: float = 0.0  # over every tenant: a new tenant's guess
 
-    def arrive(self, tenant: str, now_ns: int) -> None:
-        self._recent[tenant] = (self._recency(tenant, now_ns) + 1.0, now_ns)
+    def set_weights(self, weights: Mapping[str, float]) -> None:
+        """New weights (the ledger's, as the replica's policy refreshed): shares follow from the next decision."""
+        self.weights = dict(weights)
 
-    def admit(self, tenant: str) -> None:
+    def arrive(self, tenant: str, now_ns: int, first: bool = True) -> None:
+        """A call of `tenant` arrives: its first attempt (`first`) or a retry, which offers nothing new."""
+        recent = self._aged(tenant, now_ns)
+        recent.arrivals += 1.0
+        recent.offered += 1.0 if first else 0.0
+
+    def admit(self, tenant: str, hold_ns: int = 0) -> None:
+        """A call of `tenant` was admitted, predicted to hold its slot `hold_ns`."""
         self.used[tenant] += 1
+        if hold_ns > 0:
+            held = self._hold_ns.get(tenant)
+            self._hold_ns[tenant] = hold_ns if held is None else held + self.hold_alpha * (hold_ns - held)
+            mean = self._mean_hold_ns
+            self._mean_hold_ns = hold_ns if not mean else mean + self.hold_alpha * (hold_ns - mean)
 
     def release(self, tenant: str) -> None:
         self.used[tenant] -= 1
@@ -45,21 +78,38 @@ class Shares:
         active = self._active(now_ns) | {tenant}
         return self._slots_per_weight(active) * self.weights.get(tenant, 1.0)
 
+    def offered_slots(self, tenant: str, now_ns: int) -> float:
+        """What `tenant` offers, in slots: its rate of first attempts lately × its calls' mean slot hold."""
+        recent = self._recent.get(tenant)
+        if recent is None:
+            return 0.0
+        half_life_s = self.offered_half_life_s
+        decay = 0.5 ** (max(now_ns - recent.as_of_ns, 0) / NS_PER_S / half_life_s)
+        # the weights of the time it has been seen (a tenant seen for less than the half-life is not diluted)
+        seen_s = max((now_ns - recent.since_ns) / NS_PER_S, 0.1 * half_life_s)
+        window_s = half_life_s / math.log(2) * (1 - 0.5 ** (seen_s / half_life_s))
+        rate_per_s = recent.offered * decay / window_s
+        return rate_per_s * self._hold_ns.get(tenant, self._mean_hold_ns) / NS_PER_S
+
     def kept_free(self, tenant: str, now_ns: int) -> int:
-        """Free slots that `tenant`, holding its share or more, may not take: `per_tenant` for each other active
-        tenant under its own share. 0 for a tenant under its share, which takes any free slot."""
+        """Free slots that `tenant` may not take: `per_tenant` for each other active tenant it keeps them for
+        (_keeps_for). 0 for a modest tenant, which takes any free slot."""
         others, per_weight = self._others(tenant, now_ns)
-        if not others or self._under(tenant, per_weight):
-            return 0
-        return self.per_tenant * sum(1 for t in others if self._under(t, per_weight))
+        return self.per_tenant * sum(1 for t in others if self._keeps_for(tenant, t, per_weight, now_ns))
 
     def lent_to_others(self, tenant: str, now_ns: int) -> bool:
-        """`tenant` holds less than its share while another active tenant holds more than its own: slots of
-        `tenant`'s share are lent out."""
+        """Another active tenant must keep slots for `tenant`: what it borrows is `tenant`'s to take back."""
         others, per_weight = self._others(tenant, now_ns)
-        if not others or not self._under(tenant, per_weight):
+        return any(self._keeps_for(t, tenant, per_weight, now_ns) for t in others)
+
+    def _keeps_for(self, borrower: str, tenant: str, per_weight: float, now_ns: int) -> bool:
+        """`borrower`, which offers more than its share, keeps slots for `tenant` if `tenant` is modest, or if
+        `tenant` is under its share while `borrower` holds its own or more."""
+        if self._modest(borrower, per_weight, now_ns):
             return False
-        return any(self.used[t] > per_weight * self.weights.get(t, 1.0) for t in others)
+        if self._modest(tenant, per_weight, now_ns):
+            return True
+        return not self._under(borrower, per_weight) and self._under(tenant, per_weight)
 
     def _others(self, tenant: str, now_ns: int) -> tuple[list[str], float]:
         """The other active tenants, and the slots per unit of weight with `tenant` counted among the active."""
@@ -73,11 +123,25 @@ class Shares:
         """One more call of `tenant` would still be inside its share."""
         return self.used[tenant] + 1 <= per_weight * self.weights.get(tenant, 1.0)
 
+    def _modest(self, tenant: str, per_weight: float, now_ns: int) -> bool:
+        """What `tenant` offers fits inside its share, on average."""
+        return self.offered_slots(tenant, now_ns) + 1 <= per_weight * self.weights.get(tenant, 1.0)
+
     def _active(self, now_ns: int) -> set[str]:
-        for t in [t for t in self._recent if t not in self.used and self._recency(t, now_ns) < self.active_weight]:
+        idle = [t for t in self._recent if t not in self.used and self._aged(t, now_ns).arrivals < self.active_weight]
+        for t in idle:
             del self._recent[t]  # idle: forgotten, so the set stays as small as the tenants really sending
+            self._hold_ns.pop(t, None)
         return set(self._recent) | set(self.used)
 
-    def _recency(self, tenant: str, now_ns: int) -> float:
-        weight, as_of_ns = self._recent.get(tenant, (0.0, now_ns))
-        return weight * 0.5 ** (max(now_ns - as_of_ns, 0) / NS_PER_S / self.half_life_s)
+    def _aged(self, tenant: str, now_ns: int) -> _Recent:
+        """`tenant`'s record, its counts aged to `now_ns`."""
+        recent = self._recent.get(tenant)
+        if recent is None:
+            recent = self._recent[tenant] = _Recent(as_of_ns=now_ns, since_ns=now_ns)
+        elif now_ns > recent.as_of_ns:
+            age_s = (now_ns - recent.as_of_ns) / NS_PER_S
+            recent.arrivals *= 0.5 ** (age_s / self.half_life_s)
+            recent.offered *= 0.5 ** (age_s / self.offered_half_life_s)
+            recent.as_of_ns = now_ns
+        return recent
