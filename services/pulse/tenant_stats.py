@@ -165,10 +165,12 @@ def together(
         for name, runs in traces.items()
     ]
     every = [t for runs in traces.values() for t in runs]
-    refusals = None
+    refusals = device = None
     if server is not None:
         refusals = dict(sum((Counter(f.replica_refusals) for f in figures), Counter()))
+        device = dict(sum((Counter(f.replica_device_us) for f in figures), Counter()))
+    offered_qps = sum(specs_qps.values())
     total = TenantFigures(
-        "all tenants", "", sum(specs_qps.values()), summarize(every, duration_s), final_refusals(every), refusals
+        "all tenants", "", offered_qps, summarize(every, duration_s), final_refusals(every), refusals, device
     )
     return TogetherRun(label, figures, total, dict(server) if server is not None else None)

@@ -134,6 +134,7 @@ def test_all_tenants_together_add_up(b_together) -> None:
     assert run.total.offered_qps == 4.5 and run.total.summary.num_sent == 12
     assert run.total.goodput_rps == pytest.approx(run.tenants[0].goodput_rps + run.tenants[1].goodput_rps)
     assert run.total.replica_refusals == {"slots_full": 41, "quota": 2, "over_share": 2}
+    assert run.total.replica_device_us == {"core_us": 2_500_000.0}  # A's use was not in the scrape
     assert run.total.refused_in_the_end == {"slots_full": 1, "over_share": 1, "infeasible": 1}
     assert together("x", {"A": a}, {"A": 1.0}, 10.0).total.replica_refusals is None
 
