@@ -5,6 +5,7 @@ of the policy keeps the last one and fails no call. The rules on their own first
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc
 import pytest
@@ -254,3 +255,35 @@ def test_a_failed_policy_read_keeps_serving_with_the_last_policy(server):
     ok = registry.get_sample_value("zeroqueue_policy_refreshes_total", {"result": "ok"})
     wait_until(lambda: registry.get_sample_value("zeroqueue_policy_refreshes_total", {"result": "ok"}) > ok)
     assert registry.get_sample_value("zeroqueue_policy_read_timestamp_seconds") > 0
+
+
+def test_a_replica_on_a_remote_metering_service_reads_the_policy_with_get_serving_policy(llama_dir, tmp_path):
+    from tests.inference.test_classes import INTERACTIVE, add_classes
+    from tests.metering.harness import MeteringThread
+
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    commands.migrate(url)
+    tenant_key, admin_key = commands.create_tenant(url, "acme"), commands.create_admin_key(url)
+    add_classes(url, INTERACTIVE)
+    with ledger(url) as session:
+        classes.set_tenant_policy(session, "acme", weight=3, calls_per_s=1_000)
+    config = ServeConfig(
+        str(llama_dir),
+        port=0,
+        data_dir=str(tmp_path / "replica"),
+        executor=ExecutorConfig(max_batch=4, max_seq_len=256),
+        policy_refresh_s=0.2,
+    )
+    with MeteringThread(url) as metering:
+        server = ServerThread(dataclasses.replace(config, metering_address=metering.address, metering_key=admin_key))
+        try:
+            server.start()
+            book = server.app.book
+            wait_until(lambda: book.policy.class_named("interactive") is not None, timeout=10)
+            assert book.policy.quota_of("acme").calls_per_s == 1_000 and book.policy.weight_of("acme") == 3
+            messages = generate(server.stub(key=tenant_key), timeout=3.0, service_class="interactive")
+            assert messages[0].admission.service_class == "interactive"
+            ok = server.app.metrics.registry.get_sample_value("zeroqueue_policy_refreshes_total", {"result": "ok"})
+            assert ok >= 1
+        finally:
+            server.stop()
