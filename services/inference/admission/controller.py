@@ -217,20 +217,20 @@ class AdmissionController:
 
     def _blocking(self, new: Commitment, room: Headroom) -> list[Commitment]:
         """The reservations that hold their slots against `new`: all but, in fair mode, those of a lower class,
-        unless `new`'s tenant borrows (a borrower takes no slot reserved for another tenant)."""
+        unless `new`'s tenant borrows (a tenant over its share takes no slot reserved for another)."""
         reservations = self._reservations()
         if not self.fair or room.for_tenants:
             return reservations
-        return [r for r in reservations if r.priority >= new.priority or r.tenant == new.tenant]
+        return [r for r in reservations if r.priority >= new.priority]
 
     def _kept_cause(self, room: Headroom, now_ns: int, num_running: int, blocking: list[Commitment]) -> str | None:
         """Whether the free slot `new` would take is one kept in hand for others: for tenants that are modest or
         under their share (OVER_SHARE), else for a higher class (PRIORITY); None if it is not."""
         held = sum(1 for r in blocking if r.reserved_from_ns <= now_ns < r.reserved_until_ns)
         free_after = self.config.num_slots - num_running - held - 1
-        if free_after < room.for_tenants:
+        if room.for_tenants and free_after < room.for_tenants:
             return OVER_SHARE
-        return PRIORITY if free_after < room.num_slots else None
+        return PRIORITY if 0 <= free_after < room.num_slots else None  # none free: slots full, as for anyone
 
     def _fits_beside_tenants(
         self, new: Commitment, now_ns: int, running: list[Commitment], room: Headroom, blocking: list[Commitment]
