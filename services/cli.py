@@ -41,6 +41,13 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--admission", choices=("deadline", "fifo"), default="deadline")
+    p.add_argument(
+        "--fair-share",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="deadline admission keeps headroom for tenants under their fair share and for higher-priority "
+        "classes; --no-fair-share: first come, the comparison of old",
+    )
     p.add_argument("--default-deadline-ms", type=int, default=30_000, help="budget of calls without a deadline")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
     p.add_argument("--max-batch", type=int, default=32, help="KV slots: the most calls running at once")
@@ -202,6 +209,7 @@ def serve_config(args: argparse.Namespace):
         host=args.host,
         port=args.port,
         admission=args.admission,
+        fair_share=args.fair_share,
         default_deadline_ms=args.default_deadline_ms,
         metrics_port=args.metrics_port,
         dtype=args.dtype,

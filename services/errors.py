@@ -162,6 +162,8 @@ _WHY = {
     "{finish} ms, fits the budget of {budget} ms)",
     "over_share": "your tenant holds its fair share of this replica's slots or more, and the free ones are kept "
     "for tenants under theirs (its run would end in {finish} ms of a {budget} ms budget)",
+    "priority": "what is free on this replica is headroom kept for a higher-priority class of service that is "
+    "active (its run would end in {finish} ms of a {budget} ms budget)",
 }
 
 

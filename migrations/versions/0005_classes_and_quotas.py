@@ -13,7 +13,8 @@
 
 SQLite cannot drop a table's UNIQUE constraint in place, so prices is copied (Alembic's batch mode); the copy
 would lose prices' triggers (append-only from 0001, bounds from 0003), so their SQL is read from sqlite_master
-first and run again after. Foreign keys from invoice_lines to prices are deferred to the commit, where they hold.
+first and run again after. Foreign keys from invoice_lines to prices: migrations/env.py runs SQLite migrations
+with enforcement off and checks every foreign key before the commit (SQLite's procedure for a table rebuild).
 
 Revision ID: 0005
 Revises: 0004
@@ -130,8 +131,6 @@ def _rekey_prices(old: tuple[str, ...], new: tuple[str, ...], *, add_class: bool
     """Replace prices' unique key `old` by `new`, adding or dropping prices.service_class with it."""
     sqlite = op.get_bind().dialect.name == "sqlite"
     triggers = _sqlite_triggers_of("prices") if sqlite else []
-    if sqlite:
-        op.execute("PRAGMA defer_foreign_keys = ON")  # invoice_lines -> prices holds again once the copy is renamed
     with op.batch_alter_table("prices", recreate="always" if sqlite else "auto") as batch:
         batch.drop_constraint(op.f("uq_prices_" + "_".join(old)), type_="unique")
         if add_class:
@@ -158,14 +157,27 @@ def upgrade() -> None:
         )
 
 
+_CLASSED = (
+    ("prices", "price row(s)", "''"),
+    ("usage_records", "usage record(s)", "'standard'"),  # their class decides their price and credit
+    ("invoice_lines", "invoice line(s)", "'standard'"),
+)
+
+
+def _refuse_classed_rows() -> None:
+    for table, what, default in _CLASSED:
+        where = f"service_class <> {default}"
+        classed = op.get_bind().execute(sa.text(f"SELECT count(*) FROM {table} WHERE {where}")).scalar_one()
+        if classed:
+            raise RuntimeError(
+                f"revision 0005: {classed} {what} name a class; a ledger before 0005 cannot hold them, and a "
+                f"migration never drops money (SELECT * FROM {table} WHERE {where})"
+            )
+
+
 def downgrade() -> None:
     bind = op.get_bind()
-    classed = bind.execute(sa.text("SELECT count(*) FROM prices WHERE service_class <> ''")).scalar_one()
-    if classed:
-        raise RuntimeError(
-            f"revision 0005: {classed} price row(s) name a class; a ledger before 0005 cannot hold them, and a "
-            "migration never drops money (SELECT * FROM prices WHERE service_class <> '')"
-        )
+    _refuse_classed_rows()
     for table in ("invoice_lines", "usage_records"):
         if bind.dialect.name == "sqlite":
             triggers = _sqlite_triggers_of(table)

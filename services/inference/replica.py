@@ -73,6 +73,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     admission: str = "deadline"  # deadline | fifo
+    fair_share: bool = True  # deadline mode: fair share between tenants and class priority; False: first come
     default_deadline_ms: int = 30_000
     metrics_port: int | None = None
     dtype: str = "auto"
@@ -241,7 +242,9 @@ class InferenceApp:
         if self.config.admission == "fifo":
             admission, observed_cost = FifoAdmission(), None
         else:
-            controller = AdmissionController(cost, admission_config, max_reservations=self.config.max_reservations)
+            controller = AdmissionController(
+                cost, admission_config, max_reservations=self.config.max_reservations, fair=self.config.fair_share
+            )
             admission, observed_cost = controller, cost
             self.metrics.watch_reservations(controller.events)
             engine.set_expiry_guard(int(cost.step_us(ready.num_slots) * 1000))
