@@ -201,7 +201,7 @@ class InferenceApp:
             self.engine.on_lost = lambda why: loop.call_soon_threadsafe(self._engine_lost, why)
             self.engine.on_device = lambda *verdict: loop.call_soon_threadsafe(self._device_changed, *verdict)
         self.engine.start()
-        if hasattr(service.admission, "set_weights"):  # fair share weighs tenants as the ledger says
+        if isinstance(service.admission, AdmissionController):  # fair share weighs tenants as the ledger says
             self.book.subscribe(lambda policy: service.admission.set_weights(weights_of(policy)))
         service.state = WarmupState.READY
         self.servicer.service = service

@@ -89,11 +89,6 @@ def _merged(outputs: list[RequestOutput]) -> RequestOutput:
     )
 
 
-def _priority(service_class: ClassSpec) -> dict[str, int]:
-    """Commitment's priority field, where admission has it (admission/decisions.py)."""
-    return {"priority": service_class.priority} if "priority" in Commitment.__dataclass_fields__ else {}
-
-
 def _attempt_label(attempt: int) -> str:
     return str(attempt) if attempt < 3 else "3+"
 
@@ -177,7 +172,7 @@ class InferenceService:
             deadline_ns,
             tenant=tenant,
             attempt=spec.retry_attempt,
-            **_priority(service_class),
+            priority=service_class.priority,
         )
         now_ns = self.clock.now_ns()
         decision = self.admission.decide(commitment, now_ns)
