@@ -8,6 +8,12 @@ every run makes the same decisions, so two source trees can be compared side by 
 
     .venv/bin/python bench/admission_cpu.py                                   # this checkout
     .venv/bin/python bench/admission_cpu.py --tree /tmp/old --tree .          # before / after, interleaved
+    .venv/bin/python bench/admission_cpu.py --mix both                        # two tenants, two classes
+
+`--mix` says whose calls they are: `one` tenant of one class (the default); `tenants`, a flood (10 calls of 11)
+beside a modest tenant (1 of 11), so fair share keeps headroom; `classes`, one tenant's interactive calls (1 of 7,
+priority 50) among its batch calls (priority 0); `both`. A call's tenant and class follow from its id, so its
+retries keep them; a tree whose Commitment has no priority sees every call in one class.
 
 Reports per tree and load: decisions, the share refused, decide() µs mean / P50 / P99, and the CPU seconds
 that decisions take per second of traffic (the share of a core the server's event loop spends deciding).
@@ -30,14 +36,20 @@ LOADS = (1.0, 2.0, 4.0)
 CHILD = """
 import importlib.util, json, sys, time
 sys.path.insert(0, {tree!r})
-from services.inference.admission import AdmissionConfig, AdmissionController, Reject
+from services.inference.admission import AdmissionConfig, AdmissionController, Commitment, Reject
 from services.inference.admission.costmodel import CostModel
 spec = importlib.util.spec_from_file_location("overload", {driver!r})
 driver = importlib.util.module_from_spec(spec); spec.loader.exec_module(driver)
 cost = CostModel(rows=[1, 8, 32, 96, 256], row_us=[2000, 2300, 3000, 4500, 8000], us_per_context_token=0.01)
 controller = AdmissionController(cost, AdmissionConfig(32, 256, pace_tokens={pace}))
 timings_ns, decide = [], controller.decide
+tenants, classes = {mix!r} in ("tenants", "both"), {mix!r} in ("classes", "both") and "priority" in Commitment.__slots__
 def timed(new, now_ns):
+    n = int(new.request_id[1:])
+    if tenants:
+        new.tenant = "modest" if n % 11 == 0 else "flood"
+    if classes:
+        new.priority = 50 if n % 7 == 0 else 0
     t0 = time.perf_counter_ns(); d = decide(new, now_ns); timings_ns.append(time.perf_counter_ns() - t0); return d
 controller.decide = timed
 refused = sum(isinstance(d[0], Reject) for d in driver.overload([controller], {load}, {seconds}))
@@ -45,9 +57,14 @@ print(json.dumps({{"timings_ns": timings_ns, "refused": refused}}))
 """
 
 
-def run_once(tree: Path, load: float, seconds: float, pace: int) -> dict:
+def run_once(tree: Path, load: float, seconds: float, pace: int, mix: str = "one") -> dict:
     code = CHILD.format(
-        tree=str(tree), driver=str(ROOT / "tests" / "inference" / "overload.py"), load=load, seconds=seconds, pace=pace
+        tree=str(tree),
+        driver=str(ROOT / "tests" / "inference" / "overload.py"),
+        load=load,
+        seconds=seconds,
+        pace=pace,
+        mix=mix,
     )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=tree)
     data = json.loads(out.stdout)
@@ -68,13 +85,17 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=20.0, help="virtual seconds of arrivals per run")
     p.add_argument("--reps", type=int, default=3, help="interleaved repetitions; the median is reported")
     p.add_argument("--pace-tokens", type=int, default=64)
+    p.add_argument("--mix", choices=("one", "tenants", "classes", "both"), default="one", help="whose calls")
+    p.add_argument("--loads", type=float, nargs="+", default=list(LOADS), help="× ~85 calls/s")
     args = p.parse_args()
     trees = [Path(t).resolve() for t in args.tree] or [ROOT]
     runs: dict[tuple[str, float], list[dict]] = {}
     for _ in range(args.reps):
-        for load in LOADS:
+        for load in args.loads:
             for tree in trees:
-                runs.setdefault((str(tree), load), []).append(run_once(tree, load, args.seconds, args.pace_tokens))
+                runs.setdefault((str(tree), load), []).append(
+                    run_once(tree, load, args.seconds, args.pace_tokens, args.mix)
+                )
     rows = []
     for (tree, load), reps in runs.items():
         rows.append(
@@ -96,6 +117,7 @@ def main() -> None:
                 "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                 "python": platform.python_version(),
                 "pace_tokens": args.pace_tokens,
+                "mix": args.mix,
                 "virtual_seconds": args.seconds,
                 "reps": args.reps,
                 "rows": rows,
