@@ -8,6 +8,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import structlog
 from tokenizers import Tokenizer
 from zeroqueue.inference.v1 import inference_pb2 as pb
 from zeroqueue.inference.v1 import inference_pb2_grpc
@@ -106,6 +107,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             budget_ns, source = service.budget(context.time_remaining())
             policy = self.book.policy  # an expired budget has no class: submit says DEADLINE_EXPIRED
             klass = STANDARD if budget_ns <= 0 else class_of(policy, spec.service_class, _ms(budget_ns), source)
+            # every later line of this call says who and in which class (each call is a task: its own context)
+            structlog.contextvars.bind_contextvars(tenant=tenant, service_class=klass.name)
             ticket = service.submit(spec, tenant, received_ns, budget_ns, source, klass)
         try:
             await context.send_initial_metadata(

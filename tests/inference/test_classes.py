@@ -8,6 +8,8 @@ import contextlib
 
 import grpc
 import pytest
+import structlog
+from structlog.testing import capture_logs
 from zeroqueue.inference.v1 import inference_pb2 as pb
 
 from billing import classes, pricing
@@ -223,3 +225,21 @@ def test_class_of_without_a_name_prefers_the_lowest_priority_then_the_narrowest_
     with pytest.raises(errors.ServiceClassRefused) as info:
         class_of(only_interactive, "", 6_000, BudgetSource.CLIENT_DEADLINE)
     assert info.value.violations[0].field == "deadline" and "interactive (1-5000 ms)" in info.value.message
+
+
+def test_each_call_s_log_lines_carry_its_own_tenant_and_class(server):
+    calls = [  # request_id, class, deadline (s): admitted or refused, each call has its line
+        ("log-std", "", 3.0),
+        ("log-int", "interactive", 0.02),  # infeasible: refused with an info line, in its class
+        ("log-gold", "gold", 3.0),  # refused before it has a class: no class, not another call's
+    ]
+    with capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+        for request_id, name, timeout_s in calls:
+            with contextlib.suppress(grpc.RpcError):
+                generate(server.stub(), timeout_s, max_tokens=200, service_class=name, request_id=request_id)
+        wait_until(lambda: {e.get("request_id") for e in logs} >= {rid for rid, _, _ in calls})
+    lines = {e["request_id"]: e for e in logs if e["event"] in ("rpc_error", "request_done")}
+    assert (lines["log-std"]["service_class"], lines["log-std"]["tenant"]) == ("standard", "acme")
+    assert (lines["log-int"]["service_class"], lines["log-int"]["tenant"]) == ("interactive", "acme")
+    assert lines["log-int"]["reason"] == "DEADLINE_INFEASIBLE"
+    assert lines["log-gold"]["reason"] == "UNKNOWN_SERVICE_CLASS" and "service_class" not in lines["log-gold"]
