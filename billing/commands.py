@@ -48,9 +48,17 @@ def create_admin_key(url: str | None) -> str:
 
 
 def add_price(
-    url: str | None, model: str, unit: str, price_micros: int, currency: str, effective_from: str
+    url: str | None,
+    model: str,
+    unit: str,
+    price_micros: int,
+    currency: str,
+    effective_from: str,
+    *,
+    service_class: str = pricing.GENERIC_PRICE,
 ) -> pricing.PriceVersion:
-    """Add a price version; ``effective_from`` is an ISO 8601 UTC timestamp such as 2026-11-01T00:00:00Z."""
+    """Add a price version; ``effective_from`` is an ISO 8601 UTC timestamp such as 2026-11-01T00:00:00Z, and
+    ``service_class`` a class's name ('' : every class without a price of its own)."""
     try:
         moment = dt.datetime.fromisoformat(effective_from.replace("Z", "+00:00"))
     except ValueError as error:
@@ -60,7 +68,9 @@ def add_price(
     if moment.tzinfo is None:
         raise InvalidPrice("effective_from needs a time zone (e.g. Z)", field="effective_from")
     with _sessions(url) as factory, unit_of_work(factory) as session:
-        return pricing.add_price(session, model, unit, price_micros, currency, datetime_to_us(moment))
+        return pricing.add_price(
+            session, model, unit, price_micros, currency, datetime_to_us(moment), service_class=service_class
+        )
 
 
 def invoice(url: str | None, tenant: str, period: str, finalize: bool = False, fmt: str = "json") -> str:

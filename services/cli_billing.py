@@ -1,4 +1,5 @@
-"""`zeroqueue` subcommands for the ledger: metering, migrate, tenants, keys, prices, invoice, chargeback.
+"""`zeroqueue` subcommands for the ledger: metering, migrate, tenants (and their policies), classes, keys, prices,
+invoice, chargeback.
 
 Every one takes `--ledger URL` (default: the SQLite file in $ZEROQUEUE_HOME or ~/.zeroqueue). A domain
 error (unknown tenant, finalized invoice, unmigrated ledger, ...) prints one line to stderr and exits 1.
@@ -14,6 +15,8 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+from services.cli_classes import add_class_commands
 
 ERROR_EXIT = 1
 KEY_NOTICE = "This API key is shown only once and cannot be recovered (only its hash is stored); store it now."
@@ -187,10 +190,13 @@ def run_prices_add(args: argparse.Namespace) -> int:
 
     url = ledger_url(args)
     require_migrated(url)
-    price = commands.add_price(url, args.model, args.unit, args.price_micros, args.currency, args.effective_from)
+    price = commands.add_price(
+        url, args.model, args.unit, args.price_micros, args.currency, args.effective_from, service_class=args.klass
+    )
+    of_class = f" for class {price.service_class}" if price.service_class else " for every class without its own"
     print(
         f"price {price.id}: {price.model} {price.unit} at {price.price_micros} micro-{price.currency} per "
-        f"{'SM' if price.unit == 'sm_us' else 'core'}·second from {args.effective_from}"
+        f"{'SM' if price.unit == 'sm_us' else 'core'}·second from {args.effective_from}{of_class}"
     )
     return 0
 
@@ -232,6 +238,8 @@ def add_billing_commands(sub: argparse._SubParsersAction) -> None:
         "name", help="lowercase name: [a-z0-9][a-z0-9._-]{0,62}"
     )
 
+    add_class_commands(sub, tenants, _parser)
+
     keys = sub.add_parser("keys", help="manage API keys").add_subparsers(required=True, metavar="ACTION")
     _parser(keys, "create-admin", "create an admin key (all tenants) and print it (once)", run_keys_create_admin)
     _parser(
@@ -248,6 +256,9 @@ def add_billing_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--price-micros", type=int, required=True, help="micro-units of the currency per unit·second")
     p.add_argument("--currency", default="USD")
     p.add_argument("--effective-from", required=True, help="ISO 8601 with a zone, e.g. 2026-11-01T00:00:00Z")
+    p.add_argument(
+        "--class", dest="klass", metavar="NAME", default="", help="a class's own price (default: every class's)"
+    )
 
     p = _parser(sub, "invoice", "a tenant's invoice for a month: refresh the draft, or --finalize it", run_invoice)
     p.add_argument("--tenant", required=True)
