@@ -245,10 +245,12 @@ class AdmissionController:
         self, new: Commitment, now_ns: int, finishes: dict[str, int], finish_ns: int, cause: str
     ) -> Reject:
         """Refused for headroom kept for others: no reservation (its retry would take that headroom). OVER_SHARE
-        invites no retry here; PRIORITY hints when a slot frees, inside the call's budget if its run still fits."""
+        invites no retry here; PRIORITY hints when a slot frees, inside the call's budget if its run still fits
+        then and its tenant is not saturated (a saturated replica invites no retry, saturation.py)."""
         frees_ms = self._frees_ms(finishes, now_ns)
-        retry_finish_ns = finish_ns + frees_ms * NS_PER_MS
-        within = cause == PRIORITY and retry_finish_ns <= self._limit(new, now_ns)
+        if cause == PRIORITY and self._saturated_for(new.tenant, now_ns):
+            return self._saturated(frees_ms * NS_PER_MS, finish_ns, cause)
+        within = cause == PRIORITY and finish_ns + frees_ms * NS_PER_MS <= self._limit(new, now_ns)
         return Reject(frees_ms, finish_ns, within_budget=within, reason=cause)
 
     def _saturated_for(self, tenant: str, now_ns: int) -> bool:
