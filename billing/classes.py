@@ -21,6 +21,7 @@ from typing import Final
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from billing.bulk import dialect_insert
 from billing.errors import ClassExists, ClassRuleFixed, InvalidClass, InvalidPolicy, UnknownClass
 from billing.ledger import tenant_ids
 from billing.models import MAX_CLASS_BUDGET_MS, MAX_PRIORITY, MAX_WEIGHT, PPM, ServiceClass, TenantPolicy
@@ -176,16 +177,24 @@ def set_tenant_policy(
     for name, value in caps.items():
         if value is not KEEP and value is not None:
             _check_int(InvalidPolicy, name, value, 1, _CAP_BOUNDS[name])
-    row = session.scalars(select(TenantPolicy).where(TenantPolicy.tenant_id == tenant_id).with_for_update()).first()
-    if row is None:
-        row = TenantPolicy(tenant_id=tenant_id, weight=1)
-        session.add(row)
+    now_us = clock_us() if now_us is None else now_us
+    session.execute(  # the row, made once even by two first settings at the same time; then locked and changed
+        dialect_insert(session, TenantPolicy.__table__)
+        .values(tenant_id=tenant_id, weight=1, updated_at_us=now_us)
+        .on_conflict_do_nothing(index_elements=["tenant_id"])
+    )
+    row = session.scalars(
+        select(TenantPolicy)
+        .where(TenantPolicy.tenant_id == tenant_id)
+        .with_for_update()
+        .execution_options(populate_existing=True)
+    ).one()
     if weight is not None:
         row.weight = weight
     for name, value in caps.items():
         if value is not KEEP:
             setattr(row, name, value)
-    row.updated_at_us = clock_us() if now_us is None else now_us
+    row.updated_at_us = now_us
     session.flush()
     return _view(tenant, row)
 

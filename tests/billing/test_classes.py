@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from sqlalchemy import text
 
@@ -159,3 +161,31 @@ def test_set_tenant_policy_refuses_naming_the_field(classes: Ledger, fields: dic
     assert caught.value.field == field
     with classes.sessions() as session:
         assert show_tenant_policy(session, "acme").updated_at_us is None  # nothing was written
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("ledger", ["postgresql"], indirect=True)
+def test_two_first_settings_at_once_both_land(classes: Ledger) -> None:
+    start = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def set_one(**cap: int) -> None:
+        try:
+            with unit_of_work(classes.sessions) as session:
+                start.wait()
+                set_tenant_policy(session, "acme", **cap)
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [
+        threading.Thread(target=set_one, kwargs={"calls_per_s": 9}),
+        threading.Thread(target=set_one, kwargs={"device_us_per_month": 77}),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert errors == []
+    with classes.sessions() as session:
+        shown = show_tenant_policy(session, "acme")
+    assert (shown.weight, shown.calls_per_s, shown.device_us_per_month) == (1, 9, 77)
