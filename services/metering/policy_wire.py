@@ -3,9 +3,15 @@
 No database here: a replica imports :func:`policy_from_proto` without the ledger. Reading is lenient where the
 wire's defaults mean "before this existed": no classes is the one class `standard` (the rule before classes), a
 tenant's weight 0 is weight 1. Unset optional caps are None (no cap).
+
+:class:`SharedRead` lets the metering service answer every replica's poll within a second from one ledger read.
 """
 
 from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
 
 from zeroqueue.metering.v1 import metering_pb2 as pb
 
@@ -80,3 +86,28 @@ def policy_from_proto(message: pb.ServingPolicy) -> ServingPolicy:
         },
         read_at_us=message.read_at_us,
     )
+
+
+class SharedRead:
+    """The latest result of ``read``, read again once older than ``max_age_s``: replicas poll GetServingPolicy
+    every few seconds each, and the month-to-date sums behind it need not be computed once per poll. Calls that
+    arrive during a read wait for it; a failed read is not kept (the next call reads again)."""
+
+    def __init__(
+        self,
+        read: Callable[[], Awaitable[pb.ServingPolicy]],
+        *,
+        max_age_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._read, self._max_age_s, self._clock = read, max_age_s, clock
+        self._lock = asyncio.Lock()
+        self._value: pb.ServingPolicy | None = None
+        self._read_at = 0.0
+
+    async def get(self) -> pb.ServingPolicy:
+        async with self._lock:
+            if self._value is None or self._clock() - self._read_at > self._max_age_s:
+                self._value = await self._read()
+                self._read_at = self._clock()
+            return self._value

@@ -39,7 +39,7 @@ from billing.records import MAX_INT64, IdleRecord, UsageRecord, check_tenant_nam
 from billing.serving_policy import read_serving_policy
 from billing.tenants import Principal
 from services.auth import Authenticator, bearer_key
-from services.metering.policy_wire import policy_to_proto
+from services.metering.policy_wire import SharedRead, policy_to_proto
 from services.status import rpc_errors
 
 log = structlog.get_logger(__name__)
@@ -299,9 +299,14 @@ def _visible_invoice(session: Session, principal: Principal, invoice_id: int) ->
         ) from None
 
 
+def _serving_policy(session: Session) -> pb.ServingPolicy:
+    return policy_to_proto(read_serving_policy(session, clock_us()))
+
+
 class MeteringServicer(metering_pb2_grpc.MeteringServicer):
     def __init__(self, sessions: sessionmaker[Session], authenticator: Authenticator) -> None:
         self.sessions, self.authenticator = sessions, authenticator
+        self._policy = SharedRead(lambda: self._transaction(_serving_policy))
 
     async def _principal(self, context: grpc.aio.ServicerContext) -> Principal:
         return await self.authenticator.authenticate(bearer_key(context.invocation_metadata()))
@@ -382,8 +387,7 @@ class MeteringServicer(metering_pb2_grpc.MeteringServicer):
     async def GetServingPolicy(self, request: pb.GetServingPolicyRequest, context) -> pb.ServingPolicy:
         async with rpc_errors(context, "GetServingPolicy"):
             (await self._principal(context)).require_admin("GetServingPolicy")
-            policy = await self._transaction(lambda s: read_serving_policy(s, clock_us()))
-            return policy_to_proto(policy)
+            return await self._policy.get()  # at most a second old: one ledger read serves every replica's poll
 
     async def WhoAmI(self, request: pb.WhoAmIRequest, context) -> pb.Principal:
         async with rpc_errors(context, "WhoAmI"):

@@ -3,6 +3,8 @@ only admin keys may call."""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 from zeroqueue.metering.v1 import metering_pb2 as pb
@@ -12,7 +14,7 @@ from billing.db import unit_of_work
 from billing.models import PPM
 from billing.period import now_us, parse_period, period_of
 from billing.pricing import add_price
-from services.metering.policy_wire import policy_from_proto
+from services.metering.policy_wire import SharedRead, policy_from_proto
 from services.metering.servicer import usage_to_pb
 from tests.billing.conftest import Ledger
 from tests.billing.factories import missed, usage
@@ -100,3 +102,30 @@ def test_only_admin_keys_read_the_serving_policy(stub, classed: Keys, key: str |
     if code == U.PERMISSION_DENIED:
         assert "GetServingPolicy needs an admin key" in error.details()
         assert status_details(error)["ErrorInfo"].reason == "PERMISSION_DENIED"
+
+
+def test_one_read_of_the_policy_serves_the_polls_within_its_age() -> None:
+    now = [100.0]
+    reads: list[int] = []
+
+    async def read() -> pb.ServingPolicy:
+        reads.append(1)
+        await asyncio.sleep(0.01)
+        if len(reads) == 3:
+            raise ConnectionError("ledger down")
+        return pb.ServingPolicy(read_at_us=len(reads))
+
+    async def scenario() -> None:
+        shared = SharedRead(read, max_age_s=1.0, clock=lambda: now[0])
+        first = await asyncio.gather(*(shared.get() for _ in range(5)))  # at once: one read
+        assert [p.read_at_us for p in first] == [1] * 5 and len(reads) == 1
+        now[0] += 1.0
+        assert (await shared.get()).read_at_us == 1  # not older than its age yet
+        now[0] += 0.5
+        assert (await shared.get()).read_at_us == 2
+        now[0] += 2
+        with pytest.raises(ConnectionError):
+            await shared.get()
+        assert (await shared.get()).read_at_us == 4  # a failed read is not kept
+
+    asyncio.run(scenario())
