@@ -57,6 +57,11 @@ def remote_reader(channel, admin_key: str, timeout_s: float = READ_TIMEOUT_S) ->
     return read
 
 
+def _seen(done: asyncio.Future) -> None:
+    if not done.cancelled():
+        done.exception()  # a failed read nobody waited for any more is not "never retrieved"
+
+
 def weights_of(policy: ServingPolicy) -> dict[str, float]:
     """Each tenant's weight in fair share, as admission takes them (a tenant not listed weighs 1)."""
     return {tenant: float(quota.weight) for tenant, quota in policy.tenants.items()}
@@ -79,6 +84,7 @@ class PolicyBook:
         self.listeners: list[Listener] = []
         self.failures = 0  # consecutive failed refreshes
         self._task: asyncio.Task | None = None
+        self._reading: asyncio.Future | None = None  # the read in progress, which a late refresh waits on
 
     def subscribe(self, listener: Listener) -> None:
         self.listeners.append(listener)
@@ -88,8 +94,13 @@ class PolicyBook:
         """Reads the policy once; on failure keeps the last one. Returns whether the read succeeded."""
         if self.read is None:
             return True
+        # one read at a time: a read that outlives its wait goes on, and the next refresh waits on it rather than
+        # start another (a hung ledger holds one worker thread, never one more each refresh)
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.ensure_future(self.read())
+            self._reading.add_done_callback(_seen)
         try:
-            policy = await asyncio.wait_for(self.read(), READ_TIMEOUT_S * 2)  # a hung read is a failed one
+            policy = await asyncio.wait_for(asyncio.shield(self._reading), READ_TIMEOUT_S * 2)
         except Exception as error:  # noqa: BLE001 - whatever the ledger or the network said: keep serving
             self.failures += 1
             # one warning when refreshes start failing, then debug lines (the metric counts every one)
@@ -126,6 +137,8 @@ class PolicyBook:
             await asyncio.sleep(self.refresh_s)
 
     async def stop(self) -> None:
+        if self._reading is not None:
+            self._reading.cancel()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

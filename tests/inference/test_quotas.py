@@ -128,6 +128,30 @@ def test_a_failed_refresh_keeps_the_last_policy_and_tells_no_listener():
     assert weights_of(capped) == {"acme": 3.0}
 
 
+def test_a_hung_read_is_a_failed_refresh_and_the_next_one_waits_on_it_instead_of_starting_another(monkeypatch):
+    from services.inference import policy_book
+
+    monkeypatch.setattr(policy_book, "READ_TIMEOUT_S", 0.01)
+    reads, fresh = [], ServingPolicy(tenants={"acme": TenantQuota("acme", weight=2)})
+
+    async def main():
+        release = asyncio.Event()
+
+        async def read():
+            reads.append(1)
+            await release.wait()
+            return fresh
+
+        book = PolicyBook(read)
+        assert not await book.refresh() and not await book.refresh()  # each waits a while, then gives up
+        release.set()
+        assert await book.refresh() and book.policy is fresh  # the same read, come back
+        await book.stop()
+
+    asyncio.run(main())
+    assert len(reads) == 1
+
+
 # --- on a replica, through its ledger ------------------------------------------------------------------------------
 
 
