@@ -38,6 +38,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import structlog
 from sqlalchemy import BigInteger, ColumnElement, Select, case, cast, func, select
 from sqlalchemy.orm import Session
 
@@ -47,6 +48,7 @@ from billing.period import US_PER_DAY
 from billing.pricing import US_PER_SECOND, PriceSchedule, PriceVersion, cost_micros
 from billing.records import DEFAULT_CLASS, MAX_INT64
 
+log = structlog.get_logger(__name__)
 SPLIT = 1 << 29
 
 
@@ -176,6 +178,8 @@ def aggregate_usage(
                 raise
             aggregate = merged.get((key, model, unit, service_class, price.id))
             if aggregate is None:
+                if service_class not in credits:
+                    log.warning("billing.unknown_class", service_class=service_class, credited="100 %", model=model)
                 until = schedule.valid_until(price, service_class)
                 aggregate = merged[(key, model, unit, service_class, price.id)] = UsageAggregate(
                     key,

@@ -4,6 +4,7 @@ generic one) and credited by its own rule, on invoices and in chargeback."""
 from __future__ import annotations
 
 import pytest
+from structlog.testing import capture_logs
 
 from billing.aggregate import credit_micros
 from billing.chargeback import chargeback_report
@@ -141,8 +142,11 @@ def two_classes(classes: Ledger) -> Ledger:
 
 
 def test_an_invoice_bills_each_class_at_its_price_and_credits_it_by_its_rule(two_classes: Ledger) -> None:
-    with unit_of_work(two_classes.sessions) as session:
+    with unit_of_work(two_classes.sessions) as session, capture_logs() as logs:
         invoice = create_or_refresh_draft(session, "acme", PERIOD)
+    assert [(e["event"], e["service_class"]) for e in logs if e["log_level"] == "warning"] == [
+        ("billing.unknown_class", "ghost")
+    ]
     lines = [(ln.service_class, ln.kind, ln.num_requests, ln.price_micros, ln.amount_micros) for ln in invoice.lines]
     assert lines == [
         ("batch", LineKind.USAGE, 2, 1_000, 7_333),  # 7,333,333 core·µs at 1,000
