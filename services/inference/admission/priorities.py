@@ -37,8 +37,11 @@ class Priorities:
 
     def arrive(self, priority: int, num_prompt_tokens: int, max_tokens: int, budget_ns: int, now_ns: int) -> None:
         level = self._levels.get(priority)
-        arrivals = 1.0 if level is None else self._aged(level, now_ns) + 1.0
-        self._levels[priority] = _Level(arrivals, now_ns, num_prompt_tokens, max_tokens, budget_ns)
+        if level is None:
+            self._levels[priority] = _Level(1.0, now_ns, num_prompt_tokens, max_tokens, budget_ns)
+            return
+        level.arrivals, level.as_of_ns = self._aged(level, now_ns) + 1.0, max(now_ns, level.as_of_ns)
+        level.num_prompt_tokens, level.max_tokens, level.budget_ns = num_prompt_tokens, max_tokens, budget_ns
 
     def admit(self, priority: int) -> None:
         self.used[priority] += 1
@@ -51,6 +54,8 @@ class Priorities:
     def above(self, priority: int, now_ns: int) -> list[tuple[int, int, int]]:
         """The shape (prompt tokens, max tokens, budget ns) of each active level above `priority`: each keeps
         `per_class` slots, and the room in time for as many of its calls, from a call of `priority`."""
+        if len(self._levels) == 1 and priority in self._levels:  # one class: nothing above (the common case)
+            return []
         self._forget_idle(now_ns)
         return [
             (level.num_prompt_tokens, level.max_tokens, level.budget_ns)

@@ -95,6 +95,8 @@ class Shares:
         """Free slots that `tenant` may not take: `per_tenant` for each other active tenant it keeps them for
         (_keeps_for). 0 for a modest tenant, which takes any free slot."""
         others, per_weight = self._others(tenant, now_ns)
+        if not others or self._modest(tenant, per_weight, now_ns):
+            return 0
         return self.per_tenant * sum(1 for t in others if self._keeps_for(tenant, t, per_weight, now_ns))
 
     def lent_to_others(self, tenant: str, now_ns: int) -> bool:
