@@ -251,6 +251,21 @@ class GenerateFuzzer:
             )
         )
 
+    def _mutate_service_class(self, rng, m) -> None:
+        m.service_class = rng.choice(
+            (
+                "standard",  # every replica offers it
+                "gold",
+                "Standard",
+                "standard ",
+                "\x00",
+                "é",
+                "s" * 32,
+                "s" * 33,
+                self._long(rng),
+            )
+        )
+
     def _mutate_labels(self, rng, m) -> None:
         m.labels.clear()
         choice = rng.randrange(6)
