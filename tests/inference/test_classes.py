@@ -243,3 +243,14 @@ def test_each_call_s_log_lines_carry_its_own_tenant_and_class(server):
     assert (lines["log-int"]["service_class"], lines["log-int"]["tenant"]) == ("interactive", "acme")
     assert lines["log-int"]["reason"] == "DEADLINE_INFEASIBLE"
     assert lines["log-gold"]["reason"] == "UNKNOWN_SERVICE_CLASS" and "service_class" not in lines["log-gold"]
+
+
+def test_the_sdk_names_a_class_and_reads_the_offers(server):
+    from services.client import Client
+
+    with Client([server.address], api_key=server.key) as client:
+        result = client.complete("def f(x):", deadline_ms=3_000, max_tokens=2, service_class="interactive")
+        (model,) = client.list_models()
+    assert result.admission.service_class == "interactive"
+    offers = {offer.name: offer for offer in model.classes}
+    assert offers["interactive"].price_micros == INTERACTIVE_PRICE_MICROS and offers["batch"].min_budget_ms == 10_000
