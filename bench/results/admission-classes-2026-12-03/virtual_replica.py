@@ -11,9 +11,8 @@ from tests.inference.test_retry_invitations import CAPACITY_PER_S, replica  # no
 
 SEEDS = (1, 2, 3, 4)
 alone = {s: run(replica(), {"flood": 4 * CAPACITY_PER_S}, 30.0, seed=s, max_attempts=8).goodput(30.0) for s in SEEDS}
-print(
-    "modest tenant at B x capacity beside a 4x flood, per seed: admitted / in deadline of admitted / goodput vs flood alone"
-)
+print("modest tenant at B x capacity beside a 4x flood, per seed:")
+print("admitted / in deadline of admitted / goodput vs flood alone")
 for b in (0.2, 0.3, 0.4, 0.5, 0.7):
     for fair in (False, True):
         row = []
@@ -22,9 +21,8 @@ for b in (0.2, 0.3, 0.4, 0.5, 0.7):
             c.fair = fair
             t = run(c, {"flood": 4 * CAPACITY_PER_S, "modest": b * CAPACITY_PER_S}, 30.0, seed=seed, max_attempts=8)
             m = t.by_tenant["modest"]
-            row.append(
-                f"{m['admitted'] / m['calls']:.3f}/{m['in_deadline'] / max(m['admitted'], 1):.3f}/{t.goodput(30) / alone[seed]:.3f}"
-            )
+            shares = (m["admitted"] / m["calls"], m["in_deadline"] / max(m["admitted"], 1), t.goodput(30) / alone[seed])
+            row.append("/".join(f"{x:.3f}" for x in shares))
         print(f"B={b} {'fair      ' if fair else 'first-come'}", " ".join(row))
 print(
     "two classes of one tenant: interactive 0.5x (priority 50, 2 s), batch 3x (priority 0, 4 s); in deadline of offered"
@@ -38,7 +36,6 @@ for fair in (False, True):
         rates = {"interactive": 0.5 * CAPACITY_PER_S, "batch": 3 * CAPACITY_PER_S}
         t = run(c, rates, 30.0, seed=seed, max_attempts=8, streams=streams)
         i, b = t.by_tenant["interactive"], t.by_tenant["batch"]
-        row.append(
-            f"{i['in_deadline'] / i['calls']:.3f}/{b['in_deadline'] / b['calls']:.3f}/{t.goodput(30):.1f}/{len(t.misses)}"
-        )
+        attained = f"{i['in_deadline'] / i['calls']:.3f}/{b['in_deadline'] / b['calls']:.3f}"
+        row.append(f"{attained}/{t.goodput(30):.1f}/{len(t.misses)}")
     print(f"{'by class  ' if fair else 'first-come'} interactive/batch/goodput per s/misses", " ".join(row))
