@@ -38,6 +38,19 @@ def test_a_modest_tenant_beside_a_flood_is_served_as_if_alone(seed):
     assert len(fair.misses) <= 0.005 * fair.num_admitted
 
 
+@pytest.mark.parametrize("seed", [1, 2])
+def test_tenants_sending_a_trickle_are_served_and_do_not_lock_the_flood_out(seed):
+    """Headroom kept for a modest tenant is as many slots as it offers, if fewer than per_tenant, and the room in
+    the next step is for per_tenant_prompts prompts whoever's: six tenants sending a trickle keep 6 slots, not 24."""
+    rates = {"flood": 4 * CAPACITY_PER_S, **{f"t{i}": 0.03 * CAPACITY_PER_S for i in range(6)}}
+    fair = run(replica(), rates, 30.0, seed=seed, max_attempts=8)
+    flood_alone = run(replica(), {"flood": 4 * CAPACITY_PER_S}, 30.0, seed=seed, max_attempts=8)
+    trickles = [fair.by_tenant[f"t{i}"] for i in range(6)]
+    assert sum(t["in_deadline"] for t in trickles) >= 0.95 * sum(t["calls"] for t in trickles)
+    assert fair.goodput(30.0) >= 0.95 * flood_alone.goodput(30.0)
+    assert len(fair.misses) <= 0.005 * fair.num_admitted
+
+
 def test_the_refusal_of_a_borrower_names_its_share_and_invites_no_retry_here():
     cost = CostModel([1, 256], [10_000.0, 10_000.0], 0.0, num_deviations=0, deviation=0)
     c = AdmissionController(cost, AdmissionConfig(4, 256, margin_ms=0, margin_fraction=0))

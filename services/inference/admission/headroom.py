@@ -32,16 +32,15 @@ NONE = Headroom()
 
 def headroom(shares: Shares, priorities: Priorities, new: Commitment, now_ns: int) -> Headroom:
     """The headroom `new` must leave: O(active tenants + active classes) to find, a phantom per kept slot."""
-    num_tenants = shares.kept_free(new.tenant, now_ns) // max(shares.per_tenant, 1)
+    for_tenants = shares.kept_free(new.tenant, now_ns)
     above = priorities.above(new.priority, now_ns)
-    if not num_tenants and not above:
+    if not for_tenants and not above:
         return NONE
     # a phantom of a tenant is shaped as `new` (its deadline too); a phantom of a class as that class's latest call
     phantoms = [
-        Commitment(f"\0kept{i}", new.num_prompt_tokens, new.max_tokens, new.deadline_ns)
-        for i in range(num_tenants * shares.per_tenant)
+        Commitment(f"\0kept{i}", new.num_prompt_tokens, new.max_tokens, new.deadline_ns) for i in range(for_tenants)
     ]
-    prompts = phantoms[: num_tenants * shares.per_tenant_prompts]
+    prompts = phantoms[: shares.per_tenant_prompts]  # one step's room, whichever tenant's call comes first
     for level, (prompt, max_tokens, budget_ns) in enumerate(above):
         mine = [
             Commitment(f"\0class{level}/{i}", prompt, max_tokens, now_ns + budget_ns)
@@ -50,9 +49,9 @@ def headroom(shares: Shares, priorities: Priorities, new: Commitment, now_ns: in
         phantoms += mine
         prompts += mine[: priorities.per_class_prompts]
     return Headroom(
-        for_tenants=num_tenants * shares.per_tenant,
+        for_tenants=for_tenants,
         for_classes=len(above) * priorities.per_class,
         phantoms=tuple(phantoms),
-        num_tenant_phantoms=num_tenants * shares.per_tenant,
+        num_tenant_phantoms=for_tenants,
         prompts=tuple(prompts),
     )

@@ -41,7 +41,7 @@ class Shares:
     half_life_s: float = 2.0
     offered_half_life_s: float = 8.0  # of the rate a tenant offers: long enough that a Poisson stream reads steady
     per_tenant: int = 4  # free slots kept for each modest tenant or tenant under its share: calls come in bursts
-    per_tenant_prompts: int = 2  # of those, prompts kept room for in the next step's token budget
+    per_tenant_prompts: int = 2  # prompts kept room for in the next step's token budget, for all those tenants
     active_weight: float = 0.25  # age-weighted arrivals below which a tenant with nothing running is idle
     hold_alpha: float = 0.05  # weight of the newest admitted call in a tenant's mean slot hold
     used: Counter[str] = field(default_factory=Counter)  # slots held by admitted calls, by tenant
@@ -92,12 +92,19 @@ class Shares:
         return rate_per_s * self._hold_ns.get(tenant, self._mean_hold_ns) / NS_PER_S
 
     def kept_free(self, tenant: str, now_ns: int) -> int:
-        """Free slots that `tenant` may not take: `per_tenant` for each other active tenant it keeps them for
-        (_keeps_for). 0 for a modest tenant, which takes any free slot."""
+        """Free slots that `tenant` may not take, for the other active tenants it keeps them for (_keeps_for):
+        `per_tenant` for each, or for a modest one as many as it offers if fewer (at least one), so that a few
+        tenants sending a trickle do not lock a flood out of the replica. 0 for a modest tenant, which takes any
+        free slot."""
         others, per_weight = self._others(tenant, now_ns)
         if not others or self._modest(tenant, per_weight, now_ns):
             return 0
-        return self.per_tenant * sum(1 for t in others if self._keeps_for(tenant, t, per_weight, now_ns))
+        kept = 0
+        for t in others:
+            if self._keeps_for(tenant, t, per_weight, now_ns):
+                offered = self.offered_slots(t, now_ns) if self._modest(t, per_weight, now_ns) else self.per_tenant
+                kept += min(self.per_tenant, max(math.ceil(offered), 1))
+        return kept
 
     def lent_to_others(self, tenant: str, now_ns: int) -> bool:
         """Another active tenant must keep slots for `tenant`: what it borrows is `tenant`'s to take back."""
