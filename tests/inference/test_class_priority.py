@@ -133,3 +133,20 @@ def test_under_overload_the_interactive_class_is_served_first_and_no_admitted_ca
 def _finishes(c: AdmissionController) -> dict[str, int]:
     running = [x for x in c.commitments.values() if not x.is_reservation]
     return c.predictor.finish_times(running, 3 * MS)
+
+
+def test_classes_sending_a_trickle_keep_little_and_attainment_follows_priority():
+    """Three classes at 0.1x capacity each above a batch flood: each keeps as many slots as it offers (not
+    per_class), so the replica stays used, and the higher a class, the more of its calls finish in deadline."""
+    streams = {"p90": ("t", 90, 2_000), "p60": ("t", 60, 2_000), "p30": ("t", 30, 3_000), "p0": ("t", 0, 4_000)}
+    rates = {name: 0.1 * CAPACITY_PER_S for name in ("p90", "p60", "p30")} | {"p0": 3 * CAPACITY_PER_S}
+    tallies = {}
+    for fair in (False, True):
+        controller = replica()
+        controller.fair = fair
+        tallies[fair] = run(controller, rates, 30.0, seed=1, max_attempts=8, streams=streams)
+    by_class = tallies[True]
+    attained = [by_class.by_tenant[s]["in_deadline"] / by_class.by_tenant[s]["calls"] for s in streams]
+    assert attained == sorted(attained, reverse=True) and attained[0] >= 0.95
+    assert not by_class.misses
+    assert by_class.goodput(30.0) >= 0.95 * tallies[False].goodput(30.0)

@@ -28,7 +28,7 @@ from .decisions import (
     Reject,
 )
 from .follow import FollowThrough
-from .headroom import NONE, Headroom, headroom
+from .headroom import NONE, Headroom, headroom, holding_against
 from .lateness import Lateness
 from .plan import from_their_time, progressed, steps_until_room
 from .predictor import Predictor, peak_occupancy
@@ -116,12 +116,14 @@ class AdmissionController:
         if on_time:
             del self.commitments[new.request_id]  # a retry takes up its own reservation
             self.follow.observe(held.tenant, held.again, came=True)
-        self.shares.arrive(new.tenant, now_ns, first=new.attempt == 0 and not on_time)
-        self.priorities.arrive(new.priority, new.num_prompt_tokens, new.max_tokens, new.deadline_ns - now_ns, now_ns)
+        first = new.attempt == 0 and not on_time
+        self.shares.arrive(new.tenant, now_ns, first)
+        self.priorities.arrive(new, now_ns, first)
         decision = self._decide(new, now_ns, on_time)
         if isinstance(decision, Admit):  # its slot's expected hold: the prediction, as late as calls really finish
-            self.shares.admit(new.tenant, int((decision.predicted_finish_ns - now_ns) * self.lateness.mean))
-            self.priorities.admit(new.priority)
+            hold_ns = int((decision.predicted_finish_ns - now_ns) * self.lateness.mean)
+            self.shares.admit(new.tenant, hold_ns)
+            self.priorities.admit(new.priority, hold_ns)
         if new.attempt == 0 and not on_time and not isinstance(decision, Infeasible):
             self._saturation(new.tenant).observe(isinstance(decision, Reject), now_ns)
         if on_time:
@@ -138,7 +140,7 @@ class AdmissionController:
         running = [c for c in self.commitments.values() if c.reserved_from_ns is None]
         real_finishes = finishes = self.predictor.finish_times(running, now_ns)
         room = NONE if on_time or not self.fair else headroom(self.shares, self.priorities, new, now_ns)
-        blocking = self._blocking(new, room)
+        blocking = holding_against(new, room, self._reservations()) if self.fair else self._reservations()
         if room.num_slots and (cause := self._kept_cause(room, now_ns, len(running), blocking)):
             finish_ns = self.predictor.finish_times([*running, new], now_ns)[new.request_id]
             return self._headroom_refusal(new, now_ns, real_finishes, finish_ns, cause)
@@ -214,14 +216,6 @@ class AdmissionController:
         """When the first slot frees, as slots really free (later than predicted): a hint for a fresh call."""
         frees_ns = min((self.lateness.stretch(now_ns, f) for f in finishes.values() if f > now_ns), default=now_ns)
         return _ms(frees_ns - now_ns)
-
-    def _blocking(self, new: Commitment, room: Headroom) -> list[Commitment]:
-        """The reservations that hold their slots against `new`: all but, in fair mode, those of a lower class,
-        unless `new`'s tenant borrows (a tenant over its share takes no slot reserved for another)."""
-        reservations = self._reservations()
-        if not self.fair or room.for_tenants:
-            return reservations
-        return [r for r in reservations if r.priority >= new.priority]
 
     def _kept_cause(self, room: Headroom, now_ns: int, num_running: int, blocking: list[Commitment]) -> str | None:
         """Whether the free slot `new` would take is one kept in hand for others: for tenants that are modest or

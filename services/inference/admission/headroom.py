@@ -40,18 +40,27 @@ def headroom(shares: Shares, priorities: Priorities, new: Commitment, now_ns: in
     phantoms = [
         Commitment(f"\0kept{i}", new.num_prompt_tokens, new.max_tokens, new.deadline_ns) for i in range(for_tenants)
     ]
-    prompts = phantoms[: shares.per_tenant_prompts]  # one step's room, whichever tenant's call comes first
-    for level, (prompt, max_tokens, budget_ns) in enumerate(above):
+    # room in the next step for a few prompts, whichever tenant's call comes first, and whichever class's
+    tenant_prompts, class_prompts = phantoms[: shares.per_tenant_prompts], []
+    for level, kept in enumerate(above):
         mine = [
-            Commitment(f"\0class{level}/{i}", prompt, max_tokens, now_ns + budget_ns)
-            for i in range(priorities.per_class)
+            Commitment(f"\0class{level}/{i}", kept.num_prompt_tokens, kept.max_tokens, now_ns + kept.budget_ns)
+            for i in range(kept.num_slots)
         ]
         phantoms += mine
-        prompts += mine[: priorities.per_class_prompts]
+        class_prompts += mine[: priorities.per_class_prompts - len(class_prompts)]
     return Headroom(
         for_tenants=for_tenants,
-        for_classes=len(above) * priorities.per_class,
+        for_classes=len(phantoms) - for_tenants,
         phantoms=tuple(phantoms),
         num_tenant_phantoms=for_tenants,
-        prompts=tuple(prompts),
+        prompts=(*tenant_prompts, *class_prompts),
     )
+
+
+def holding_against(new: Commitment, room: Headroom, reservations: list[Commitment]) -> list[Commitment]:
+    """The reservations that hold their slots against `new`: all but those of a lower class, unless `new` must keep
+    headroom for other tenants (a tenant over its share takes no slot reserved for another, whatever its class)."""
+    if room.for_tenants:
+        return reservations
+    return [r for r in reservations if r.priority >= new.priority]

@@ -21,17 +21,9 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from .offered import Offer
+
 NS_PER_S = 1_000_000_000
-
-
-@dataclass
-class _Recent:
-    """A tenant's age-weighted arrivals (every attempt: it is active) and first attempts (what it offers)."""
-
-    arrivals: float = 0.0
-    offered: float = 0.0
-    as_of_ns: int = 0
-    since_ns: int = 0  # first seen
 
 
 @dataclass
@@ -45,8 +37,7 @@ class Shares:
     active_weight: float = 0.25  # age-weighted arrivals below which a tenant with nothing running is idle
     hold_alpha: float = 0.05  # weight of the newest admitted call in a tenant's mean slot hold
     used: Counter[str] = field(default_factory=Counter)  # slots held by admitted calls, by tenant
-    _recent: dict[str, _Recent] = field(default_factory=dict)
-    _hold_ns: dict[str, float] = field(default_factory=dict)  # tenant -> mean predicted slot hold of its calls
+    _recent: dict[str, Offer] = field(default_factory=dict)
     _mean_hold_ns: float = 0.0  # over every tenant: a new tenant's guess
 
     def set_weights(self, weights: Mapping[str, float]) -> None:
@@ -55,16 +46,14 @@ class Shares:
 
     def arrive(self, tenant: str, now_ns: int, first: bool = True) -> None:
         """A call of `tenant` arrives: its first attempt (`first`) or a retry, which offers nothing new."""
-        recent = self._aged(tenant, now_ns)
-        recent.arrivals += 1.0
-        recent.offered += 1.0 if first else 0.0
+        self._aged(tenant, now_ns).arrive(first)
 
     def admit(self, tenant: str, hold_ns: int = 0) -> None:
         """A call of `tenant` was admitted, predicted to hold its slot `hold_ns`."""
         self.used[tenant] += 1
+        if tenant in self._recent:
+            self._recent[tenant].admit(hold_ns, self.hold_alpha)
         if hold_ns > 0:
-            held = self._hold_ns.get(tenant)
-            self._hold_ns[tenant] = hold_ns if held is None else held + self.hold_alpha * (hold_ns - held)
             mean = self._mean_hold_ns
             self._mean_hold_ns = hold_ns if not mean else mean + self.hold_alpha * (hold_ns - mean)
 
@@ -81,15 +70,7 @@ class Shares:
     def offered_slots(self, tenant: str, now_ns: int) -> float:
         """What `tenant` offers, in slots: its rate of first attempts lately × its calls' mean slot hold."""
         recent = self._recent.get(tenant)
-        if recent is None:
-            return 0.0
-        half_life_s = self.offered_half_life_s
-        decay = 0.5 ** (max(now_ns - recent.as_of_ns, 0) / NS_PER_S / half_life_s)
-        # the weights of the time it has been seen (a tenant seen for less than the half-life is not diluted)
-        seen_s = max((now_ns - recent.since_ns) / NS_PER_S, 0.1 * half_life_s)
-        window_s = half_life_s / math.log(2) * (1 - 0.5 ** (seen_s / half_life_s))
-        rate_per_s = recent.offered * decay / window_s
-        return rate_per_s * self._hold_ns.get(tenant, self._mean_hold_ns) / NS_PER_S
+        return 0.0 if recent is None else recent.slots(now_ns, self.offered_half_life_s, self._mean_hold_ns)
 
     def kept_free(self, tenant: str, now_ns: int) -> int:
         """Free slots that `tenant` may not take, for the other active tenants it keeps them for (_keeps_for):
@@ -140,17 +121,12 @@ class Shares:
         idle = [t for t in self._recent if t not in self.used and self._aged(t, now_ns).arrivals < self.active_weight]
         for t in idle:
             del self._recent[t]  # idle: forgotten, so the set stays as small as the tenants really sending
-            self._hold_ns.pop(t, None)
         return set(self._recent) | set(self.used)
 
-    def _aged(self, tenant: str, now_ns: int) -> _Recent:
+    def _aged(self, tenant: str, now_ns: int) -> Offer:
         """`tenant`'s record, its counts aged to `now_ns`."""
         recent = self._recent.get(tenant)
         if recent is None:
-            recent = self._recent[tenant] = _Recent(as_of_ns=now_ns, since_ns=now_ns)
-        elif now_ns > recent.as_of_ns:
-            age_s = (now_ns - recent.as_of_ns) / NS_PER_S
-            recent.arrivals *= 0.5 ** (age_s / self.half_life_s)
-            recent.offered *= 0.5 ** (age_s / self.offered_half_life_s)
-            recent.as_of_ns = now_ns
+            recent = self._recent[tenant] = Offer(since_ns=now_ns, as_of_ns=now_ns)
+        recent.age(now_ns, self.half_life_s, self.offered_half_life_s)
         return recent
