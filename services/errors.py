@@ -113,7 +113,7 @@ class Overloaded(ServiceError):
         self.retry_after_ms = retry_after_ms
         why = _WHY.get(cause, _WHY["deadline"]).format(finish=predicted_finish_ms, budget=budget_ms)
         super().__init__(
-            f"{why}; {self._next_step(cause == 'step_budget')}",
+            f"{why}; {self._next_step(cause == 'step_budget', cause in _HOLDS_NOTHING)}",
             {
                 "retry_after_ms": str(retry_after_ms),
                 "predicted_finish_ms": str(predicted_finish_ms),
@@ -125,7 +125,7 @@ class Overloaded(ServiceError):
             },
         )
 
-    def _next_step(self, for_turn: bool) -> str:
+    def _next_step(self, for_turn: bool, holds_nothing: bool) -> str:
         hint, held = self.retry_after_ms, "its turn is held" if for_turn else "a slot is reserved for it"
         if self.saturated:
             return (
@@ -139,6 +139,8 @@ class Overloaded(ServiceError):
             )
         if self.reserved:
             return f"retry in {hint} ms: {held} from then"
+        if holds_nothing:
+            return f"retry in {hint} ms is a best guess: nothing is held for it (kept headroom is never reserved)"
         return f"retry in {hint} ms is a best guess: nothing is held for it (every reservation is taken)"
 
     @property
@@ -151,6 +153,8 @@ class Overloaded(ServiceError):
         return self.retry_after_ms if self.within_budget else -1
 
 
+# Causes whose refusal never reserves: the room it was refused is kept for others.
+_HOLDS_NOTHING = frozenset({"over_share", "priority"})
 _WHY = {
     "slots_full": "slots full: every slot is taken, by running calls or reserved retries, at some point of its "
     "predicted run ({finish} ms of a {budget} ms budget)",

@@ -150,3 +150,23 @@ def test_classes_sending_a_trickle_keep_little_and_attainment_follows_priority()
     assert attained == sorted(attained, reverse=True) and attained[0] >= 0.95
     assert not by_class.misses
     assert by_class.goodput(30.0) >= 0.95 * tallies[False].goodput(30.0)
+
+
+def test_a_call_no_replica_could_serve_in_time_keeps_no_headroom_for_its_class():
+    """An interactive call refused as infeasible (its budget is too short even alone) is no reason to refuse the
+    standard calls after it: the replica is idle."""
+    c = flat(num_slots=8)
+    assert not isinstance(c.decide(call("i0", 0, INTERACTIVE, budget_ms=50), 0), (Admit, Reject))
+    after = [c.decide(call(f"s{i}", MS, BATCH), MS) for i in range(8)]
+    assert all(isinstance(d, Admit) for d in after)
+
+
+@pytest.mark.parametrize("num_slots", [1, 2, 3])
+def test_a_replica_of_few_slots_keeps_none_for_a_class_that_sent_one_call(num_slots: int):
+    """Classes keep at most a quarter of the slots: on a replica of fewer than four, one interactive call does not
+    hold the others' slots for the seconds its class stays active."""
+    c = flat(num_slots=num_slots, per_class=4)
+    assert isinstance(c.decide(call("i0", 0, INTERACTIVE, budget_ms=2_000), 0), Admit)
+    c.release("i0")
+    after = [c.decide(call(f"s{i}", MS, BATCH), MS) for i in range(num_slots)]
+    assert all(isinstance(d, Admit) for d in after)

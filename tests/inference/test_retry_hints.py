@@ -167,3 +167,13 @@ def test_no_room_inside_the_budget_keeps_its_reason_and_says_try_another_replica
     error = overloaded(refused, 0, 100)
     assert error.pushback_ms == -1 and "try another replica" in error.message
     assert_agrees(error, refused)
+
+
+@pytest.mark.parametrize("cause", ["over_share", "priority"])
+def test_a_refusal_for_kept_headroom_says_that_headroom_is_never_reserved(cause: str):
+    """Kept headroom is for other tenants or higher classes: the message must not blame taken reservations."""
+    error = errors.Overloaded(retry_after_ms=40, predicted_finish_ms=300, budget_ms=1_000, cause=cause)
+    assert "best guess" in error.message and "kept headroom is never reserved" in error.message
+    assert "every reservation is taken" not in error.message
+    plain = errors.Overloaded(retry_after_ms=40, predicted_finish_ms=300, budget_ms=1_000, cause="slots_full")
+    assert "every reservation is taken" in plain.message

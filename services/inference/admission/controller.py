@@ -90,7 +90,7 @@ class AdmissionController:
         # fair share between tenants and class priority (headroom.py); off: first come, the comparison of old
         self.fair = fair
         self.shares = Shares(config.num_slots, dict(weights or {}))
-        self.priorities = Priorities()
+        self.priorities = Priorities(max_slots=config.num_slots // 4)
         self.reservation_grace_ns = int(reservation_grace_ms * NS_PER_MS)
         self.retry_hold_ns = int(retry_hold_ms * NS_PER_MS)
         self.turns: dict[str, int] = {}  # refused for the step budget: request_id -> when its turn lapses
@@ -118,8 +118,9 @@ class AdmissionController:
             self.follow.observe(held.tenant, held.again, came=True)
         first = new.attempt == 0 and not on_time
         self.shares.arrive(new.tenant, now_ns, first)
-        self.priorities.arrive(new, now_ns, first)
         decision = self._decide(new, now_ns, on_time)
+        if not isinstance(decision, Infeasible):  # a call no idle replica could serve in time needs no headroom
+            self.priorities.arrive(new, now_ns, first)
         if isinstance(decision, Admit):  # its slot's expected hold: the prediction, as late as calls really finish
             hold_ns = int((decision.predicted_finish_ns - now_ns) * self.lateness.mean)
             self.shares.admit(new.tenant, hold_ns)

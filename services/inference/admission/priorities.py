@@ -3,7 +3,9 @@
 Each call carries its class's priority (0..100, higher first). A priority level is active while it has calls
 running or has had calls lately (age-weighted, half-life `half_life_s`). A call may not take the last free slots
 kept for each active level above its own: `per_class`, or as many as that level offers if fewer (at least one;
-offered.py), so that classes sending a trickle do not lock the lower ones out. Nor may it take the room in time
+offered.py), so that classes sending a trickle do not lock the lower ones out, and all levels together keep at most
+`max_slots` (the controller's: a quarter of the slots, so that a replica of few slots is never held for a class
+that sends one call). Nor may it take the room in time
 that as many calls of that level, shaped as its latest call, would need (controller.py adds them as phantom calls),
 nor the room for `per_class_prompts` prompts in the next step's token budget. So when only that headroom is left,
 a batch call is refused (cause `priority`) and the interactive call that arrives after it is admitted. Running
@@ -42,6 +44,7 @@ class Kept:
 @dataclass
 class Priorities:
     per_class: int = 4  # free slots kept for each active higher level, at most
+    max_slots: int | None = None  # free slots kept for all higher levels together, at most (None: no bound)
     per_class_prompts: int = 2  # prompts kept room for in the next step's token budget, for all those levels
     half_life_s: float = 2.0
     offered_half_life_s: float = 8.0
@@ -79,12 +82,15 @@ class Priorities:
         if len(self._levels) == 1 and priority in self._levels:  # one class: nothing above (the common case)
             return []
         self._forget_idle(now_ns)
-        kept = []
-        for p, level in self._levels.items():
-            if p > priority:
-                offered = level.offer.slots(now_ns, self.offered_half_life_s, self._mean_hold_ns)
-                num_slots = min(self.per_class, max(math.ceil(offered), 1))
-                kept.append(Kept(num_slots, level.num_prompt_tokens, level.max_tokens, level.budget_ns))
+        kept, left = [], self.max_slots
+        for p in sorted((p for p in self._levels if p > priority), reverse=True):  # the highest keep theirs first
+            level = self._levels[p]
+            offered = level.offer.slots(now_ns, self.offered_half_life_s, self._mean_hold_ns)
+            num_slots = min(self.per_class, max(math.ceil(offered), 1), self.per_class if left is None else left)
+            if num_slots <= 0:
+                break
+            kept.append(Kept(num_slots, level.num_prompt_tokens, level.max_tokens, level.budget_ns))
+            left = None if left is None else left - num_slots
         return kept
 
     def _forget_idle(self, now_ns: int) -> None:
