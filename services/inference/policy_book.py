@@ -85,6 +85,7 @@ class PolicyBook:
         self.failures = 0  # consecutive failed refreshes
         self._task: asyncio.Task | None = None
         self._reading: asyncio.Future | None = None  # the read in progress, which a late refresh waits on
+        self._first: asyncio.Event | None = None  # set once the first refresh has ended, read or failed
 
     def subscribe(self, listener: Listener) -> None:
         self.listeners.append(listener)
@@ -129,11 +130,21 @@ class PolicyBook:
     def start(self) -> None:
         """Reads at once, then every refresh_s, until stop()."""
         if self.read is not None and self._task is None:
+            self._first = asyncio.Event()
             self._task = asyncio.create_task(self._run())
+
+    async def first_read(self) -> bool:
+        """Waits for the first refresh to end (it is bounded by its own timeout); whether a policy was read. A
+        replica says SERVING only after it, so that its first calls meet the ledger's classes and caps."""
+        if self._first is not None:
+            await self._first.wait()
+        return self.failures == 0
 
     async def _run(self) -> None:
         while True:
             await self.refresh()
+            if self._first is not None:
+                self._first.set()
             await asyncio.sleep(self.refresh_s)
 
     async def stop(self) -> None:

@@ -203,6 +203,8 @@ class InferenceApp:
         self.engine.start()
         if isinstance(service.admission, AdmissionController):  # fair share weighs tenants as the ledger says
             self.book.subscribe(lambda policy: service.admission.set_weights(weights_of(policy)))
+        if not await self.book.first_read():  # the ledger's classes and caps before the first call
+            log.warning("serving_without_policy", why="the first read of the serving policy failed; it is retried")
         service.state = WarmupState.READY
         self.servicer.service = service
         for name in ("", INFERENCE_SERVICE):

@@ -128,6 +128,35 @@ def test_a_failed_refresh_keeps_the_last_policy_and_tells_no_listener():
     assert weights_of(capped) == {"acme": 3.0}
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_first_read_is_awaited_before_serving_and_says_whether_it_read(fails: bool):
+    """A replica says SERVING after its first policy read has ended, so its first calls meet the ledger's classes
+    and caps; a failed first read does not keep it from serving (the book reads again)."""
+    capped = ServingPolicy(tenants={"acme": TenantQuota("acme", calls_per_s=1)})
+    gate = asyncio.Event()
+
+    async def read():
+        await gate.wait()
+        if fails:
+            raise RuntimeError("ledger down")
+        return capped
+
+    async def main():
+        book = PolicyBook(read, refresh_s=60)
+        book.start()
+        waiting = asyncio.ensure_future(book.first_read())
+        await asyncio.sleep(0)
+        assert not waiting.done()  # the read has not ended: nothing to serve with yet
+        gate.set()
+        read_ok = await waiting
+        policy = book.policy
+        await book.stop()
+        return read_ok, policy
+
+    read_ok, policy = asyncio.run(main())
+    assert read_ok is not fails and (policy is capped) is not fails
+
+
 def test_a_hung_read_is_a_failed_refresh_and_the_next_one_waits_on_it_instead_of_starting_another(monkeypatch):
     from services.inference import policy_book
 
