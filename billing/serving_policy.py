@@ -4,7 +4,8 @@
 - the price version in force at ``now_us`` of each model, unit and class ('' the generic one);
 - for each tenant with a tenant_policies row: its weight and caps, and its use of the current UTC month (the
   month of ``now_us``): ``used_device_us`` is SUM(unit_us) of its usage records finished in the month, and
-  ``spent_micros`` what its invoice for the month would total if drafted now (billing/aggregate.py, the very
+  ``spent_micros`` (for tenants with a spend cap; 0 for the others) what its invoice for the month would total
+  if drafted now (billing/aggregate.py, the very
   aggregation invoices use: per model, unit, class and price version, rounded once, SLA credits deducted).
 
 Each call is one usage record (request_id is unique in the ledger), so a record shipped twice, by two replicas
@@ -46,13 +47,16 @@ def _used_device_us(session: Session, tenant_ids: list[int], start_us: int, end_
     return {tenant_id: joined(high, low) for tenant_id, high, low in rows}
 
 
-def _spent_micros(session: Session, start_us: int, end_us: int, schedule: PriceSchedule) -> dict[str, int]:
-    """Per tenant name: what its invoice for [start_us, end_us) would total now."""
-    spent: dict[str, int] = {}
-    aggregates = aggregate_usage(session, start_us, end_us, group_by=("tenant",), schedule=schedule, skip_unpriced=True)
-    for agg in aggregates:
-        tenant = str(agg.key[0])
-        spent[tenant] = spent.get(tenant, 0) + agg.net_micros
+def _spent_micros(session: Session, tenant_ids: list[int], start_us: int, end_us: int, schedule: PriceSchedule):
+    """Per tenant id: what its invoice for [start_us, end_us) would total now. Only tenants with a spend cap are
+    priced, each over its own rows (the index on tenant_id, finished_at_us), so a poll never reads the whole
+    month of every tenant."""
+    spent: dict[int, int] = {}
+    for tenant_id in tenant_ids:
+        aggregates = aggregate_usage(
+            session, start_us, end_us, tenant_id=tenant_id, schedule=schedule, skip_unpriced=True
+        )
+        spent[tenant_id] = sum(agg.net_micros for agg in aggregates)
     return spent
 
 
@@ -65,7 +69,8 @@ def read_serving_policy(session: Session, now_us: int) -> ServingPolicy:
         select(TenantPolicy, Tenant.name).join(Tenant, Tenant.id == TenantPolicy.tenant_id).order_by(Tenant.name)
     ).all()
     used = _used_device_us(session, [row.tenant_id for row, _ in policies], month.start_us, month.end_us)
-    spent = _spent_micros(session, month.start_us, month.end_us, schedule) if policies else {}
+    capped = [row.tenant_id for row, _ in policies if row.spend_micros_per_month is not None]
+    spent = _spent_micros(session, capped, month.start_us, month.end_us, schedule)
     tenants = {
         name: TenantQuota(
             tenant=name,
@@ -74,7 +79,7 @@ def read_serving_policy(session: Session, now_us: int) -> ServingPolicy:
             spend_micros_per_month=row.spend_micros_per_month,
             calls_per_s=row.calls_per_s,
             used_device_us=used.get(row.tenant_id, 0),
-            spent_micros=spent.get(name, 0),
+            spent_micros=spent.get(row.tenant_id, 0),
             resets_at_us=month.end_us,
         )
         for row, name in policies
