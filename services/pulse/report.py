@@ -24,16 +24,16 @@ class RunReport:
     notes: list[str] = field(default_factory=list)
 
 
-def _f(value, fmt: str = "{:.1f}") -> str:
+def number(value, fmt: str = "{:.1f}") -> str:
     return "—" if value is None else fmt.format(value)
 
 
-def _pct(value) -> str:
-    return _f(None if value is None else value * 100, "{:.2f} %")
+def percent(value) -> str:
+    return number(None if value is None else value * 100, "{:.2f} %")
 
 
 def _p(p, attr: str) -> str:
-    return _f(getattr(p, attr))
+    return number(getattr(p, attr))
 
 
 def rows(run: RunReport) -> list[tuple[str, str]]:
@@ -43,36 +43,37 @@ def rows(run: RunReport) -> list[tuple[str, str]]:
     for name, p in (("latency", s.latency_ms), ("admitted latency", s.admitted_latency_ms), ("TTFT", s.ttft_ms)):
         out.append((f"{name} P50 / P95 / P99 / max, ms", " / ".join(_p(p, a) for a in ("p50", "p95", "p99", "max"))))
     out += [
-        ("P99 / P50 (admitted latency)", _f(s.p99_over_p50, "{:.2f}")),
+        ("P99 / P50 (admitted latency)", number(s.p99_over_p50, "{:.2f}")),
         (
             "at the replica: latency P50 / P99, ms; P99 / P50",
             f"{_p(s.server_latency_ms, 'p50')} / {_p(s.server_latency_ms, 'p99')}; "
-            f"{_f(s.server_p99_over_p50, '{:.2f}')}",
+            f"{number(s.server_p99_over_p50, '{:.2f}')}",
         ),
         (
             "engine finish → final read by the client, P50 / P99, ms",
             f"{_p(s.final_lag_ms, 'p50')} / {_p(s.final_lag_ms, 'p99')}",
         ),
-        ("rejection rate (first attempt)", _pct(s.rejection_rate)),
-        ("refused attempts / attempts", _pct(s.attempt_rejection_rate)),
-        ("avg retries per rejected request", _f(s.avg_retries_per_rejected, "{:.2f}")),
-        ("first-retry success", _pct(s.first_retry_success_rate)),
-        ("goodput, req/s in deadline", _f(s.goodput_rps, "{:.2f}")),
-        ("deadline misses among admitted", f"{s.num_admitted_misses} ({_pct(s.admitted_miss_rate)})"),
+        ("rejection rate (first attempt)", percent(s.rejection_rate)),
+        ("refused attempts / attempts", percent(s.attempt_rejection_rate)),
+        ("avg retries per rejected request", number(s.avg_retries_per_rejected, "{:.2f}")),
+        ("first-retry success", percent(s.first_retry_success_rate)),
+        ("goodput, req/s in deadline", number(s.goodput_rps, "{:.2f}")),
+        ("deadline misses among admitted", f"{s.num_admitted_misses} ({percent(s.admitted_miss_rate)})"),
         (
             "server queue time mean / P99 ≤, ms",
-            f"{_f(queue.get('mean_ms'), '{:.2f}')} / {_f(queue.get('p99_at_most_ms'), '{:.1f}')}",
+            f"{number(queue.get('mean_ms'), '{:.2f}')} / {number(queue.get('p99_at_most_ms'), '{:.1f}')}",
         ),
         (
             "server step time / period mean, ms",
-            f"{_f(step.get('mean_ms'), '{:.2f}')} / {_f(server.get('step_period', {}).get('mean_ms'), '{:.2f}')}",
+            f"{number(step.get('mean_ms'), '{:.2f}')} / "
+            f"{number(server.get('step_period', {}).get('mean_ms'), '{:.2f}')}",
         ),
         (
             "joined the very next step / most steps waited ≤",
-            f"{_pct(waited.get('next_step_share'))} / {_f(waited.get('max_at_most'), '{:.0f}')}",
+            f"{percent(waited.get('next_step_share'))} / {number(waited.get('max_at_most'), '{:.0f}')}",
         ),
-        ("mean completion tokens", _f(s.mean_completion_tokens)),
-        ("scheduler lag max, ms", _f(s.max_dispatch_lag_ms)),
+        ("mean completion tokens", number(s.mean_completion_tokens)),
+        ("scheduler lag max, ms", number(s.max_dispatch_lag_ms)),
         ("outcomes", ", ".join(f"{k} {v}" for k, v in sorted(s.outcomes.items()))),
     ]
     return out

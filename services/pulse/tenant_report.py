@@ -12,7 +12,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from .report import _f, _pct
+from .report import number, percent
 from .stats import RequestTrace
 from .tenant_stats import TenantFigures, TogetherRun
 
@@ -35,17 +35,20 @@ def tenant_rows(f: TenantFigures) -> list[tuple[str, str]]:
         ("class", f.service_class or "—"),
         ("offered, req/s (calls planned)", f"{f.offered_qps:.2f} ({s.num_requests})"),
         ("sent / admitted / in deadline", f"{s.num_sent} / {s.num_admitted} / {s.num_in_deadline}"),
-        ("admitted, of sent", _pct(f.admitted_share)),
-        ("in deadline, of admitted", _pct(f.in_deadline_of_admitted)),
-        ("goodput, req/s in deadline", _f(f.goodput_rps, "{:.2f}")),
-        ("goodput vs alone", _f(f.goodput_vs_alone, "{:.3f}")),
-        ("first attempts refused", _pct(s.rejection_rate)),
+        ("admitted, of sent", percent(f.admitted_share)),
+        ("in deadline, of admitted", percent(f.in_deadline_of_admitted)),
+        ("goodput, req/s in deadline", number(f.goodput_rps, "{:.2f}")),
+        ("goodput vs alone", number(f.goodput_vs_alone, "{:.3f}")),
+        ("first attempts refused", percent(s.rejection_rate)),
         ("refused in the end, by cause (client)", _counts(f.refused_in_the_end)),
         ("replica: refusals by kind", _counts(f.replica_refusals_by_kind)),
         ("replica: refusals by cause", _counts(f.replica_refusals)),
         ("replica: device time", _device_s(f.replica_device_us)),
-        ("admitted latency P50 / P99, ms", f"{_f(s.admitted_latency_ms.p50)} / {_f(s.admitted_latency_ms.p99)}"),
-        ("scheduler lag max, ms", _f(s.max_dispatch_lag_ms)),
+        (
+            "admitted latency P50 / P99, ms",
+            f"{number(s.admitted_latency_ms.p50)} / {number(s.admitted_latency_ms.p99)}",
+        ),
+        ("scheduler lag max, ms", number(s.max_dispatch_lag_ms)),
     ]
 
 
