@@ -26,6 +26,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from billing.period import US_PER_MINUTE
 from billing.records import (
+    DEFAULT_CLASS,
     DEVICE_ID_PREFIXES,
     MAX_NUM_UNITS,
     MAX_RECORD_WALL_US,
@@ -78,7 +79,6 @@ def one_of(column: str, enum: type[StrEnum]) -> str:
 # them (migration 0003: CHECK constraints on PostgreSQL, BEFORE triggers on SQLite, the same expressions).
 MAX_PRICE_MICROS = 1_000_000_000  # 1,000 currency units per unit·second: far above any real price
 # Classes of service and tenant policies (migration 0005).
-DEFAULT_CLASS = "standard"  # every budget, priority 0, the whole charge of a miss credited: the rule before classes
 MAX_CLASS_BUDGET_MS = 86_400_000
 MAX_PRIORITY = 100
 MAX_WEIGHT = 1000

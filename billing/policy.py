@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from billing.models import DEFAULT_CLASS, MAX_CLASS_BUDGET_MS, PPM
+from billing.pricing import GENERIC_PRICE
 
-GENERIC_PRICE = ""  # a price row's service_class for every class without a price of its own
 DEVICE_CAP = "device_us_per_month"
 SPEND_CAP = "spend_micros_per_month"
 RATE_CAP = "calls_per_s"

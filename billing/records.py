@@ -47,7 +47,7 @@ _LABEL_KEY = re.compile(r"[a-z][a-z0-9_.\-]*")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _TENANT = re.compile(r"[a-z0-9][a-z0-9._\-]{0,62}")
 # Classes of service (migration 0005): a call runs in one; records made before classes ran in `standard`.
-DEFAULT_CLASS = "standard"  # the same name as billing.models.DEFAULT_CLASS (models imports this module)
+DEFAULT_CLASS = "standard"  # every budget, priority 0, a miss credited in full: the rule before classes
 MAX_CLASS_NAME_CHARS = 32
 _CLASS_NAME = re.compile(r"[a-z0-9_\-]{1,32}")
 

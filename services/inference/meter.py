@@ -19,15 +19,13 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from billing.policy import STANDARD
-from billing.records import IdleRecord, Outcome, UsageRecord
+from billing.records import DEFAULT_CLASS, IdleRecord, Outcome, UsageRecord
 
 from .device.spec import Device
 from .engine.digest import EndedRequest, StepDigest
 from .sched.request import FinishReason, RequestStatus
 
 US_PER_MINUTE = 60_000_000
-DEFAULT_CLASS = STANDARD.name
 # The billed outcome of each finish reason: the one map from the engine's word to the ledger's, used by the
 # meter (the record) and the service (its metrics and log).
 OUTCOMES = {

@@ -10,6 +10,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from billing.records import DEFAULT_CLASS
+
 from .admission.costmodel import CostModel
 from .device.spec import Device
 from .device.telemetry import GpuTelemetry, HostSteal
@@ -27,7 +29,6 @@ RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4)
 MAX_COST_CENTERS = 64  # cost_center comes from callers: more distinct values than this count as "_other"
 MAX_TENANTS = 256  # tenants as a label: past this many, "_other"
 MAX_CLASSES = 32  # classes of service as a label (the operator's, from the ledger): past this many, "_other"
-DEFAULT_CLASS = "standard"  # billing.models.DEFAULT_CLASS: the class of a call before classes
 
 
 class ServiceMetrics:
