@@ -1,12 +1,16 @@
 """What a sender (a tenant, a class) offers the replica, in slots: the rate of its first attempts lately × how long
-its calls hold a slot. Retries are not counted: they offer nothing new. No torch."""
+its calls hold a slot. Retries are not counted: they offer nothing new. `Senders` keeps one Offer per sender and
+the slots each holds, for fair share (shares.py, by tenant) and class priority (priorities.py, by level). No torch."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 NS_PER_S = 1_000_000_000
+K = TypeVar("K")  # a sender's key: a tenant's name, a priority level
 
 
 @dataclass(slots=True)
@@ -44,3 +48,57 @@ class Offer:
         seen_s = max((now_ns - self.since_ns) / NS_PER_S, 0.1 * offered_half_life_s)
         window_s = offered_half_life_s / math.log(2) * (1 - 0.5 ** (seen_s / offered_half_life_s))
         return self.offered * decay / window_s * (self.hold_ns or default_hold_ns) / NS_PER_S
+
+
+@dataclass
+class Senders(Generic[K]):
+    """The senders of calls (tenants for fair share, priority levels for classes): each one's Offer, the slots
+    its admitted calls hold, and the mean predicted slot hold over all of them (a new sender's guess). A sender
+    with nothing running whose age-weighted arrivals fall below `active_weight` is idle, and forgotten."""
+
+    half_life_s: float = 2.0
+    offered_half_life_s: float = 8.0  # of the rate a sender offers: long enough that a Poisson stream reads steady
+    active_weight: float = 0.25
+    hold_alpha: float = 0.05  # weight of the newest admitted call in a mean slot hold
+    used: Counter[K] = field(default_factory=Counter)  # slots held by admitted calls, by sender
+    offers: dict[K, Offer] = field(default_factory=dict)
+    mean_hold_ns: float = 0.0
+
+    def aged(self, key: K, now_ns: int) -> Offer:
+        """`key`'s record, its counts aged to `now_ns` (made if new)."""
+        offer = self.offers.get(key)
+        if offer is None:
+            offer = self.offers[key] = Offer(since_ns=now_ns, as_of_ns=now_ns)
+        offer.age(now_ns, self.half_life_s, self.offered_half_life_s)
+        return offer
+
+    def arrive(self, key: K, now_ns: int, first: bool) -> None:
+        """A call of `key` arrives: its first attempt (`first`) or a retry, which offers nothing new."""
+        self.aged(key, now_ns).arrive(first)
+
+    def admit(self, key: K, hold_ns: int) -> None:
+        """A call of `key` was admitted, predicted to hold its slot `hold_ns`."""
+        self.used[key] += 1
+        if key in self.offers:
+            self.offers[key].admit(hold_ns, self.hold_alpha)
+        if hold_ns > 0:
+            mean = self.mean_hold_ns
+            self.mean_hold_ns = hold_ns if not mean else mean + self.hold_alpha * (hold_ns - mean)
+
+    def release(self, key: K) -> None:
+        self.used[key] -= 1
+        if self.used[key] <= 0:
+            del self.used[key]
+
+    def offered_slots(self, key: K, now_ns: int) -> float:
+        """What `key` offers, in slots: its rate of first attempts lately × its calls' mean slot hold."""
+        offer = self.offers.get(key)
+        return 0.0 if offer is None else offer.slots(now_ns, self.offered_half_life_s, self.mean_hold_ns)
+
+    def active(self, now_ns: int) -> set[K]:
+        """The senders with calls running or sent lately; the idle ones are forgotten, so the set stays as small as
+        the senders really sending."""
+        idle = [k for k in self.offers if k not in self.used and self.aged(k, now_ns).arrivals < self.active_weight]
+        for k in idle:
+            del self.offers[k]
+        return set(self.offers) | set(self.used)

@@ -17,28 +17,19 @@ The work per decision is O(active tenants), at most one per slot plus those seen
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .offered import Offer
-
-NS_PER_S = 1_000_000_000
+from .offered import Senders
 
 
 @dataclass
 class Shares:
     num_slots: int
     weights: Mapping[str, float] = field(default_factory=dict)  # tenant -> weight; 1 for a tenant not named
-    half_life_s: float = 2.0
-    offered_half_life_s: float = 8.0  # of the rate a tenant offers: long enough that a Poisson stream reads steady
     per_tenant: int = 4  # free slots kept for each modest tenant or tenant under its share: calls come in bursts
     per_tenant_prompts: int = 2  # prompts kept room for in the next step's token budget, for all those tenants
-    active_weight: float = 0.25  # age-weighted arrivals below which a tenant with nothing running is idle
-    hold_alpha: float = 0.05  # weight of the newest admitted call in a tenant's mean slot hold
-    used: Counter[str] = field(default_factory=Counter)  # slots held by admitted calls, by tenant
-    _recent: dict[str, Offer] = field(default_factory=dict)
-    _mean_hold_ns: float = 0.0  # over every tenant: a new tenant's guess
+    tenants: Senders[str] = field(default_factory=Senders)  # each tenant's offer and the slots it holds
 
     def set_weights(self, weights: Mapping[str, float]) -> None:
         """New weights (the ledger's, as the replica's policy refreshed): shares follow from the next decision."""
@@ -46,31 +37,23 @@ class Shares:
 
     def arrive(self, tenant: str, now_ns: int, first: bool = True) -> None:
         """A call of `tenant` arrives: its first attempt (`first`) or a retry, which offers nothing new."""
-        self._aged(tenant, now_ns).arrive(first)
+        self.tenants.arrive(tenant, now_ns, first)
 
     def admit(self, tenant: str, hold_ns: int = 0) -> None:
         """A call of `tenant` was admitted, predicted to hold its slot `hold_ns`."""
-        self.used[tenant] += 1
-        if tenant in self._recent:
-            self._recent[tenant].admit(hold_ns, self.hold_alpha)
-        if hold_ns > 0:
-            mean = self._mean_hold_ns
-            self._mean_hold_ns = hold_ns if not mean else mean + self.hold_alpha * (hold_ns - mean)
+        self.tenants.admit(tenant, hold_ns)
 
     def release(self, tenant: str) -> None:
-        self.used[tenant] -= 1
-        if self.used[tenant] <= 0:
-            del self.used[tenant]
+        self.tenants.release(tenant)
 
     def share(self, tenant: str, now_ns: int) -> float:
         """The slots `tenant` is guaranteed now: its weight's part of the active tenants' (itself included)."""
-        active = self._active(now_ns) | {tenant}
+        active = self.tenants.active(now_ns) | {tenant}
         return self._slots_per_weight(active) * self.weights.get(tenant, 1.0)
 
     def offered_slots(self, tenant: str, now_ns: int) -> float:
         """What `tenant` offers, in slots: its rate of first attempts lately × its calls' mean slot hold."""
-        recent = self._recent.get(tenant)
-        return 0.0 if recent is None else recent.slots(now_ns, self.offered_half_life_s, self._mean_hold_ns)
+        return self.tenants.offered_slots(tenant, now_ns)
 
     def kept_free(self, tenant: str, now_ns: int) -> int:
         """Free slots that `tenant` may not take, for the other active tenants it keeps them for (_keeps_for):
@@ -103,7 +86,7 @@ class Shares:
 
     def _others(self, tenant: str, now_ns: int) -> tuple[list[str], float]:
         """The other active tenants, and the slots per unit of weight with `tenant` counted among the active."""
-        active = self._active(now_ns) | {tenant}
+        active = self.tenants.active(now_ns) | {tenant}
         return [t for t in active if t != tenant], self._slots_per_weight(active)
 
     def _slots_per_weight(self, active: set[str]) -> float:
@@ -111,22 +94,8 @@ class Shares:
 
     def _under(self, tenant: str, per_weight: float) -> bool:
         """One more call of `tenant` would still be inside its share."""
-        return self.used[tenant] + 1 <= per_weight * self.weights.get(tenant, 1.0)
+        return self.tenants.used[tenant] + 1 <= per_weight * self.weights.get(tenant, 1.0)
 
     def _modest(self, tenant: str, per_weight: float, now_ns: int) -> bool:
         """What `tenant` offers fits inside its share, on average."""
         return self.offered_slots(tenant, now_ns) + 1 <= per_weight * self.weights.get(tenant, 1.0)
-
-    def _active(self, now_ns: int) -> set[str]:
-        idle = [t for t in self._recent if t not in self.used and self._aged(t, now_ns).arrivals < self.active_weight]
-        for t in idle:
-            del self._recent[t]  # idle: forgotten, so the set stays as small as the tenants really sending
-        return set(self._recent) | set(self.used)
-
-    def _aged(self, tenant: str, now_ns: int) -> Offer:
-        """`tenant`'s record, its counts aged to `now_ns`."""
-        recent = self._recent.get(tenant)
-        if recent is None:
-            recent = self._recent[tenant] = Offer(since_ns=now_ns, as_of_ns=now_ns)
-        recent.age(now_ns, self.half_life_s, self.offered_half_life_s)
-        return recent
