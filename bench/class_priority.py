@@ -38,18 +38,15 @@ STREAMS = {"batch": "A", "interactive": "B"}  # pulse's name of each class's str
 def provision(replica) -> dict[str, str]:
     """The classes, and one tenant with a key per class's stream, in the replica's ledger."""
     from billing.classes import add_class
-    from billing.db import make_engine, session_factory, unit_of_work
+    from billing.commands import sessions
+    from billing.db import unit_of_work
     from billing.tenants import create_tenant, create_tenant_key
 
-    engine = make_engine(replica.ledger_url)
-    try:
-        with unit_of_work(session_factory(engine)) as session:
-            for name, priority in CLASSES.items():
-                add_class(session, name, min_budget_ms=100, max_budget_ms=60_000, priority=priority, credit_ppm=10**6)
-            keys = {"batch": create_tenant(session, "acme").key}
-            keys["interactive"] = create_tenant_key(session, "acme").key
-    finally:
-        engine.dispose()
+    with sessions(replica.ledger_url) as factory, unit_of_work(factory) as session:
+        for name, priority in CLASSES.items():
+            add_class(session, name, min_budget_ms=100, max_budget_ms=60_000, priority=priority, credit_ppm=10**6)
+        keys = {"batch": create_tenant(session, "acme").key}
+        keys["interactive"] = create_tenant_key(session, "acme").key
     return keys
 
 

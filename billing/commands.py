@@ -23,7 +23,8 @@ from billing.render import parse_format, render_chargeback, render_invoice
 
 
 @contextmanager
-def _sessions(url: str | None) -> Iterator[sessionmaker[Session]]:
+def sessions(url: str | None) -> Iterator[sessionmaker[Session]]:
+    """Sessions on the ledger at `url` (the default ledger if None), its engine disposed of after."""
     engine = make_engine(url or default_ledger_url())
     try:
         yield session_factory(engine)
@@ -38,12 +39,12 @@ def migrate(url: str | None = None) -> None:
 
 def create_tenant(url: str | None, name: str) -> str:
     """Create a tenant; returns its API key, which is shown this once and stored only hashed."""
-    with _sessions(url) as factory, unit_of_work(factory) as session:
+    with sessions(url) as factory, unit_of_work(factory) as session:
         return tenants.create_tenant(session, name).key
 
 
 def create_admin_key(url: str | None) -> str:
-    with _sessions(url) as factory, unit_of_work(factory) as session:
+    with sessions(url) as factory, unit_of_work(factory) as session:
         return tenants.create_admin_key(session).key
 
 
@@ -67,7 +68,7 @@ def add_price(
         ) from error
     if moment.tzinfo is None:
         raise InvalidPrice("effective_from needs a time zone (e.g. Z)", field="effective_from")
-    with _sessions(url) as factory, unit_of_work(factory) as session:
+    with sessions(url) as factory, unit_of_work(factory) as session:
         return pricing.add_price(
             session, model, unit, price_micros, currency, datetime_to_us(moment), service_class=service_class
         )
@@ -77,7 +78,7 @@ def invoice(url: str | None, tenant: str, period: str, finalize: bool = False, f
     """The tenant's invoice for ``period``: refreshes the draft (and finalizes it if asked);
     a finalized invoice is shown as it is."""
     parse_format(fmt)
-    with _sessions(url) as factory, unit_of_work(factory) as session:
+    with sessions(url) as factory, unit_of_work(factory) as session:
         current = invoices.find_open_invoice(session, tenant, period)
         if current is None or current.status is InvoiceStatus.DRAFT:
             current = invoices.create_or_refresh_draft(session, tenant, period)
@@ -89,5 +90,5 @@ def invoice(url: str | None, tenant: str, period: str, finalize: bool = False, f
 def chargeback(url: str | None, period: str, by: Sequence[str], fmt: str = "csv", tenant: str | None = None) -> str:
     """The chargeback report for ``period`` grouped by ``by`` as CSV, JSON or HTML."""
     parse_format(fmt)
-    with _sessions(url) as factory, unit_of_work(factory) as session:
+    with sessions(url) as factory, unit_of_work(factory) as session:
         return render_chargeback(chargeback_report(session, period, by, tenant=tenant), fmt)

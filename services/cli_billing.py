@@ -154,16 +154,13 @@ def run_keys_create_admin(args: argparse.Namespace) -> int:
 @contextlib.contextmanager
 def ledger_session(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """One unit of work on the command's (migrated) ledger; this command is the caller that commits."""
-    from billing.db import make_engine, session_factory, unit_of_work
+    from billing.commands import sessions
+    from billing.db import unit_of_work
 
     url = ledger_url(args)
     require_migrated(url)
-    engine = make_engine(url)
-    try:
-        with unit_of_work(session_factory(engine)) as session:
-            yield session
-    finally:
-        engine.dispose()
+    with sessions(url) as factory, unit_of_work(factory) as session:
+        yield session
 
 
 def run_keys_list(args: argparse.Namespace) -> int:

@@ -113,7 +113,7 @@ def percentiles(values: Sequence[float]) -> Percentiles:
     )
 
 
-def _ratio(num: float, den: float) -> float | None:
+def ratio(num: float, den: float) -> float | None:
     return num / den if den else None
 
 
@@ -182,18 +182,18 @@ def summarize(traces: Sequence[RequestTrace], duration_s: float) -> Summary:
         admitted_latency_ms=admitted_pct,
         ttft_ms=percentiles(ttft),
         admitted_ttft_ms=percentiles(admitted_ttft),
-        p99_over_p50=_ratio(admitted_pct.p99, admitted_pct.p50) if admitted_pct.count else None,
+        p99_over_p50=ratio(admitted_pct.p99, admitted_pct.p50) if admitted_pct.count else None,
         server_latency_ms=server_pct,
-        server_p99_over_p50=_ratio(server_pct.p99, server_pct.p50) if server_pct.count else None,
+        server_p99_over_p50=ratio(server_pct.p99, server_pct.p50) if server_pct.count else None,
         final_lag_ms=percentiles([t.final_lag_us / 1000 for t in done if t.final_lag_us is not None]),
-        rejection_rate=_ratio(len(refused_first), len(sent)),
-        attempt_rejection_rate=_ratio(sum(t.num_rejections for t in sent), num_attempts),
-        avg_retries_per_rejected=_ratio(sum(len(t.attempts) - 1 for t in refused_any), len(refused_any)),
-        first_retry_success_rate=_ratio(sum(1 for t in retried if t.attempts[1][1] == "admitted"), len(retried)),
+        rejection_rate=ratio(len(refused_first), len(sent)),
+        attempt_rejection_rate=ratio(sum(t.num_rejections for t in sent), num_attempts),
+        avg_retries_per_rejected=ratio(sum(len(t.attempts) - 1 for t in refused_any), len(refused_any)),
+        first_retry_success_rate=ratio(sum(1 for t in retried if t.attempts[1][1] == "admitted"), len(retried)),
         goodput_rps=len(in_deadline) / duration_s,
-        admitted_miss_rate=_ratio(sum(1 for t in admitted if not t.in_deadline), len(admitted)),
+        admitted_miss_rate=ratio(sum(1 for t in admitted if not t.in_deadline), len(admitted)),
         num_admitted_misses=sum(1 for t in admitted if not t.in_deadline),
-        mean_completion_tokens=_ratio(sum(t.completion_tokens for t in done), len(done)),
+        mean_completion_tokens=ratio(sum(t.completion_tokens for t in done), len(done)),
         max_dispatch_lag_ms=max(lags) if lags else None,
         duration_s=duration_s,
     )

@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .stats import RequestTrace, Summary, TraceOutcome, summarize
+from .stats import RequestTrace, Summary, TraceOutcome, ratio, summarize
 
 CAUSE_KINDS = {
     "overload": ("slots_full", "step_budget", "deadline", "delays_admitted"),
@@ -56,10 +56,6 @@ def final_refusals(traces: Iterable[RequestTrace]) -> dict[str, int]:
     return dict(causes)
 
 
-def _share(num: float, den: float) -> float | None:
-    return num / den if den else None
-
-
 @dataclass(frozen=True)
 class TenantFigures:
     tenant: str
@@ -72,13 +68,13 @@ class TenantFigures:
     alone: TenantFigures | None = None
 
     @property
-    def admitted_share(self) -> float | None:
-        return _share(self.summary.num_admitted, self.summary.num_sent)
+    def admittedratio(self) -> float | None:
+        return ratio(self.summary.num_admitted, self.summary.num_sent)
 
     @property
     def in_deadline_of_admitted(self) -> float | None:
         s = self.summary
-        return _share(s.num_admitted - s.num_admitted_misses, s.num_admitted)
+        return ratio(s.num_admitted - s.num_admitted_misses, s.num_admitted)
 
     @property
     def goodput_rps(self) -> float:
@@ -86,7 +82,7 @@ class TenantFigures:
 
     @property
     def goodput_vs_alone(self) -> float | None:
-        return None if self.alone is None else _share(self.goodput_rps, self.alone.goodput_rps)
+        return None if self.alone is None else ratio(self.goodput_rps, self.alone.goodput_rps)
 
     @property
     def replica_refusals_by_kind(self) -> dict[str, int] | None:

@@ -13,7 +13,8 @@ from structlog.testing import capture_logs
 from zeroqueue.inference.v1 import inference_pb2 as pb
 
 from billing import classes, pricing
-from billing.db import make_engine, session_factory, unit_of_work
+from billing.commands import sessions
+from billing.db import unit_of_work
 from billing.policy import STANDARD, ClassSpec, ServingPolicy
 from services import errors
 from services.inference.call import BudgetSource
@@ -32,12 +33,8 @@ GENERIC_PRICE_MICROS, INTERACTIVE_PRICE_MICROS = 20, 35
 
 @contextlib.contextmanager
 def ledger(url: str):
-    engine = make_engine(url)
-    try:
-        with unit_of_work(session_factory(engine)) as session:
-            yield session
-    finally:
-        engine.dispose()
+    with sessions(url) as factory, unit_of_work(factory) as session:
+        yield session
 
 
 def add_classes(url: str, *specs: ClassSpec) -> None:
