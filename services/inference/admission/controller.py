@@ -153,7 +153,7 @@ class AdmissionController:
         why, finish_ns = self._fits_at(new, now_ns, admitted, finishes, blocking, on_time, before=before)
         if why is None:
             return self._join(new, now_ns, running + list(room.prompts), finish_ns, has_turn)
-        if room.for_classes and self._fits_beside_tenants(new, now_ns, running, room, blocking):
+        if room.for_classes and self._fits_beside_tenants(new, now_ns, running, real_finishes, room, blocking):
             return self._headroom_refusal(new, now_ns, real_finishes, finish_ns, PRIORITY)
         return self._refuse(new, now_ns, admitted, finishes, why, finish_ns, on_time, has_turn, blocking)
 
@@ -228,11 +228,18 @@ class AdmissionController:
         return PRIORITY if 0 <= free_after < room.num_slots else None  # none free: slots full, as for anyone
 
     def _fits_beside_tenants(
-        self, new: Commitment, now_ns: int, running: list[Commitment], room: Headroom, blocking: list[Commitment]
+        self,
+        new: Commitment,
+        now_ns: int,
+        running: list[Commitment],
+        running_finishes: dict[str, int],
+        room: Headroom,
+        blocking: list[Commitment],
     ) -> bool:
-        """`new` would fit now if it left room only for other tenants: the headroom of a higher class refused it."""
+        """`new` would fit now if it left room only for other tenants: the headroom of a higher class refused it.
+        `running_finishes`: the running calls' predicted finishes, without phantoms (the decision has them)."""
         tenants = running + list(room.phantoms[: room.num_tenant_phantoms])
-        before = {**{p.request_id: 0 for p in tenants[len(running) :]}, **self.predictor.finish_times(running, now_ns)}
+        before = {**{p.request_id: 0 for p in tenants[len(running) :]}, **running_finishes}
         finishes = self.predictor.finish_times(tenants, now_ns)
         return self._fits_at(new, now_ns, tenants, finishes, blocking, before=before)[0] is None
 
