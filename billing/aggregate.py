@@ -93,11 +93,10 @@ class UsageAggregate:
 
 
 def credit_micros(unit_us: int, price_micros: int, credit_ppm: int) -> int:
-    """``unit_us × price_micros × credit_ppm / 10^12`` rounded half up, in integers (all ≥ 0)."""
+    """``unit_us × price_micros × credit_ppm / 10^12`` rounded half up, in integers (all ≥ 0); at PPM the same
+    integer as cost_micros(unit_us, price_micros), whose rounding it scales."""
     if credit_ppm < 0 or credit_ppm > PPM:
         raise ValueError(f"credit_ppm must be in [0, {PPM}], got {credit_ppm}")
-    if credit_ppm == PPM:
-        return cost_micros(unit_us, price_micros)
     scale = US_PER_SECOND * PPM
     return (unit_us * price_micros * credit_ppm + scale // 2) // scale
 
