@@ -68,7 +68,7 @@ class TenantFigures:
     alone: TenantFigures | None = None
 
     @property
-    def admittedratio(self) -> float | None:
+    def admitted_share(self) -> float | None:
         return ratio(self.summary.num_admitted, self.summary.num_sent)
 
     @property
