@@ -80,7 +80,7 @@ class ServeConfig:
     executor: ExecutorConfig = ExecutorConfig()
     engine_process: bool = True  # the engine in a child process (False: a thread of this one)
     pin_cpus: bool = False  # engine process on cores of its own, this process on the rest (CPU)
-    json_logs: bool | None = None  # the engine process logs like this one (None: structlog's default)
+    json_logs: bool | None = None  # the engine process logs like this one (None: console lines), on stderr
     max_num_batched_tokens: int = 256
     pace_tokens: int = 0  # paced steps with room for this prompt chunk (pacing.py); 0: unpaced
     stream_interval_ms: int = 0  # least time between a call's token messages after its first; 0: each step

@@ -150,8 +150,7 @@ def engine_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None
     # must not end the engine under calls the server is still finishing
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if spec.json_logs is not None:
-        configure_logging(spec.json_logs)
+    configure_logging(bool(spec.json_logs))  # a spawned child starts with structlog's defaults: stdout, colours
     try:
         split = _pin_engine(spec)  # before the first parallel region: OpenMP's threads inherit the mask
         engine, ready = build_engine(spec)

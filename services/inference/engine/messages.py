@@ -31,7 +31,7 @@ class EngineSpec:
     calibrate: bool = True
     # a module-level callable: it crosses by reference (None: the Executor, imported in the child)
     make_executor: Callable[..., Executor] | None = None
-    json_logs: bool | None = None  # configure structlog like the server (None: leave it)
+    json_logs: bool | None = None  # log JSON lines like the server (None or False: console lines), on stderr
     # a CPU engine process takes cores of its own and leaves the rest to the server (device/cpus.py); the
     # child decides, since only it knows (with torch) whether it runs on the CPU
     pin_cpus: bool = False
