@@ -4,7 +4,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-MODEL ?= services/inference/bundled/zq-python-tiny
+# a checkpoint directory for `make serve`; empty: the bundled model (zq-python-tiny), serve's default
+MODEL ?=
 ZEROQUEUE_HOME ?= $(HOME)/.zeroqueue
 export ZEROQUEUE_HOME
 
@@ -45,7 +46,7 @@ check-protos: $(VENV)/.installed-dev
 # First run: creates the embedded SQLite ledger and a demo tenant, and prints the tenant's API key once.
 serve: install
 	$(VENV)/bin/zeroqueue migrate
-	$(VENV)/bin/zeroqueue serve --model $(MODEL) --demo-tenant demo --metrics-port 9464
+	$(VENV)/bin/zeroqueue serve $(if $(MODEL),--model $(MODEL)) --demo-tenant demo --metrics-port 9464
 
 # ruff: the linter and the formatter (pyproject.toml [tool.ruff]); `make format` applies the formatter
 lint: $(VENV)/.installed-dev

@@ -38,7 +38,8 @@ from zeroqueue.inference.v1 import inference_pb2 as pb  # noqa: E402
 from zeroqueue.inference.v1 import inference_pb2_grpc  # noqa: E402
 
 from services.client.auth import authorized_channel  # noqa: E402
-from services.pulse.replicas import BUNDLED_MODEL, start_replica  # noqa: E402
+from services.inference.bundled_model import BUNDLED_MODEL  # noqa: E402
+from services.pulse.replicas import start_replica  # noqa: E402
 
 
 def keep_busy(stub, stop: threading.Event, errors: list) -> None:

@@ -27,7 +27,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "protos"), str(ROOT / "bench")]
 from fair_share import measure_capacity, shape  # noqa: E402  (bench/fair_share.py)
 from soak_checks import host_info  # noqa: E402
 
-from services.pulse.replicas import default_model, start_replica  # noqa: E402
+from services.inference.bundled_model import default_model  # noqa: E402
+from services.pulse.replicas import start_replica  # noqa: E402
 
 PULSE = [sys.executable, "-m", "services.cli", "pulse"]
 MODES = {"first-come": ["--no-fair-share"], "priority": []}

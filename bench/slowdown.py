@@ -32,7 +32,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "protos"), str(ROOT / "bench")]
 
 from soak_checks import host_info  # noqa: E402  (bench/soak_checks.py)
 
-from services.pulse.replicas import default_model, start_replica  # noqa: E402
+from services.inference.bundled_model import default_model  # noqa: E402
+from services.pulse.replicas import start_replica  # noqa: E402
 
 WINDOWS = ("before", "fault, 1st s", "fault, rest", "after, 1st s", "after")
 

@@ -48,7 +48,8 @@ from soak_report import HEALTH_P99_GOAL_MS, print_summary, summarize  # noqa: E4
 from zeroqueue.inference.v1 import inference_pb2 as pb  # noqa: E402
 
 from services.client import AsyncClient, ZeroQueueError  # noqa: E402
-from services.pulse.replicas import default_model, free_port, start_replica  # noqa: E402
+from services.inference.bundled_model import default_model  # noqa: E402
+from services.pulse.replicas import free_port, start_replica  # noqa: E402
 from services.pulse.schedule import LoadSpec, arrival_times  # noqa: E402
 from services.pulse.scrape import scrape  # noqa: E402
 from tests.fuzz_generate import GENERATE, FuzzCall, GenerateFuzzer, Outcome, status_bytes  # noqa: E402

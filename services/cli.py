@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from services.cli_billing import add_billing_commands, fails_cleanly
+from services.inference.bundled_model import BUNDLED_MODEL
 from services.logs import configure_logging
 from services.pulse.cli import add_pulse
 
@@ -37,7 +38,11 @@ def parse_bytes(text: str) -> int:
 
 def add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run an inference replica")
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument(
+        "--model",
+        default=str(BUNDLED_MODEL),
+        help="Hugging Face checkpoint directory (default: the bundled model, zq-python-tiny)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--admission", choices=("deadline", "fifo"), default="deadline")

@@ -150,7 +150,7 @@ def run_pulse(args: argparse.Namespace) -> int:
     if not console.is_terminal:
         console = Console(width=120)  # a table that stays readable in a log file
     out_dir = Path(args.out or f"pulse-results/{time.strftime('%Y%m%d-%H%M%S')}")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # replicas' ledgers and keys go in it: ours alone
     shape_args = dict(
         kind=args.shape, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, sigma=args.shape_sigma
     )

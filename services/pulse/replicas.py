@@ -12,9 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import services.inference
-
-BUNDLED_MODEL = Path(services.inference.__file__).parent / "bundled" / "zq-python-tiny"
+from billing.private_files import private_dir
 
 
 @dataclass
@@ -49,15 +47,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def default_model() -> Path:
-    if not (BUNDLED_MODEL / "config.json").exists():
-        raise FileNotFoundError(
-            f"the bundled model is not at {BUNDLED_MODEL} (train it with "
-            "bench/train_default_model.py), so pass --model DIR"
-        )
-    return BUNDLED_MODEL
-
-
 def start_replica(
     model: Path,
     admission: str,
@@ -70,8 +59,8 @@ def start_replica(
     directory is workdir/replica-<name> (default: the admission mode)."""
     from billing import commands
 
-    data_dir = workdir / f"replica-{name or admission}"
-    data_dir.mkdir(parents=True, exist_ok=True)
+    # 0700 (narrowed if a run before made it wider: it is ours), so the replica finds its ledger's directory private
+    data_dir = private_dir(workdir / f"replica-{name or admission}", narrow_existing=True)
     ledger = f"sqlite:///{data_dir / 'ledger.db'}"
     commands.migrate(ledger)
     key = commands.create_tenant(ledger, f"pulse-{os.getpid()}-{int(time.time())}")

@@ -71,7 +71,9 @@ def opened(target: Target, args: argparse.Namespace, out_dir: Path, console, nee
             raise SystemExit("zeroqueue pulse: error: --api-key (or $ZEROQUEUE_API_KEY) is needed with endpoints")
         yield target
         return
-    from .replicas import default_model, start_replica
+    from services.inference.bundled_model import default_model
+
+    from .replicas import start_replica
 
     model = Path(args.model) if args.model else default_model()
     console.print(f"starting a {target.admission}-mode replica on {model} (warm-up and calibration first) ...")

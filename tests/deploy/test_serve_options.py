@@ -1,10 +1,14 @@
-"""`zeroqueue serve`'s device and admission options, as the replica's config receives them."""
+"""`zeroqueue serve`'s device and admission options, as the replica's config receives them, and its default model."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+import services
 from services.cli import build_parser, serve_config
+from services.inference.device.card import read_card
 from services.inference.device.faults import Fault, FaultKind
 from services.inference.engine.watchdog import WatchdogConfig
 
@@ -50,3 +54,12 @@ def test_bad_options_are_refused_by_name(option, says, capsys):
     with pytest.raises(SystemExit) as exited:
         config(*option)
     assert exited.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_without_model_it_serves_the_bundled_model_found_beside_the_package():
+    """A pip user's first `zeroqueue serve` names no model: the default is the directory shipped inside the
+    package (found from the module's path, so in site-packages too), and it is a checkpoint the server can read."""
+    model_dir = Path(serve_config(build_parser().parse_args(["serve"])).model_dir)
+    assert model_dir == Path(services.__file__).resolve().parent / "inference" / "bundled" / "zq-python-tiny"
+    card = read_card(model_dir)
+    assert card.name == "zq-python-tiny" and card.args.vocab_size > 0 and card.eos_token_ids

@@ -5,17 +5,15 @@ from __future__ import annotations
 import json
 import math
 import random
-from pathlib import Path
 
 import pytest
 import torch
 
-import services.inference
+from services.inference.bundled_model import BUNDLED_MODEL
 from services.inference.device.loader import load_checkpoint
 from tests.inference.conftest import Collector, make_engine, request, run_to_completion
 from tests.inference.logits import prompt_logits
 
-BUNDLED = Path(services.inference.__file__).parent / "bundled" / "zq-python-tiny"
 MAX_FILE_BYTES = 25_000_000
 # Written for this test, not taken from the standard library the model was trained on.
 SNIPPET = '''import os
@@ -46,7 +44,7 @@ class Inventory:
 
 @pytest.fixture(scope="module")
 def engine():
-    return make_engine(BUNDLED, dtype="bfloat16")
+    return make_engine(BUNDLED_MODEL, dtype="bfloat16")
 
 
 def mean_loss(engine, tokens: list[int]) -> float:
@@ -64,14 +62,14 @@ def test_files_are_the_hugging_face_layout_within_budget():
         "MODEL_CARD.md",
         "training_log.json",
     ):
-        assert (BUNDLED / name).is_file(), name
-    for f in BUNDLED.iterdir():
+        assert (BUNDLED_MODEL / name).is_file(), name
+    for f in BUNDLED_MODEL.iterdir():
         assert f.stat().st_size <= MAX_FILE_BYTES, f"{f.name} is {f.stat().st_size} bytes"
-    assert json.loads((BUNDLED / "config.json").read_text())["dtype"] == "bfloat16"
+    assert json.loads((BUNDLED_MODEL / "config.json").read_text())["dtype"] == "bfloat16"
 
 
 def test_loads_in_bf16_with_eos_from_the_tokenizer():
-    checkpoint = load_checkpoint(BUNDLED)  # dtype "auto" reads config.json
+    checkpoint = load_checkpoint(BUNDLED_MODEL)  # dtype "auto" reads config.json
     assert checkpoint.dtype == torch.bfloat16
     assert all(t.dtype == torch.bfloat16 for t in checkpoint.state_dict.values())
     assert checkpoint.eos_token_ids == (checkpoint.tokenizer.token_to_id("<|endoftext|>"),)
