@@ -10,7 +10,8 @@ import signal
 import sys
 from pathlib import Path
 
-from services.cli_billing import add_billing_commands, fails_cleanly
+from services.cli_billing import add_billing_commands
+from services.cli_ledger import fails_cleanly
 from services.inference.bundled_model import BUNDLED_MODEL
 from services.logs import configure_logging
 from services.pulse.cli import add_pulse

@@ -9,58 +9,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import functools
 import signal
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
-from services.cli_classes import add_class_commands
+from services.cli_ledger import ERROR_EXIT, ledger_command, ledger_session, ledger_url, require_migrated
+from services.cli_service_classes import add_class_commands
 
-ERROR_EXIT = 1
 KEY_NOTICE = "This API key is shown only once and cannot be recovered (only its hash is stored); store it now."
-
-
-def fails_cleanly(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """Expected failures become one line on stderr and exit status 1; anything else is a bug and keeps its trace."""
-
-    @functools.wraps(run)
-    def wrapper(args: argparse.Namespace) -> int:
-        from sqlalchemy.exc import OperationalError
-
-        from billing.errors import BillingError
-        from services.metering.schema import LedgerNotMigrated
-
-        try:
-            return run(args)
-        except (BillingError, LedgerNotMigrated) as error:
-            message = str(error)
-        except OperationalError as error:
-            message = f"cannot use the ledger: {str(error.orig or error).strip().splitlines()[0]}"
-        except OSError as error:
-            message = f"{error.strerror or error}: {error.filename}" if error.filename else str(error)
-        print(f"zeroqueue: error: {message}", file=sys.stderr)
-        return ERROR_EXIT
-
-    return wrapper
-
-
-def ledger_url(args: argparse.Namespace) -> str:
-    from billing.db import default_ledger_url
-
-    return args.ledger or default_ledger_url()
-
-
-def require_migrated(url: str) -> None:
-    from billing.db import make_engine
-    from services.metering.schema import check_schema_at_head
-
-    engine = make_engine(url)
-    try:
-        check_schema_at_head(engine)
-    finally:
-        engine.dispose()
 
 
 def emit(text: str, output: str | None) -> None:
@@ -69,18 +25,6 @@ def emit(text: str, output: str | None) -> None:
         return
     Path(output).write_text(text, encoding="utf-8")
     print(f"wrote {output}", file=sys.stderr)
-
-
-def _parser(sub: argparse._SubParsersAction, name: str, help_text: str, run: Callable) -> argparse.ArgumentParser:
-    p = sub.add_parser(name, help=help_text)
-    p.add_argument(
-        "--ledger",
-        metavar="URL",
-        default=None,
-        help="ledger database URL (default: SQLite in $ZEROQUEUE_HOME or ~/.zeroqueue)",
-    )
-    p.set_defaults(run=fails_cleanly(run))
-    return p
 
 
 # --- metering ------------------------------------------------------------------------------------------------
@@ -151,18 +95,6 @@ def run_keys_create_admin(args: argparse.Namespace) -> int:
     return 0
 
 
-@contextlib.contextmanager
-def ledger_session(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    """One unit of work on the command's (migrated) ledger; this command is the caller that commits."""
-    from billing.commands import sessions
-    from billing.db import unit_of_work
-
-    url = ledger_url(args)
-    require_migrated(url)
-    with sessions(url) as factory, unit_of_work(factory) as session:
-        yield session
-
-
 def run_keys_list(args: argparse.Namespace) -> int:
     from billing import tenants
 
@@ -221,33 +153,35 @@ def run_chargeback(args: argparse.Namespace) -> int:
 
 
 def add_billing_commands(sub: argparse._SubParsersAction) -> None:
-    p = _parser(sub, "metering", "run the Metering service (ledger, invoices, chargeback) on its own", run_metering)
+    p = ledger_command(
+        sub, "metering", "run the Metering service (ledger, invoices, chargeback) on its own", run_metering
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50052)
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain; with --tls-key, serve TLS only")
     p.add_argument("--tls-key", default=None, help="PEM private key")
     p.add_argument("--json-logs", action=argparse.BooleanOptionalAction, default=True)
 
-    _parser(sub, "migrate", "create or upgrade the ledger schema (Alembic, to head)", run_migrate)
+    ledger_command(sub, "migrate", "create or upgrade the ledger schema (Alembic, to head)", run_migrate)
 
     tenants = sub.add_parser("tenants", help="manage tenants").add_subparsers(required=True, metavar="ACTION")
-    _parser(tenants, "create", "create a tenant and print its first API key (once)", run_tenants_create).add_argument(
-        "name", help="lowercase name: [a-z0-9][a-z0-9._-]{0,62}"
-    )
+    ledger_command(
+        tenants, "create", "create a tenant and print its first API key (once)", run_tenants_create
+    ).add_argument("name", help="lowercase name: [a-z0-9][a-z0-9._-]{0,62}")
 
-    add_class_commands(sub, tenants, _parser)
+    add_class_commands(sub, tenants)
 
     keys = sub.add_parser("keys", help="manage API keys").add_subparsers(required=True, metavar="ACTION")
-    _parser(keys, "create-admin", "create an admin key (all tenants) and print it (once)", run_keys_create_admin)
-    _parser(
+    ledger_command(keys, "create-admin", "create an admin key (all tenants) and print it (once)", run_keys_create_admin)
+    ledger_command(
         keys, "list", "list keys (id, tenant, role, prefix, created, revoked); never the keys", run_keys_list
     ).add_argument("--tenant", default=None)
-    _parser(
+    ledger_command(
         keys, "revoke", "revoke a key by id (replicas stop accepting it within their 30 s cache)", run_keys_revoke
     ).add_argument("key_id", type=int)
 
     prices = sub.add_parser("prices", help="the price book").add_subparsers(required=True, metavar="ACTION")
-    p = _parser(prices, "add", "add a price version (never edits an old one)", run_prices_add)
+    p = ledger_command(prices, "add", "add a price version (never edits an old one)", run_prices_add)
     p.add_argument("--model", required=True)
     p.add_argument("--unit", required=True, choices=("sm_us", "core_us"))
     p.add_argument("--price-micros", type=int, required=True, help="micro-units of the currency per unit·second")
@@ -257,14 +191,16 @@ def add_billing_commands(sub: argparse._SubParsersAction) -> None:
         "--class", dest="klass", metavar="NAME", default="", help="a class's own price (default: every class's)"
     )
 
-    p = _parser(sub, "invoice", "a tenant's invoice for a month: refresh the draft, or --finalize it", run_invoice)
+    p = ledger_command(
+        sub, "invoice", "a tenant's invoice for a month: refresh the draft, or --finalize it", run_invoice
+    )
     p.add_argument("--tenant", required=True)
     p.add_argument("--period", required=True, help="UTC calendar month, YYYY-MM")
     p.add_argument("--finalize", action="store_true", help="finalize the draft (the month must have ended)")
     p.add_argument("--format", choices=("json", "csv", "html"), default="json")
     p.add_argument("--output", default=None, help="write to this file instead of stdout")
 
-    p = _parser(
+    p = ledger_command(
         sub, "chargeback", "usage, cost and deadline attainment by group, and device utilisation", run_chargeback
     )
     p.add_argument("--period", required=True, help="UTC calendar month, YYYY-MM")

@@ -38,8 +38,10 @@ def zeroqueue(home: Path, *args: str, ok: bool = True) -> subprocess.CompletedPr
     )
     assert (done.returncode == 0) == ok, (done.returncode, done.stdout, done.stderr)
     if not ok:
-        assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
-        assert done.stderr.startswith("zeroqueue: error: ")
+        # one error line, last (log lines, on stderr too, may come before it: metering_stopped)
+        errors = [line for line in done.stderr.splitlines() if line.startswith("zeroqueue: error: ")]
+        assert "Traceback" not in done.stderr and len(errors) == 1, done.stderr
+        assert done.stderr.strip().splitlines()[-1] == errors[0], done.stderr
     return done
 
 

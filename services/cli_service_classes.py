@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from decimal import Decimal, InvalidOperation
 
+from services.cli_ledger import ledger_command, ledger_session
+
 CAP_NAMES = {"device": "device_us_per_month", "spend": "spend_micros_per_month", "calls": "calls_per_s"}
 US_PER_HOUR = 3_600_000_000
 MICROS_PER_UNIT = 1_000_000
@@ -62,7 +64,6 @@ def _print_policy(view) -> None:  # type: ignore[no-untyped-def]
 
 def run_policy_set(args: argparse.Namespace) -> int:
     from billing.classes import set_tenant_policy
-    from services.cli_billing import ledger_session
 
     caps = _caps(args)
     with ledger_session(args) as session:
@@ -73,7 +74,6 @@ def run_policy_set(args: argparse.Namespace) -> int:
 
 def run_policy_show(args: argparse.Namespace) -> int:
     from billing.classes import show_tenant_policy
-    from services.cli_billing import ledger_session
 
     with ledger_session(args) as session:
         _print_policy(show_tenant_policy(session, args.tenant))
@@ -89,7 +89,6 @@ def _print_classes(specs) -> None:  # type: ignore[no-untyped-def]
 def run_class_add(args: argparse.Namespace) -> int:
     from billing.classes import add_class
     from billing.models import MAX_CLASS_BUDGET_MS
-    from services.cli_billing import ledger_session
 
     with ledger_session(args) as session:
         spec = add_class(
@@ -106,7 +105,6 @@ def run_class_add(args: argparse.Namespace) -> int:
 
 def run_class_update(args: argparse.Namespace) -> int:
     from billing.classes import update_class
-    from services.cli_billing import ledger_session
 
     with ledger_session(args) as session:
         spec = update_class(
@@ -123,7 +121,6 @@ def run_class_update(args: argparse.Namespace) -> int:
 
 def run_class_list(args: argparse.Namespace) -> int:
     from billing.classes import list_classes
-    from services.cli_billing import ledger_session
 
     with ledger_session(args) as session:
         _print_classes(list_classes(session))
@@ -144,20 +141,20 @@ def _class_options(p: argparse.ArgumentParser, *, credit_required: bool) -> None
     )
 
 
-def add_class_commands(sub: argparse._SubParsersAction, tenants: argparse._SubParsersAction, parser) -> None:  # type: ignore[no-untyped-def]
-    """`classes …` under `sub` and `policy …` under the `tenants` group; ``parser`` is cli_billing._parser."""
+def add_class_commands(sub: argparse._SubParsersAction, tenants: argparse._SubParsersAction) -> None:
+    """`classes …` under `sub` and `policy …` under the `tenants` group."""
     classes = sub.add_parser("classes", aliases=["class"], help="classes of service").add_subparsers(
         required=True, metavar="ACTION"
     )
-    _class_options(parser(classes, "add", "add a class of service", run_class_add), credit_required=True)
+    _class_options(ledger_command(classes, "add", "add a class of service", run_class_add), credit_required=True)
     update = "change a class's budgets or priority (its credit rule never changes)"
-    _class_options(parser(classes, "update", update, run_class_update), credit_required=False)
-    parser(classes, "list", "list the classes of service", run_class_list)
+    _class_options(ledger_command(classes, "update", update, run_class_update), credit_required=False)
+    ledger_command(classes, "list", "list the classes of service", run_class_list)
 
     policy = tenants.add_parser("policy", help="a tenant's weight in fair share and its caps").add_subparsers(
         required=True, metavar="ACTION"
     )
-    p = parser(policy, "set", "set a tenant's weight and caps (the others stay as they are)", run_policy_set)
+    p = ledger_command(policy, "set", "set a tenant's weight and caps (the others stay as they are)", run_policy_set)
     p.add_argument("tenant")
     p.add_argument("--weight", type=int, default=None, help="1..1000, its share under overload (default 1)")
     device = p.add_mutually_exclusive_group()
@@ -174,4 +171,4 @@ def add_class_commands(sub: argparse._SubParsersAction, tenants: argparse._SubPa
         choices=(*CAP_NAMES, *CAP_NAMES.values()),
         help="remove a cap (device, spend or calls); may be repeated",
     )
-    parser(policy, "show", "show a tenant's weight and caps", run_policy_show).add_argument("tenant")
+    ledger_command(policy, "show", "show a tenant's weight and caps", run_policy_show).add_argument("tenant")

@@ -10,7 +10,7 @@ import pytest
 from billing.db import make_engine, session_factory
 from billing.pricing import price_history
 from services.cli import main
-from services.cli_classes import exact_amount
+from services.cli_service_classes import exact_amount
 from tests.metering.test_cli import zeroqueue
 
 
