@@ -5,14 +5,11 @@ from __future__ import annotations
 import os
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from soak_book import Book
 from soak_checks import rss_growth
 
 from services.pulse.stats import LAG_WARNING_MS, percentiles
-
-if TYPE_CHECKING:
-    from soak import Book
 
 RSS_GROWTH_GOAL, HEALTH_P99_GOAL_MS = 0.05, 50.0
 

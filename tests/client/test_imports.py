@@ -1,6 +1,7 @@
-"""What services/pulse and the SDK may import, read from their source: pulse's modules form no cycle, no module
-imports another's private (underscore) names, and the SDK reaches only grpc, protobuf, the generated stubs and
-the standard library, so that its wheel (test_client_wheel.py) installs without the server or torch."""
+"""What services/, billing/, bench/ and the SDK may import, read from their source: no import cycle anywhere in
+services/, billing/ and bench/; no pulse or SDK module imports another's private (underscore) names; and the SDK
+reaches only grpc, protobuf, the generated stubs and the standard library, so that its wheel
+(test_client_wheel.py) installs without the server or torch."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import services.client
 import services.pulse
 
 PULSE = Path(services.pulse.__file__).parent
+ROOT = Path(services.pulse.__file__).resolve().parents[2]
+TREES = ("services", "billing", "bench")
 SDK = Path(services.client.__file__).parent
 # what the SDK may import beyond the standard library and itself: grpcio, protobuf and googleapis-common-protos
 # (google.protobuf, google.rpc), the stubs; the client wheel's dependencies say the same
@@ -31,25 +34,60 @@ def imports(path: Path, package: str) -> list[tuple[str, list[str]]]:
     return out
 
 
-def test_pulse_has_no_import_cycle():
-    graph = {p.stem: set() for p in PULSE.glob("*.py")}
-    for path in PULSE.glob("*.py"):
-        for module, names in imports(path, "services.pulse"):
-            if module == "services.pulse":
-                graph[path.stem] |= {n for n in names if n in graph}
-            elif module.startswith("services.pulse."):
-                graph[path.stem].add(module.split(".")[2])
+def module_name(path: Path) -> str:
+    """services/inference/engine/core.py -> services.inference.engine.core; a package's __init__.py -> the package;
+    a bench script -> bench.<stem> (bench/ runs its scripts with bench/ on sys.path, so they import by stem)."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of services/, billing/ and bench/ it imports: every import, inside functions and under
+    TYPE_CHECKING too (a cycle hidden in a function is still a cycle), to the exact module named (not the parent
+    packages Python imports on the way, which are initialised first and form no cycle)."""
+    paths = {
+        module_name(path): path for tree in TREES for path in (ROOT / tree).rglob("*.py") if "_build" not in path.parts
+    }
+    graph: dict[str, set[str]] = {name: set() for name in paths}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for module, names in imports(path, package):
+            if name.startswith("bench.") and f"bench.{module}" in graph:
+                module = f"bench.{module}"  # a bench script importing its neighbour by stem
+            submodules = {f"{module}.{n}" for n in names} & graph.keys()
+            graph[name] |= submodules or ({module} & graph.keys())
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle (its modules in order, the first repeated at the end), or None."""
     done: set[str] = set()
 
-    def visit(node: str, path: tuple[str, ...]) -> None:
-        assert node not in path, f"import cycle: {' -> '.join((*path, node))}"
-        if node not in done:
-            for nxt in sorted(graph[node]):
-                visit(nxt, (*path, node))
-            done.add(node)
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        if node in path:
+            return [*path[path.index(node) :], node]
+        if node in done:
+            return None
+        for nxt in sorted(graph[node]):
+            if cycle := visit(nxt, [*path, node]):
+                return cycle
+        done.add(node)
+        return None
 
-    for node in sorted(graph):
-        visit(node, ())
+    return next((cycle for node in sorted(graph) if (cycle := visit(node, []))), None)
+
+
+def test_services_billing_and_bench_have_no_import_cycle():
+    graph = import_graph()
+    assert "services.cli" in graph and "billing.commands" in graph and "bench.soak" in graph  # it reads the tree
+    cycle = find_cycle(graph)
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
+
+
+def test_the_cycle_finder_names_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set()}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
 def test_no_private_names_cross_modules():
