@@ -39,6 +39,7 @@ from zeroqueue.inference.v1 import inference_pb2_grpc  # noqa: E402
 
 from services.client.auth import authorized_channel  # noqa: E402
 from services.inference.bundled_model import BUNDLED_MODEL  # noqa: E402
+from services.logs import configure_logging  # noqa: E402
 from services.pulse.replicas import start_replica  # noqa: E402
 
 
@@ -182,4 +183,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    configure_logging()  # every line on stderr: stdout is the bench's report
     main()

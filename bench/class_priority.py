@@ -28,6 +28,7 @@ from fair_share import measure_capacity, shape  # noqa: E402  (bench/fair_share.
 from soak_checks import host_info  # noqa: E402
 
 from services.inference.bundled_model import default_model  # noqa: E402
+from services.logs import configure_logging  # noqa: E402
 from services.pulse.replicas import start_replica  # noqa: E402
 
 PULSE = [sys.executable, "-m", "services.cli", "pulse"]
@@ -117,4 +118,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    configure_logging()  # every line on stderr: stdout is the bench's report
     sys.exit(main())

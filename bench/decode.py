@@ -36,6 +36,7 @@ from services.inference.device.executor import Executor, ExecutorConfig  # noqa:
 from services.inference.device.loader import load_checkpoint  # noqa: E402
 from services.inference.engine.engine import Engine  # noqa: E402
 from services.inference.sched.request import Request, SamplingParams  # noqa: E402
+from services.logs import configure_logging  # noqa: E402
 
 MODEL_DIR = ROOT / "bench/out/smollm2-135m-random"
 TOKENIZER_DIR = ROOT / "services/inference/bundled/zq-python-tiny"
@@ -292,4 +293,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    configure_logging()  # every line on stderr: stdout is the bench's report
     main()

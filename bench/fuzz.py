@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import grpc
-import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 from services.inference.bundled_model import BUNDLED_MODEL  # noqa: E402
 from services.inference.device.executor import ExecutorConfig  # noqa: E402
 from services.inference.replica import ServeConfig  # noqa: E402
+from services.logs import configure_logging  # noqa: E402
 from tests.fuzz_generate import GenerateFuzzer, Tally, send  # noqa: E402
 from tests.inference.harness import ServerThread  # noqa: E402
 
@@ -98,7 +98,7 @@ def main() -> int:
     parser.add_argument("--keep", type=int, default=50, help="failures listed in full")
     args = parser.parse_args()
     # one refusal line per call would drown the tally (and slow the replica): warnings and errors only
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    configure_logging(level=logging.WARNING)
     config = ServeConfig(
         model_dir(args.model), port=0, executor=ExecutorConfig(max_batch=args.max_batch, max_seq_len=args.max_seq_len)
     )

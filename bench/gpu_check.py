@@ -50,6 +50,7 @@ from services.inference.engine.client import EngineClient  # noqa: E402
 from services.inference.engine.messages import EngineSpec  # noqa: E402
 from services.inference.meter import Meter, RecordContext  # noqa: E402
 from services.inference.sched.request import Request, SamplingParams  # noqa: E402
+from services.logs import configure_logging  # noqa: E402
 
 SMOLLM2 = dict(
     vocab_size=49152,
@@ -325,4 +326,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    configure_logging()  # every line on stderr: stdout is the bench's report
     sys.exit(main())

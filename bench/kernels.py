@@ -36,6 +36,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from services.inference.device import kernels  # noqa: E402
+from services.logs import configure_logging  # noqa: E402
 
 HIDDEN, INTERMEDIATE, VOCAB, LAYERS = 576, 1536, 49152, 30
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -282,4 +283,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    configure_logging()  # every line on stderr: stdout is the bench's report
     main()

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-import structlog
 from ledger_bulk import BIG_MONTH, NUM_TENANTS, analyze, generate_idle, generate_usage
 from sqlalchemy import create_engine, func, insert, select, text
 from sqlalchemy.engine import make_url
@@ -52,6 +51,7 @@ from billing.pricing import add_price
 from billing.records import UsageRecord
 from billing.render import render_chargeback
 from billing.tenants import create_admin_key, create_tenant
+from services.logs import configure_logging
 
 ROOT = Path(__file__).resolve().parents[1]
 INGEST_MONTH = "2026-08"
@@ -290,7 +290,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=500)
     parser.add_argument("--big", type=int, default=1_000_000, help="rows for the report timings (0: skip)")
     args = parser.parse_args()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    configure_logging(level=logging.WARNING)
     print(
         f"{dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {platform.node()}, {platform.machine()}, "
         f"{os.cpu_count()} CPUs, Python {platform.python_version()}"

@@ -43,6 +43,7 @@ from services.inference.engine.core import Relay  # noqa: E402
 from services.inference.engine.engine import Engine, Observers  # noqa: E402
 from services.inference.meter import Meter, RecordContext  # noqa: E402
 from services.inference.sched.request import Request, SamplingParams  # noqa: E402
+from services.logs import configure_logging  # noqa: E402
 from services.metering.outbox import Outbox  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "services/inference/bundled/zq-python-tiny"
@@ -197,4 +198,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    configure_logging()  # every line on stderr: stdout is the bench's report
     main()

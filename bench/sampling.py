@@ -21,6 +21,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 from services.inference.device.sampler import sample, uniform  # noqa: E402
 from services.inference.sched.request import SamplingParams  # noqa: E402
+from services.logs import configure_logging  # noqa: E402
 
 
 def full_sort_sample(logits: torch.Tensor, params: list[SamplingParams], draw_index: list[int]) -> list[int]:
@@ -90,4 +91,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    configure_logging()  # every line on stderr: stdout is the bench's report
     main()

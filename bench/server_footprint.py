@@ -34,6 +34,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "protos"), str(ROOT / "bench")]
 from soak_checks import engine_children, host_info, rss_kb  # noqa: E402  (bench/soak_checks.py)
 from zeroqueue.inference.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
 
+from services.logs import configure_logging  # noqa: E402
 from services.pulse.replicas import free_port  # noqa: E402
 
 MODEL = ROOT / "services/inference/bundled/zq-python-tiny"
@@ -142,4 +143,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    configure_logging()  # every line on stderr: stdout is the bench's report
     sys.exit(main())

@@ -33,6 +33,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "protos"), str(ROOT / "bench")]
 from soak_checks import host_info  # noqa: E402  (bench/soak_checks.py)
 
 from services.inference.bundled_model import default_model  # noqa: E402
+from services.logs import configure_logging  # noqa: E402
 from services.pulse.replicas import start_replica  # noqa: E402
 
 WINDOWS = ("before", "fault, 1st s", "fault, rest", "after, 1st s", "after")
@@ -154,4 +155,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    configure_logging()  # every line on stderr: stdout is the bench's report
     sys.exit(main())

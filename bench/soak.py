@@ -48,6 +48,7 @@ from zeroqueue.inference.v1 import inference_pb2 as pb  # noqa: E402
 
 from services.client import AsyncClient, ZeroQueueError  # noqa: E402
 from services.inference.bundled_model import default_model  # noqa: E402
+from services.logs import configure_logging  # noqa: E402
 from services.pulse.replicas import free_port, start_replica  # noqa: E402
 from services.pulse.schedule import LoadSpec, arrival_times  # noqa: E402
 from services.pulse.scrape import scrape  # noqa: E402
@@ -361,4 +362,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    configure_logging()  # every line on stderr: stdout is the bench's report
     sys.exit(main())

@@ -35,6 +35,7 @@ from services.inference.engine.calibration import calibrate  # noqa: E402
 from services.inference.engine.engine import Engine  # noqa: E402
 from services.inference.engine.watchdog import Watchdog, WatchdogConfig, WatchedExecutor, probe_us  # noqa: E402
 from services.inference.sched.request import Request, SamplingParams  # noqa: E402
+from services.logs import configure_logging  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "services/inference/bundled/zq-python-tiny"
 BLOCK_STEPS = 7
@@ -132,4 +133,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    configure_logging()  # every line on stderr: stdout is the bench's report
     main()
