@@ -19,6 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import structlog
+
+from services.logs import configure_logging
 
 ROOT = Path(__file__).resolve().parents[2]
 PAST = "2021-03"
@@ -129,3 +132,18 @@ def test_stdout_is_the_result_alone_and_the_warning_goes_to_stderr_once(ledger: 
     # the command opens the ledger more than once; the warning is the same each time, so it is printed once
     assert done.stderr.count("directory_open_to_others") == 1, done.stderr
     assert "\x1b[" not in done.stderr, done.stderr  # stderr is no terminal: no colour codes
+
+
+def test_logs_go_to_the_stderr_of_the_moment_and_an_identical_warning_prints_once(capsys) -> None:
+    configure_logging()
+    try:
+        log = structlog.get_logger("test")
+        for path in ("/a", "/a", "/b", "/a"):
+            log.warning("directory_open_to_others", path=path)
+        log.info("step", n=1)
+        log.info("step", n=1)  # only warnings are kept to once
+        out, err = capsys.readouterr()
+    finally:
+        structlog.reset_defaults()
+    assert out == ""
+    assert (err.count("path=/a"), err.count("path=/b"), err.count("step")) == (1, 1, 2), err
