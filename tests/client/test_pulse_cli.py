@@ -94,3 +94,33 @@ def test_pulse_with_one_attempt_makes_no_retries(tmp_path):
     summary = json.loads((tmp_path / "pulse.json").read_text())["runs"]["run"]["summary"]
     assert len(calls) == summary["num_sent"] == 20  # the refused call was not tried again
     assert summary["outcomes"] == {"ok": 18, "rejected": 1, "infeasible": 1}
+
+
+def test_a_started_replica_gets_a_private_data_dir_so_nothing_warns(tmp_path, monkeypatch):
+    """start_replica makes the replica's directory 0700 (narrowing one a run before left wider), so neither pulse
+    nor the replica finds its ledger's directory open to others (the README's tour printed that warning)."""
+    from structlog.testing import capture_logs
+
+    from services.pulse import replicas
+
+    class StartedAndServing:
+        def __init__(self, cmd, stdout, **_kwargs):
+            stdout.write("zeroqueue: SERVING on 127.0.0.1:1\n")
+            stdout.flush()
+            self.cmd, self.returncode = cmd, None
+
+        def poll(self):
+            return self.returncode
+
+    monkeypatch.setattr(replicas.subprocess, "Popen", StartedAndServing)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    (out_dir / "replica-deadline").mkdir(mode=0o755)
+    (out_dir / "replica-deadline").chmod(0o755)  # as an earlier version of pulse left it
+    with capture_logs() as logs:
+        replica = replicas.start_replica(tmp_path / "model", "deadline", out_dir, timeout_s=30)
+        replicas.start_replica(tmp_path / "model", "fifo", out_dir, timeout_s=30)
+    for name in ("replica-deadline", "replica-fifo"):
+        assert (out_dir / name).stat().st_mode & 0o777 == 0o700
+    assert "directory_open_to_others" not in [entry["event"] for entry in logs]
+    assert replica.log_path.parent == out_dir / "replica-deadline"
