@@ -150,6 +150,12 @@ def test_a_record_digests_as_it_did_before_its_fields_were_renamed(fields: dict,
     assert usage("call-1", **fields).payload_digest() == digest
 
 
+def test_an_idle_record_digests_as_it_did_before_the_digest_took_payloads() -> None:
+    assert idle("cpu:host-a", 3, 1_000).payload_digest() == (
+        "8ebdce8204e30921363d2a416256a5fac2786b09c2ff0aed585544165246ae21"
+    )
+
+
 def test_the_v1_payload_keeps_the_keys_before_the_rename_and_reads_back() -> None:
     record = usage("call-1", request_id="caller-7")
     v1 = record.to_v1_payload()
