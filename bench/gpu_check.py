@@ -244,7 +244,7 @@ async def _serve(out: dict, model_dir: Path, device: str, max_tokens: int) -> No
     def write(usage, idle) -> None:
         for build in usage:
             record = build()
-            records[record.request_id] = record
+            records[record.call_id] = record
         if len(records) == 4:
             done.set()
 

@@ -164,7 +164,7 @@ def make_records(count: int, prefix: str) -> list[UsageRecord]:
         finished = start_us + 1_000_000 + i * 1_000
         records.append(
             UsageRecord(
-                request_id=f"{prefix}-{i:08d}",
+                call_id=f"{prefix}-{i:08d}",
                 tenant=f"tenant-{i % NUM_TENANTS}",
                 labels={"cost_center": f"cc-{i % 20}", "team": f"team-{i % 10}"},
                 model=model,
@@ -202,7 +202,7 @@ def bare_insert(url: str, batches: list[list[UsageRecord]]) -> None:
                 row = record.to_payload()
                 del row["tenant"]
                 row.update(
-                    request_id="bare-" + record.request_id,
+                    call_id="bare-" + record.call_id,
                     tenant_id=1,
                     cost_center=record.cost_center,
                     team=record.team,

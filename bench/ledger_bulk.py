@@ -35,7 +35,7 @@ def generate_usage(engine: Engine, count: int, now_us: int) -> None:
     finished = period.start_us + 1_000_000 + i * step_us
     labels = literal('{"cost_center":"cc-') + cast(i % 20, String) + '","team":"team-' + cast(i % 10, String) + '"}'
     columns = {
-        "request_id": _text("bulk-", i),
+        "call_id": _text("bulk-", i),
         "tenant_id": 1 + i % NUM_TENANTS,
         "labels": cast(labels, JSON) if engine.dialect.name == "postgresql" else labels,
         "cost_center": _text("cc-", i % 20),

@@ -79,8 +79,8 @@ def check_ledger(url: str, admitted: dict[str, tuple[int, int | None]], tenant_i
     tenant that the client did not see admitted."""
     rows = ledger_rows(
         url,
-        "SELECT request_id, COUNT(*), MIN(tenant_id), SUM(unit_us), MIN(outcome) FROM "
-        f"usage_records WHERE tenant_id IN ({','.join(map(str, tenant_ids))}) GROUP BY request_id",
+        "SELECT call_id, COUNT(*), MIN(tenant_id), SUM(unit_us), MIN(outcome) FROM "
+        f"usage_records WHERE tenant_id IN ({','.join(map(str, tenant_ids))}) GROUP BY call_id",
     )
     stored = {r[0]: r[1:] for r in rows}
     lost = [cid for cid in admitted if cid not in stored]

@@ -96,10 +96,10 @@ def ingest_usage(session: Session, records: Sequence[UsageRecord], *, now_us: in
     tenants = tenant_ids(session, {record.tenant for record in records})
     digests = [record.payload_digest() for record in records]
     rows = {
-        record.request_id: _usage_row(record, tenants[record.tenant], digest, now_us)
+        record.call_id: _usage_row(record, tenants[record.tenant], digest, now_us)
         for record, digest in reversed(list(zip(records, digests, strict=True)))  # first occurrence wins
     }
-    return _ingest(session, UsageRow.__table__, "request_id", RecordKind.USAGE, records, digests, rows, now_us)
+    return _ingest(session, UsageRow.__table__, "call_id", RecordKind.USAGE, records, digests, rows, now_us)
 
 
 def ingest_idle(session: Session, records: Sequence[IdleRecord], *, now_us: int | None = None) -> list[IngestResult]:
@@ -154,7 +154,7 @@ def _record_conflict(
     rejected_digest: str,
     now_us: int,
 ) -> None:
-    record_id = record.request_id if isinstance(record, UsageRecord) else record.record_id
+    record_id = record.call_id if isinstance(record, UsageRecord) else record.record_id
     log.error(
         "ledger.conflict",
         record_kind=kind.value,
@@ -172,7 +172,8 @@ def _record_conflict(
             "record_id": record_id,
             "stored_digest": stored_digest,
             "rejected_digest": rejected_digest,
-            "rejected_payload": record.to_payload(),
+            # usage under its frozen v1 keys, as digested: rows written before the rename read the same way
+            "rejected_payload": record.to_v1_payload() if isinstance(record, UsageRecord) else record.to_payload(),
             "detected_at_us": now_us,
         },
     )
@@ -250,7 +251,7 @@ def filter_fingerprint(*filters: object) -> str:
 
 def _to_record(row: UsageRow, tenant: str) -> UsageRecord:
     return UsageRecord(
-        request_id=row.request_id,
+        call_id=row.call_id,
         tenant=tenant,
         labels=row.labels,
         model=row.model,
@@ -268,6 +269,6 @@ def _to_record(row: UsageRow, tenant: str) -> UsageRecord:
         deadline_at_us=row.deadline_at_us,
         deadline_met=row.deadline_met,
         outcome=row.outcome,
-        client_request_id=row.client_request_id,
+        request_id=row.request_id,
         service_class=row.service_class,
     )

@@ -149,7 +149,7 @@ class ApiKey(Base):
 
 
 class UsageRow(Base):
-    """One admitted request; append-only, at most one row per request_id."""
+    """One admitted call; append-only, at most one row per call_id."""
 
     __tablename__ = "usage_records"
     __table_args__ = (
@@ -173,8 +173,8 @@ class UsageRow(Base):
     )
 
     id: Mapped[int] = mapped_column(BigIntPK, primary_key=True)
-    request_id: Mapped[str] = mapped_column(String(128), unique=True)  # the call's, made by its replica
-    client_request_id: Mapped[str] = mapped_column(String(128), server_default="")  # the caller's; reusable
+    call_id: Mapped[str] = mapped_column(String(128), unique=True)  # the call's, made by its replica
+    request_id: Mapped[str] = mapped_column(String(128), server_default="")  # the caller's; reusable
     tenant_id: Mapped[int] = mapped_column(Integer, ForeignKey("tenants.id"))
     labels: Mapped[dict[str, Any]]
     cost_center: Mapped[str | None] = mapped_column(String(128), index=True)
@@ -240,7 +240,7 @@ class UsageConflict(Base):
     record_id: Mapped[str] = mapped_column(String(256))
     stored_digest: Mapped[str] = mapped_column(String(64))
     rejected_digest: Mapped[str] = mapped_column(String(64))
-    rejected_payload: Mapped[dict[str, Any]]
+    rejected_payload: Mapped[dict[str, Any]]  # a usage record under its frozen zq.usage.v1 keys (records.py)
     detected_at_us: Mapped[int]
 
 

@@ -128,16 +128,23 @@ def freeze_labels(labels: object) -> Mapping[str, str]:
     return MappingProxyType(dict(sorted(labels.items())))
 
 
-def canonical_digest(kind: str, record: object) -> str:
-    """sha256 over a canonical JSON encoding of every field of ``record``."""
-    payload = {f.name: getattr(record, f.name) for f in fields(record)}  # type: ignore[arg-type]
+# The zq.usage.v1 storage format: the keys a usage record is digested over (payload_digest), queued under in a
+# replica's outbox and kept under in the ledger's usage_conflicts.rejected_payload. Frozen: a record digested or
+# queued before a rename must digest and decode the same after it, or its replay would be judged a CONFLICT
+# instead of a DUPLICATE, and an outbox written by an older replica could not ship. The fields have been renamed
+# since (issue 30: `call_id` is the replica's id of the call, `request_id` the caller's); their v1 keys stay.
+V1_USAGE_KEYS = MappingProxyType({"call_id": "request_id", "request_id": "client_request_id"})
+_FIELD_OF_V1_KEY = MappingProxyType({key: name for name, key in V1_USAGE_KEYS.items()})
+
+
+def canonical_digest(kind: str, payload: Mapping[str, object]) -> str:
+    """sha256 over a canonical JSON encoding of a record's payload in its frozen storage format."""
+    payload = dict(payload)
     # fields added after v1 count only when set: a record written before them keeps its digest
     if payload.get("client_request_id") == "":
         del payload["client_request_id"]
     if payload.get("service_class") == DEFAULT_CLASS:  # before classes every call ran in `standard`
         del payload["service_class"]
-    if "labels" in payload:
-        payload["labels"] = dict(payload["labels"])
     encoded = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(f"{kind}\n{encoded}".encode()).hexdigest()
 
@@ -163,11 +170,11 @@ def _check_device(kind: object, device_id: object, unit: object, num_units: obje
 
 @dataclass(frozen=True, slots=True)
 class UsageRecord:
-    """One admitted request's device time, tokens, timing and outcome. `request_id` is the call's own id,
-    made by the replica that admitted it (unique); `client_request_id` is the caller's, which the caller may
-    reuse: a call made again under the same id is billed again, as its own record."""
+    """One admitted call's device time, tokens, timing and outcome. `call_id` is the call's own id, made by the
+    replica that admitted it (unique); `request_id` is the caller's, which the caller may reuse: a call made
+    again under the same request_id is billed again, as its own record."""
 
-    request_id: str
+    call_id: str
     tenant: str
     labels: Mapping[str, str] = field(hash=False)
     model: str
@@ -185,19 +192,19 @@ class UsageRecord:
     deadline_at_us: int
     deadline_met: bool
     outcome: Outcome  # given as the enum or its value; stored as the enum
-    client_request_id: str = ""
+    request_id: str = ""  # '' on records made before the caller's id was kept
     service_class: str = DEFAULT_CLASS  # '' (a sender before classes) is `standard`
 
     def __post_init__(self) -> None:
-        check_text("request_id", self.request_id)
+        check_text("call_id", self.call_id)
         if self.service_class == "":
             object.__setattr__(self, "service_class", DEFAULT_CLASS)
         check_class_name("service_class", self.service_class)
         check_tenant_name("tenant", self.tenant)
         object.__setattr__(self, "labels", freeze_labels(self.labels))
         check_text("model", self.model)
-        if self.client_request_id:
-            check_text("client_request_id", self.client_request_id)
+        if self.request_id:
+            check_text("request_id", self.request_id)
         _check_device(self.device_kind, self.device_id, self.unit, self.num_units)
         check_int("unit_us", self.unit_us, maximum=self.num_units * MAX_RECORD_WALL_US, why=" (num_units × 31 days)")
         for name in ("prompt_tokens", "completion_tokens"):
@@ -247,13 +254,21 @@ class UsageRecord:
         return self.labels.get("team")
 
     def payload_digest(self) -> str:
-        return canonical_digest("zq.usage.v1", self)
+        return canonical_digest("zq.usage.v1", self.to_v1_payload())
 
     def to_payload(self) -> dict[str, object]:
         payload = {f.name: getattr(self, f.name) for f in fields(self)}
         payload["labels"] = dict(self.labels)
         payload["outcome"] = self.outcome.value
         return payload
+
+    def to_v1_payload(self) -> dict[str, object]:
+        """The payload under its frozen zq.usage.v1 keys (V1_USAGE_KEYS): what is digested and stored."""
+        return {V1_USAGE_KEYS.get(name, name): value for name, value in self.to_payload().items()}
+
+    @classmethod
+    def from_v1_payload(cls, payload: Mapping[str, object]) -> UsageRecord:
+        return cls(**{_FIELD_OF_V1_KEY.get(key, key): value for key, value in payload.items()})  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,7 +303,7 @@ class IdleRecord:
         return self.wall_unit_us - self.idle_unit_us
 
     def payload_digest(self) -> str:
-        return canonical_digest("zq.idle.v1", self)
+        return canonical_digest("zq.idle.v1", self.to_payload())
 
     def to_payload(self) -> dict[str, object]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

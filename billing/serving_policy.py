@@ -8,7 +8,7 @@
   if drafted now (billing/aggregate.py, the very
   aggregation invoices use: per model, unit, class and price version, rounded once, SLA credits deducted).
 
-Each call is one usage record (request_id is unique in the ledger), so a record shipped twice, by two replicas
+Each call is one usage record (call_id is unique in the ledger), so a record shipped twice, by two replicas
 or by one replica's outbox after a lost acknowledgement, counts once. Usage of a model without a price in force
 is left out of ``spent_micros`` (its invoice cannot be drafted either: MissingPrice) rather than withholding
 every tenant's policy; its device time still counts in ``used_device_us``.

@@ -67,7 +67,7 @@ class RecordContext:
     received_ns: int
     dispatched_ns: int  # admitted: handed to the engine
     deadline_ns: int
-    client_request_id: str = ""  # the caller's request_id (the record's own id is the call's)
+    request_id: str = ""  # the caller's (the record's own id, call_id, is the call's)
     service_class: str = DEFAULT_CLASS  # the class the call runs and is billed in
 
 
@@ -218,7 +218,7 @@ class Meter:
             self.count(ctx.tenant, ctx.labels.get("cost_center", ""), d.unit, unit_us)
         return functools.partial(
             UsageRecord,
-            request_id=request.request_id,
+            call_id=request.request_id,
             tenant=ctx.tenant,
             labels=ctx.labels,
             model=self.model,
@@ -236,6 +236,6 @@ class Meter:
             deadline_at_us=deadline_us,
             deadline_met=met,
             outcome=outcome,
-            client_request_id=ctx.client_request_id,
+            request_id=ctx.request_id,
             service_class=ctx.service_class,
         )

@@ -5,6 +5,10 @@ out; a shipper then delivers batches to the ledger and marks rows delivered only
 acknowledged them (accepted, or a duplicate of what it already holds). A restarted process finds what a
 crash left behind and ships it. Conflicts and invalid records are set aside as dead letters, loudly,
 never dropped.
+
+A usage row's payload is the record under its frozen zq.usage.v1 keys (billing/records.py V1_USAGE_KEYS), not
+under its field names: rows written by a replica before a field was renamed still decode and ship after an
+upgrade, and a record appended again compares equal to the row it already has.
 """
 
 from __future__ import annotations
@@ -75,7 +79,7 @@ def _now_us() -> int:
 
 def _decode(kind: str, payload: str) -> UsageRecord | IdleRecord:
     data = json.loads(payload)
-    return UsageRecord(**data) if kind == "usage" else IdleRecord(**data)
+    return UsageRecord.from_v1_payload(data) if kind == "usage" else IdleRecord(**data)
 
 
 class Outbox:
@@ -93,17 +97,17 @@ class Outbox:
         self._writer.start()
 
     # ---- writing: called from the engine thread; a writer thread group-commits ----
-    def expect(self, request_id: str) -> Future:
-        """A future that resolves with the request's record once it is on disk (or fails with the error
+    def expect(self, call_id: str) -> Future:
+        """A future that resolves with the call's record once it is on disk (or fails with the error
         that kept it off the disk). Ask before the record can be appended; `forget` when no longer waiting."""
         future: Future = Future()
         with self._lock:
-            self._futures[request_id] = future
+            self._futures[call_id] = future
         return future
 
-    def forget(self, request_id: str) -> None:
+    def forget(self, call_id: str) -> None:
         with self._lock:
-            self._futures.pop(request_id, None)
+            self._futures.pop(call_id, None)
 
     def append(self, records: list[Callable[[], UsageRecord]], idle: list[IdleRecord]) -> None:
         """Queues records (each given as a builder, called on the writer thread) for the next group commit;
@@ -136,7 +140,7 @@ class Outbox:
         rows, usage = [], []
         for builders, idle in batch:
             records = [r for r in map(self._build, builders) if r is not None]
-            rows += [("usage", r.request_id, json.dumps(r.to_payload()), _now_us()) for r in records]
+            rows += [("usage", r.call_id, json.dumps(r.to_v1_payload()), _now_us()) for r in records]
             rows += [("idle", r.record_id, json.dumps(r.to_payload()), _now_us()) for r in idle]
             usage += records
         error, conflicts = None, set()
@@ -151,14 +155,14 @@ class Outbox:
             error = exc
         for record in usage:
             with self._lock:
-                future = self._futures.pop(record.request_id, None)
+                future = self._futures.pop(record.call_id, None)
             if future is None or future.done():
                 continue
             if error is not None:
                 future.set_exception(error)
-            elif record.request_id in conflicts:
+            elif record.call_id in conflicts:
                 future.set_exception(
-                    OutboxConflict(f"usage record {record.request_id} conflicts with one the outbox already holds")
+                    OutboxConflict(f"usage record {record.call_id} conflicts with one the outbox already holds")
                 )
             else:
                 future.set_result(record)
@@ -193,10 +197,10 @@ class Outbox:
         try:
             return builder()
         except InvalidRecord as exc:  # a bug upstream: fail that call loudly, keep the rest
-            request_id = builder.keywords.get("request_id", "?") if hasattr(builder, "keywords") else "?"
-            log.error("usage_record_invalid", request_id=request_id, field=exc.field, error=str(exc))
+            call_id = builder.keywords.get("call_id", "?") if hasattr(builder, "keywords") else "?"
+            log.error("usage_record_invalid", call_id=call_id, field=exc.field, error=str(exc))
             with self._lock:
-                future = self._futures.pop(request_id, None)
+                future = self._futures.pop(call_id, None)
             if future is not None:
                 future.set_exception(exc)
             return None

@@ -63,7 +63,7 @@ _INVOICE_STATUS = {
 def usage_from_pb(message: pb.UsageRecord) -> UsageRecord:
     """Validated domain record; raises billing.errors.InvalidRecord naming the field."""
     return UsageRecord(
-        request_id=message.request_id,
+        call_id=message.call_id,
         tenant=message.tenant,
         labels=dict(message.labels),
         model=message.model,
@@ -81,7 +81,7 @@ def usage_from_pb(message: pb.UsageRecord) -> UsageRecord:
         deadline_at_us=message.deadline_at_us,
         deadline_met=message.deadline_met,
         outcome=message.outcome,  # the wire's string: UsageRecord makes it an Outcome, or refuses it naming the field
-        client_request_id=message.client_request_id,
+        request_id=message.request_id,
         service_class=message.service_class,  # '' (a sender before classes): standard
     )
 
@@ -203,14 +203,14 @@ def _ingest_usage(session: Session, messages: Sequence[pb.UsageRecord]) -> list[
         try:
             valid[index] = usage_from_pb(message)
         except InvalidRecord as error:
-            results[index] = _invalid(message.request_id, error)
+            results[index] = _invalid(message.call_id, error)
     while True:
         try:
             stored = ledger.ingest_usage(session, list(valid.values()))
             break
         except UnknownTenant as error:  # raised before anything is written: refuse that tenant's records, retry
             for index in [i for i, record in valid.items() if record.tenant == error.tenant]:
-                results[index] = _invalid(messages[index].request_id, error)
+                results[index] = _invalid(messages[index].call_id, error)
                 del valid[index]
     for index, result in zip(valid, stored, strict=True):
         results[index] = pb.RecordResult(id=result.record_id, status=_STATUS[result.status])

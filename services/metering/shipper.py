@@ -75,7 +75,7 @@ class LedgerSink:
                 return acks + [_ack(r) for r in results]
             except UnknownTenant as exc:  # only that tenant's records are refused, the rest go in
                 acks += [
-                    Ack(r.request_id, Delivery.DEAD, f"unknown tenant {exc.tenant!r}")
+                    Ack(r.call_id, Delivery.DEAD, f"unknown tenant {exc.tenant!r}")
                     for r in usage
                     if r.tenant == exc.tenant
                 ]
@@ -106,7 +106,7 @@ class GrpcSink:
             if exc.code() not in _REFUSES_CONTENT:
                 raise SinkUnavailable(f"{exc.code().name}: {exc.details()}") from exc
             if len(usage) + len(idle) == 1:
-                record_id = usage[0].request_id if usage else idle[0].record_id
+                record_id = usage[0].call_id if usage else idle[0].record_id
                 return [Ack(record_id, Delivery.DEAD, f"refused: {exc.code().name}: {exc.details()}")]
             return await self._halves(list(usage), list(idle))
         return [
@@ -169,9 +169,7 @@ class Shipper:
             await asyncio.to_thread(self.outbox.mark_failed, [r.id for r in rows], str(exc))
             return None
         self.failures = 0
-        row_ids = {
-            (r.record.request_id if isinstance(r.record, UsageRecord) else r.record.record_id): r.id for r in rows
-        }
+        row_ids = {(r.record.call_id if isinstance(r.record, UsageRecord) else r.record.record_id): r.id for r in rows}
         dead = [(row_ids[a.record_id], a.reason) for a in acks if a.delivery is Delivery.DEAD]
         for a in acks:
             if a.delivery is Delivery.DEAD:

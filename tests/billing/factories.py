@@ -12,11 +12,11 @@ START_US = parse_period(PERIOD).start_us
 US_PER_HOUR = 3_600_000_000
 
 
-def usage(request_id: str, **overrides: Any) -> UsageRecord:
+def usage(call_id: str, **overrides: Any) -> UsageRecord:
     """A valid CPU usage record finishing ``finished_at_us`` (default: one hour into 2026-10)."""
     finished = overrides.pop("finished_at_us", START_US + US_PER_HOUR)
     fields: dict[str, Any] = dict(
-        request_id=request_id,
+        call_id=call_id,
         tenant="acme",
         labels={"cost_center": "cc-1", "team": "search"},
         model="tiny",
@@ -39,16 +39,16 @@ def usage(request_id: str, **overrides: Any) -> UsageRecord:
     return UsageRecord(**fields)
 
 
-def missed(request_id: str, **overrides: Any) -> UsageRecord:
+def missed(call_id: str, **overrides: Any) -> UsageRecord:
     """A request admitted but finished after its deadline."""
     overrides.setdefault("finished_at_us", START_US + US_PER_HOUR)
     overrides.setdefault("deadline_at_us", overrides["finished_at_us"] - 1)
-    return usage(request_id, deadline_met=False, outcome="deadline_exceeded", **overrides)
+    return usage(call_id, deadline_met=False, outcome="deadline_exceeded", **overrides)
 
 
-def gpu_usage(request_id: str, **overrides: Any) -> UsageRecord:
+def gpu_usage(call_id: str, **overrides: Any) -> UsageRecord:
     overrides = dict(device_kind="cuda", device_id="GPU-0000-test", unit="sm_us", num_units=132) | overrides
-    return usage(request_id, **overrides)
+    return usage(call_id, **overrides)
 
 
 def idle(

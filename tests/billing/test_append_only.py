@@ -36,7 +36,7 @@ def refused(ledger: Ledger, sql: str) -> str:
     [
         "UPDATE usage_records SET unit_us = 0",
         "UPDATE usage_records SET tenant_id = tenant_id",
-        "DELETE FROM usage_records WHERE request_id = 'r-2'",
+        "DELETE FROM usage_records WHERE call_id = 'r-2'",
         "UPDATE idle_records SET idle_unit_us = 0",
         "DELETE FROM idle_records",
         "UPDATE usage_conflicts SET rejected_digest = stored_digest",
@@ -53,15 +53,15 @@ def test_append_only_tables_refuse_update_and_delete(stocked: Ledger, sql: str) 
 
 
 COLUMNS = (
-    "request_id, tenant_id, labels, model, device_kind, device_id, unit, num_units, unit_us, prompt_tokens, "
+    "call_id, tenant_id, labels, model, device_kind, device_id, unit, num_units, unit_us, prompt_tokens, "
     "completion_tokens, received_at_us, dispatched_at_us, finished_at_us, deadline_at_us, deadline_met, "
     "outcome, payload_digest, ingested_at_us"
 )
 
 
-def raw_usage(request_id: str = "r-raw", tenant_id: str = "1", unit: str = "core_us", unit_us: str = "1") -> str:
+def raw_usage(call_id: str = "r-raw", tenant_id: str = "1", unit: str = "core_us", unit_us: str = "1") -> str:
     return (
-        f"INSERT INTO usage_records ({COLUMNS}) VALUES ('{request_id}', {tenant_id}, '{{}}', 'tiny', 'cpu', "
+        f"INSERT INTO usage_records ({COLUMNS}) VALUES ('{call_id}', {tenant_id}, '{{}}', 'tiny', 'cpu', "
         f"'cpu:h', '{unit}', 1, {unit_us}, 0, 0, 1, 1, 2, 3, true, 'ok', 'digest', 1)"
     )
 

@@ -57,7 +57,7 @@ def test_a_replay_without_a_class_is_a_duplicate_and_another_class_a_conflict(le
         results = ingest_usage(session, [usage("r-1", service_class=""), usage("r-1", service_class="batch")])
         assert [r.status for r in results] == [IngestStatus.DUPLICATE, IngestStatus.CONFLICT]
         page = query_usage(session, start_us=0, end_us=2**62)
-    assert {r.request_id: r.service_class for r in page.records} == {"r-1": "standard", "r-2": "batch"}
+    assert {r.call_id: r.service_class for r in page.records} == {"r-1": "standard", "r-2": "batch"}
 
 
 # --- prices per class --------------------------------------------------------------------------------------------

@@ -44,12 +44,14 @@ _USAGE_ROW = dict(
     deadline_met=True,
     outcome="ok",
 )
-_USAGE = text(
-    "INSERT INTO usage_records (request_id, tenant_id, labels, model, device_kind, device_id, unit, num_units, "
+_USAGE_SQL = (
+    "INSERT INTO usage_records ({id_column}, tenant_id, labels, model, device_kind, device_id, unit, num_units, "
     "unit_us, prompt_tokens, completion_tokens, received_at_us, dispatched_at_us, finished_at_us, deadline_at_us, "
-    "deadline_met, outcome, payload_digest, ingested_at_us) VALUES (:request_id, 1, '{}', 'm', :device_kind, "
+    "deadline_met, outcome, payload_digest, ingested_at_us) VALUES (:call_id, 1, '{{}}', 'm', :device_kind, "
     ":device_id, :unit, 1, 1, 0, 0, 1, 1, :finished_at_us, :deadline_at_us, :deadline_met, :outcome, 'd', 0)"
 )
+_USAGE = text(_USAGE_SQL.format(id_column="call_id"))
+_USAGE_BEFORE_0006 = text(_USAGE_SQL.format(id_column="request_id"))  # the call's id, until 0006 renamed it
 _IDLE = text(
     "INSERT INTO idle_records (record_id, device_id, unit, num_units, minute_start_us, idle_unit_us, wall_unit_us, "
     "payload_digest, ingested_at_us) VALUES (:record_id, :device_id, :unit, 1, 0, 0, 1, 'd', 0)"
@@ -87,8 +89,8 @@ BROKEN_IDLE = [
 VALID_IDLE = [{"unit": "core_us", "device_id": "cpu:h"}, {"unit": "sm_us", "device_id": "GPU-1"}]
 
 
-def usage_row(request_id: str, change: dict[str, object]) -> dict[str, object]:
-    return {"request_id": request_id, **_USAGE_ROW, **change}
+def usage_row(call_id: str, change: dict[str, object]) -> dict[str, object]:
+    return {"call_id": call_id, **_USAGE_ROW, **change}
 
 
 def idle_row(record_id: str, change: dict[str, object]) -> dict[str, object]:
@@ -220,7 +222,7 @@ def test_0004_upgrades_and_downgrades(empty_url: str) -> None:
     assert installed(empty_url) == set(RULES)
     assert tables_and_routines(empty_url) == at_0004
     migrations.upgrade(empty_url)
-    assert installed(empty_url) == set(RULES)  # 0005 copies prices and adds columns; 0004's rules stay
+    assert installed(empty_url) == set(RULES)  # 0005 copies prices, 0006 usage_records; 0004's rules stay
     assert drift(empty_url) == []
     insert(empty_url, text("INSERT INTO tenants (name, created_at_us) VALUES ('acme', 0)"), {})
     for index, (change, constraint) in enumerate(BROKEN_USAGE):
@@ -231,8 +233,8 @@ def test_0004_upgrades_and_downgrades(empty_url: str) -> None:
 @pytest.mark.parametrize(
     ("statement", "row", "constraint"),
     [
-        (_USAGE, usage_row("r", {"deadline_met": False}), "ck_usage_records_ok_deadline_met_is_on_time"),
-        (_USAGE, usage_row("r", {"unit": "sm_us"}), "ck_usage_records_unit_of_device_kind"),
+        (_USAGE_BEFORE_0006, usage_row("r", {"deadline_met": False}), "ck_usage_records_ok_deadline_met_is_on_time"),
+        (_USAGE_BEFORE_0006, usage_row("r", {"unit": "sm_us"}), "ck_usage_records_unit_of_device_kind"),
         (_IDLE, idle_row("i", {"unit": "sm_us", "device_id": "cpu:h"}), "ck_idle_records_device_id_of_unit"),
     ],
 )

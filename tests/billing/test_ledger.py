@@ -144,7 +144,7 @@ def test_concurrent_overlapping_batches_store_each_record_once(acme: Ledger) -> 
     assert errors == []
     results = outcomes[0] + outcomes[1]
     accepted = [r.record_id for r in results if r.status is IngestStatus.ACCEPTED]
-    assert sorted(accepted) == sorted(r.request_id for r in records)  # each accepted exactly once
+    assert sorted(accepted) == sorted(r.call_id for r in records)  # each accepted exactly once
     assert {r.status for r in results} <= {IngestStatus.ACCEPTED, IngestStatus.DUPLICATE}
     assert count(acme, UsageRow) == 600
 
@@ -166,7 +166,7 @@ def all_pages(ledger: Ledger, page_size: int, **filters) -> list[list[str]]:
                 page_token=token,
                 **filters,
             )
-        pages.append([record.request_id for record in page.records])
+        pages.append([record.call_id for record in page.records])
         token = page.next_page_token
         if token is None:
             return pages
@@ -179,9 +179,9 @@ def test_query_pages_cover_every_row_once_in_time_order(acme: Ledger) -> None:
     pages = all_pages(acme, 5)
     assert [len(page) for page in pages] == [5, 5, 5, 5, 3]
     flat = list(itertools.chain.from_iterable(pages))
-    assert sorted(flat) == [r.request_id for r in records]  # r-late is outside the period
+    assert sorted(flat) == [r.call_id for r in records]  # r-late is outside the period
     with acme.sessions() as session:
-        finished = dict(session.execute(select(UsageRow.request_id, UsageRow.finished_at_us)).all())
+        finished = dict(session.execute(select(UsageRow.call_id, UsageRow.finished_at_us)).all())
     assert [finished[i] for i in flat] == sorted(finished[i] for i in flat)
 
 
@@ -236,14 +236,15 @@ def test_page_tokens_are_checked(acme: Ledger) -> None:
         min_size=1,
         max_size=40,
     ),
-    request_id=st.text(
+    call_id=st.text(
         st.characters(min_codepoint=33, max_codepoint=0x2FFF, exclude_characters="\x7f"), min_size=1, max_size=128
     ),
     streamed=st.booleans(),
 )
-def test_stored_records_read_back_identical(acme: Ledger, unit_us, tokens, label, request_id, streamed) -> None:
+def test_stored_records_read_back_identical(acme: Ledger, unit_us, tokens, label, call_id, streamed) -> None:
     record = usage(
-        request_id,
+        call_id,
+        request_id=call_id[::-1],  # the caller's, beside the call's own
         unit_us=unit_us,
         prompt_tokens=tokens,
         labels={"team": label, "note": label},

@@ -10,18 +10,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import Engine, insert, text
+from sqlalchemy import Engine, text
 from sqlalchemy.exc import IntegrityError
 
 import migrations
 from billing.db import ledger_errors, make_engine, session_factory, unit_of_work
 from billing.errors import LedgerRefused
 from billing.invoices import get_invoice
-from billing.ledger import IngestStatus, _usage_row, ingest_usage
-from billing.models import UsageRow
+from billing.ledger import IngestStatus, ingest_usage
 from billing.pricing import add_price
 from tests.billing.conftest import BACKENDS, fresh_postgres_schema
 from tests.billing.factories import START_US, usage
+from tests.billing.test_migration_0006 import insert_before_0006, row_before_0006
 from tests.billing.test_migrations import drift
 
 _TENANT = "INSERT INTO tenants (name, created_at_us) VALUES ('acme', 0)"
@@ -57,7 +57,7 @@ def at_0004(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 def _filled(url: str) -> Iterator[str]:
     migrations.upgrade(url, "0004")
     engine = make_engine(url)
-    row = _usage_row(usage("r-1"), 1, usage("r-1").payload_digest(), 0)
+    row = row_before_0006(usage("r-1"), usage("r-1").payload_digest())
     del row["service_class"]  # no such column before 0005
     try:
         with engine.begin() as connection:
@@ -66,7 +66,7 @@ def _filled(url: str) -> Iterator[str]:
             connection.execute(text(_INVOICE), {"period": "2026-10"})
             connection.execute(text(_LINES))
             connection.execute(text(_FINALIZE))
-            connection.execute(insert(UsageRow.__table__).values(**row))
+            insert_before_0006(connection, row)
     finally:
         engine.dispose()
     yield url

@@ -106,9 +106,9 @@ _INVOICE = text(
     "created_at_us, refreshed_at_us) VALUES (1, :period, 'draft', 'USD', 0, 0, 1, 0, 0)"
 )
 _USAGE = text(
-    "INSERT INTO usage_records (request_id, tenant_id, labels, model, device_kind, device_id, unit, num_units, "
+    "INSERT INTO usage_records (call_id, tenant_id, labels, model, device_kind, device_id, unit, num_units, "
     "unit_us, prompt_tokens, completion_tokens, received_at_us, dispatched_at_us, finished_at_us, deadline_at_us, "
-    "deadline_met, outcome, payload_digest, ingested_at_us) VALUES (:request_id, 1, '{}', 'm', 'cpu', 'cpu:h', "
+    "deadline_met, outcome, payload_digest, ingested_at_us) VALUES (:call_id, 1, '{}', 'm', 'cpu', 'cpu:h', "
     "'core_us', :num_units, :unit_us, 0, 0, 1, 1, :finished_at_us, 1, false, 'error', 'd', 0)"
 )
 
@@ -152,13 +152,13 @@ def test_the_database_refuses_a_period_that_is_not_ascii_yyyy_mm(empty_url: str,
 def test_the_database_refuses_usage_whose_sums_could_overflow(empty_url: str, fields: dict, constraint: str) -> None:
     migrations.upgrade(empty_url)
     engine = make_engine(empty_url)
-    row = {"request_id": "r", "num_units": 4, "unit_us": 4 * 31 * 86_400_000_000, "finished_at_us": 2} | fields
+    row = {"call_id": "r", "num_units": 4, "unit_us": 4 * 31 * 86_400_000_000, "finished_at_us": 2} | fields
     try:
         with engine.begin() as connection:
             connection.execute(text("INSERT INTO tenants (name, created_at_us) VALUES ('acme', 0)"))
             connection.execute(
                 _USAGE,
-                {"request_id": "at-the-bound", "num_units": 4, "unit_us": 4 * 31 * 86_400_000_000, "finished_at_us": 2},
+                {"call_id": "at-the-bound", "num_units": 4, "unit_us": 4 * 31 * 86_400_000_000, "finished_at_us": 2},
             )
         with pytest.raises(IntegrityError, match=constraint), engine.begin() as connection:
             connection.execute(_USAGE, row)

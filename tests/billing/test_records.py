@@ -16,7 +16,9 @@ from tests.billing.factories import START_US, US_PER_HOUR, gpu_usage, idle, miss
 @pytest.mark.parametrize(
     ("overrides", "field"),
     [
-        ({"request_id": ""}, "request_id"),
+        ({"call_id": ""}, "call_id"),
+        ({"call_id": "x" * 129}, "call_id"),
+        ({"call_id": "bad\nid"}, "call_id"),
         ({"request_id": "x" * 129}, "request_id"),
         ({"request_id": "bad\nid"}, "request_id"),
         ({"tenant": "Acme Corp"}, "tenant"),
@@ -43,7 +45,7 @@ from tests.billing.factories import START_US, US_PER_HOUR, gpu_usage, idle, miss
 def test_invalid_usage_names_the_field(overrides: dict, field: str) -> None:
     overrides = dict(overrides)
     with pytest.raises(InvalidRecord) as caught:
-        usage(overrides.pop("request_id", "r-1"), **overrides)
+        usage(overrides.pop("call_id", "r-1"), **overrides)
     assert caught.value.field == field
     assert field.split(".")[0] in str(caught.value)
 
@@ -94,7 +96,9 @@ def test_invalid_idle_names_the_field(overrides: dict, field: str) -> None:
 
 
 DIGEST_CHANGES = [
-    {"request_id": "r-other"},
+    {"call_id": "r-other"},
+    {"request_id": "caller-1"},
+    {"service_class": "batch"},
     {"tenant": "other"},
     {"labels": {"team": "x"}},
     {"model": "m2"},
@@ -126,6 +130,37 @@ def test_digest_ignores_label_order_and_enum_spelling() -> None:
     assert first.payload_digest() == second.payload_digest()
     assert len(first.payload_digest()) == 64
     assert usage("r-1", outcome=Outcome.OK).payload_digest() == usage("r-1", outcome="ok").payload_digest()
+
+
+# Digests computed by the code before issue 30 renamed the fields (request_id -> call_id, client_request_id ->
+# request_id): a record in an outbox or the ledger from before must digest the same, or its replay would be a
+# CONFLICT instead of a DUPLICATE. These values are frozen; never update them to make a test pass.
+DIGESTS_BEFORE_THE_RENAME = [
+    ({}, "fecf5d527e15175c916d82dee80b22916b3b69780e7aa23d819a7ae75f557680"),
+    ({"request_id": "caller-7"}, "7af65df6fff14e061ca3b177240cf88415e21beed62fb1812c5989e2f491d386"),
+    (
+        {"request_id": "caller-7", "service_class": "batch"},
+        "7ad355cd01de785de0df3e5f631a880fce4064b7a5e9fa02e78067016961811f",
+    ),
+]
+
+
+@pytest.mark.parametrize(("fields", "digest"), DIGESTS_BEFORE_THE_RENAME)
+def test_a_record_digests_as_it_did_before_its_fields_were_renamed(fields: dict, digest: str) -> None:
+    assert usage("call-1", **fields).payload_digest() == digest
+
+
+def test_an_idle_record_digests_as_it_did_before_the_digest_took_payloads() -> None:
+    assert idle("cpu:host-a", 3, 1_000).payload_digest() == (
+        "8ebdce8204e30921363d2a416256a5fac2786b09c2ff0aed585544165246ae21"
+    )
+
+
+def test_the_v1_payload_keeps_the_keys_before_the_rename_and_reads_back() -> None:
+    record = usage("call-1", request_id="caller-7")
+    v1 = record.to_v1_payload()
+    assert v1["request_id"] == "call-1" and v1["client_request_id"] == "caller-7" and "call_id" not in v1
+    assert UsageRecord.from_v1_payload(v1) == record
 
 
 @pytest.mark.parametrize("outcome", list(Outcome))

@@ -63,7 +63,7 @@ def ledger_usage(url: str) -> dict[str, tuple[int, int]]:
     try:
         with engine.connect() as conn:
             rows = conn.execute(
-                text("SELECT client_request_id, COUNT(*), SUM(unit_us) FROM usage_records GROUP BY client_request_id")
+                text("SELECT request_id, COUNT(*), SUM(unit_us) FROM usage_records GROUP BY request_id")
             ).fetchall()
     finally:
         engine.dispose()

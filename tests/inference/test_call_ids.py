@@ -57,10 +57,10 @@ def test_a_reused_request_id_is_billed_once_per_admitted_call_in_every_tenant(re
     server.stop()
     rows = ledger_rows(
         server.config.ledger_url,
-        "SELECT u.request_id, u.client_request_id, t.name AS tenant, "
+        "SELECT u.call_id, u.request_id, t.name AS tenant, "
         "u.unit_us FROM usage_records u JOIN tenants t ON t.id = u.tenant_id",
     )
-    billed = sorted((r.request_id, r.client_request_id, r.tenant, r.unit_us) for r in rows)
+    billed = sorted((r.call_id, r.request_id, r.tenant, r.unit_us) for r in rows)
     assert billed == sorted((a.call_id, a.request_id, tenant, f.usage.sm_us) for tenant, a, f in served)
     assert len({a.call_id for _, a, _ in served}) == len(served) == 7
 

@@ -94,9 +94,9 @@ def test_a_hung_device_ends_its_calls_billed_goes_not_serving_and_comes_back(lla
         server.stop(grace_s=1)
     rows = ledger_rows(
         server.config.ledger_url,
-        "SELECT client_request_id, outcome, completion_tokens, unit_us FROM usage_records ORDER BY client_request_id",
+        "SELECT request_id, outcome, completion_tokens, unit_us FROM usage_records ORDER BY request_id",
     )
-    assert [(r.client_request_id, r.outcome) for r in rows] == [("after", "ok"), ("running", "error")]
+    assert [(r.request_id, r.outcome) for r in rows] == [("after", "ok"), ("running", "error")]
     running = rows[1]
     assert running.unit_us > 0 and running.completion_tokens >= 1  # billed for the steps that ran, once
 
@@ -166,7 +166,7 @@ def test_a_slowdown_mid_call_misses_with_its_credit_on_the_invoice_and_later_cal
     finally:
         server.stop(grace_s=1)
     url = server.config.ledger_url
-    rows = ledger_rows(url, "SELECT client_request_id, outcome, deadline_met FROM usage_records")
+    rows = ledger_rows(url, "SELECT request_id, outcome, deadline_met FROM usage_records")
     assert ("caught", "deadline_exceeded", False) in [tuple(r) for r in rows]
     commands.add_price(url, model, "core_us", 1_000_000, "USD", "2020-01-01T00:00:00Z")
     period = time.strftime("%Y-%m", time.gmtime())

@@ -102,7 +102,7 @@ def test_a_killed_engine_fails_its_calls_bills_them_and_takes_the_replica_out(ll
         server.stop(grace_s=1)
     (row,) = ledger_rows(
         server.config.ledger_url,
-        "SELECT outcome, unit_us, completion_tokens FROM usage_records WHERE client_request_id = 'doomed'",
+        "SELECT outcome, unit_us, completion_tokens FROM usage_records WHERE request_id = 'doomed'",
     )
     assert row.outcome == "error" and row.unit_us > 0 and row.completion_tokens >= 1
 
@@ -271,10 +271,8 @@ def test_a_device_fault_ends_the_calls_bills_them_and_takes_the_replica_out(llam
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         server.stop(grace_s=1)
-    rows = ledger_rows(
-        server.config.ledger_url, "SELECT client_request_id, outcome FROM usage_records ORDER BY client_request_id"
-    )
-    assert [(r.client_request_id, r.outcome) for r in rows] == [("bystander", "error"), ("faulty", "error")]
+    rows = ledger_rows(server.config.ledger_url, "SELECT request_id, outcome FROM usage_records ORDER BY request_id")
+    assert [(r.request_id, r.outcome) for r in rows] == [("bystander", "error"), ("faulty", "error")]
 
 
 def test_a_step_that_fails_without_a_device_fault_leaves_the_replica_serving(llama_dir):

@@ -68,7 +68,7 @@ def test_a_step_is_split_by_tokens_and_the_record_carries_the_sum():
     a.output_token_ids = [1, 2]
     meter.on_step(report([a, b], [], 4_000_000, 6_000_000, ended=[a]))  # back to back: 4000 more, 1:1
     (record,) = rec.usage
-    assert record.request_id == "a" and record.unit_us == 4000 and record.unit == "core_us"
+    assert record.call_id == "a" and record.unit_us == 4000 and record.unit == "core_us"
     assert record.outcome == "ok" and record.deadline_met and record.completion_tokens == 2
     assert meter.usage_unit_us == {"b": 8000}
 

@@ -260,7 +260,7 @@ def test_a_tenant_at_its_monthly_device_cap_is_refused_while_another_is_served(s
     assert raised.value.report.num_attempts == 1 and raised.value.report.gave_up == "quota"
     set_policy(server, "acme", device_us_per_month=None)
     assert generate(acme)[-1].final.usage.sm_us > 0  # the cap lifted: served again
-    billed = ledger_rows(server.config.ledger_url, "SELECT client_request_id FROM usage_records")
+    billed = ledger_rows(server.config.ledger_url, "SELECT request_id FROM usage_records")
     assert ("over-cap-1",) not in billed and len(billed) > billed_before  # refused calls are never billed
 
 

@@ -44,7 +44,7 @@ def finals(stub, n, **fields):
     out = []
     for _ in range(n):
         messages = list(stub.Generate(pb.GenerateRequest(**fields), timeout=20))
-        out.append((messages[0].admission.call_id, messages[-1].final))  # the ledger's request_id
+        out.append((messages[0].admission.call_id, messages[-1].final))  # the ledger's call_id
     return out
 
 
@@ -77,12 +77,12 @@ def test_served_run_bills_every_call_once_and_conserves_wall_time(llama_dir, tmp
     server.stop()
     url = server.config.ledger_url
     records = ledger_rows(url, "SELECT * FROM usage_records")
-    rows = {r.request_id: r for r in records} | {r.client_request_id: r for r in records if r.client_request_id}
-    for request_id, final in done:
-        assert rows[request_id].unit_us == final.usage.sm_us > 0
-        assert rows[request_id].cost_center == "cc-7" and rows[request_id].team == "search"
-        assert final.usage.unit == "core_us" and rows[request_id].unit == "core_us"
-        assert rows[request_id].service_class == "standard"  # none named, none but standard offered
+    rows = {r.call_id: r for r in records} | {r.request_id: r for r in records if r.request_id}
+    for call_id, final in done:
+        assert rows[call_id].unit_us == final.usage.sm_us > 0
+        assert rows[call_id].cost_center == "cc-7" and rows[call_id].team == "search"
+        assert final.usage.unit == "core_us" and rows[call_id].unit == "core_us"
+        assert rows[call_id].service_class == "standard"  # none named, none but standard offered
     assert "refused-1" not in rows
     assert rows["cancel-1"].outcome == "cancelled" and rows["cancel-1"].unit_us > 0
     assert len(records) == len(done) + len(running) + 1
@@ -119,7 +119,7 @@ def test_usage_survives_a_metering_outage(llama_dir, tmp_path):
     finally:
         server.stop()
         metering.stop()
-    rows = ledger_rows(url, "SELECT request_id, unit_us FROM usage_records")
+    rows = ledger_rows(url, "SELECT call_id, unit_us FROM usage_records")
     assert sorted(rows) == sorted((rid, f.usage.sm_us) for rid, f in before + during)
 
 
@@ -207,7 +207,7 @@ def test_sigkill_loses_no_usage_of_a_finished_call(llama_dir, tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
-    rows = ledger_rows(url, "SELECT request_id, COUNT(*), SUM(unit_us) FROM usage_records GROUP BY request_id")
-    stored = {rid: (count, unit_us) for rid, count, unit_us in rows}
-    for request_id, sm_us in finished:
-        assert stored[request_id] == (1, sm_us), request_id
+    rows = ledger_rows(url, "SELECT call_id, COUNT(*), SUM(unit_us) FROM usage_records GROUP BY call_id")
+    stored = {call_id: (count, unit_us) for call_id, count, unit_us in rows}
+    for call_id, sm_us in finished:
+        assert stored[call_id] == (1, sm_us), call_id

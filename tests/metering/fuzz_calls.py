@@ -97,7 +97,7 @@ class FuzzCall:
 def _valid_record(rng: random.Random) -> pb.UsageRecord:
     finished = 1_614_556_800_000_000 + rng.randrange(10**9)
     return pb.UsageRecord(
-        request_id=f"fz-{rng.getrandbits(48):x}",
+        call_id=f"fz-{rng.getrandbits(48):x}",
         tenant="acme",
         labels={"cost_center": "cc-1"},
         model="tiny",

@@ -51,7 +51,7 @@ def test_records_carry_their_class_and_invoice_lines_show_it(stub, classed: Keys
     reply = stub.RecordUsage(pb.RecordUsageRequest(records=[bad]), metadata=admin, timeout=30)
     assert reply.records[0].status == pb.RECORD_STATUS_INVALID and "service_class" in reply.records[0].message
     page = stub.QueryUsage(pb.QueryUsageRequest(tenant="acme"), metadata=bearer(classed.acme), timeout=30)
-    assert {r.request_id: r.service_class for r in page.records} == {
+    assert {r.call_id: r.service_class for r in page.records} == {
         "r-old": "standard",
         "r-batch": "batch",
         "r-missed": "batch",

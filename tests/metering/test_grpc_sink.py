@@ -21,7 +21,7 @@ class FakeStub:
         self.batches: list[list[str]] = []
 
     async def RecordUsage(self, request, metadata, timeout):  # noqa: N802 - the stub's method
-        ids = [r.request_id for r in request.records]
+        ids = [r.call_id for r in request.records]
         self.batches.append(ids)
         if self.poison & set(ids):
             raise grpc.aio.AioRpcError(
@@ -41,7 +41,7 @@ def test_a_refused_batch_is_halved_until_only_the_records_at_fault_are_dead(pois
     records = [builder(f"r{i}")() for i in range(64)]
     stub = FakeStub(poison)
     acks = asyncio.run(sink_with(stub).deliver(records, []))
-    assert sorted(a.record_id for a in acks) == sorted(r.request_id for r in records)  # each acked once
+    assert sorted(a.record_id for a in acks) == sorted(r.call_id for r in records)  # each acked once
     dead = {a.record_id for a in acks if a.delivery is Delivery.DEAD}
     assert dead == poison
     assert all("INVALID_ARGUMENT" in a.reason for a in acks if a.delivery is Delivery.DEAD)

@@ -188,10 +188,10 @@ def test_terminated_connections_mid_ingest_lose_nothing_and_an_uncached_key_is_u
     engine = make_engine(own_ledger.url)
     try:
         with engine.connect() as connection:
-            stored = connection.execute(select(UsageRow.request_id, func.count()).group_by(UsageRow.request_id)).all()
+            stored = connection.execute(select(UsageRow.call_id, func.count()).group_by(UsageRow.call_id)).all()
     finally:
         engine.dispose()
-    assert sorted(stored) == sorted((r.request_id, 1) for r in records)  # every record, exactly once
+    assert sorted(stored) == sorted((r.call_id, 1) for r in records)  # every record, exactly once
 
 
 def test_a_key_looked_up_in_a_ledger_that_cannot_be_reached_is_unavailable(tmp_path: Path) -> None:

@@ -26,10 +26,10 @@ PAST = "2021-03"
 PAST_START_US = parse_period(PAST).start_us
 
 
-def raw(request_id: str, **fields) -> pb.UsageRecord:  # type: ignore[no-untyped-def]
+def raw(call_id: str, **fields) -> pb.UsageRecord:  # type: ignore[no-untyped-def]
     """A record as a client may send it: valid, then with `fields` set past any validation."""
     message = record("placeholder", finished_at_us=fields.pop("finished_at_us", PAST_START_US + 1))
-    message.request_id = request_id
+    message.call_id = call_id
     for name, value in fields.items():
         setattr(message, name, value)
     return message
@@ -182,5 +182,5 @@ def test_a_page_token_survives_a_restart_and_works_on_any_server_of_the_ledger(
         rest = other.stub(channel).QueryUsage(
             pb.QueryUsageRequest(page_size=2, page_token=first.next_page_token), metadata=bearer(keys.acme), timeout=30
         )
-    assert [r.request_id for r in (*first.records, *rest.records)] == ["r0", "r1", "r2"]
+    assert [r.call_id for r in (*first.records, *rest.records)] == ["r0", "r1", "r2"]
     assert rest.next_page_token == ""

@@ -23,19 +23,19 @@ PAST_START_US = parse_period(PAST).start_us
 U = grpc.StatusCode
 
 
-def record(request_id: str, **overrides) -> pb.UsageRecord:  # type: ignore[no-untyped-def]
-    return usage_to_pb(usage(request_id, **overrides))
+def record(call_id: str, **overrides) -> pb.UsageRecord:  # type: ignore[no-untyped-def]
+    return usage_to_pb(usage(call_id, **overrides))
 
 
 def send(stub, key: str, *records: pb.UsageRecord, idle_records=()) -> pb.RecordUsageResponse:  # type: ignore[no-untyped-def]
     return stub.RecordUsage(pb.RecordUsageRequest(records=records, idle=idle_records), metadata=bearer(key), timeout=30)
 
 
-def stored_rows(ledger: Ledger, request_id: str | None = None) -> int:
+def stored_rows(ledger: Ledger, call_id: str | None = None) -> int:
     with ledger.sessions() as session:
         query = select(func.count()).select_from(UsageRow)
-        if request_id is not None:
-            query = query.where(UsageRow.request_id == request_id)
+        if call_id is not None:
+            query = query.where(UsageRow.call_id == call_id)
         return session.scalar(query)
 
 
@@ -105,10 +105,10 @@ def test_a_tenant_key_reaches_only_its_own_tenant(stub, keys: Keys) -> None:
         assert error.code() == U.PERMISSION_DENIED, method
         assert reason(error) == "PERMISSION_DENIED"
     own = stub.QueryUsage(pb.QueryUsageRequest(), metadata=bearer(keys.acme))
-    assert [r.request_id for r in own.records] == ["a1"]
+    assert [r.call_id for r in own.records] == ["a1"]
     assert stub.ListInvoices(pb.ListInvoicesRequest(), metadata=bearer(keys.acme)).invoices == []
     everyone = stub.QueryUsage(pb.QueryUsageRequest(), metadata=bearer(keys.admin))
-    assert [r.request_id for r in everyone.records] == ["a1", "g1"]
+    assert [r.call_id for r in everyone.records] == ["a1", "g1"]
 
 
 # --- RecordUsage ---------------------------------------------------------------------------------------------
@@ -134,7 +134,7 @@ def test_same_id_with_another_payload_is_a_loud_conflict(stub, keys: Keys, ledge
         e["event"] == "metering.conflict" and e["log_level"] == "error" and e["record_ids"] == ["r1"] for e in logs
     )
     with ledger.sessions() as session:
-        assert session.scalar(select(UsageRow.unit_us).where(UsageRow.request_id == "r1")) == 1_000_000
+        assert session.scalar(select(UsageRow.unit_us).where(UsageRow.call_id == "r1")) == 1_000_000
         assert session.scalar(select(func.count()).select_from(UsageConflict)) == 1
     assert send(stub, keys.admin, record("r1")).records[0].status == pb.RECORD_STATUS_DUPLICATE
 
@@ -143,7 +143,7 @@ def test_an_invalid_record_is_refused_alone_naming_its_field(stub, keys: Keys, l
     bad_unit = record("bad-unit")
     bad_unit.unit = "sm_us"  # a CPU record billed in SM·µs
     no_id = record("x")
-    no_id.request_id = ""
+    no_id.call_id = ""
     late = record("bad-time")
     late.dispatched_at_us = late.received_at_us - 1
     batch = [record("ok-1"), bad_unit, no_id, record("stranger", tenant="initech"), late, record("ok-2")]
@@ -160,7 +160,7 @@ def test_an_invalid_record_is_refused_alone_naming_its_field(stub, keys: Keys, l
         ("ok-2", "RECORD_STATUS_ACCEPTED"),
     ]
     messages = [r.message for r in response.records]
-    assert messages[1].startswith("unit ") and messages[2].startswith("request_id ")
+    assert messages[1].startswith("unit ") and messages[2].startswith("call_id ")
     assert messages[3].startswith("tenant:") and "initech" in messages[3]
     assert messages[4].startswith("dispatched_at_us") and messages[0] == messages[5] == ""
     assert [pb.RecordStatus.Name(r.status) for r in response.idle] == [
@@ -199,17 +199,17 @@ def test_query_usage_pages_and_filters(stub, keys: Keys, ledger: Ledger) -> None
     while True:
         query.page_token = token
         page = stub.QueryUsage(query, metadata=bearer(keys.admin))
-        pages.append([r.request_id for r in page.records])
+        pages.append([r.call_id for r in page.records])
         token = page.next_page_token
         if not token:
             break
     assert [len(p) for p in pages] == [10, 10, 5]
-    assert sum(pages, []) == [r.request_id for r in records]
+    assert sum(pages, []) == [r.call_id for r in records]
     assert stub.QueryUsage(query, metadata=bearer(keys.admin)).records[0] == usage_to_pb(records[20])
 
     def ids(key: str = keys.admin, **fields) -> list[str]:  # type: ignore[no-untyped-def]
         reply = stub.QueryUsage(pb.QueryUsageRequest(page_size=1000, **fields), metadata=bearer(key))
-        return [r.request_id for r in reply.records]
+        return [r.call_id for r in reply.records]
 
     assert ids(labels={"cost_center": "cc-1", "env": "dev"}) == ["r21", "r23"]
     assert ids(model="big", tenant="acme") == ["r00", "r03", "r06", "r12", "r15", "r18", "r21"]

@@ -32,7 +32,7 @@ INVOICE_STATUS_FINALIZED: InvoiceStatus
 INVOICE_STATUS_VOID: InvoiceStatus
 
 class UsageRecord(_message.Message):
-    __slots__ = ("request_id", "tenant", "labels", "model", "device_kind", "device_id", "unit", "num_units", "unit_us", "prompt_tokens", "completion_tokens", "received_at_us", "dispatched_at_us", "first_token_at_us", "finished_at_us", "deadline_at_us", "deadline_met", "outcome", "client_request_id", "service_class")
+    __slots__ = ("call_id", "tenant", "labels", "model", "device_kind", "device_id", "unit", "num_units", "unit_us", "prompt_tokens", "completion_tokens", "received_at_us", "dispatched_at_us", "first_token_at_us", "finished_at_us", "deadline_at_us", "deadline_met", "outcome", "request_id", "service_class")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -40,7 +40,7 @@ class UsageRecord(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -58,9 +58,9 @@ class UsageRecord(_message.Message):
     DEADLINE_AT_US_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MET_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
-    CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SERVICE_CLASS_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
+    call_id: str
     tenant: str
     labels: _containers.ScalarMap[str, str]
     model: str
@@ -78,9 +78,9 @@ class UsageRecord(_message.Message):
     deadline_at_us: int
     deadline_met: bool
     outcome: str
-    client_request_id: str
+    request_id: str
     service_class: str
-    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., model: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_id: _Optional[str] = ..., unit: _Optional[str] = ..., num_units: _Optional[int] = ..., unit_us: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., received_at_us: _Optional[int] = ..., dispatched_at_us: _Optional[int] = ..., first_token_at_us: _Optional[int] = ..., finished_at_us: _Optional[int] = ..., deadline_at_us: _Optional[int] = ..., deadline_met: _Optional[bool] = ..., outcome: _Optional[str] = ..., client_request_id: _Optional[str] = ..., service_class: _Optional[str] = ...) -> None: ...
+    def __init__(self, call_id: _Optional[str] = ..., tenant: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., model: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_id: _Optional[str] = ..., unit: _Optional[str] = ..., num_units: _Optional[int] = ..., unit_us: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., received_at_us: _Optional[int] = ..., dispatched_at_us: _Optional[int] = ..., first_token_at_us: _Optional[int] = ..., finished_at_us: _Optional[int] = ..., deadline_at_us: _Optional[int] = ..., deadline_met: _Optional[bool] = ..., outcome: _Optional[str] = ..., request_id: _Optional[str] = ..., service_class: _Optional[str] = ...) -> None: ...
 
 class IdleRecord(_message.Message):
     __slots__ = ("record_id", "device_id", "unit", "num_units", "minute_start_us", "idle_unit_us", "wall_unit_us")

@@ -85,7 +85,7 @@ class MeteringServicer:
     """Missing associated documentation comment in .proto file."""
 
     def RecordUsage(self, request, context):
-        """Idempotent per request_id (and idle record_id): a replay of an identical record is DUPLICATE,
+        """Idempotent per call_id (and idle record_id): a replay of an identical record is DUPLICATE,
         the same id with a different payload is CONFLICT (kept for review, never overwriting).
         A record that fails validation, or names a tenant that does not exist, is INVALID on its own; the
         rest of the batch is stored. At most 10,000 records and idle records per call. Admin keys only.
