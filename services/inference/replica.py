@@ -45,8 +45,7 @@ from .engine.watchdog import DeviceState, WatchdogConfig
 from .generate_request import RequestLimits
 from .meter import Meter
 from .metrics import ServiceMetrics, StepStats
-from .policy_book import DEFAULT_REFRESH_S, PolicyBook, ledger_reader, remote_reader, weights_of
-from .quotas import QuotaGate
+from .policy import DEFAULT_REFRESH_S, PolicyBook, QuotaGate, ledger_reader, remote_reader, weights_of
 from .service import InferenceService, ModelCard, WarmupState
 from .servicer import InferenceServicer
 

@@ -32,7 +32,7 @@ from .engine.steplog import StepLog
 from .engine.watchdog import DeviceState
 from .meter import OUTCOMES, Meter, RecordContext
 from .metrics import ServiceMetrics
-from .quotas import QuotaGate
+from .policy import QuotaGate
 from .sched.request import FinishReason, Request, RequestStatus
 
 log = structlog.get_logger(__name__)

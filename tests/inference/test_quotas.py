@@ -18,12 +18,11 @@ from billing.policy import DEVICE_CAP, RATE_CAP, SPEND_CAP, ServingPolicy, Tenan
 from services import errors
 from services.client import Client, QuotaExceeded
 from services.inference.device.executor import ExecutorConfig
-from services.inference.policy_book import PolicyBook, weights_of
-from services.inference.quotas import QuotaGate
+from services.inference.policy import PolicyBook, QuotaGate, weights_of
 from services.inference.replica import ServeConfig
 from tests.inference.harness import ServerThread, status_details
-from tests.inference.test_classes import ledger
 from tests.inference.test_overload import wait_until
+from tests.inference.test_service_class import ledger
 from tests.inference.test_usage import ledger_rows
 
 S = 1_000_000_000  # ns
@@ -158,9 +157,9 @@ def test_the_first_read_is_awaited_before_serving_and_says_whether_it_read(fails
 
 
 def test_a_hung_read_is_a_failed_refresh_and_the_next_one_waits_on_it_instead_of_starting_another(monkeypatch):
-    from services.inference import policy_book
+    from services.inference.policy import book
 
-    monkeypatch.setattr(policy_book, "READ_TIMEOUT_S", 0.01)
+    monkeypatch.setattr(book, "READ_TIMEOUT_S", 0.01)
     reads, fresh = [], ServingPolicy(tenants={"acme": TenantQuota("acme", weight=2)})
 
     async def main():
@@ -311,7 +310,7 @@ def test_a_failed_policy_read_keeps_serving_with_the_last_policy(server):
 
 
 def test_a_replica_on_a_remote_metering_service_reads_the_policy_with_get_serving_policy(llama_dir, tmp_path):
-    from tests.inference.test_classes import INTERACTIVE, add_classes
+    from tests.inference.test_service_class import INTERACTIVE, add_classes
     from tests.metering.harness import MeteringThread
 
     url = f"sqlite:///{tmp_path / 'ledger.db'}"

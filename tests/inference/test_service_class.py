@@ -18,9 +18,9 @@ from billing.db import unit_of_work
 from billing.policy import STANDARD, ClassSpec, ServingPolicy
 from services import errors
 from services.inference.call import BudgetSource
-from services.inference.classes import class_of
 from services.inference.device.card import read_card
 from services.inference.device.executor import ExecutorConfig
+from services.inference.policy import class_of
 from services.inference.replica import ServeConfig
 from tests.inference.harness import ServerThread, status_details
 from tests.inference.test_overload import wait_until
