@@ -14,12 +14,4 @@ from .book import DEFAULT_REFRESH_S, PolicyBook, ledger_reader, remote_reader, w
 from .quotas import QuotaGate
 from .service_class import class_of
 
-__all__ = [
-    "DEFAULT_REFRESH_S",
-    "PolicyBook",
-    "QuotaGate",
-    "class_of",
-    "ledger_reader",
-    "remote_reader",
-    "weights_of",
-]
+__all__ = ["DEFAULT_REFRESH_S", "PolicyBook", "QuotaGate", "class_of", "ledger_reader", "remote_reader", "weights_of"]
