@@ -13,7 +13,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 from zeroqueue.inference.v1 import inference_pb2 as pb
 
-from billing import classes, commands
+from billing import commands, service_classes
 from billing.policy import DEVICE_CAP, RATE_CAP, SPEND_CAP, ServingPolicy, TenantQuota
 from services import errors
 from services.client import Client, QuotaExceeded
@@ -197,7 +197,7 @@ def server(llama_dir):
 
 def set_policy(server, tenant: str, **caps) -> None:
     with ledger(server.config.ledger_url) as session:
-        classes.set_tenant_policy(session, tenant, **caps)
+        service_classes.set_tenant_policy(session, tenant, **caps)
     read_at = server.app.book.policy.read_at_us
     wait_until(lambda: server.app.book.policy.read_at_us > read_at, timeout=10)  # read again since
 
@@ -318,7 +318,7 @@ def test_a_replica_on_a_remote_metering_service_reads_the_policy_with_get_servin
     tenant_key, admin_key = commands.create_tenant(url, "acme"), commands.create_admin_key(url)
     add_classes(url, INTERACTIVE)
     with ledger(url) as session:
-        classes.set_tenant_policy(session, "acme", weight=3, calls_per_s=1_000)
+        service_classes.set_tenant_policy(session, "acme", weight=3, calls_per_s=1_000)
     config = ServeConfig(
         str(llama_dir),
         port=0,

@@ -12,7 +12,7 @@ import structlog
 from structlog.testing import capture_logs
 from zeroqueue.inference.v1 import inference_pb2 as pb
 
-from billing import classes, pricing
+from billing import pricing, service_classes
 from billing.commands import sessions
 from billing.db import unit_of_work
 from billing.policy import STANDARD, ClassSpec, ServingPolicy
@@ -40,7 +40,7 @@ def ledger(url: str):
 def add_classes(url: str, *specs: ClassSpec) -> None:
     with ledger(url) as session:
         for s in specs:
-            classes.add_class(
+            service_classes.add_class(
                 session,
                 s.name,
                 min_budget_ms=s.min_budget_ms,
