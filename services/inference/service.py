@@ -54,6 +54,9 @@ class WarmupState(enum.Enum):
 
 @dataclass(frozen=True)
 class ModelCard:
+    """The model this replica serves, as ListModels tells it and requests are checked against: the checkpoint's
+    header (device/checkpoint.py) bounded by what the engine made of it once ready (context, slots, device)."""
+
     name: str
     context_length: int
     dtype: str

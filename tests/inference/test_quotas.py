@@ -198,8 +198,8 @@ def server(llama_dir):
 def set_policy(server, tenant: str, **caps) -> None:
     with ledger(server.config.ledger_url) as session:
         service_classes.set_tenant_policy(session, tenant, **caps)
-    read_at = server.app.book.policy.read_at_us
-    wait_until(lambda: server.app.book.policy.read_at_us > read_at, timeout=10)  # read again since
+    read_at = server.replica.book.policy.read_at_us
+    wait_until(lambda: server.replica.book.policy.read_at_us > read_at, timeout=10)  # read again since
 
 
 def generate(stub, timeout=10.0, **fields):
@@ -242,13 +242,13 @@ def test_a_tenant_at_its_monthly_device_cap_is_refused_while_another_is_served(s
     info_ = details["ErrorInfo"]
     assert info_.reason == "QUOTA_EXCEEDED" and info_.metadata["cap"] == "device_us_per_month"
     resets_at_us = int(info_.metadata["resets_at_us"])
-    assert resets_at_us == server.app.book.policy.quota_of("acme").resets_at_us
+    assert resets_at_us == server.replica.book.policy.quota_of("acme").resets_at_us
     trailers = dict(error.trailing_metadata())
     delay_ms = details["RetryInfo"].retry_delay.ToMilliseconds()
     assert delay_ms == int(trailers["retry-after-ms"]) > 0
     assert trailers["grpc-retry-pushback-ms"] == ("-1" if delay_ms >= 10_000 else str(delay_ms))
     assert generate(other)[-1].final.usage.sm_us > 0  # the other tenant is unaffected
-    quota_refusals = server.app.metrics.registry.get_sample_value(
+    quota_refusals = server.replica.metrics.registry.get_sample_value(
         "zeroqueue_refusals_total", {"cause": "quota", "tenant": "acme", "service_class": "standard"}
     )
     assert quota_refusals >= 1
@@ -287,7 +287,7 @@ def test_past_its_calls_per_second_a_tenant_is_refused_with_the_time_of_its_next
 
 
 def test_a_failed_policy_read_keeps_serving_with_the_last_policy(server):
-    book, registry = server.app.book, server.app.metrics.registry
+    book, registry = server.replica.book, server.replica.metrics.registry
     read = book.read
 
     async def down():
@@ -330,13 +330,13 @@ def test_a_replica_on_a_remote_metering_service_reads_the_policy_with_get_servin
         server = ServerThread(dataclasses.replace(config, metering_address=metering.address, metering_key=admin_key))
         try:
             server.start()
-            book = server.app.book
+            book = server.replica.book
             wait_until(lambda: book.policy.class_named("interactive") is not None, timeout=10)
             assert book.policy.quota_of("acme").calls_per_s == 1_000 and book.policy.weight_of("acme") == 3
-            assert server.app.service.admission.shares.weights == {"acme": 3.0}  # fair share weighs it so
+            assert server.replica.service.admission.shares.weights == {"acme": 3.0}  # fair share weighs it so
             messages = generate(server.stub(key=tenant_key), timeout=3.0, service_class="interactive")
             assert messages[0].admission.service_class == "interactive"
-            ok = server.app.metrics.registry.get_sample_value("zeroqueue_policy_refreshes_total", {"result": "ok"})
+            ok = server.replica.metrics.registry.get_sample_value("zeroqueue_policy_refreshes_total", {"result": "ok"})
             assert ok >= 1
         finally:
             server.stop()
