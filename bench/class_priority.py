@@ -39,9 +39,9 @@ STREAMS = {"batch": "A", "interactive": "B"}  # pulse's name of each class's str
 
 def provision(replica) -> dict[str, str]:
     """The classes, and one tenant with a key per class's stream, in the replica's ledger."""
-    from billing.classes import add_class
     from billing.commands import sessions
     from billing.db import unit_of_work
+    from billing.service_classes import add_class
     from billing.tenants import create_tenant, create_tenant_key
 
     with sessions(replica.ledger_url) as factory, unit_of_work(factory) as session:

@@ -61,7 +61,7 @@ async def health(address: str, stop: asyncio.Event, stats: dict) -> None:
 
 
 async def fuzz(server: ServerThread, args: argparse.Namespace) -> tuple[Tally, dict]:
-    card = server.app.service.card
+    card = server.replica.service.card
     fuzzer = GenerateFuzzer(args.seed, card.name, card.context_length, card.vocab_size, args.max_request_bytes)
     tally, stats, stop = Tally(keep=args.keep), {"answers": 0, "failures": 0, "max_s": 0.0}, asyncio.Event()
     checker = asyncio.create_task(health(server.address, stop, stats))

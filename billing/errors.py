@@ -173,7 +173,7 @@ class CreditExceedsInvoice(FailedPrecondition):
     reason = "CREDIT_EXCEEDS_INVOICE"
 
 
-# Classes of service and tenant policies (billing/classes.py).
+# Classes of service and tenant policies (billing/service_classes.py).
 class InvalidClass(InvalidArgument):
     reason = "INVALID_CLASS"
 

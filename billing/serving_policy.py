@@ -20,11 +20,11 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from billing.aggregate import aggregate_usage, exact_sum, joined
-from billing.classes import list_classes
 from billing.models import Tenant, TenantPolicy, UsageRow
 from billing.period import period_of
 from billing.policy import PriceQuote, ServingPolicy, TenantQuota
 from billing.pricing import PriceSchedule
+from billing.service_classes import list_classes
 
 
 def _prices(schedule: PriceSchedule, now_us: int) -> tuple[PriceQuote, ...]:

@@ -249,12 +249,12 @@ def serve_config(args: argparse.Namespace):
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from services.inference.replica import InferenceApp
+    from services.inference.replica import Replica
 
     config = serve_config(args)
     if args.demo_tenant and not args.metering:
         ensure_demo_tenant(args.ledger, args.demo_tenant, args.data_dir)
-    return asyncio.run(_serve(lambda: InferenceApp(config)))
+    return asyncio.run(_serve(lambda: Replica(config)))
 
 
 def ensure_demo_tenant(ledger: str | None, name: str, data_dir_arg: str | None) -> None:

@@ -1,5 +1,5 @@
 """`zeroqueue classes add|update|list` and `zeroqueue tenants policy set|show`: classes of service and tenant
-policies (billing/classes.py), each command one unit of work on a migrated ledger; wired by cli_billing.py.
+policies (billing/service_classes.py), each command one unit of work on a migrated ledger; wired by cli_billing.py.
 
 Amounts on the command line are exact: --device-hours-per-month 1.5 is 5,400,000,000 unit·µs and
 --spend-per-month 12.5 is 12,500,000 micro-units; a value that is not a whole number of µs or micro-units, or not
@@ -63,7 +63,7 @@ def _print_policy(view) -> None:  # type: ignore[no-untyped-def]
 
 
 def run_policy_set(args: argparse.Namespace) -> int:
-    from billing.classes import set_tenant_policy
+    from billing.service_classes import set_tenant_policy
 
     caps = _caps(args)
     with ledger_session(args) as session:
@@ -73,7 +73,7 @@ def run_policy_set(args: argparse.Namespace) -> int:
 
 
 def run_policy_show(args: argparse.Namespace) -> int:
-    from billing.classes import show_tenant_policy
+    from billing.service_classes import show_tenant_policy
 
     with ledger_session(args) as session:
         _print_policy(show_tenant_policy(session, args.tenant))
@@ -87,8 +87,8 @@ def _print_classes(specs) -> None:  # type: ignore[no-untyped-def]
 
 
 def run_class_add(args: argparse.Namespace) -> int:
-    from billing.classes import add_class
     from billing.models import MAX_CLASS_BUDGET_MS
+    from billing.service_classes import add_class
 
     with ledger_session(args) as session:
         spec = add_class(
@@ -104,7 +104,7 @@ def run_class_add(args: argparse.Namespace) -> int:
 
 
 def run_class_update(args: argparse.Namespace) -> int:
-    from billing.classes import update_class
+    from billing.service_classes import update_class
 
     with ledger_session(args) as session:
         spec = update_class(
@@ -120,7 +120,7 @@ def run_class_update(args: argparse.Namespace) -> int:
 
 
 def run_class_list(args: argparse.Namespace) -> int:
-    from billing.classes import list_classes
+    from billing.service_classes import list_classes
 
     with ledger_session(args) as session:
         _print_classes(list_classes(session))

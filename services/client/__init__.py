@@ -23,9 +23,9 @@ from .errors import (
     Unavailable,
     ZeroQueueError,
 )
-from .policy import RetryConfig, RetryPolicy
+from .failure import Failure, FieldViolation, QuotaViolation
 from .results import Admission, AttemptRecord, CallReport, Chunk, ClassOffer, ModelInfo, Result, Timings, Usage
-from .status import Failure, FieldViolation, QuotaViolation
+from .retry import Retrier, RetryConfig
 
 __all__ = [
     "Admission",
@@ -50,7 +50,7 @@ __all__ = [
     "QuotaViolation",
     "Result",
     "RetryConfig",
-    "RetryPolicy",
+    "Retrier",
     "ServerError",
     "Timings",
     "Unauthenticated",

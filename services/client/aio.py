@@ -20,9 +20,9 @@ from zeroqueue.inference.v1 import inference_pb2_grpc
 
 from .call import Attempt, CallDriver, build_request
 from .client import channel_credentials
-from .policy import RetryConfig, RetryPolicy
+from .failure import failure_from_rpc
 from .results import CallReport, Chunk, ModelInfo, Result, models_from
-from .status import failure_from_rpc
+from .retry import Retrier, RetryConfig
 
 
 class AsyncGeneration(AsyncIterator[Chunk]):
@@ -107,7 +107,7 @@ class AsyncClient:
             for e in self.endpoints
         ]
         self._stubs = [inference_pb2_grpc.InferenceStub(c) for c in self._channels]
-        self.policy = RetryPolicy(retry or RetryConfig(), len(self.endpoints), clock, wall_clock, rand)
+        self.retrier = Retrier(retry or RetryConfig(), len(self.endpoints), clock, wall_clock, rand)
         self._sleep = sleep
 
     def generate(
@@ -153,7 +153,7 @@ class AsyncClient:
         return models_from(reply)
 
     def _driver(self, request: pb.GenerateRequest, deadline_ms: float) -> CallDriver:
-        return CallDriver(self.policy, self.endpoints, self.api_key, request, deadline_ms)
+        return CallDriver(self.retrier, self.endpoints, self.api_key, request, deadline_ms)
 
     async def _admit(self, driver: CallDriver) -> tuple[grpc.aio.UnaryStreamCall, Attempt]:
         while True:

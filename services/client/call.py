@@ -1,5 +1,5 @@
 """One Generate call's bookkeeping, shared by the sync and asyncio transports: the request, each attempt's
-metadata and timeout, the policy's verdict on a failure, and the report. The transports only do the I/O."""
+metadata and timeout, the retrier's verdict on a failure, and the report. The transports only do the I/O."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import grpc
 from zeroqueue.inference.v1 import inference_pb2 as pb
 
 from .errors import ZeroQueueError, error_for
-from .policy import CallState, GiveUp, Retry, RetryPolicy
+from .failure import Failure
 from .results import Admission, AttemptRecord, CallReport, Chunk, Result, admission_from, chunk_from, result_from
-from .status import Failure
+from .retry import CallState, GiveUp, Retrier, Retry
 
 RETRY_ATTEMPT_KEY = "x-retry-attempt"
 
@@ -69,20 +69,15 @@ class Attempt:
 
 class CallDriver:
     def __init__(
-        self,
-        policy: RetryPolicy,
-        endpoints: Sequence[str],
-        api_key: str,
-        request: pb.GenerateRequest,
-        deadline_ms: float,
+        self, retrier: Retrier, endpoints: Sequence[str], api_key: str, request: pb.GenerateRequest, deadline_ms: float
     ) -> None:
-        self.policy = policy
+        self.retrier = retrier
         self.endpoints = endpoints
         self.auth = ("authorization", f"Bearer {api_key}")
         self.request = request
-        self.state: CallState = policy.start(deadline_ms, request.model)
+        self.state: CallState = retrier.start(deadline_ms, request.model)
         self.records: list[AttemptRecord] = []
-        self.next = Retry(policy.first_endpoint(), 0.0, "")
+        self.next = Retry(retrier.first_endpoint(), 0.0, "")
         self.gave_up = ""
         self.last_overload: Failure | None = None
         self.admission: Admission | None = None
@@ -107,7 +102,7 @@ class CallDriver:
             request = pb.GenerateRequest()
             request.CopyFrom(self.request)
             request.model = self.state.model
-        timeout_s = max(self.policy.remaining_s(self.state), 0.0)
+        timeout_s = max(self.retrier.remaining_s(self.state), 0.0)
         metadata = (self.auth,) if number == 0 else (self.auth, (RETRY_ATTEMPT_KEY, str(number)))
         self.records.append(
             AttemptRecord(
@@ -125,7 +120,7 @@ class CallDriver:
     def failed(self, attempt: Attempt, failure: Failure) -> ZeroQueueError | None:
         """Records a failed attempt; returns the error to raise, or None to go on with `self.next`."""
         self._settle(failure.code.name, failure.reason, failure.retry_after_ms)
-        decision = self.policy.after_failure(self.state, attempt.endpoint, failure)
+        decision = self.retrier.after_failure(self.state, attempt.endpoint, failure)
         if isinstance(decision, GiveUp):
             self.gave_up = decision.why
             return error_for(self._told(failure), self.report())
@@ -145,7 +140,7 @@ class CallDriver:
 
     def admitted(self, attempt: Attempt, message: pb.GenerateResponse) -> None:
         self._settle("admitted")
-        self.policy.on_admitted(attempt.endpoint)
+        self.retrier.on_admitted(attempt.endpoint)
         self.admission = admission_from(message.admission, self.endpoints[attempt.endpoint])
 
     def chunk(self, message: pb.TokenChunk) -> Chunk:
@@ -164,7 +159,7 @@ class CallDriver:
         self.records[-1] = replace(self.records[-1], outcome=outcome, reason=reason, retry_after_ms=retry_after_ms)
 
     def _since_start(self) -> float:
-        return self.policy.clock() - self.state.started_s
+        return self.retrier.clock() - self.state.started_s
 
     def protocol_error(self, what: str) -> ZeroQueueError:
         """The stream broke the contract (no admission first, no final last): a server bug, never retried."""

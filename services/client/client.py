@@ -6,7 +6,7 @@
             print(chunk.text, end="")
         print(generation.result.usage, generation.report.num_attempts, generation.report.waited_s)
 
-A call starts when its iteration does. Retries (see policy.py) happen before the first chunk; once the
+A call starts when its iteration does. Retries (see retry.py) happen before the first chunk; once the
 server has admitted the call, a failure is raised to the caller as it is.
 """
 
@@ -21,9 +21,9 @@ from zeroqueue.inference.v1 import inference_pb2 as pb
 from zeroqueue.inference.v1 import inference_pb2_grpc
 
 from .call import Attempt, CallDriver, build_request
-from .policy import RetryConfig, RetryPolicy
+from .failure import failure_from_rpc
 from .results import CallReport, Chunk, ModelInfo, Result, models_from
-from .status import failure_from_rpc
+from .retry import Retrier, RetryConfig
 
 
 def channel_credentials(tls: bool | grpc.ChannelCredentials) -> grpc.ChannelCredentials | None:
@@ -111,7 +111,7 @@ class Client:
             for e in self.endpoints
         ]
         self._stubs = [inference_pb2_grpc.InferenceStub(c) for c in self._channels]
-        self.policy = RetryPolicy(retry or RetryConfig(), len(self.endpoints), clock, wall_clock, rand)
+        self.retrier = Retrier(retry or RetryConfig(), len(self.endpoints), clock, wall_clock, rand)
         self._sleep = sleep
 
     def generate(
@@ -159,10 +159,10 @@ class Client:
         return models_from(reply)
 
     def _driver(self, request: pb.GenerateRequest, deadline_ms: float) -> CallDriver:
-        return CallDriver(self.policy, self.endpoints, self.api_key, request, deadline_ms)
+        return CallDriver(self.retrier, self.endpoints, self.api_key, request, deadline_ms)
 
     def _admit(self, driver: CallDriver) -> tuple[grpc.Call, Attempt]:
-        """Attempts until one is admitted; raises the typed error when the policy gives up."""
+        """Attempts until one is admitted; raises the typed error when the retrier gives up."""
         while True:
             if driver.delay_s > 0:
                 self._sleep(driver.delay_s)

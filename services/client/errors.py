@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import grpc
 
+from .failure import Failure, FieldViolation
 from .results import CallReport
-from .status import Failure, FieldViolation
 
 
 class ZeroQueueError(Exception):

@@ -88,7 +88,8 @@ def _retry_attempt(metadata: tuple, v: _Violations) -> int:
 
 def _service_class(msg: pb.GenerateRequest, v: _Violations) -> str:
     """The class the request names, if any: its size first, then its characters. Whether the replica offers it
-    and whether it accepts the call's budget is the servicer's to say (classes.py), once the budget is known."""
+    and whether it accepts the call's budget is the servicer's to say (policy/service_class.py), once the budget
+    is known."""
     name = msg.service_class
     if len(name) > MAX_CLASS_CHARS:
         v.add("service_class", f"at most {MAX_CLASS_CHARS} characters, got {len(name)}")

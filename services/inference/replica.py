@@ -31,7 +31,7 @@ from .admission import AdmissionConfig, AdmissionController
 from .admission.costmodel import CostModel
 from .admission.fifo import FifoAdmission
 from .clock import Clock
-from .device.card import read_card
+from .device.checkpoint import read_header
 from .device.cpus import pin
 from .device.faults import Fault
 from .device.spec import ExecutorConfig
@@ -45,8 +45,7 @@ from .engine.watchdog import DeviceState, WatchdogConfig
 from .generate_request import RequestLimits
 from .meter import Meter
 from .metrics import ServiceMetrics, StepStats
-from .policy_book import DEFAULT_REFRESH_S, PolicyBook, ledger_reader, remote_reader, weights_of
-from .quotas import QuotaGate
+from .policy import DEFAULT_REFRESH_S, PolicyBook, QuotaGate, ledger_reader, remote_reader, weights_of
 from .service import InferenceService, ModelCard, WarmupState
 from .servicer import InferenceServicer
 
@@ -115,17 +114,18 @@ def drain_grace_s(default_deadline_ms: int) -> float:
     return default_deadline_ms / 1000 + 1
 
 
-class InferenceApp:
-    """Construct inside a running event loop. This process reads the model's card (config and tokenizer) and
-    never imports torch: the weights and the device are the engine's (`make_executor`, a module-level callable
-    that crosses into the engine process by reference; None: the device's Executor, imported there)."""
+class Replica:
+    """One serving replica; construct it inside a running event loop. This process reads the checkpoint's header
+    (config and tokenizer) and never imports torch: the weights and the device are the engine's (`make_executor`,
+    a module-level callable that crosses into the engine process by reference; None: the device's Executor,
+    imported there)."""
 
     def __init__(self, config: ServeConfig, make_executor: Callable[..., Any] | None = None) -> None:
         self.config = config
         self.make_executor = make_executor
         self.clock = Clock()
         self.metrics = ServiceMetrics()
-        self.card = read_card(config.model_dir, config.dtype)
+        self.header = read_header(config.model_dir, config.dtype)  # the checkpoint's; the card is made once ready
         self.credentials = server_credentials(config.tls_cert, config.tls_key)
         self.link = MeteringLink(
             Path(config.data_dir) if config.data_dir else data_dir(),
@@ -140,7 +140,7 @@ class InferenceApp:
             read = ledger_reader(self.link.sessions)
         self.book = PolicyBook(read, config.policy_refresh_s, self._policy_read)
         self.servicer = InferenceServicer(
-            self.card.name, self.card.tokenizer, self.link.authenticator, config.limits, self.book
+            self.header.name, self.header.tokenizer, self.link.authenticator, config.limits, self.book
         )
         self.meter: Meter | None = None
         self.telemetry: GpuTelemetry | None = None
@@ -159,7 +159,7 @@ class InferenceApp:
     @property
     def context_length(self) -> int:
         """The context the engine will serve, known before it starts: the executor caps it the same way."""
-        return min(self.config.executor.max_seq_len, self.card.args.max_position_embeddings)
+        return min(self.config.executor.max_seq_len, self.header.args.max_position_embeddings)
 
     def receive_bytes(self, context_length: int) -> int:
         return receive_limit(self.config.limits, context_length, self.link.hosts_metering)
@@ -214,7 +214,7 @@ class InferenceApp:
 
     def _warm_up(self) -> InferenceService:
         spec = EngineSpec(
-            str(self.card.path),
+            str(self.header.path),
             self.config.dtype,
             self.config.executor,
             self.config.max_num_batched_tokens,
@@ -254,7 +254,7 @@ class InferenceApp:
         engine.observers.append(StepStats(observed_cost, self.metrics, ready.num_slots, steps, self.config.pace_tokens))
         self.meter = Meter(
             ready.device,
-            self.card.name,
+            self.header.name,
             uuid.uuid4().hex[:12],
             self.clock.epoch_us,
             self.link.outbox.append,
@@ -265,8 +265,9 @@ class InferenceApp:
         self.telemetry = self.metrics.watch_device(ready.device)
         engine.observers.append(self.meter)
         self.engine = engine
+        header = self.header
         card = ModelCard(
-            self.card.name, ready.max_seq_len, self.card.dtype, self.card.args.vocab_size, ready.num_slots, ready.device
+            header.name, ready.max_seq_len, header.dtype, header.args.vocab_size, ready.num_slots, ready.device
         )
         return InferenceService(
             engine,

@@ -32,7 +32,7 @@ from .engine.steplog import StepLog
 from .engine.watchdog import DeviceState
 from .meter import OUTCOMES, Meter, RecordContext
 from .metrics import ServiceMetrics
-from .quotas import QuotaGate
+from .policy import QuotaGate
 from .sched.request import FinishReason, Request, RequestStatus
 
 log = structlog.get_logger(__name__)
@@ -54,6 +54,9 @@ class WarmupState(enum.Enum):
 
 @dataclass(frozen=True)
 class ModelCard:
+    """The model this replica serves, as ListModels tells it and requests are checked against: the checkpoint's
+    header (device/checkpoint.py) bounded by what the engine made of it once ready (context, slots, device)."""
+
     name: str
     context_length: int
     dtype: str
@@ -109,7 +112,7 @@ class InferenceService:
         quotas: QuotaGate | None = None,
     ) -> None:
         self.engine = engine
-        self.quotas = quotas  # tenants' caps (quotas.py); None: none enforced
+        self.quotas = quotas  # tenants' caps (policy/quotas.py); None: none enforced
         self.meter = meter
         self.outbox = outbox
         self.card = card

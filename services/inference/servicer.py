@@ -21,10 +21,9 @@ from services.errors import clip
 from services.status import rpc_errors
 
 from .call import BudgetSource, Ticket
-from .classes import class_of
 from .engine.watchdog import DeviceState
 from .generate_request import RequestLimits, encode, to_spec
-from .policy_book import PolicyBook
+from .policy import PolicyBook, class_of
 from .sched.request import FinishReason
 from .service import InferenceService, WarmupState
 

@@ -21,7 +21,7 @@ import uuid
 from dataclasses import asdict
 from pathlib import Path
 
-from services.client.policy import RetryConfig
+from services.client.retry import RetryConfig
 
 from .tenants import parse_tenant
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.client.policy import RetryConfig
+from services.client.retry import RetryConfig
 
 from .stats import LAG_WARNING_MS
 

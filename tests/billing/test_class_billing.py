@@ -8,7 +8,6 @@ from structlog.testing import capture_logs
 
 from billing.aggregate import credit_micros
 from billing.chargeback import chargeback_report
-from billing.classes import add_class
 from billing.db import unit_of_work
 from billing.errors import InvalidPrice, InvalidRecord, MissingPrice, PriceExists, UnknownClass
 from billing.invoices import create_or_refresh_draft
@@ -16,6 +15,7 @@ from billing.ledger import IngestStatus, ingest_usage, query_usage
 from billing.models import PPM, LineKind
 from billing.pricing import GENERIC_PRICE, PriceSchedule, PriceVersion, add_price, cost_micros, price_at, price_history
 from billing.render import render_invoice
+from billing.service_classes import add_class
 from billing.tenants import create_tenant
 from tests.billing.conftest import Ledger
 from tests.billing.factories import PERIOD, START_US, missed, usage

@@ -8,7 +8,6 @@ import threading
 import pytest
 from zeroqueue.metering.v1 import metering_pb2 as pb
 
-from billing.classes import add_class, set_tenant_policy
 from billing.db import make_engine, session_factory, unit_of_work
 from billing.invoices import create_or_refresh_draft
 from billing.ledger import IngestStatus, ingest_usage
@@ -16,6 +15,7 @@ from billing.models import PPM
 from billing.period import parse_period
 from billing.policy import DEVICE_CAP, SPEND_CAP, STANDARD, ClassSpec, PriceQuote, ServingPolicy, TenantQuota
 from billing.pricing import add_price
+from billing.service_classes import add_class, set_tenant_policy
 from billing.serving_policy import read_serving_policy
 from billing.tenants import create_tenant
 from services.metering.policy_wire import policy_from_proto, policy_to_proto

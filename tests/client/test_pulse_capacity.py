@@ -117,8 +117,8 @@ class _Refusing:
         import grpc
 
         from services.client import Rejected
+        from services.client.failure import Failure
         from services.client.results import AttemptRecord, CallReport
-        from services.client.status import Failure
 
         self.calls += 1
         attempt = AttemptRecord(

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from services.inference.device.executor import Executor, ExecutorConfig
-from services.inference.replica import InferenceApp, ServeConfig
+from services.inference.replica import Replica, ServeConfig
 from tests.checkpoints import save_hf_checkpoint
 from tests.inference.harness import ServerThread
 
@@ -25,12 +25,12 @@ class GatedServer(ServerThread):
         super().__init__(config)
         self.gate = gate
 
-    async def _make_app(self) -> InferenceApp:
+    async def _make_replica(self) -> Replica:
         def make_executor(*args, **kwargs) -> Executor:
             assert self.gate.wait(120), "the test never opened the gate"
             return Executor(*args, **kwargs)
 
-        return InferenceApp(self.config, make_executor=make_executor)
+        return Replica(self.config, make_executor=make_executor)
 
 
 def health(address: str, *service: str) -> subprocess.CompletedProcess:

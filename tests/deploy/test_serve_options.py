@@ -8,7 +8,7 @@ import pytest
 
 import services
 from services.cli import build_parser, serve_config
-from services.inference.device.card import read_card
+from services.inference.device.checkpoint import read_header
 from services.inference.device.faults import Fault, FaultKind
 from services.inference.engine.watchdog import WatchdogConfig
 
@@ -61,5 +61,5 @@ def test_without_model_it_serves_the_bundled_model_found_beside_the_package():
     package (found from the module's path, so in site-packages too), and it is a checkpoint the server can read."""
     model_dir = Path(serve_config(build_parser().parse_args(["serve"])).model_dir)
     assert model_dir == Path(services.__file__).resolve().parent / "inference" / "bundled" / "zq-python-tiny"
-    card = read_card(model_dir)
+    card = read_header(model_dir)
     assert card.name == "zq-python-tiny" and card.args.vocab_size > 0 and card.eos_token_ids

@@ -23,7 +23,7 @@ from zeroqueue.inference.v1 import inference_pb2_grpc
 from billing import commands
 from services.client.auth import authorized_channel
 from services.inference.device.executor import Executor
-from services.inference.replica import InferenceApp, ServeConfig
+from services.inference.replica import Replica, ServeConfig
 
 
 class ServerThread:
@@ -50,29 +50,27 @@ class ServerThread:
         self.config = config
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.app: InferenceApp | None = None
+        self.replica: Replica | None = None
         self.port = 0
 
     def start(self, wait_ready: bool = True) -> ServerThread:
         self.thread.start()
-        self.app = self.run(self._make_app())
-        self.started: Future = asyncio.run_coroutine_threadsafe(self.app.start(), self.loop)
+        self.replica = self.run(self._make_replica())
+        self.started: Future = asyncio.run_coroutine_threadsafe(self.replica.start(), self.loop)
         if wait_ready:
             self.port = self.started.result(timeout=300)
         else:
-            while not self.app.port:
+            while not self.replica.port:
                 time.sleep(0.01)
-            self.port = self.app.port
+            self.port = self.replica.port
         return self
 
-    async def _make_app(self) -> InferenceApp:
+    async def _make_replica(self) -> Replica:
         if self.make_executor is not None:
-            return InferenceApp(self.config, make_executor=self.make_executor)
+            return Replica(self.config, make_executor=self.make_executor)
         floor = self.step_floor_s
         # a partial of a module-level class: it can cross into the engine process
-        return InferenceApp(
-            self.config, make_executor=functools.partial(SlowExecutor, floor_s=floor) if floor else Executor
-        )
+        return Replica(self.config, make_executor=functools.partial(SlowExecutor, floor_s=floor) if floor else Executor)
 
     def run(self, coro, timeout: float = 60):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -80,8 +78,8 @@ class ServerThread:
     def stop(self, grace_s: float = 10.0) -> None:
         if not self.thread.is_alive():  # stopped already
             return
-        if self.app is not None:
-            self.run(self.app.stop(grace_s), timeout=grace_s + 30)
+        if self.replica is not None:
+            self.run(self.replica.stop(grace_s), timeout=grace_s + 30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
 

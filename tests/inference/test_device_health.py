@@ -80,14 +80,14 @@ def test_a_hung_device_ends_its_calls_billed_goes_not_serving_and_comes_back(lla
         assert status_details(ended)["ErrorInfo"].reason == "DEVICE_FAILED"
         assert health(server) == NOT_SERVING and health(server, "liveness") == SERVING
         assert device_state(server) == pb.DEVICE_STATE_FAILED
-        assert server.app.metrics.registry.get_sample_value("zeroqueue_device_state", {"state": "failed"}) == 1
+        assert server.replica.metrics.registry.get_sample_value("zeroqueue_device_state", {"state": "failed"}) == 1
         with pytest.raises(grpc.RpcError) as refused:
             list(long_call(server, "during"))
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         assert status_details(refused.value)["ErrorInfo"].reason == "DEVICE_FAILED"
         # the fault clears: the hung step completes, the probes are on time again
         assert wait_for(lambda: health(server) == SERVING)
-        assert server.app.service.device_state is not DeviceState.FAILED
+        assert server.replica.service.device_state is not DeviceState.FAILED
         final = list(server.stub().Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=4, request_id="after")))
         assert final[-1].final.usage.sm_us > 0
     finally:
@@ -135,13 +135,13 @@ def test_a_slow_device_is_said_slow_and_admission_follows_it_at_once(llama_dir):
         request = pb.GenerateRequest(prompt=PROMPT, max_tokens=40, temperature=0.0)
         assert list(server.stub().Generate(request, timeout=30))[-1].HasField("final")  # 40 slow steps
         assert device_state(server) == pb.DEVICE_STATE_SLOW
-        assert server.app.cost.ratio >= 2.0  # at once: the running ratio alone moves 5 % a step
+        assert server.replica.cost.ratio >= 2.0  # at once: the running ratio alone moves 5 % a step
         assert health(server) == SERVING  # slow is not out
         time.sleep(5.0)  # the fault is over
         assert list(server.stub().Generate(request, timeout=30))[-1].HasField("final")
         assert device_state(server) == pb.DEVICE_STATE_HEALTHY
         # predictions are back to the calibration with the device, not decaying from 4x over dozens of steps
-        assert server.app.cost.ratio < 1.25
+        assert server.replica.cost.ratio < 1.25
     finally:
         server.stop(grace_s=1)
 
@@ -162,7 +162,7 @@ def test_a_slowdown_mid_call_misses_with_its_credit_on_the_invoice_and_later_cal
             except grpc.RpcError as error:
                 assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
         assert later and all(later)
-        model = server.app.card.name
+        model = server.replica.header.name
     finally:
         server.stop(grace_s=1)
     url = server.config.ledger_url

@@ -55,14 +55,14 @@ def test_engine_process_streams_the_same_tokens_as_the_engine_thread(llama_dir):
         threaded.stop()
     server = serve(llama_dir, engine_process=True)
     try:
-        assert isinstance(server.app.engine, EngineClient) and server.app.engine.pid != os.getpid()
+        assert isinstance(server.replica.engine, EngineClient) and server.replica.engine.pid != os.getpid()
         tokens, final = greedy(server, max_tokens=24)
         assert tokens == expected and len(tokens) > 0
         assert final.usage.sm_us > 0 and final.timings.queue_us >= 0
         assert final.timings.first_scheduled_at_us >= final.timings.received_at_us
         # Ctrl-C in a terminal reaches the whole process group: the server, not the signal, stops the engine
-        os.kill(server.app.engine.pid, signal.SIGINT)
-        os.kill(server.app.engine.pid, signal.SIGTERM)
+        os.kill(server.replica.engine.pid, signal.SIGINT)
+        os.kill(server.replica.engine.pid, signal.SIGTERM)
         time.sleep(0.2)
         assert greedy(server, max_tokens=24)[0] == expected
     finally:
@@ -82,7 +82,7 @@ def test_a_killed_engine_fails_its_calls_bills_them_and_takes_the_replica_out(ll
         )
         next(call)  # admitted
         next(call)  # and running: a token came back
-        os.kill(server.app.engine.pid, signal.SIGKILL)
+        os.kill(server.replica.engine.pid, signal.SIGKILL)
         with pytest.raises(grpc.RpcError) as info:
             list(call)
         assert info.value.code() == grpc.StatusCode.INTERNAL
@@ -202,7 +202,7 @@ def test_a_pinned_engine_process_runs_on_its_own_cores_and_the_server_on_the_oth
     engine_cores, server_cores = split_cpus(tuple(mask), engine_threads(0, tuple(mask)))
     server = serve(llama_dir, engine_process=True, pin_cpus=True)
     try:
-        assert os.sched_getaffinity(server.app.engine.pid) == set(engine_cores)
+        assert os.sched_getaffinity(server.replica.engine.pid) == set(engine_cores)
         assert all(
             thread_affinity(int(tid), set(server_cores)) == set(server_cores) for tid in os.listdir("/proc/self/task")
         )
@@ -264,8 +264,8 @@ def test_a_device_fault_ends_the_calls_bills_them_and_takes_the_replica_out(llam
         )
         assert _health(server, "liveness") == health_pb2.HealthCheckResponse.NOT_SERVING  # restart the pod
         if engine_process:
-            server.app.engine._process.join(10)
-            assert server.app.engine._process.exitcode == DEVICE_FAULT_EXIT
+            server.replica.engine._process.join(10)
+            assert server.replica.engine._process.exitcode == DEVICE_FAULT_EXIT
         with pytest.raises(grpc.RpcError) as refused:
             list(server.stub().Generate(pb.GenerateRequest(prompt="x", max_tokens=2), timeout=5))
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -287,6 +287,6 @@ def test_a_step_that_fails_without_a_device_fault_leaves_the_replica_serving(lla
         assert _health(server) == health_pb2.HealthCheckResponse.SERVING
         tokens, final = greedy(server, max_tokens=8)
         assert len(tokens) == 8 and final.finish_reason == pb.FINISH_REASON_LENGTH
-        assert server.app.engine._process.is_alive()
+        assert server.replica.engine._process.is_alive()
     finally:
         server.stop(grace_s=1)

@@ -88,7 +88,7 @@ async def _health(address: str, stop: asyncio.Event, answers: list, problems: li
 async def _fuzz(server: ServerThread, beta_key: str, expected: list[int]) -> tuple[Tally, list, list, list]:
     tally, problems, done, health_answers = Tally(), [], [], []
     stop = asyncio.Event()
-    card = server.app.service.card
+    card = server.replica.service.card
     fuzzer = GenerateFuzzer(SEED, card.name, card.context_length, card.vocab_size, max_request_bytes=128 << 10)
     metadata = (("authorization", f"Bearer {server.key}"),)
     side = [
@@ -128,9 +128,9 @@ def test_fuzzed_calls_beside_a_second_tenant(server):
     assert tally.counts.get(("INVALID_ARGUMENT", "MALFORMED_REQUEST"), 0) > 100  # the bytes were fuzzed
     assert sum(n for (code, _), n in tally.counts.items() if code == "OK") > 100  # and valid calls were served
     deadline = time.monotonic() + 10
-    while server.app.service.in_flight and time.monotonic() < deadline:
+    while server.replica.service.in_flight and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not server.app.service.in_flight
+    assert not server.replica.service.in_flight
     server.stop()  # the outbox drains into the ledger
     billed = ledger_rows(server.config.ledger_url, "SELECT COUNT(*) FROM usage_records")[0][0]
     assert billed == tally.num_admitted + len(done) + 1  # every admitted call once: fuzzed, steady, alone

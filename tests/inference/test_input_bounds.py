@@ -99,7 +99,7 @@ class SpyTokenizer:
 
 @pytest.fixture
 def spy(server):
-    servicer = server.app.servicer
+    servicer = server.replica.servicer
     original = servicer.tokenizer
     servicer.tokenizer = SpyTokenizer(original)
     yield servicer.tokenizer
@@ -121,7 +121,7 @@ def test_prompt_over_the_byte_cap_is_refused_untokenized(server, spy):
 
 def test_request_larger_than_any_valid_one_is_refused_before_parsing(server, spy):
     bound = LIMITS.max_request_bytes(CONTEXT)
-    assert server.app.receive_bytes(CONTEXT) >= 4 << 20  # gRPC's default: the transport takes it to us
+    assert server.replica.receive_bytes(CONTEXT) >= 4 << 20  # gRPC's default: the transport takes it to us
     error = rejected(server.stub(), prompt="x" * (bound + 1))
     assert error.code() == grpc.StatusCode.OUT_OF_RANGE
     assert reason(error) == "REQUEST_TOO_LARGE" and violations(error) == ["prompt"]
@@ -140,7 +140,7 @@ def test_the_receive_limit_fits_the_context():
 
 def test_the_largest_valid_request_fits_its_bound_and_is_served(server):
     fields = dict(
-        model=server.app.service.card.name,
+        model=server.replica.service.card.name,
         prompt_token_ids=[319] * (CONTEXT - 2),
         max_tokens=1,
         stop=["🙂" * 64] * 8,
@@ -167,7 +167,7 @@ def test_millions_of_token_ids_are_refused_at_once_and_health_answers_meanwhile(
     assert isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.OUT_OF_RANGE
     assert reason(error) == "REQUEST_TOO_LARGE" and violations(error) == ["prompt_token_ids"]
     assert health(server) == SERVING
-    assert not server.app.service.in_flight
+    assert not server.replica.service.in_flight
 
 
 def test_token_ids_past_the_context_are_counted_before_they_are_copied(server, monkeypatch):
@@ -188,7 +188,7 @@ def test_to_spec_counts_two_million_ids_without_copying_or_scanning(monkeypatch,
     message = pb.GenerateRequest(prompt_token_ids=[400] * 2_000_000, max_tokens=1)  # 400: outside the vocab
     copies = []
     monkeypatch.setattr(request_module, "tuple", lambda items=(): copies.append(len(items)) or (), raising=False)
-    card = type("Card", (), {"name": "m", "context_length": CONTEXT, "vocab_size": 320})()
+    card = type("ModelCard", (), {"name": "m", "context_length": CONTEXT, "vocab_size": 320})()
 
     async def never(text):
         raise AssertionError("tokenized")
@@ -201,7 +201,7 @@ def test_to_spec_counts_two_million_ids_without_copying_or_scanning(monkeypatch,
 
 def test_a_long_prompt_is_tokenized_off_the_event_loop(server):
     """The tokenizer is held mid-prompt: health must answer meanwhile, which it cannot if the loop waits."""
-    servicer = server.app.servicer
+    servicer = server.replica.servicer
     original = servicer.tokenizer
     held = servicer.tokenizer = SpyTokenizer(original, hold=True)
     text = "def add(a, b):\n    return a + b\n" * 60  # ~1.9 KB: over the inline limit, under the cap

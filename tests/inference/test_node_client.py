@@ -140,7 +140,7 @@ def _retries_seen(server) -> float:
     """Decisions on attempts that carried grpc-previous-rpc-attempts: retries that reached the wire."""
     return sum(
         sample.value
-        for metric in server.app.metrics.registry.collect()
+        for metric in server.replica.metrics.registry.collect()
         for sample in metric.samples
         if sample.name == "zeroqueue_retry_attempts_total" and sample.labels["attempt"] != "0"
     )
@@ -154,7 +154,7 @@ def test_grpc_js_retries_a_burst_with_the_documented_service_config(llama_dir):
     hurried = [{"request_id": f"node-hurried-{i}", "max_tokens": 8, "timeout_ms": 600} for i in range(6)]
     server = start_slow_server(llama_dir)
     try:
-        log = DecisionLog(server.app.service.admission)
+        log = DecisionLog(server.replica.service.admission)
         retries_before = _retries_seen(server)
         outcomes = node_burst(server, patient + hurried, fill_tokens=60)  # slots busy for ~1.2 s
         retries = _retries_seen(server) - retries_before

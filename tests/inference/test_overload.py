@@ -38,14 +38,14 @@ def server(llama_dir):
 
 
 def metric(server, name, **labels):
-    value = server.app.metrics.registry.get_sample_value(name, labels)
+    value = server.replica.metrics.registry.get_sample_value(name, labels)
     return value or 0.0
 
 
 def refusals_by_cause(server) -> collections.Counter:
     """zeroqueue_refusals_total summed over tenants, by cause."""
     counts = collections.Counter()
-    for family in server.app.metrics.registry.collect():
+    for family in server.replica.metrics.registry.collect():
         for sample in family.samples:
             if sample.name == "zeroqueue_refusals_total":
                 counts[sample.labels["cause"]] += int(sample.value)
@@ -153,7 +153,7 @@ def test_grpc_retry_policy_waits_the_pushback_delay(server):
 def test_mispredicted_request_ends_with_deadline_exceeded_and_frees_its_slot(llama_dir):
     s = start_slow_server(llama_dir)
     try:
-        engine = s.app.engine
+        engine = s.replica.engine
         misses = metric(s, "zeroqueue_deadline_misses_total")
         call = Background(s.stub(), timeout=3, prompt="def g():", max_tokens=60, temperature=0.0)
         assert call.admitted.wait(10) and call.error is None
@@ -164,7 +164,7 @@ def test_mispredicted_request_ends_with_deadline_exceeded_and_frees_its_slot(lla
         assert status_details(call.error)["ErrorInfo"].reason == "DEADLINE_MISSED"
         device.floor_s = STEP_S
         assert engine.scheduler.num_free_slots == device.num_slots
-        wait_until(lambda: not s.app.service.in_flight)
+        wait_until(lambda: not s.replica.service.in_flight)
         assert metric(s, "zeroqueue_deadline_misses_total") == misses + 1
         assert metric(s, "zeroqueue_requests_total", outcome="deadline_exceeded") == 1
     finally:

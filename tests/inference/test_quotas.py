@@ -13,17 +13,16 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 from zeroqueue.inference.v1 import inference_pb2 as pb
 
-from billing import classes, commands
+from billing import commands, service_classes
 from billing.policy import DEVICE_CAP, RATE_CAP, SPEND_CAP, ServingPolicy, TenantQuota
 from services import errors
 from services.client import Client, QuotaExceeded
 from services.inference.device.executor import ExecutorConfig
-from services.inference.policy_book import PolicyBook, weights_of
-from services.inference.quotas import QuotaGate
+from services.inference.policy import PolicyBook, QuotaGate, weights_of
 from services.inference.replica import ServeConfig
 from tests.inference.harness import ServerThread, status_details
-from tests.inference.test_classes import ledger
 from tests.inference.test_overload import wait_until
+from tests.inference.test_service_class import ledger
 from tests.inference.test_usage import ledger_rows
 
 S = 1_000_000_000  # ns
@@ -158,9 +157,9 @@ def test_the_first_read_is_awaited_before_serving_and_says_whether_it_read(fails
 
 
 def test_a_hung_read_is_a_failed_refresh_and_the_next_one_waits_on_it_instead_of_starting_another(monkeypatch):
-    from services.inference import policy_book
+    from services.inference.policy import book
 
-    monkeypatch.setattr(policy_book, "READ_TIMEOUT_S", 0.01)
+    monkeypatch.setattr(book, "READ_TIMEOUT_S", 0.01)
     reads, fresh = [], ServingPolicy(tenants={"acme": TenantQuota("acme", weight=2)})
 
     async def main():
@@ -198,9 +197,9 @@ def server(llama_dir):
 
 def set_policy(server, tenant: str, **caps) -> None:
     with ledger(server.config.ledger_url) as session:
-        classes.set_tenant_policy(session, tenant, **caps)
-    read_at = server.app.book.policy.read_at_us
-    wait_until(lambda: server.app.book.policy.read_at_us > read_at, timeout=10)  # read again since
+        service_classes.set_tenant_policy(session, tenant, **caps)
+    read_at = server.replica.book.policy.read_at_us
+    wait_until(lambda: server.replica.book.policy.read_at_us > read_at, timeout=10)  # read again since
 
 
 def generate(stub, timeout=10.0, **fields):
@@ -243,13 +242,13 @@ def test_a_tenant_at_its_monthly_device_cap_is_refused_while_another_is_served(s
     info_ = details["ErrorInfo"]
     assert info_.reason == "QUOTA_EXCEEDED" and info_.metadata["cap"] == "device_us_per_month"
     resets_at_us = int(info_.metadata["resets_at_us"])
-    assert resets_at_us == server.app.book.policy.quota_of("acme").resets_at_us
+    assert resets_at_us == server.replica.book.policy.quota_of("acme").resets_at_us
     trailers = dict(error.trailing_metadata())
     delay_ms = details["RetryInfo"].retry_delay.ToMilliseconds()
     assert delay_ms == int(trailers["retry-after-ms"]) > 0
     assert trailers["grpc-retry-pushback-ms"] == ("-1" if delay_ms >= 10_000 else str(delay_ms))
     assert generate(other)[-1].final.usage.sm_us > 0  # the other tenant is unaffected
-    quota_refusals = server.app.metrics.registry.get_sample_value(
+    quota_refusals = server.replica.metrics.registry.get_sample_value(
         "zeroqueue_refusals_total", {"cause": "quota", "tenant": "acme", "service_class": "standard"}
     )
     assert quota_refusals >= 1
@@ -288,7 +287,7 @@ def test_past_its_calls_per_second_a_tenant_is_refused_with_the_time_of_its_next
 
 
 def test_a_failed_policy_read_keeps_serving_with_the_last_policy(server):
-    book, registry = server.app.book, server.app.metrics.registry
+    book, registry = server.replica.book, server.replica.metrics.registry
     read = book.read
 
     async def down():
@@ -311,7 +310,7 @@ def test_a_failed_policy_read_keeps_serving_with_the_last_policy(server):
 
 
 def test_a_replica_on_a_remote_metering_service_reads_the_policy_with_get_serving_policy(llama_dir, tmp_path):
-    from tests.inference.test_classes import INTERACTIVE, add_classes
+    from tests.inference.test_service_class import INTERACTIVE, add_classes
     from tests.metering.harness import MeteringThread
 
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
@@ -319,7 +318,7 @@ def test_a_replica_on_a_remote_metering_service_reads_the_policy_with_get_servin
     tenant_key, admin_key = commands.create_tenant(url, "acme"), commands.create_admin_key(url)
     add_classes(url, INTERACTIVE)
     with ledger(url) as session:
-        classes.set_tenant_policy(session, "acme", weight=3, calls_per_s=1_000)
+        service_classes.set_tenant_policy(session, "acme", weight=3, calls_per_s=1_000)
     config = ServeConfig(
         str(llama_dir),
         port=0,
@@ -331,13 +330,13 @@ def test_a_replica_on_a_remote_metering_service_reads_the_policy_with_get_servin
         server = ServerThread(dataclasses.replace(config, metering_address=metering.address, metering_key=admin_key))
         try:
             server.start()
-            book = server.app.book
+            book = server.replica.book
             wait_until(lambda: book.policy.class_named("interactive") is not None, timeout=10)
             assert book.policy.quota_of("acme").calls_per_s == 1_000 and book.policy.weight_of("acme") == 3
-            assert server.app.service.admission.shares.weights == {"acme": 3.0}  # fair share weighs it so
+            assert server.replica.service.admission.shares.weights == {"acme": 3.0}  # fair share weighs it so
             messages = generate(server.stub(key=tenant_key), timeout=3.0, service_class="interactive")
             assert messages[0].admission.service_class == "interactive"
-            ok = server.app.metrics.registry.get_sample_value("zeroqueue_policy_refreshes_total", {"result": "ok"})
+            ok = server.replica.metrics.registry.get_sample_value("zeroqueue_policy_refreshes_total", {"result": "ok"})
             assert ok >= 1
         finally:
             server.stop()

@@ -53,11 +53,11 @@ TORCH_FREE_ROOMS = {
         "services.inference.device.spec",
     ),
     "service": ("services.inference.service",),
-    # the server process: it serves from the model's card and leaves the weights to the engine process
+    # the server process: it serves from the checkpoint's header and leaves the weights to the engine process
     "server": (
         "services.inference.replica",
         "services.inference.servicer",
-        "services.inference.device.card",
+        "services.inference.device.checkpoint",
         "services.inference.device.telemetry",
     ),
 }

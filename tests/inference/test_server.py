@@ -142,7 +142,7 @@ def test_bad_input_gets_a_precise_status_naming_the_field(server, fields, code, 
     assert [v.field for v in details["BadRequest"].field_violations] == [field]
     assert field.split("[")[0] in error.details()
     assert health(server) == health_pb2.HealthCheckResponse.SERVING
-    assert not server.app.service.in_flight
+    assert not server.replica.service.in_flight
 
 
 def test_several_bad_fields_are_reported_together(server):
@@ -177,7 +177,7 @@ def test_budget_infeasible_on_an_idle_server_is_refused_at_once_with_the_minimum
 
 def test_deadline_already_expired_on_arrival(server):
     # a client cannot send an expired deadline over the wire (its own timer fires first), so ask the service
-    service = server.app.service
+    service = server.replica.service
     spec = GenerateSpec("expired", (1, 2), SamplingParams(), {})
     future = asyncio.run_coroutine_threadsafe(_submit(service, spec, budget_ns=-1), server.loop)
     with pytest.raises(errors.DeadlineExpired):
@@ -212,9 +212,9 @@ def test_reflection_lists_the_services(server):
 def test_client_cancel_frees_the_slot(server):
     # the engine runs in its own process: the free-slot gauge is what each step reports from there
     def free():
-        return server.app.metrics.registry.get_sample_value("zeroqueue_kv_slots_free")
+        return server.replica.metrics.registry.get_sample_value("zeroqueue_kv_slots_free")
 
-    slots = server.app.service.card.max_batch
+    slots = server.replica.service.card.max_batch
     call = server.stub().Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=200, temperature=0.0), timeout=30)
     next(call)
     next(call)
@@ -224,14 +224,14 @@ def test_client_cancel_frees_the_slot(server):
     while free() != slots and time.monotonic() < deadline:
         time.sleep(0.005)
     assert free() == slots
-    assert not server.app.service.in_flight or _wait_empty(server)
+    assert not server.replica.service.in_flight or _wait_empty(server)
 
 
 def _wait_empty(server, timeout=5.0):
     deadline = time.monotonic() + timeout
-    while server.app.service.in_flight and time.monotonic() < deadline:
+    while server.replica.service.in_flight and time.monotonic() < deadline:
         time.sleep(0.005)
-    return not server.app.service.in_flight
+    return not server.replica.service.in_flight
 
 
 def test_request_id_in_flight_cannot_be_reused(server):

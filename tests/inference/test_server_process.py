@@ -50,6 +50,6 @@ def test_a_serving_replicas_server_process_never_loads_torch(llama_dir, tmp_path
 
 
 def test_the_servers_modules_do_not_import_torch():
-    modules = ("services.cli", "services.inference.replica", "services.inference.device.card")
+    modules = ("services.cli", "services.inference.replica", "services.inference.device.checkpoint")
     code = f"import importlib, sys; [importlib.import_module(m) for m in {modules!r}]; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

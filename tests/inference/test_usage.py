@@ -72,7 +72,7 @@ def test_served_run_bills_every_call_once_and_conserves_wall_time(llama_dir, tmp
     next(cancelled)
     next(cancelled)
     cancelled.cancel()
-    wait_until(lambda: not server.app.service.in_flight)
+    wait_until(lambda: not server.replica.service.in_flight)
     time.sleep(0.2)
     server.stop()
     url = server.config.ledger_url

@@ -9,11 +9,11 @@ import grpc
 import pytest
 from zeroqueue.metering.v1 import metering_pb2 as pb
 
-from billing.classes import add_class, set_tenant_policy
 from billing.db import unit_of_work
 from billing.models import PPM
 from billing.period import now_us, parse_period, period_of
 from billing.pricing import add_price
+from billing.service_classes import add_class, set_tenant_policy
 from services.metering.policy_wire import SharedRead, policy_from_proto
 from services.metering.servicer import usage_to_pb
 from tests.billing.conftest import Ledger

@@ -4,7 +4,7 @@ kernels/) and samples (sampler.py); loader.py reads a checkpoint's weights, conf
 and cpus.py describe and pin the hardware.
 
 Some modules here never import torch, so the server process may use them: spec.py (the plain types the engine and
-the server share), card.py (a checkpoint's card: config and tokenizer), nvml.py, and telemetry.py (the device's
+the server share), checkpoint.py (a checkpoint's header: config and tokenizer), nvml.py, and telemetry.py (the device's
 readings for Prometheus, taken in the server process at scrape time).
 
 It may import torch, sched/ (the scheduler's output it runs) and its own modules; nothing above it.

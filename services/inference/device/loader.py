@@ -1,5 +1,5 @@
-"""Reads a local Hugging Face checkpoint directory into our parameter layout: its card (card.py, no torch),
-then its weights, checked against the card's config.
+"""Reads a local Hugging Face checkpoint directory into our parameter layout: its header (checkpoint.py, no
+torch), then its weights, checked against the header's config.
 
 Every problem with the directory is one `CheckpointError` naming the file and what is wrong with it.
 """
@@ -14,7 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 
-from .card import Card, CheckpointError, read_card, read_json
+from .checkpoint import CheckpointError, CheckpointHeader, read_header, read_json
 from .config import ModelArgs
 
 __all__ = ["Checkpoint", "CheckpointError", "load_checkpoint"]
@@ -29,29 +29,29 @@ _PLAIN = ("self_attn.o_proj", "mlp.down_proj", "input_layernorm", "post_attentio
 
 @dataclass(frozen=True)
 class Checkpoint:
-    card: Card
-    dtype: torch.dtype  # the card's dtype
+    header: CheckpointHeader
+    dtype: torch.dtype  # the header's dtype
     state_dict: dict[str, torch.Tensor]  # our layout (model.py's parameter names)
 
     @property
     def path(self) -> Path:
-        return self.card.path
+        return self.header.path
 
     @property
     def name(self) -> str:
-        return self.card.name
+        return self.header.name
 
     @property
     def args(self) -> ModelArgs:
-        return self.card.args
+        return self.header.args
 
     @property
     def tokenizer(self) -> Tokenizer:
-        return self.card.tokenizer
+        return self.header.tokenizer
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        return self.card.eos_token_ids
+        return self.header.eos_token_ids
 
 
 def _weight_files(root: Path) -> list[Path]:
@@ -158,8 +158,8 @@ def _to_our_layout(
 
 
 def load_checkpoint(path: str | Path, dtype: str = "auto") -> Checkpoint:
-    card = read_card(path, dtype)
-    torch_dtype = getattr(torch, card.dtype)
-    tensors = _read_tensors(_weight_files(card.path))
-    _check(tensors, card.args, card.path)
-    return Checkpoint(card, torch_dtype, _to_our_layout(tensors, card.args, torch_dtype))
+    header = read_header(path, dtype)
+    torch_dtype = getattr(torch, header.dtype)
+    tensors = _read_tensors(_weight_files(header.path))
+    _check(tensors, header.args, header.path)
+    return Checkpoint(header, torch_dtype, _to_our_layout(tensors, header.args, torch_dtype))

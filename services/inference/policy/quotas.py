@@ -1,7 +1,7 @@
 """Tenants' quotas at admission (billing/policy.py TenantQuota): O(1) per call, no I/O, on the event loop.
 
 Monthly caps (device time, spend) are judged on the month-to-date use the ledger held at the policy's last read
-(policy_book.py, every few seconds): a tenant at its cap is refused until the month resets. Calls per second are
+(book.py, every few seconds): a tenant at its cap is refused until the month resets. Calls per second are
 a token bucket per tenant on this replica: `calls_per_s` tokens at most, refilled at `calls_per_s` a second.
 """
 

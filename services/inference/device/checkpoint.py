@@ -1,6 +1,6 @@
-"""A checkpoint's model card: what a Hugging Face checkpoint directory says about its model, read without torch
-and without its weights (config.json, tokenizer.json, the generation and tokenizer configs). The server process
-serves from the card alone; the engine process reads the card and then the weights (loader.py).
+"""A checkpoint's header: what a Hugging Face checkpoint directory says about its model, read without torch and
+without its weights (config.json, tokenizer.json, the generation and tokenizer configs). The server process serves
+from the header alone; the engine process reads the header and then the weights (loader.py's Checkpoint).
 
 Every problem with the directory is one `CheckpointError` naming the file and what is wrong with it.
 """
@@ -35,7 +35,7 @@ class CheckpointError(Exception):
 
 
 @dataclass(frozen=True)
-class Card:
+class CheckpointHeader:
     path: Path
     name: str
     args: ModelArgs
@@ -79,7 +79,7 @@ def _eos_ids(root: Path, config: dict[str, Any], tokenizer: Tokenizer) -> tuple[
     return (token_id,) if token_id is not None else ()
 
 
-def read_card(path: str | Path, dtype: str = "auto") -> Card:
+def read_header(path: str | Path, dtype: str = "auto") -> CheckpointHeader:
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(root, "is not a directory")
@@ -96,7 +96,7 @@ def read_card(path: str | Path, dtype: str = "auto") -> Card:
         tokenizer = Tokenizer.from_file(str(tokenizer_path))
     except Exception as exc:  # tokenizers raises a bare Exception for every parse failure
         raise CheckpointError(tokenizer_path, f"cannot parse tokenizer ({exc})") from None
-    return Card(
+    return CheckpointHeader(
         path=root,
         name=root.name,
         args=args,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from .status import Failure
+from .failure import Failure
 
 RETRYABLE = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
 
@@ -96,7 +96,10 @@ class EndpointBoard:
         return [(endpoint + 1 + i) % n for i in range(n)]
 
 
-class RetryPolicy:
+class Retrier:
+    """Decides, after each failed attempt, whether the call tries again, where and after how long (the rules
+    above); one per client, shared by its calls, since what it learns of each endpoint (busy, down) is shared."""
+
     def __init__(
         self,
         config: RetryConfig,

@@ -7,15 +7,6 @@ import threading
 import pytest
 from sqlalchemy import text
 
-from billing.classes import (
-    KEEP,
-    add_class,
-    get_class,
-    list_classes,
-    set_tenant_policy,
-    show_tenant_policy,
-    update_class,
-)
 from billing.db import ledger_errors, unit_of_work
 from billing.errors import (
     ClassExists,
@@ -30,6 +21,15 @@ from billing.errors import (
 from billing.models import DEFAULT_CLASS, MAX_CLASS_BUDGET_MS, PPM
 from billing.policy import STANDARD, ClassSpec
 from billing.records import DEFAULT_CLASS as RECORDS_DEFAULT_CLASS
+from billing.service_classes import (
+    KEEP,
+    add_class,
+    get_class,
+    list_classes,
+    set_tenant_policy,
+    show_tenant_policy,
+    update_class,
+)
 from billing.tenants import create_tenant
 from tests.billing.conftest import Ledger
 

@@ -12,15 +12,15 @@ import structlog
 from structlog.testing import capture_logs
 from zeroqueue.inference.v1 import inference_pb2 as pb
 
-from billing import classes, pricing
+from billing import pricing, service_classes
 from billing.commands import sessions
 from billing.db import unit_of_work
 from billing.policy import STANDARD, ClassSpec, ServingPolicy
 from services import errors
 from services.inference.call import BudgetSource
-from services.inference.classes import class_of
-from services.inference.device.card import read_card
+from services.inference.device.checkpoint import read_header
 from services.inference.device.executor import ExecutorConfig
+from services.inference.policy import class_of
 from services.inference.replica import ServeConfig
 from tests.inference.harness import ServerThread, status_details
 from tests.inference.test_overload import wait_until
@@ -40,7 +40,7 @@ def ledger(url: str):
 def add_classes(url: str, *specs: ClassSpec) -> None:
     with ledger(url) as session:
         for s in specs:
-            classes.add_class(
+            service_classes.add_class(
                 session,
                 s.name,
                 min_budget_ms=s.min_budget_ms,
@@ -58,12 +58,12 @@ def server(llama_dir):
     s = ServerThread(config)
     url = s.config.ledger_url
     add_classes(url, INTERACTIVE, BATCH)
-    model = read_card(str(llama_dir), "auto").name
+    model = read_header(str(llama_dir), "auto").name
     with ledger(url) as session:
         pricing.add_price(session, model, "core_us", GENERIC_PRICE_MICROS, "EUR", 0)
         pricing.add_price(session, model, "core_us", INTERACTIVE_PRICE_MICROS, "EUR", 0, service_class="interactive")
     s.start()
-    wait_until(lambda: s.app.book.policy.class_named("interactive") is not None, timeout=10)
+    wait_until(lambda: s.replica.book.policy.class_named("interactive") is not None, timeout=10)
     yield s
     s.stop()
 
@@ -106,7 +106,7 @@ def test_a_malformed_class_name_is_refused_naming_service_class(server, name, sa
     field, description = the_violation(error)
     assert field == "service_class" and said in description
     assert len(error.details()) < 512  # a long name is never echoed whole
-    assert not server.app.service.in_flight
+    assert not server.replica.service.in_flight
 
 
 def test_an_unknown_class_is_refused_naming_service_class_and_the_classes_offered(server):
@@ -121,7 +121,7 @@ def test_an_unknown_class_is_refused_naming_service_class_and_the_classes_offere
 
 @pytest.mark.parametrize("name, timeout_s", [("interactive", 30.0), ("batch", 2.0)], ids=["above", "below"])
 def test_a_class_that_does_not_accept_the_budget_is_refused_with_its_range(server, name, timeout_s):
-    spec = server.app.book.policy.class_named(name)
+    spec = server.replica.book.policy.class_named(name)
     error = refused(server.stub(), timeout=timeout_s, service_class=name)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     field, description = the_violation(error)
@@ -150,10 +150,10 @@ def test_a_named_class_runs_and_is_billed_in_it(server):
     admission = messages[0].admission
     assert admission.service_class == "interactive" and messages[-1].final.usage.sm_us > 0
     url = server.config.ledger_url
-    sql = f"SELECT service_class FROM usage_records WHERE request_id = '{admission.call_id}'"
+    sql = f"SELECT service_class FROM usage_records WHERE call_id = '{admission.call_id}'"
     wait_until(lambda: ledger_rows(url, sql), timeout=15)  # shipped from the outbox
     assert ledger_rows(url, sql) == [("interactive",)]
-    done = server.app.metrics.registry.get_sample_value(
+    done = server.replica.metrics.registry.get_sample_value(
         "zeroqueue_class_requests_total", {"service_class": "interactive", "outcome": "ok"}
     )
     assert done >= 1
@@ -162,7 +162,7 @@ def test_a_named_class_runs_and_is_billed_in_it(server):
 def test_a_refusal_is_counted_with_its_class(server):
     error = refused(server.stub(), timeout=0.02, max_tokens=200, service_class="interactive")
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # infeasible: refused by admission, in its class
-    value = server.app.metrics.registry.get_sample_value(
+    value = server.replica.metrics.registry.get_sample_value(
         "zeroqueue_refusals_total", {"cause": "infeasible", "tenant": "acme", "service_class": "interactive"}
     )
     assert value >= 1
@@ -170,7 +170,7 @@ def test_a_refusal_is_counted_with_its_class(server):
 
 def test_the_class_priority_reaches_admission(server):
     seen = []
-    admission = server.app.service.admission
+    admission = server.replica.service.admission
     decide = admission.decide
 
     def spy(commitment, now_ns):

@@ -9,7 +9,7 @@ from billing.policy import ClassSpec, ServingPolicy
 from services import errors
 from services.errors import clip
 
-from .call import BudgetSource
+from ..call import BudgetSource
 
 MAX_LISTED = 8  # classes a refusal lists with their ranges; one more says how many were left out
 

@@ -1,4 +1,4 @@
-"""The retry policy on its own: a fake clock, a fake wall clock and fixed randomness, no network."""
+"""The retrier on its own: a fake clock, a fake wall clock and fixed randomness, no network."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.client.policy import GiveUp, Retry, RetryConfig, RetryPolicy
-from services.client.status import Failure
+from services.client.failure import Failure
+from services.client.retry import GiveUp, Retrier, Retry, RetryConfig
 
 NOW_WALL_S = 1_800_000_000.0
 
@@ -21,9 +21,9 @@ class FakeClock:
         return self.now_s
 
 
-def policy(num_endpoints=1, rand=0.0, **config) -> tuple[RetryPolicy, FakeClock]:
+def retrier(num_endpoints=1, rand=0.0, **config) -> tuple[Retrier, FakeClock]:
     clock = FakeClock()
-    return RetryPolicy(RetryConfig(**config), num_endpoints, clock, lambda: NOW_WALL_S, lambda: rand), clock
+    return Retrier(RetryConfig(**config), num_endpoints, clock, lambda: NOW_WALL_S, lambda: rand), clock
 
 
 def overloaded(hint_ms: int | None, skew_s: float = 0.0) -> Failure:
@@ -36,14 +36,14 @@ def overloaded(hint_ms: int | None, skew_s: float = 0.0) -> Failure:
     )
 
 
-def attempt(p: RetryPolicy, state, endpoint: int, failure: Failure):
+def attempt(p: Retrier, state, endpoint: int, failure: Failure):
     state.num_attempts += 1
     return p.after_failure(state, endpoint, failure)
 
 
 @given(hint_ms=st.integers(1, 60_000), rand=st.floats(0, 1, exclude_max=True))
 def test_the_wait_is_the_hint_plus_a_bounded_jitter(hint_ms, rand):
-    p, _ = policy(rand=rand)
+    p, _ = retrier(rand=rand)
     state = p.start(deadline_ms=10**7, model="")
     decision = attempt(p, state, 0, overloaded(hint_ms))
     jitter_ms = min(20.0, 0.1 * hint_ms)
@@ -52,22 +52,22 @@ def test_the_wait_is_the_hint_plus_a_bounded_jitter(hint_ms, rand):
 
 
 def test_skew_backoff_doubles_up_to_its_cap_with_full_jitter():
-    p, _ = policy(rand=0.999999, backoff_base_ms=10, backoff_max_ms=50)
+    p, _ = retrier(rand=0.999999, backoff_base_ms=10, backoff_max_ms=50)
     state = p.start(deadline_ms=10**7, model="")
     delays = [attempt(p, state, 0, overloaded(5_000, skew_s=30)).delay_s for _ in range(5)]
     assert delays == pytest.approx([0.010, 0.020, 0.040, 0.050, 0.050], rel=1e-5)
-    p0, _ = policy(rand=0.0)
+    p0, _ = retrier(rand=0.0)
     assert attempt(p0, p0.start(1000, ""), 0, overloaded(5_000, skew_s=30)).delay_s == 0.0
 
 
 def test_a_rejection_without_a_hint_backs_off():
-    p, _ = policy(rand=0.5)
+    p, _ = retrier(rand=0.5)
     decision = attempt(p, p.start(1_000, ""), 0, overloaded(None))
     assert decision == Retry(0, 0.0125, "no_hint")
 
 
 def test_no_attempt_is_planned_past_the_deadline_or_with_a_sliver_of_budget_left():
-    p, clock = policy(min_attempt_budget_ms=5)
+    p, clock = retrier(min_attempt_budget_ms=5)
     state = p.start(deadline_ms=500, model="")
     assert attempt(p, state, 0, overloaded(494)) == Retry(0, 0.494, "hint")
     assert attempt(p, state, 0, overloaded(496)) == GiveUp("deadline")
@@ -76,7 +76,7 @@ def test_no_attempt_is_planned_past_the_deadline_or_with_a_sliver_of_budget_left
 
 
 def test_never_retries_an_admitted_call_or_a_non_retryable_code():
-    p, _ = policy(num_endpoints=2)
+    p, _ = retrier(num_endpoints=2)
     state = p.start(1_000, "")
     admitted = Failure(grpc.StatusCode.UNAVAILABLE, "gone", after_admission=True)
     assert attempt(p, state, 0, admitted) == GiveUp("after_admission")
@@ -94,14 +94,14 @@ def test_never_retries_an_admitted_call_or_a_non_retryable_code():
 
 
 def test_the_attempt_limit_counts_the_first_try():
-    p, _ = policy(max_attempts=2)
+    p, _ = retrier(max_attempts=2)
     state = p.start(10_000, "")
     assert isinstance(attempt(p, state, 0, overloaded(10)), Retry)
     assert attempt(p, state, 0, overloaded(10)) == GiveUp("max_attempts")
 
 
 def test_new_calls_round_robin_over_free_endpoints_and_avoid_busy_ones():
-    p, clock = policy(num_endpoints=3)
+    p, clock = retrier(num_endpoints=3)
     assert [p.first_endpoint() for _ in range(4)] == [0, 1, 2, 0]
     attempt(p, p.start(10_000, ""), 1, overloaded(300))  # 1 is busy for 300 ms
     assert [p.first_endpoint() for _ in range(4)] == [2, 0, 2, 0]
@@ -113,14 +113,14 @@ def test_new_calls_round_robin_over_free_endpoints_and_avoid_busy_ones():
 
 
 def test_busy_state_is_shared_by_all_calls_of_a_client():
-    p, _ = policy(num_endpoints=2)
+    p, _ = retrier(num_endpoints=2)
     attempt(p, p.start(10_000, ""), 0, overloaded(400))
     other_call = p.start(10_000, "")
     assert attempt(p, other_call, 1, overloaded(50)) == Retry(1, 0.05, "hint")
 
 
 def test_an_endpoint_that_keeps_failing_is_skipped_longer_and_forgiven_once_it_serves():
-    p, clock = policy(num_endpoints=2, rand=0.0)
+    p, clock = retrier(num_endpoints=2, rand=0.0)
     down = Failure(grpc.StatusCode.UNAVAILABLE, "refused")
     state = p.start(60_000, "")
     spans = []
@@ -142,15 +142,15 @@ def test_no_room_within_the_budget_fails_over_or_gives_up_at_once():
         error_metadata={"retry_within_budget": "false"},
         server_time_us=int(NOW_WALL_S * 1e6),
     )
-    p, _ = policy(num_endpoints=1)
+    p, _ = retrier(num_endpoints=1)
     assert attempt(p, p.start(deadline_ms=5_000, model=""), 0, full) == GiveUp("no_room_within_deadline")
-    p2, _ = policy(num_endpoints=2)
+    p2, _ = retrier(num_endpoints=2)
     decision = attempt(p2, p2.start(deadline_ms=5_000, model=""), 0, full)
     assert decision == Retry(1, 0.0, "failover")
 
 
 def test_a_resource_exhausted_from_grpc_itself_is_no_overload_and_is_not_retried():
-    p, _ = policy(num_endpoints=2)
+    p, _ = retrier(num_endpoints=2)
     state = p.start(1_000, "")
     too_big = Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max (5000000 vs. 4194304)")
     assert attempt(p, state, 0, too_big) == GiveUp("not_retryable")
@@ -173,7 +173,7 @@ def quota_refusal(hint_ms: int | None, cap: str = "calls_per_s", reason: str = "
 
 
 def test_a_rate_refusal_waits_its_hint_on_the_same_endpoint_and_never_fails_over():
-    p, _ = policy(num_endpoints=3, rand=0.5)
+    p, _ = retrier(num_endpoints=3, rand=0.5)
     state = p.start(deadline_ms=5_000, model="")
     decision = attempt(p, state, 1, quota_refusal(200))
     assert isinstance(decision, Retry) and decision.endpoint == 1 and decision.reason == "quota"
@@ -183,22 +183,22 @@ def test_a_rate_refusal_waits_its_hint_on_the_same_endpoint_and_never_fails_over
 
 @pytest.mark.parametrize("hint_ms", [None, -1, 4_990, 10 * 86_400_000])
 def test_a_quota_refusal_without_a_hint_that_fits_the_deadline_gives_up_at_once(hint_ms):
-    p, _ = policy(num_endpoints=2)
+    p, _ = retrier(num_endpoints=2)
     state = p.start(deadline_ms=5_000, model="")
     assert attempt(p, state, 0, quota_refusal(hint_ms, cap="device_us_per_month")) == GiveUp("quota")
 
 
 def test_a_quota_failure_detail_alone_is_a_quota_refusal_and_overload_is_not():
-    from services.client.status import QuotaViolation
+    from services.client.failure import QuotaViolation
 
     bare = quota_refusal(None, reason="", quota_violations=(QuotaViolation("tenant:acme", "calls_per_s: 5 of 5"),))
     assert bare.is_quota and not overloaded(100).is_quota
-    p, _ = policy(num_endpoints=2)
+    p, _ = retrier(num_endpoints=2)
     assert attempt(p, p.start(deadline_ms=5_000, model=""), 0, bare) == GiveUp("quota")
 
 
 def test_quota_retries_count_against_the_attempt_limit():
-    p, _ = policy(num_endpoints=1, max_attempts=2)
+    p, _ = retrier(num_endpoints=1, max_attempts=2)
     state = p.start(deadline_ms=60_000, model="")
     assert isinstance(attempt(p, state, 0, quota_refusal(100)), Retry)
     assert attempt(p, state, 0, quota_refusal(100)) == GiveUp("quota")
@@ -206,7 +206,7 @@ def test_quota_retries_count_against_the_attempt_limit():
 
 def test_the_replicas_quota_status_parses_into_a_quota_failure_with_its_hint():
     from services import errors
-    from services.client.status import parse_failure
+    from services.client.failure import parse_failure
     from services.status import status_for, to_grpc_status
 
     reset_us = 1_800_086_400_000_000
