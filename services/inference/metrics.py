@@ -12,7 +12,7 @@ from prometheus_client.registry import Collector
 
 from billing.records import DEFAULT_CLASS
 
-from .admission.costmodel import CostModel
+from .cost.model import CostModel
 from .device.spec import Device
 from .device.telemetry import GpuTelemetry, HostSteal
 from .engine.digest import StepDigest

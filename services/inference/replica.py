@@ -28,9 +28,9 @@ from services.standard import SERVICE_NAMES as STANDARD_SERVICES
 from services.standard import add_health, enable_reflection
 
 from .admission import AdmissionConfig, AdmissionController
-from .admission.costmodel import CostModel
 from .admission.fifo import FifoAdmission
 from .clock import Clock
+from .cost.model import CostModel
 from .device.card import read_card
 from .device.cpus import pin
 from .device.faults import Fault

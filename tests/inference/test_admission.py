@@ -18,8 +18,8 @@ from services.inference.admission import (
     Predictor,
     Reject,
 )
-from services.inference.admission.costmodel import CostModel, fit_context_cost
 from services.inference.admission.fifo import FifoAdmission
+from services.inference.cost.model import CostModel, fit_context_cost
 
 MS = 1_000_000
 

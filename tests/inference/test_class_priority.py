@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from services.inference.admission import PRIORITY, AdmissionConfig, AdmissionController, Admit, Commitment, Reject
-from services.inference.admission.costmodel import CostModel
+from services.inference.cost.model import CostModel
 from tests.inference.steady_device import run
 from tests.inference.test_retry_invitations import CAPACITY_PER_S, replica
 

@@ -16,7 +16,7 @@ from services.inference.admission import (
     AdmissionController,
     Reject,
 )
-from services.inference.admission.costmodel import CostModel
+from services.inference.cost.model import CostModel
 from services.status import status_for
 from tests.inference.test_admission import MS, commit, controller, flat_cost
 

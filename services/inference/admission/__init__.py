@@ -1,5 +1,5 @@
 """Deadline admission at arrival: the decisions (decisions.py), the prediction (predictor.py) over the step-time
-cost model (costmodel.py), the controller that admits or refuses with a retry hint (controller.py), the FIFO
+cost model (services/inference/cost/), the controller that admits or refuses with a retry hint (controller.py), the FIFO
 baseline (fifo.py), the lateness tracker (lateness.py), and what decides whether a refusal invites a retry: the
 replica's saturation (saturation.py) and each tenant's record of coming back (follow.py); and each tenant's fair
 share of the slots (shares.py) and class priority (priorities.py), kept as headroom (headroom.py) in proportion

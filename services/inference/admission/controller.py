@@ -11,7 +11,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Mapping
 
-from .costmodel import CostModel
+from ..cost.model import CostModel
 from .decisions import (
     DEADLINE,
     DELAYS_ADMITTED,

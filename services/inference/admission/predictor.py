@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from operator import itemgetter
 
-from .costmodel import CostModel
+from ..cost.model import CostModel
 from .decisions import AdmissionConfig, Commitment
 
 
