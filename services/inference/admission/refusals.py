@@ -82,8 +82,9 @@ class Promises:
         wait_ns = steps_until_room(admitted, config.max_num_batched_tokens) * full_step_ns
         # a retry that kept its turn may wait for prompts ahead: one full step, or retry_hold_ms if longer
         hold_ns = max(self.retry_hold_ns, full_step_ns)
-        limit_ns = limit(self.by.predictor, new, now_ns)
-        if wait_ns and not (call.has_turn and wait_ns <= hold_ns and finish_ns + wait_ns <= limit_ns):
+        if wait_ns and not (
+            call.has_turn and wait_ns <= hold_ns and finish_ns + wait_ns <= limit(self.by.predictor, new, now_ns)
+        ):
             if self.saturated_for(new.tenant, now_ns):
                 return self._saturated(wait_ns, finish_ns, RefusalCause.STEP_BUDGET)
             if held_turn := len(self.turns) < self.max_reservations:
