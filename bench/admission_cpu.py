@@ -37,7 +37,10 @@ CHILD = """
 import importlib.util, json, sys, time
 sys.path.insert(0, {tree!r})
 from services.inference.admission import AdmissionConfig, AdmissionController, Commitment, Reject
-from services.inference.admission.costmodel import CostModel
+try:  # a tree from before the cost model had a room of its own (services/inference/cost/)
+    from services.inference.cost.model import CostModel
+except ImportError:
+    from services.inference.admission.costmodel import CostModel
 spec = importlib.util.spec_from_file_location("overload", {driver!r})
 driver = importlib.util.module_from_spec(spec); spec.loader.exec_module(driver)
 cost = CostModel(rows=[1, 8, 32, 96, 256], row_us=[2000, 2300, 3000, 4500, 8000], us_per_context_token=0.01)
@@ -45,7 +48,7 @@ controller = AdmissionController(cost, AdmissionConfig(32, 256, pace_tokens={pac
 timings_ns, decide = [], controller.decide
 tenants, classes = {mix!r} in ("tenants", "both"), {mix!r} in ("classes", "both") and "priority" in Commitment.__slots__
 def timed(new, now_ns):
-    n = int(new.request_id[1:])
+    n = int((new.key if hasattr(new, "key") else new.request_id)[1:])  # an older tree's Commitment: request_id
     if tenants:
         new.tenant = "modest" if n % 11 == 0 else "flood"
     if classes:

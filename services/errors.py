@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import grpc
 
 from billing import errors as billing
+from services.inference.admission.decisions import RefusalCause
 
 DOMAIN = "zeroqueue.dev"
 MAX_ECHO_CHARS = 64  # what a status repeats of a client's string
@@ -102,7 +103,7 @@ class Overloaded(ServiceError):
         predicted_finish_ms: int,
         budget_ms: int,
         within_budget: bool = True,
-        cause: str = "deadline",
+        cause: RefusalCause = RefusalCause.DEADLINE,
         reserved: bool = False,
         saturated: bool = False,
     ) -> None:
@@ -111,15 +112,15 @@ class Overloaded(ServiceError):
         self.saturated = saturated
         self.reserved = reserved and self.within_budget
         self.retry_after_ms = retry_after_ms
-        why = _WHY.get(cause, _WHY["deadline"]).format(finish=predicted_finish_ms, budget=budget_ms)
+        why = _WHY.get(cause, _WHY[RefusalCause.DEADLINE]).format(finish=predicted_finish_ms, budget=budget_ms)
         super().__init__(
-            f"{why}; {self._next_step(cause == 'step_budget', cause in _HOLDS_NOTHING)}",
+            f"{why}; {self._next_step(cause == RefusalCause.STEP_BUDGET, cause in _HOLDS_NOTHING)}",
             {
                 "retry_after_ms": str(retry_after_ms),
                 "predicted_finish_ms": str(predicted_finish_ms),
                 "budget_ms": str(budget_ms),
                 "retry_within_budget": str(self.within_budget).lower(),
-                "cause": cause,
+                "cause": str(cause),
                 "retry_reserved": str(self.reserved).lower(),
                 "saturated": str(saturated).lower(),
             },
@@ -154,20 +155,20 @@ class Overloaded(ServiceError):
 
 
 # Causes whose refusal never reserves: the room it was refused is kept for others.
-_HOLDS_NOTHING = frozenset({"over_share", "priority"})
+_HOLDS_NOTHING = frozenset({RefusalCause.OVER_SHARE, RefusalCause.PRIORITY})
 _WHY = {
-    "slots_full": "slots full: every slot is taken, by running calls or reserved retries, at some point of its "
-    "predicted run ({finish} ms of a {budget} ms budget)",
-    "step_budget": "the next engine steps' token budget is taken by prompts ahead of it (its run would end in "
-    "{finish} ms of a {budget} ms budget)",
-    "deadline": "predicted finish in {finish} ms exceeds the budget of {budget} ms, less the safety margin, under "
-    "the current load",
-    "delays_admitted": "joining now would push an admitted call past its deadline (its own predicted finish, "
-    "{finish} ms, fits the budget of {budget} ms)",
-    "over_share": "your tenant holds its fair share of this replica's slots or more, and the free ones are kept "
-    "for tenants under theirs (its run would end in {finish} ms of a {budget} ms budget)",
-    "priority": "what is free on this replica is headroom kept for a higher-priority class of service that is "
-    "active (its run would end in {finish} ms of a {budget} ms budget)",
+    RefusalCause.SLOTS_FULL: "slots full: every slot is taken, by running calls or reserved retries, at some point "
+    "of its predicted run ({finish} ms of a {budget} ms budget)",
+    RefusalCause.STEP_BUDGET: "the next engine steps' token budget is taken by prompts ahead of it (its run would "
+    "end in {finish} ms of a {budget} ms budget)",
+    RefusalCause.DEADLINE: "predicted finish in {finish} ms exceeds the budget of {budget} ms, less the safety "
+    "margin, under the current load",
+    RefusalCause.DELAYS_ADMITTED: "joining now would push an admitted call past its deadline (its own predicted "
+    "finish, {finish} ms, fits the budget of {budget} ms)",
+    RefusalCause.OVER_SHARE: "your tenant holds its fair share of this replica's slots or more, and the free ones "
+    "are kept for tenants under theirs (its run would end in {finish} ms of a {budget} ms budget)",
+    RefusalCause.PRIORITY: "what is free on this replica is headroom kept for a higher-priority class of service "
+    "that is active (its run would end in {finish} ms of a {budget} ms budget)",
 }
 
 

@@ -12,7 +12,8 @@ from prometheus_client.registry import Collector
 
 from billing.records import DEFAULT_CLASS
 
-from .admission.costmodel import CostModel
+from .admission.decisions import RefusalCause
+from .cost.model import CostModel
 from .device.spec import Device
 from .device.telemetry import GpuTelemetry, HostSteal
 from .engine.digest import StepDigest
@@ -182,7 +183,7 @@ class ServiceMetrics:
         """Exports admission's count of what became of its promises to refused calls (read at scrape time)."""
         self.registry.register(ReservationEvents(events))
 
-    def count_refusal(self, cause: str, tenant: str, service_class: str = DEFAULT_CLASS) -> None:
+    def count_refusal(self, cause: RefusalCause, tenant: str, service_class: str = DEFAULT_CLASS) -> None:
         """A call refused at admission: `cause` is why not now (admission's Reject.reason, infeasible, or quota)."""
         tenant = _bounded(tenant, self._tenants, MAX_TENANTS)
         self.refusals.labels(cause, tenant, _bounded(service_class, self._classes, MAX_CLASSES)).inc()

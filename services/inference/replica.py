@@ -27,10 +27,9 @@ from services.metering.server import server_credentials
 from services.standard import SERVICE_NAMES as STANDARD_SERVICES
 from services.standard import add_health, enable_reflection
 
-from .admission import AdmissionConfig, AdmissionController
-from .admission.costmodel import CostModel
-from .admission.fifo import FifoAdmission
+from .admission import Admission, AdmissionConfig, AdmissionController, AdmissionSettings, FifoAdmission
 from .clock import Clock
+from .cost.model import CostModel
 from .device.checkpoint import read_header
 from .device.cpus import pin
 from .device.faults import Fault
@@ -201,8 +200,8 @@ class Replica:
             self.engine.on_lost = lambda why: loop.call_soon_threadsafe(self._engine_lost, why)
             self.engine.on_device = lambda *verdict: loop.call_soon_threadsafe(self._device_changed, *verdict)
         self.engine.start()
-        if isinstance(service.admission, AdmissionController):  # fair share weighs tenants as the ledger says
-            self.book.subscribe(lambda policy: service.admission.set_weights(weights_of(policy)))
+        # fair share weighs tenants as the ledger says
+        self.book.subscribe(lambda policy: service.admission.set_weights(weights_of(policy)))
         if not await self.book.first_read():  # the ledger's classes and caps before the first call
             log.warning("serving_without_policy", why="the first read of the serving policy failed; it is retried")
         service.state = WarmupState.READY
@@ -241,14 +240,13 @@ class Replica:
             self.config.margin_fraction,
             pace_tokens=self.config.pace_tokens,
         )
+        admission: Admission
         if self.config.admission == "fifo":
             admission, observed_cost = FifoAdmission(), None
         else:
-            controller = AdmissionController(
-                cost, admission_config, max_reservations=self.config.max_reservations, fair=self.config.fair_share
-            )
-            admission, observed_cost = controller, cost
-            self.metrics.watch_reservations(controller.events)
+            settings = AdmissionSettings(max_reservations=self.config.max_reservations, fair=self.config.fair_share)
+            admission, observed_cost = AdmissionController(cost, admission_config, settings), cost
+            self.metrics.watch_reservations(admission.events)
             engine.set_expiry_guard(int(cost.step_us(ready.num_slots) * 1000))
         steps = StepLog()
         engine.observers.append(StepStats(observed_cost, self.metrics, ready.num_slots, steps, self.config.pace_tokens))

@@ -20,8 +20,7 @@ from billing.records import Outcome
 from services import errors
 from services.metering.outbox import Outbox
 
-from .admission import AdmissionController, Admit, Commitment, Infeasible, Reject
-from .admission.fifo import FifoAdmission
+from .admission import Admission, Admit, Commitment, Infeasible, RefusalCause, Reject
 from .call import BudgetSource, GenerateSpec, Ticket, admission_key
 from .clock import Clock
 from .device.spec import Device
@@ -101,7 +100,7 @@ class InferenceService:
         self,
         engine: Engine | EngineClient,
         card: ModelCard,
-        admission: AdmissionController | FifoAdmission,
+        admission: Admission,
         metrics: ServiceMetrics,
         clock: Clock,
         meter: Meter,
@@ -129,7 +128,7 @@ class InferenceService:
 
     @property
     def deadline_mode(self) -> bool:
-        return isinstance(self.admission, AdmissionController)
+        return self.admission.predicts
 
     def budget(self, time_remaining_s: float | None) -> tuple[int, BudgetSource]:
         """The call's budget in ns: its gRPC deadline, or the server default when it has none."""
@@ -165,7 +164,7 @@ class InferenceService:
                 self.quotas.check(tenant, received_ns, budget_ns)
             except errors.QuotaExceeded:
                 self._count_decision(_attempt_label(spec.retry_attempt), "quota")
-                self.metrics.count_refusal("quota", tenant, klass)
+                self.metrics.count_refusal(RefusalCause.QUOTA, tenant, klass)
                 raise
         deadline_ns = received_ns + budget_ns
         commitment = Commitment(
@@ -184,7 +183,7 @@ class InferenceService:
         attempt = _attempt_label(spec.retry_attempt)
         if isinstance(decision, Infeasible):
             self._count_decision(attempt, "infeasible")
-            self.metrics.count_refusal("infeasible", tenant, klass)
+            self.metrics.count_refusal(RefusalCause.INFEASIBLE, tenant, klass)
             raise errors.DeadlineInfeasible(budget_ns // 1_000_000, decision.min_budget_ms)
         if isinstance(decision, Reject):
             self._count_decision(attempt, "overloaded")

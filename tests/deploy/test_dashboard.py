@@ -197,15 +197,14 @@ def cause_matchers(expr_text: str) -> set[str]:
 def test_refusals_by_kind_are_the_causes_pulse_groups_them_by(dashboard: dict) -> None:
     """The board's kinds (overload, share, priority, quota, infeasible) select exactly the causes `zeroqueue pulse`
     groups under each, and every cause admission gives falls in one."""
-    from services.inference.admission import decisions
+    from services.inference.admission import RefusalCause
     from services.pulse.tenant_stats import CAUSE_KINDS, KIND_OF_CAUSE
 
     kinds = [p for p in panels(dashboard["panels"]) if p.get("title") == "Refusals by kind"]
     assert kinds, "a panel of refusals by kind"
     chosen = {t["legendFormat"]: cause_matchers(t["expr"]) for t in kinds[0]["targets"]}
     assert chosen == {kind: set(causes) for kind, causes in CAUSE_KINDS.items()}
-    given = {decisions.SLOTS_FULL, decisions.STEP_BUDGET, decisions.DEADLINE, decisions.DELAYS_ADMITTED}
-    given |= {decisions.OVER_SHARE, "infeasible", "quota", "priority"}
+    given = set(RefusalCause)
     assert given <= set(KIND_OF_CAUSE), given - set(KIND_OF_CAUSE)
 
 

@@ -12,14 +12,16 @@ from hypothesis import strategies as st
 from services.inference.admission import (
     AdmissionConfig,
     AdmissionController,
+    AdmissionSettings,
     Admit,
     Commitment,
     Infeasible,
     Predictor,
     Reject,
 )
-from services.inference.admission.costmodel import CostModel, fit_context_cost
+from services.inference.admission.checks import Calendar
 from services.inference.admission.fifo import FifoAdmission
+from services.inference.cost.model import CostModel, fit_context_cost
 
 MS = 1_000_000
 
@@ -162,7 +164,7 @@ def test_a_rejected_call_reserves_capacity_for_its_retry():
 
 def test_reservation_expires_when_the_retry_never_comes():
     c = AdmissionController(
-        flat_cost(), AdmissionConfig(1, 256, margin_ms=0, margin_fraction=0), reservation_grace_ms=20
+        flat_cost(), AdmissionConfig(1, 256, margin_ms=0, margin_fraction=0), AdmissionSettings(reservation_grace_ms=20)
     )
     c.decide(commit("a", max_tokens=5), 0)
     assert isinstance(c.decide(commit("ghost", max_tokens=5), 0), Reject)
@@ -186,7 +188,7 @@ def test_admitted_set_is_always_predicted_to_meet_every_deadline(arrivals, slots
         admitted = [x for x in c.commitments.values() if x.reserved_from_ns is None]
         assert len(admitted) <= slots
         finish = c.predictor.finish_times(admitted, 0)
-        assert all(finish[x.request_id] <= x.deadline_ns for x in admitted)
+        assert all(finish[x.key] <= x.deadline_ns for x in admitted)
         if isinstance(decision, Reject):
             assert decision.retry_after_ms >= 1
 
@@ -236,31 +238,38 @@ def test_the_slot_calendar_is_never_overbooked(arrivals, slots):
     for i, (max_tokens, budget_ms, gap_ms) in enumerate(arrivals):
         now += gap_ms * MS
         running = [x for x in c.commitments.values() if not x.is_reservation]  # the device runs as predicted
-        moved = {x.request_id: x for x in progressed(running, c.predictor.finish_times(running, last), last, now)}
+        moved = {x.key: x for x in progressed(running, c.predictor.finish_times(running, last), last, now)}
         for x in running:
-            if x.request_id in moved:
-                c.on_progress(x.request_id, moved[x.request_id].num_generated)
+            if x.key in moved:
+                c.on_progress(x.key, moved[x.key].num_generated)
             else:
-                c.release(x.request_id)
+                c.release(x.key)
         last = now
         c.decide(Commitment(f"r{i}", 4, max_tokens, now + budget_ms * MS), now)
         admitted = [x for x in c.commitments.values() if not x.is_reservation]
         finishes = c.predictor.finish_times(admitted, now)
-        intervals = [(now, finishes[x.request_id]) for x in admitted]
+        intervals = [(now, finishes[x.key]) for x in admitted]
         intervals += [(x.reserved_from_ns, x.reserved_until_ns) for x in c.commitments.values() if x.is_reservation]
         assert peak_occupancy(intervals, now, now + 10**13) <= slots
+
+
+class EveryCheckPredicts(Calendar):
+    def full_at(self, at_ns, num_running, reservations):
+        return False
+
+    def fits_at(self, new, scene, ahead_of_later_reservations=False, finish_unused=False):
+        return super().fits_at(new, scene, ahead_of_later_reservations)
 
 
 class NoShortcut(AdmissionController):
     """The controller without its quick answers ('no slot free at that instant', 'the calendar is full before
     the shortest run could end'): every check predicts."""
 
-    def _full_at(self, at_ns, num_running, reservations):
-        return False
-
-    def _fits_at(self, new, at_ns, admitted, finishes, reservations, ahead_of_later_reservations=False, **kw):
-        kw.pop("finish_unused", None)
-        return super()._fits_at(new, at_ns, admitted, finishes, reservations, ahead_of_later_reservations, **kw)
+    def __init__(self, cost, config):
+        super().__init__(cost, config)
+        self.calendar = EveryCheckPredicts(
+            self.predictor, self.lateness, config.num_slots, self.settings.max_retry_candidates
+        )
 
 
 # calibrations that rise with the rows, and one whose noise dips (a floor must hold for it too)

@@ -7,17 +7,19 @@ import collections
 
 import pytest
 
-from services.inference.admission import AdmissionConfig, AdmissionController, Admit, Reject
-from services.inference.admission.costmodel import CostModel
+from services.inference.admission import AdmissionConfig, AdmissionController, AdmissionSettings, Admit, Reject
 from services.inference.admission.lateness import Lateness
 from services.inference.admission.saturation import Saturation
+from services.inference.cost.model import CostModel
 from tests.inference.overload import overload
 from tests.inference.test_admission import MS, NoShortcut, commit, controller
 
 
 def test_a_retry_on_time_goes_ahead_of_reservations_planned_behind_it():
     cost = CostModel(rows=[1, 2], row_us=[10_000, 10_000], us_per_context_token=0.0, num_deviations=0, deviation=0)
-    c = AdmissionController(cost, AdmissionConfig(1, 256, margin_ms=0, margin_fraction=0), max_reservations=4)
+    c = AdmissionController(
+        cost, AdmissionConfig(1, 256, margin_ms=0, margin_fraction=0), AdmissionSettings(max_reservations=4)
+    )
     assert isinstance(c.decide(commit("a", max_tokens=10, deadline_ms=5000), 0), Admit)  # runs 0-100 ms
     b = c.decide(commit("b", max_tokens=10, deadline_ms=5000), 0)
     q = c.decide(commit("q", max_tokens=10, deadline_ms=5000), 0)
@@ -116,7 +118,7 @@ def test_under_overload_the_quick_answers_give_every_call_the_same_decision_and_
     config = AdmissionConfig(32, 256, pace_tokens=pace)
     quick, slow = AdmissionController(cost, config), NoShortcut(cost, config)
     for c in (quick, slow):  # never saturated: every refusal plans its retry, the path the quick answers shorten
-        c.new_saturation = lambda: Saturation(enter=2.0)
+        c.promises.new_saturation = lambda: Saturation(enter=2.0)
     kinds = collections.Counter()
     for a, b in overload([quick, slow], load=3.0, seconds=4.0):
         assert type(a) is type(b) and {**a.__dict__, "predicted_finish_ns": 0} == {

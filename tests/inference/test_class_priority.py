@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.inference.admission import PRIORITY, AdmissionConfig, AdmissionController, Admit, Commitment, Reject
-from services.inference.admission.costmodel import CostModel
+from services.inference.admission import AdmissionConfig, AdmissionController, Admit, Commitment, RefusalCause, Reject
+from services.inference.cost.model import CostModel
 from tests.inference.steady_device import run
 from tests.inference.test_retry_invitations import CAPACITY_PER_S, replica
 
@@ -36,7 +36,7 @@ def test_an_interactive_call_is_admitted_before_a_batch_call_that_came_earlier()
     def decide(new: Commitment, now_ns: int):
         d = c.decide(new, now_ns)
         if isinstance(d, Admit):
-            admitted[new.request_id] = (new, d)
+            admitted[new.key] = (new, d)
         return d
 
     decide(call("i0", 0, INTERACTIVE, budget_ms=2_000), 0)  # the interactive class is active
@@ -44,7 +44,7 @@ def test_an_interactive_call_is_admitted_before_a_batch_call_that_came_earlier()
     # the batch calls take what is free but the slot kept for the interactive class
     assert [type(d).__name__ for d in batch] == ["Admit", "Admit", "Reject"]
     refused = batch[2]
-    assert isinstance(refused, Reject) and refused.reason == PRIORITY and not refused.reserved
+    assert isinstance(refused, Reject) and refused.reason == RefusalCause.PRIORITY and not refused.reserved
     assert refused.retry_after_ms > 0 and refused.within_budget  # a retry hint, inside its 10 s budget
     # the interactive call that comes after it is admitted, at once
     late = decide(call("i1", 2 * MS, INTERACTIVE, budget_ms=2_000), 2 * MS)
@@ -62,7 +62,7 @@ def test_a_batch_call_is_kept_out_of_the_time_a_higher_class_needs():
     n = 0
     while isinstance(d := c.decide(call(f"b{n}", 0, BATCH, budget_ms=60_000), 0), Admit):
         n += 1
-    assert d.reason == PRIORITY and 0 < n < 10  # refused with slots still free
+    assert d.reason == RefusalCause.PRIORITY and 0 < n < 10  # refused with slots still free
     assert isinstance(c.decide(call("i1", 0, INTERACTIVE, budget_ms=1_500), 0), Admit)
     assert all(finish <= c.commitments[rid].deadline_ns for rid, finish in _finishes(c).items())
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.inference.admission import AdmissionConfig, AdmissionController, Commitment, Reject
-from services.inference.admission.costmodel import CostModel
+from services.inference.admission import AdmissionConfig, AdmissionController, AdmissionSettings, Commitment, Reject
 from services.inference.admission.shares import Shares
+from services.inference.cost.model import CostModel
 from tests.inference.steady_device import run
 from tests.inference.test_retry_invitations import CAPACITY_PER_S, replica
 
@@ -100,7 +100,9 @@ def test_new_weights_take_effect_at_the_next_decision():
 
 def test_first_come_mode_keeps_nothing_for_anyone():
     cost = CostModel([1, 256], [10_000.0, 10_000.0], 0.0, num_deviations=0, deviation=0)
-    c = AdmissionController(cost, AdmissionConfig(4, 256, margin_ms=0, margin_fraction=0), fair=False)
+    c = AdmissionController(
+        cost, AdmissionConfig(4, 256, margin_ms=0, margin_fraction=0), AdmissionSettings(fair=False)
+    )
 
     def call(rid: str, tenant: str, priority: int = 0) -> Commitment:
         return Commitment(f"{tenant}/{rid}", 4, 500, 10 * S, tenant=tenant, priority=priority)

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
-from services.inference.admission import AdmissionConfig, AdmissionController, Admit, Commitment, Reject
+from services.inference.admission import (
+    AdmissionConfig,
+    AdmissionController,
+    AdmissionSettings,
+    Admit,
+    Commitment,
+    Reject,
+)
 from services.inference.admission.follow import FollowThrough
 from tests.inference.test_admission import MS, flat_cost
 
 
 def one_slot() -> AdmissionController:
     config = AdmissionConfig(1, 256, margin_ms=0, margin_fraction=0)
-    return AdmissionController(flat_cost(10.0), config, reservation_grace_ms=20)
+    return AdmissionController(flat_cost(10.0), config, AdmissionSettings(reservation_grace_ms=20))
 
 
 def call(rid: str, tenant: str, now_ms: int, attempt: int = 0) -> Commitment:

@@ -91,7 +91,7 @@ class DecisionLog:
 
         def logged(new, now_ns):
             decision = decide(new, now_ns)
-            self.entries.append((new.request_id.split("/", 1)[-1], time.time() * 1000, decision))
+            self.entries.append((new.key.split("/", 1)[-1], time.time() * 1000, decision))
             return decision
 
         admission.decide = logged  # runs on the replica's loop thread, before any call of the burst

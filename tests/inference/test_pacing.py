@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from services.inference.admission import AdmissionConfig, Commitment, Predictor
-from services.inference.admission.costmodel import CostModel
+from services.inference.cost.model import CostModel
 from services.inference.device.executor import Executor, ExecutorConfig
 from services.inference.device.loader import load_checkpoint
 from services.inference.engine.core import build_engine

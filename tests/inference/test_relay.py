@@ -18,12 +18,14 @@ from services.inference.service import InferenceService, LoopSink
 
 
 class Progress:
-    """The admission controller as the relay sees it: told each call's token count."""
+    """The admission controller as the relay sees it: told each call's token count; it predicts nothing."""
+
+    predicts = False
 
     def __init__(self) -> None:
         self.seen: list[int] = []
 
-    def on_progress(self, request_id: str, num_generated: int) -> None:
+    def on_progress(self, key: str, num_generated: int) -> None:
         self.seen.append(num_generated)
 
 

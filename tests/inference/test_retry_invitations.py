@@ -8,9 +8,9 @@ import pytest
 from prometheus_client import generate_latest
 
 from services import errors
-from services.inference.admission import AdmissionConfig, AdmissionController, Commitment, Reject
-from services.inference.admission.costmodel import CostModel
+from services.inference.admission import AdmissionConfig, AdmissionController, AdmissionSettings, Commitment, Reject
 from services.inference.admission.saturation import Saturation
+from services.inference.cost.model import CostModel
 from services.inference.metrics import ServiceMetrics
 from tests.inference.steady_device import run
 
@@ -22,7 +22,7 @@ CAPACITY_PER_S = 17  # what this device finishes at saturation (see the no-retry
 
 def replica(max_reservations: int | None = None) -> AdmissionController:
     cost = CostModel(list(ROWS), list(ROW_US), 1.975)
-    return AdmissionController(cost, AdmissionConfig(32, 256), max_reservations=max_reservations)
+    return AdmissionController(cost, AdmissionConfig(32, 256), AdmissionSettings(max_reservations=max_reservations))
 
 
 def goodput(controller: AdmissionController, rate: float, attempts: int, seed: int) -> tuple[float, int, int]:

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from services.inference.admission.costmodel import CostModel
+from services.inference.cost.model import CostModel
 from services.inference.device.faults import Fault, FaultKind, FaultyExecutor
 from services.inference.device.spec import InjectedDeviceFault, is_device_fault
 from services.inference.engine.watchdog import DeviceState, Watchdog, WatchdogConfig, WatchedExecutor

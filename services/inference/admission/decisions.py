@@ -1,8 +1,10 @@
-"""What admission decides about a call: its commitment (an admitted call or a reserved retry), the config, and
-the three decisions (admit, reject with a retry hint, infeasible). Plain data; no torch."""
+"""What admission decides about a call: its commitment (an admitted call or a reserved retry), the config, the
+three decisions (admit, reject with a retry hint, infeasible) and why a call is refused (RefusalCause). Plain
+data; no torch."""
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
@@ -11,7 +13,7 @@ NS_PER_MS = 1_000_000
 
 @dataclass(slots=True)
 class Commitment:
-    request_id: str
+    key: str  # the tenant-scoped admission key (call.py `admission_key`): a retry finds its reservation by it
     num_prompt_tokens: int
     max_tokens: int
     deadline_ns: int
@@ -64,13 +66,19 @@ class Admit:
     predicted_finish_ns: int
 
 
-# Why a call is not admitted now (Reject.reason); the refusal's message and ErrorInfo say the same.
-SLOTS_FULL = "slots_full"  # every slot is taken (running calls, reserved retries) at some point of its run
-STEP_BUDGET = "step_budget"  # a slot is free, but the next steps' token budget is taken by prompts ahead
-DEADLINE = "deadline"  # its own predicted finish is past its deadline less the margin
-DELAYS_ADMITTED = "delays_admitted"  # it would push an admitted call past a deadline it was predicted to meet
-OVER_SHARE = "over_share"  # its tenant holds its fair share or more, and the free slot is kept for another
-PRIORITY = "priority"  # what is free is headroom kept for a higher-priority class that is active
+class RefusalCause(enum.StrEnum):
+    """Why a call is not admitted. The first six are admission's (Reject.reason); the refusal's message, its
+    ErrorInfo `cause`, the zeroqueue_refusals_total{cause} label and the logs say the same string."""
+
+    SLOTS_FULL = "slots_full"  # every slot is taken (running calls, reserved retries) at some point of its run
+    STEP_BUDGET = "step_budget"  # a slot is free, but the next steps' token budget is taken by prompts ahead
+    DEADLINE = "deadline"  # its own predicted finish is past its deadline less the margin
+    DELAYS_ADMITTED = "delays_admitted"  # it would push an admitted call past a deadline it was predicted to meet
+    OVER_SHARE = "over_share"  # its tenant holds its fair share or more, and the free slot is kept for another
+    PRIORITY = "priority"  # what is free is headroom kept for a higher-priority class that is active
+    # not a Reject's: an Infeasible decision, and the tenant's quota checked before admission (quotas.py)
+    INFEASIBLE = "infeasible"  # no idle replica could finish it inside its budget
+    QUOTA = "quota"  # its tenant is at one of its caps
 
 
 @dataclass(frozen=True)
@@ -79,7 +87,7 @@ class Reject:
     predicted_finish_ns: int
     within_budget: bool = True  # False: no time inside this call's own budget works; the hint is when
     # the replica frees up, for a call with a fresh budget
-    reason: str = DEADLINE  # why not now: one of the six above
+    reason: RefusalCause = RefusalCause.DEADLINE  # why not now: one of admission's six
     reserved: bool = False  # a slot is reserved for a retry at the hint (STEP_BUDGET: its turn is held);
     # False: a best guess, every reservation was taken
     saturated: bool = False  # the replica has been refusing most new calls: no retry is invited here (within_budget

@@ -2,28 +2,42 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Mapping
+
 from .decisions import Admit, Commitment, Decision
 
 
 class FifoAdmission:
-    """The conventional server: admit everything, let the engine's queue grow without bound."""
+    """The conventional server: admit everything, let the engine's queue grow without bound. An `Admission`
+    (interface.py) that predicts nothing, refuses nothing and so promises nothing."""
+
+    predicts = False
 
     def __init__(self) -> None:
         self.commitments: dict[str, Commitment] = {}
+        self.events: Counter[str] = Counter()  # no refusal, so no promise: always empty
 
     @property
     def num_admitted(self) -> int:
         return len(self.commitments)
 
+    @property
+    def num_reserved(self) -> int:
+        return 0
+
     def decide(self, new: Commitment, now_ns: int) -> Decision:
-        self.commitments[new.request_id] = new
+        self.commitments[new.key] = new
         return Admit(predicted_finish_ns=0)
 
-    def on_progress(self, request_id: str, num_generated: int) -> None:
+    def on_progress(self, key: str, num_generated: int) -> None:
         pass
 
     def observe_finish(self, predicted_ns: int, actual_ns: int) -> None:
         pass
 
-    def release(self, request_id: str) -> None:
-        self.commitments.pop(request_id, None)
+    def release(self, key: str) -> None:
+        self.commitments.pop(key, None)
+
+    def set_weights(self, weights: Mapping[str, float]) -> None:
+        pass  # no fair share: every call is admitted

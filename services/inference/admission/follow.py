@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .settings import DEFAULT_SETTINGS
+
 
 @dataclass
 class FollowThrough:
@@ -16,10 +18,10 @@ class FollowThrough:
     tenant whose clients start retrying is seen to. Bounded: past `max_tenants`, the least recently seen
     tenant's rates are forgotten."""
 
-    alpha: float = 0.1
-    threshold: float = 0.5
-    explore_every: int = 8
-    max_tenants: int = 1024
+    alpha: float = DEFAULT_SETTINGS.follow_alpha
+    threshold: float = DEFAULT_SETTINGS.follow_threshold_share
+    explore_every: int = DEFAULT_SETTINGS.follow_explore_every
+    max_tenants: int = DEFAULT_SETTINGS.max_tenants
     rates: dict[tuple[str, bool], float] = field(default_factory=dict)  # (tenant, after a retry) -> share
     skipped: dict[tuple[str, bool], int] = field(default_factory=dict)  # unbacked refusals since a reservation
 

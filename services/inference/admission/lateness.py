@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .settings import DEFAULT_SETTINGS
+
 
 @dataclass
 class Lateness:
@@ -11,10 +13,10 @@ class Lateness:
     but later arrivals share the steps. Running mean and mean absolute deviation of actual/predicted time
     to finish; slots are expected to free `factor` times later than predicted."""
 
-    alpha: float = 0.05
+    alpha: float = DEFAULT_SETTINGS.lateness_alpha
     mean: float = 1.0
     deviation: float = 0.0
-    num_deviations: float = 2.0
+    num_deviations: float = DEFAULT_SETTINGS.lateness_num_deviations
     # kept, not derived on each use: a refusal stretches every running call's finish at each retry candidate
     factor: float = field(init=False, default=1.0)
 

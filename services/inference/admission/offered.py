@@ -9,6 +9,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from .settings import DEFAULT_SETTINGS
+
 NS_PER_S = 1_000_000_000
 K = TypeVar("K")  # a sender's key: a tenant's name, a priority level
 
@@ -56,10 +58,10 @@ class Senders(Generic[K]):
     its admitted calls hold, and the mean predicted slot hold over all of them (a new sender's guess). A sender
     with nothing running whose age-weighted arrivals fall below `active_weight` is idle, and forgotten."""
 
-    half_life_s: float = 2.0
-    offered_half_life_s: float = 8.0  # of the rate a sender offers: long enough that a Poisson stream reads steady
-    active_weight: float = 0.25
-    hold_alpha: float = 0.05  # weight of the newest admitted call in a mean slot hold
+    half_life_s: float = DEFAULT_SETTINGS.active_half_life_s
+    offered_half_life_s: float = DEFAULT_SETTINGS.offered_half_life_s  # of the rate a sender offers
+    active_weight: float = DEFAULT_SETTINGS.active_weight
+    hold_alpha: float = DEFAULT_SETTINGS.hold_alpha  # weight of the newest admitted call in a mean slot hold
     used: Counter[K] = field(default_factory=Counter)  # slots held by admitted calls, by sender
     offers: dict[K, Offer] = field(default_factory=dict)
     mean_hold_ns: float = 0.0

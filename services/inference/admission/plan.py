@@ -11,7 +11,7 @@ def progressed(admitted: list[Commitment], finishes: dict[str, int], now_ns: int
     proportion to the time elapsed towards their predicted finish."""
     later = []
     for c in admitted:
-        finish_ns = finishes[c.request_id]
+        finish_ns = finishes[c.key]
         if finish_ns <= at_ns:
             continue
         # a plain copy: dataclasses.replace costs more than the prediction that follows
@@ -19,7 +19,7 @@ def progressed(admitted: list[Commitment], finishes: dict[str, int], now_ns: int
         remaining = max_tokens - generated if max_tokens > generated else 0
         later.append(
             Commitment(
-                c.request_id,
+                c.key,
                 c.num_prompt_tokens,
                 max_tokens,
                 c.deadline_ns,
@@ -38,7 +38,7 @@ def from_their_time(predictor: Predictor, due: list[Commitment], at_ns: int, num
     shifted = []
     for r in due:
         steps_before = int((r.reserved_from_ns - at_ns) // step_ns) if r.reserved_from_ns > at_ns else 0
-        shifted.append(Commitment(r.request_id, r.num_prompt_tokens, r.max_tokens + steps_before, r.deadline_ns))
+        shifted.append(Commitment(r.key, r.num_prompt_tokens, r.max_tokens + steps_before, r.deadline_ns))
     return shifted
 
 

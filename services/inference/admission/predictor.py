@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from operator import itemgetter
 
-from .costmodel import CostModel
+from ..cost.model import CostModel
 from .decisions import AdmissionConfig, Commitment
 
 
@@ -65,19 +65,19 @@ class Predictor:
                 if prompt > budget:
                     remaining += (prompt - 1) // budget  # chunk steps before the first token
             context_left += prompt + max_tokens
-            order.append((remaining, prompt + max_tokens, c.request_id))
+            order.append((remaining, prompt + max_tokens, c.key))
         order.sort(key=itemgetter(0))
         n = len(order)
         # paced, a step costs at least as much as with `pace` prompt tokens: those come at no extra cost
         mean_us = max(prefill_tokens - pace, 0) * cost.marginal_row_us(n + pace)
         finish, var_us2, done_steps, k, steps_us = {}, 0.0, 0, cost.num_deviations, cost.steps_us
         finish_ns = _finish_ns(now_ns, mean_us, var_us2, k)
-        for i, (steps, final_context, request_id) in enumerate(order):
+        for i, (steps, final_context, key) in enumerate(order):
             if steps > done_steps:
                 phase_us, phase_var = steps_us(steps - done_steps, n - i + pace, context_left)
                 mean_us, var_us2, done_steps = mean_us + phase_us, var_us2 + phase_var, steps
                 finish_ns = _finish_ns(now_ns, mean_us, var_us2, k)
-            finish[request_id] = finish_ns
+            finish[key] = finish_ns
             context_left -= final_context
         return finish
 
@@ -105,13 +105,13 @@ class Predictor:
         """Whether `new`, joining at `at_ns`, meets its deadline and pushes no commitment past a deadline it
         was predicted to meet; also `new`'s predicted finish."""
         after = self.finish_times([*commitments, new], at_ns)
-        if after[new.request_id] > new.deadline_ns - self.margin_for(new, at_ns):
-            return False, after[new.request_id]
+        if after[new.key] > new.deadline_ns - self.margin_for(new, at_ns):
+            return False, after[new.key]
         for c in commitments:
             limit = c.deadline_ns - self.margin_for(c, at_ns)
-            if after[c.request_id] > limit and before.get(c.request_id, 0) <= limit:
-                return False, after[new.request_id]
-        return True, after[new.request_id]
+            if after[c.key] > limit and before.get(c.key, 0) <= limit:
+                return False, after[new.key]
+        return True, after[new.key]
 
     def margin_for(self, c: Commitment, now_ns: int) -> int:
         return self.config.margin_ns(max(c.deadline_ns - now_ns, 0))

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from .decisions import Commitment
 from .offered import Senders
+from .settings import DEFAULT_SETTINGS
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,9 +35,9 @@ class Kept:
 
 @dataclass
 class Priorities:
-    per_class: int = 4  # free slots kept for each active higher level, at most
+    per_class: int = DEFAULT_SETTINGS.per_class_slots  # free slots kept for each active higher level, at most
     max_slots: int | None = None  # free slots kept for all higher levels together, at most (None: no bound)
-    per_class_prompts: int = 2  # prompts kept room for in the next step's token budget, for all those levels
+    per_class_prompts: int = DEFAULT_SETTINGS.per_class_prompts  # room in the next step, for all those levels
     levels: Senders[int] = field(default_factory=Senders)  # each priority level's offer and the slots it holds
     # each level's latest call, (prompt tokens, max tokens, budget ns): what its headroom must fit. At most one
     # entry per priority value (0..100), so it is never pruned.

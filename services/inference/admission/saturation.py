@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .settings import DEFAULT_SETTINGS
+
 NS_PER_S = 1_000_000_000
 
 
@@ -20,11 +22,11 @@ class Saturation:
     after it. So a saturated replica does not invite retries to itself (it points them at other replicas), which
     keeps its goodput what it is without them."""
 
-    half_life_s: float = 2.0
-    enter: float = 0.3
-    leave: float = 0.15
-    min_weight: float = 8.0
-    hold_s: float = 0.5
+    half_life_s: float = DEFAULT_SETTINGS.saturation_half_life_s
+    enter: float = DEFAULT_SETTINGS.saturation_enter_share
+    leave: float = DEFAULT_SETTINGS.saturation_leave_share
+    min_weight: float = DEFAULT_SETTINGS.saturation_min_attempts
+    hold_s: float = DEFAULT_SETTINGS.saturation_hold_s
     above_since_ns: int | None = None  # when the share last rose over `enter`
     refused: float = 0.0  # age-weighted counts
     weight: float = 0.0

@@ -21,14 +21,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .offered import Senders
+from .settings import DEFAULT_SETTINGS
 
 
 @dataclass
 class Shares:
     num_slots: int
     weights: Mapping[str, float] = field(default_factory=dict)  # tenant -> weight; 1 for a tenant not named
-    per_tenant: int = 4  # free slots kept for each modest tenant or tenant under its share: calls come in bursts
-    per_tenant_prompts: int = 2  # prompts kept room for in the next step's token budget, for all those tenants
+    per_tenant: int = DEFAULT_SETTINGS.per_tenant_slots  # free slots kept for each modest tenant or under its share
+    per_tenant_prompts: int = DEFAULT_SETTINGS.per_tenant_prompts  # room in the next step, for all those tenants
     tenants: Senders[str] = field(default_factory=Senders)  # each tenant's offer and the slots it holds
 
     def set_weights(self, weights: Mapping[str, float]) -> None:

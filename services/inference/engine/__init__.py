@@ -4,6 +4,6 @@ server's side (`EngineClient`, which stands in for the engine), messages.py what
 the step digest the observers see (digest.py), the calibration of the cost model (calibration.py), paced steps
 (pacing.py), incremental detokenizing (detokenizer.py) and the log of step starts (steplog.py).
 
-It may import sched/, admission/ (the cost model) and device/'s torch-free modules (spec.py, cpus.py), but no torch at
+It may import sched/, cost/ (the cost model) and device/'s torch-free modules (spec.py, cpus.py), but no torch at
 import: what needs torch (the executor, the checkpoint's weights) is imported where the child builds the engine.
 """

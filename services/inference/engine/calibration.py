@@ -8,7 +8,7 @@ import statistics
 
 import structlog
 
-from ..admission.costmodel import CostModel, fit_context_cost
+from ..cost.model import CostModel, fit_context_cost
 from ..sched.request import Request, SamplingParams
 from .engine import Engine, RequestOutput
 

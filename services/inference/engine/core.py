@@ -23,7 +23,7 @@ import structlog
 
 from services.logs import configure_logging
 
-from ..admission.costmodel import CostModel
+from ..cost.model import CostModel
 from ..device.cpus import allowed_cpus, engine_threads, pin, split_cpus
 from ..device.faults import Fault, FaultyExecutor
 from .calibration import calibrate

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..admission.costmodel import CostModel
+from ..cost.model import CostModel
 
 
 @dataclass

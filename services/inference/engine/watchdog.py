@@ -28,7 +28,7 @@ from typing import Any
 
 import structlog
 
-from ..admission.costmodel import CostModel
+from ..cost.model import CostModel
 
 log = structlog.get_logger(__name__)
 

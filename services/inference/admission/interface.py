@@ -1,0 +1,55 @@
+"""What the service asks of admission, whichever it has (as vLLM's sched/interface.py): deadline admission
+(controller.py `AdmissionController`) and the FIFO comparator (fifo.py `FifoAdmission`) both are one. The
+service, the replica and the metrics hold an `Admission` and never ask which. No torch."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from typing import Protocol
+
+from .decisions import Commitment, Decision
+
+
+class Admission(Protocol):
+    @property
+    def predicts(self) -> bool:
+        """Whether decisions predict finishes: then the engine is told each call's deadline, and admission hears
+        how long admitted calls really took (observe_finish). FIFO predicts nothing."""
+        ...
+
+    @property
+    def num_admitted(self) -> int:
+        """Calls admitted and not yet released."""
+        ...
+
+    @property
+    def num_reserved(self) -> int:
+        """Slots held for refused calls' hinted retries."""
+        ...
+
+    @property
+    def events(self) -> Counter[str]:
+        """What became of the promises to refused calls, by event (metrics.ReservationEvents reads it at scrape
+        time): a live count, not a copy."""
+        ...
+
+    def decide(self, new: Commitment, now_ns: int) -> Decision:
+        """Admit `new` now, or refuse it (with when to retry), or say no budget like it could ever be met."""
+        ...
+
+    def on_progress(self, key: str, num_generated: int) -> None:
+        """The admitted call under `key` (call.py `admission_key`) has generated `num_generated` tokens."""
+        ...
+
+    def observe_finish(self, predicted_ns: int, actual_ns: int) -> None:
+        """A call admitted with `predicted_ns` to go took `actual_ns`."""
+        ...
+
+    def release(self, key: str) -> None:
+        """The call under `key` is done (finished, cancelled or never started): its slot is free."""
+        ...
+
+    def set_weights(self, weights: Mapping[str, float]) -> None:
+        """The tenants' weights in fair share, as the replica's serving policy now says."""
+        ...

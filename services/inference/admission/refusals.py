@@ -1,0 +1,176 @@
+"""The last step of a decision, once the checks (checks.py) have said whether a call fits: admit it, or refuse it
+with a hint of when to retry, and with or without a promise that the retry finds room. No torch.
+
+Every refusal of admission is built here, each with its cause (RefusalCause): the checks decide the cause, these
+decide what is promised with it. A promise is a reservation of a slot from the hinted time (SLOTS_FULL, DEADLINE,
+DELAYS_ADMITTED) or a held turn in the step's token budget (STEP_BUDGET); a refusal for headroom kept for others
+(OVER_SHARE, PRIORITY) promises nothing, since its retry would take that headroom. No retry is invited where its
+tenant is saturated (saturation.py) or its retries have not been coming back (follow.py)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+
+from .checks import Arrival, limit
+from .decisions import NS_PER_MS, Admit, Commitment, Decision, RefusalCause, Reject
+from .estimators import Estimators
+from .follow import FollowThrough
+from .plan import steps_until_room
+from .saturation import Saturation
+from .settings import AdmissionSettings
+
+
+class Promises:
+    """The calendar's commitments (admitted calls and reserved retries) and the turns held, with what became of
+    each promise (`events`, by event: metrics.ReservationEvents lists them).
+
+    A reservation is a promise both ways: it waits `reservation_grace_ms` past its time for a retry that comes
+    late, and a retry that comes on time while its slot (or the step's room for its prompt) is still taken,
+    because the device ran slower than predicted, is admitted if that frees within `retry_hold_ms` and its
+    deadline still holds. A call refused only because the next step's token budget was taken holds no slot,
+    but keeps its turn: its retry, on time, may wait up to `retry_hold_ms` for that room."""
+
+    def __init__(self, settings: AdmissionSettings, judged_with: Estimators) -> None:
+        self.by = judged_with
+        self.settings = settings
+        # a rejection storm must not grow the work of every decision: at most this many reservations
+        self.max_reservations = settings.max_reservations_for(judged_with.config.num_slots)
+        self.reservation_grace_ns = int(settings.reservation_grace_ms * NS_PER_MS)
+        self.retry_hold_ns = int(settings.retry_hold_ms * NS_PER_MS)
+        self.commitments: dict[str, Commitment] = {}  # admission key -> its admitted call or reserved retry
+        self.turns: dict[str, int] = {}  # refused for the step budget: admission key -> when its turn lapses
+        self.events: Counter[str] = Counter()
+        s = settings
+        self.follow = FollowThrough(s.follow_alpha, s.follow_threshold_share, s.follow_explore_every, s.max_tenants)
+        # per tenant: a flood saturates its sender, not the modest tenant beside it (saturation.py)
+        self.saturations: dict[str, Saturation] = {}
+        self.new_saturation: Callable[[], Saturation] = lambda: Saturation(
+            s.saturation_half_life_s,
+            s.saturation_enter_share,
+            s.saturation_leave_share,
+            s.saturation_min_attempts,
+            s.saturation_hold_s,
+        )
+
+    @property
+    def num_reserved(self) -> int:
+        return sum(1 for c in self.commitments.values() if c.is_reservation)
+
+    def reservations(self) -> list[Commitment]:
+        return [c for c in self.commitments.values() if c.reserved_from_ns is not None]
+
+    def arrive(self, new: Commitment, now_ns: int) -> Arrival:
+        """`new` arrives: lapsed promises go, and a retry takes up its own reservation, or its held turn."""
+        self._expire(now_ns)
+        held = self.commitments.get(new.key)
+        on_time = held is not None and held.is_reservation
+        if on_time:
+            del self.commitments[new.key]
+            self.follow.observe(held.tenant, held.again, came=True)
+        has_turn = on_time or self.turns.pop(new.key, None) is not None
+        if has_turn and not on_time:
+            self.events["turn_retry"] += 1
+        return Arrival(new, now_ns, on_time, has_turn)
+
+    def admit(self, call: Arrival, admitted: list[Commitment], finish_ns: int) -> Decision:
+        """`call` fits: admitted if its prompt joins the very next step (or, holding its turn, within a step);
+        else refused for the step budget, holding no slot, only its turn."""
+        new, now_ns, config = call.new, call.now_ns, self.by.config
+        full_step_ns = int(self.by.predictor.cost.step_us(config.max_num_batched_tokens) * 1000)
+        wait_ns = steps_until_room(admitted, config.max_num_batched_tokens) * full_step_ns
+        # a retry that kept its turn may wait for prompts ahead: one full step, or retry_hold_ms if longer
+        hold_ns = max(self.retry_hold_ns, full_step_ns)
+        if wait_ns and not (
+            call.has_turn and wait_ns <= hold_ns and finish_ns + wait_ns <= limit(self.by.predictor, new, now_ns)
+        ):
+            if self.saturated_for(new.tenant, now_ns):
+                return self._saturated(wait_ns, finish_ns, RefusalCause.STEP_BUDGET)
+            if held_turn := len(self.turns) < self.max_reservations:
+                self.turns[new.key] = now_ns + wait_ns + self._grace_ns(wait_ns)
+            self.events["turn_held" if held_turn else "unbacked"] += 1
+            return Reject(_ms(wait_ns), finish_ns, reason=RefusalCause.STEP_BUDGET, reserved=held_turn)
+        self.commitments[new.key] = new
+        return Admit(finish_ns + wait_ns)
+
+    def refuse(
+        self, call: Arrival, finishes: dict[str, int], retry: tuple[int, int] | None, why: RefusalCause, finish_ns: int
+    ) -> Decision:
+        """`call` does not fit now (`why`): a refusal with the hint of its earliest `retry` (its time and its
+        predicted finish from then; None: none inside its budget), and a reservation for it when one is due; or,
+        for a retry come for its reservation whose slot frees a little late, admission."""
+        new, now_ns = call.new, call.now_ns
+        if retry is None:
+            return Reject(self._frees_ms(finishes, now_ns), finish_ns, within_budget=False, reason=why)
+        at_ns, retry_finish_ns = retry
+        if call.on_time and at_ns - now_ns <= self.retry_hold_ns:  # its slot frees a little late: held for it
+            self.commitments[new.key] = new
+            self.events["retry_held"] += 1
+            return Admit(retry_finish_ns)
+        if self.saturated_for(new.tenant, now_ns):
+            return self._saturated(at_ns - now_ns, finish_ns, why)
+        # at most max_reservations, so a storm cannot grow every decision's work: past that, a best guess; and
+        # only for tenants whose refused calls have been coming back for their reservations
+        again = call.has_turn or new.attempt > 0
+        reserved = self.num_reserved < self.max_reservations and self.follow.expects(new.tenant, again)
+        if reserved:
+            new.reserved_from_ns, new.reserved_until_ns = at_ns, self.by.lateness.stretch(at_ns, retry_finish_ns)
+            new.expires_ns = at_ns + self._grace_ns(at_ns - now_ns)
+            new.again = again
+            self.commitments[new.key] = new
+        self.events["reserved" if reserved else "unbacked"] += 1
+        return Reject(_ms(at_ns - now_ns), finish_ns, reason=why, reserved=reserved)
+
+    def refuse_for_headroom(
+        self, call: Arrival, finishes: dict[str, int], finish_ns: int, cause: RefusalCause
+    ) -> Reject:
+        """Refused for headroom kept for others: no reservation (its retry would take that headroom). OVER_SHARE
+        invites no retry here; PRIORITY hints when a slot frees, inside the call's budget if its run still fits
+        then and its tenant is not saturated (a saturated replica invites no retry, saturation.py)."""
+        new, now_ns = call.new, call.now_ns
+        frees_ms = self._frees_ms(finishes, now_ns)
+        if cause == RefusalCause.PRIORITY and self.saturated_for(new.tenant, now_ns):
+            return self._saturated(frees_ms * NS_PER_MS, finish_ns, cause)
+        fits_then = finish_ns + frees_ms * NS_PER_MS <= limit(self.by.predictor, new, now_ns)
+        return Reject(frees_ms, finish_ns, within_budget=cause == RefusalCause.PRIORITY and fits_then, reason=cause)
+
+    def saturation(self, tenant: str) -> Saturation:
+        saturation = self.saturations.pop(tenant, None) or self.new_saturation()
+        self.saturations[tenant] = saturation  # the most recent last: the oldest go first past the bound
+        if len(self.saturations) > self.settings.max_tenants:
+            del self.saturations[next(iter(self.saturations))]
+        return saturation
+
+    def saturated_for(self, tenant: str, now_ns: int) -> bool:
+        """No retry is invited here for `tenant`: it has been refused most of the time lately, and it is not a
+        tenant under its share whose slots others have borrowed (for it, a retry takes back what was lent)."""
+        return self.saturation(tenant).saturated and not self.by.lent(tenant, now_ns)
+
+    def _saturated(self, wait_ns: int, finish_ns: int, why: RefusalCause) -> Reject:
+        """A refusal that invites no retry here: on a saturated replica a retry would only take another call's
+        place (saturation.py). The hint still says when room frees, for a client with other replicas."""
+        self.events["saturated"] += 1
+        return Reject(_ms(wait_ns), finish_ns, within_budget=False, reason=why, saturated=True)
+
+    def _frees_ms(self, finishes: dict[str, int], now_ns: int) -> int:
+        """When the first slot frees, as slots really free (later than predicted): a hint for a fresh call."""
+        stretch = self.by.lateness.stretch
+        return _ms(min((stretch(now_ns, f) for f in finishes.values() if f > now_ns), default=now_ns) - now_ns)
+
+    def _grace_ns(self, wait_ns: int) -> int:
+        """How long past its hinted time a refused call's reservation or turn waits for its retry."""
+        return max(self.reservation_grace_ns, wait_ns // 10)
+
+    def _expire(self, now_ns: int) -> None:
+        for key in [k for k, c in self.commitments.items() if c.is_reservation and c.expires_ns <= now_ns]:
+            lapsed = self.commitments.pop(key)
+            self.follow.observe(lapsed.tenant, lapsed.again, came=False)
+            self.events["lapsed"] += 1
+        for key in [k for k, expires_ns in self.turns.items() if expires_ns <= now_ns]:
+            del self.turns[key]
+            self.events["turn_lapsed"] += 1
+
+
+def _ms(ns: int) -> int:
+    return max(math.ceil(ns / NS_PER_MS), 1)

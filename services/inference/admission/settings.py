@@ -1,0 +1,89 @@
+"""Every tuning value of deadline admission, in one place, each with its unit in its name and why it is what it
+is. The replica's own part (its slots, the step's token budget, pacing and the operator's safety margin) is
+AdmissionConfig (decisions.py): it comes from the engine and the serve flags, and every prediction reads it.
+These are the decision's: how long promises to refused calls are kept, how much headroom is kept for whom, and
+the rates the estimators learn at. No torch; nothing but the standard library.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionSettings:
+    # -- promises to refused calls (controller.py, refusals.py)
+    # a refused call's reservation (or turn) waits this long past its hinted time: a client's retry timer and the
+    # network add a few ms, and a reservation that lapses a moment early wastes the slot it held
+    reservation_grace_ms: float = 50.0
+    # a retry on time whose slot (or step room) is still taken, because the device ran slower than predicted, is
+    # admitted if that frees within this: it joins when the slot frees rather than being sent away again
+    retry_hold_ms: float = 50.0
+    # a rejection storm must not grow the work of every decision: at most this many reservations (None: one per
+    # slot, the most that can be taken up at once)
+    max_reservations: int | None = None
+    # retry times tried per refusal, each a prediction: the first few times a slot frees are where a retry fits,
+    # and more would grow the cost of a refusal, the common decision under overload
+    max_retry_candidates: int = 8
+    # a retry is invited only to a time from which its predicted run leaves at least this many runs again spare in
+    # its budget: a call admitted with less holds back the prompts of every call admitted after it (each one that
+    # joins lengthens its run), so near capacity it costs more goodput than it brings
+    retry_slack_runs: float = 1.0
+    # tenants whose saturation and follow-through are remembered: bounded, the least recently seen go first
+    max_tenants: int = 1024
+
+    # -- headroom kept for others (shares.py, priorities.py, headroom.py)
+    # fair share between tenants and class priority; off: first come, the comparison of old
+    fair: bool = True
+    # free slots kept for each modest tenant or tenant under its share: calls come in bursts of a few
+    per_tenant_slots: int = 4
+    # prompts kept room for in the next step's token budget, for all those tenants: the first of a burst start at once
+    per_tenant_prompts: int = 2
+    # free slots kept for each active higher class, at most: as for a tenant, a burst of a few
+    per_class_slots: int = 4
+    # prompts kept room for in the next step's token budget, for all the higher classes together
+    per_class_prompts: int = 2
+    # all higher classes together keep at most num_slots // this: a replica of few slots is never held for a
+    # class that sends one call
+    class_slots_divisor: int = 4
+
+    # -- what senders offer (offered.py): tenants for fair share, classes for priority
+    # a sender is active while its age-weighted arrivals, at this half-life, stay over active_weight
+    active_half_life_s: float = 2.0
+    # of the rate a sender offers: long enough that a Poisson stream reads steady
+    offered_half_life_s: float = 8.0
+    # age-weighted arrivals under which a sender with nothing running is idle: a quarter of a call
+    active_weight: float = 0.25
+    # weight of the newest admitted call in a sender's mean slot hold: a few tens of calls make the mean
+    hold_alpha: float = 0.05
+
+    # -- saturation (saturation.py): no retry invited to a replica refusing most new calls
+    # the share of first attempts refused is weighted by age at this half-life: a few seconds of traffic
+    saturation_half_life_s: float = 2.0
+    # saturated once the refused share stays over this; hysteresis: no longer once it falls under leave
+    saturation_enter_share: float = 0.3
+    saturation_leave_share: float = 0.15
+    # attempts' worth of recent weight before any verdict: a few refusals at a low rate are none
+    saturation_min_attempts: float = 8.0
+    # how long the share must stay over enter: a burst into a full replica is no verdict
+    saturation_hold_s: float = 0.5
+
+    # -- follow-through (follow.py): whether a tenant's refused calls come back for their reservations
+    # weight of the newest reservation's fate in a tenant's rate: about the last ten
+    follow_alpha: float = 0.1
+    # reserve only where at least this share of reservations was taken up: below, a held slot mostly idles
+    follow_threshold_share: float = 0.5
+    # every this-many-th unbacked refusal reserves anyway, so a tenant whose clients start retrying is seen to
+    follow_explore_every: int = 8
+
+    # -- lateness (lateness.py): how much later than predicted calls really finish
+    # weight of the newest call in the running mean: slots free late for reasons that change over seconds
+    lateness_alpha: float = 0.05
+    # slots are expected to free this many mean absolute deviations past the mean lateness: the cautious side
+    lateness_num_deviations: float = 2.0
+
+    def max_reservations_for(self, num_slots: int) -> int:
+        return num_slots if self.max_reservations is None else self.max_reservations
+
+
+DEFAULT_SETTINGS = AdmissionSettings()
