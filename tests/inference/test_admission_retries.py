@@ -8,8 +8,7 @@ import collections
 import pytest
 
 from services.inference.admission import AdmissionConfig, AdmissionController, AdmissionSettings, Admit, Reject
-from services.inference.admission.lateness import Lateness
-from services.inference.admission.saturation import Saturation
+from services.inference.admission.history import Lateness, Saturation
 from services.inference.cost.model import CostModel
 from tests.inference.overload import overload
 from tests.inference.test_admission import MS, NoShortcut, commit, controller

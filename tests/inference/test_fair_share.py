@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from services.inference.admission import AdmissionConfig, AdmissionController, AdmissionSettings, Commitment, Reject
-from services.inference.admission.shares import Shares
+from services.inference.admission.headroom import Shares
 from services.inference.cost.model import CostModel
 from tests.inference.steady_device import run
 from tests.inference.test_retry_invitations import CAPACITY_PER_S, replica

@@ -10,7 +10,7 @@ from services.inference.admission import (
     Commitment,
     Reject,
 )
-from services.inference.admission.follow import FollowThrough
+from services.inference.admission.history import FollowThrough
 from tests.inference.test_admission import MS, flat_cost
 
 

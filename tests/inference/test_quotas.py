@@ -333,7 +333,7 @@ def test_a_replica_on_a_remote_metering_service_reads_the_policy_with_get_servin
             book = server.replica.book
             wait_until(lambda: book.policy.class_named("interactive") is not None, timeout=10)
             assert book.policy.quota_of("acme").calls_per_s == 1_000 and book.policy.weight_of("acme") == 3
-            assert server.replica.service.admission.shares.weights == {"acme": 3.0}  # fair share weighs it so
+            assert server.replica.service.admission.headroom.weights == {"acme": 3.0}  # fair share weighs it so
             messages = generate(server.stub(key=tenant_key), timeout=3.0, service_class="interactive")
             assert messages[0].admission.service_class == "interactive"
             ok = server.replica.metrics.registry.get_sample_value("zeroqueue_policy_refreshes_total", {"result": "ok"})

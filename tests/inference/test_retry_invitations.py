@@ -9,7 +9,7 @@ from prometheus_client import generate_latest
 
 from services import errors
 from services.inference.admission import AdmissionConfig, AdmissionController, AdmissionSettings, Commitment, Reject
-from services.inference.admission.saturation import Saturation
+from services.inference.admission.history import Saturation
 from services.inference.cost.model import CostModel
 from services.inference.metrics import ServiceMetrics
 from tests.inference.steady_device import run

@@ -17,9 +17,8 @@ from dataclasses import dataclass
 
 from .decisions import NS_PER_MS, Commitment, Infeasible, RefusalCause
 from .headroom import Headroom
-from .lateness import Lateness
-from .plan import from_their_time, progressed
-from .predictor import Predictor, peak_occupancy
+from .history import Lateness
+from .predictor import Predictor, from_their_time, peak_occupancy, progressed
 
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass costs ~1 µs more to make, and a refusal makes ~10
@@ -72,7 +71,7 @@ def kept_for_others(room: Headroom, num_slots: int, now: Scene) -> RefusalCause 
 
 class Calendar:
     """Check 3, and the search for a retry that passes it. Slots over time form a calendar: a running call holds
-    one until its predicted finish (stretched as calls really finish, lateness.py), a reservation over its
+    one until its predicted finish (stretched as calls really finish, `Lateness`), a reservation over its
     reserved interval; and every deadline must hold."""
 
     def __init__(self, predictor: Predictor, lateness: Lateness, num_slots: int, max_retry_candidates: int) -> None:

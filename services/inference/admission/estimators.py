@@ -1,7 +1,7 @@
 """The estimators a decision is judged with, built from the settings (settings.py), shared by the checks
 (checks.py) and the outcome (refusals.py): the prediction over the cost model (predictor.py), its idle twin,
-how late calls really finish (lateness.py), and the tenants' fair share (shares.py) and classes' priority
-(priorities.py) that headroom is kept for (headroom.py). No torch."""
+how late calls really finish (`Lateness`, history.py), and the tenants' fair share and classes' priority that
+headroom is kept for (`Shares`, `Priorities`, headroom.py). No torch."""
 
 from __future__ import annotations
 
@@ -11,13 +11,10 @@ from dataclasses import dataclass
 from ..cost.model import CostModel
 from .checks import Arrival
 from .decisions import AdmissionConfig, Commitment
-from .headroom import NONE, Headroom, headroom, holding_against
-from .lateness import Lateness
-from .offered import Senders
+from .headroom import NONE, Headroom, Priorities, Senders, Shares, headroom, holding_against
+from .history import Lateness
 from .predictor import Predictor
-from .priorities import Priorities
 from .settings import AdmissionSettings
-from .shares import Shares
 
 
 @dataclass(eq=False)
@@ -57,7 +54,7 @@ class Estimators:
         return holding_against(new, room, reservations) if self.fair else reservations
 
     def lent(self, tenant: str, now_ns: int) -> bool:
-        """In fair mode, slots of `tenant`'s share are lent to another tenant (shares.py)."""
+        """In fair mode, slots of `tenant`'s share are lent to another tenant (`Shares`)."""
         return self.fair and self.shares.lent_to_others(tenant, now_ns)
 
 

@@ -5,7 +5,7 @@ Every refusal of admission is built here, each with its cause (RefusalCause): th
 decide what is promised with it. A promise is a reservation of a slot from the hinted time (SLOTS_FULL, DEADLINE,
 DELAYS_ADMITTED) or a held turn in the step's token budget (STEP_BUDGET); a refusal for headroom kept for others
 (OVER_SHARE, PRIORITY) promises nothing, since its retry would take that headroom. No retry is invited where its
-tenant is saturated (saturation.py) or its retries have not been coming back (follow.py)."""
+tenant is saturated or its retries have not been coming back (`Saturation`, `FollowThrough`: history.py)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,8 @@ from collections.abc import Callable
 from .checks import Arrival, limit
 from .decisions import NS_PER_MS, Admit, Commitment, Decision, RefusalCause, Reject
 from .estimators import Estimators
-from .follow import FollowThrough
-from .plan import steps_until_room
-from .saturation import Saturation
+from .history import FollowThrough, Saturation
+from .predictor import steps_until_room
 from .settings import AdmissionSettings
 
 
@@ -44,7 +43,7 @@ class Promises:
         self.events: Counter[str] = Counter()
         s = settings
         self.follow = FollowThrough(s.follow_alpha, s.follow_threshold_share, s.follow_explore_every, s.max_tenants)
-        # per tenant: a flood saturates its sender, not the modest tenant beside it (saturation.py)
+        # per tenant: a flood saturates its sender, not the modest tenant beside it (`Saturation` in history.py)
         self.saturations: dict[str, Saturation] = {}
         self.new_saturation: Callable[[], Saturation] = lambda: Saturation(
             s.saturation_half_life_s,
@@ -127,7 +126,7 @@ class Promises:
     ) -> Reject:
         """Refused for headroom kept for others: no reservation (its retry would take that headroom). OVER_SHARE
         invites no retry here; PRIORITY hints when a slot frees, inside the call's budget if its run still fits
-        then and its tenant is not saturated (a saturated replica invites no retry, saturation.py)."""
+        then and its tenant is not saturated (a saturated replica invites no retry, `Saturation`)."""
         new, now_ns = call.new, call.now_ns
         frees_ms = self._frees_ms(finishes, now_ns)
         if cause == RefusalCause.PRIORITY and self.saturated_for(new.tenant, now_ns):
@@ -149,7 +148,7 @@ class Promises:
 
     def _saturated(self, wait_ns: int, finish_ns: int, why: RefusalCause) -> Reject:
         """A refusal that invites no retry here: on a saturated replica a retry would only take another call's
-        place (saturation.py). The hint still says when room frees, for a client with other replicas."""
+        place (`Saturation` in history.py). The hint still says when room frees, for a client with other replicas."""
         self.events["saturated"] += 1
         return Reject(_ms(wait_ns), finish_ns, within_budget=False, reason=why, saturated=True)
 

@@ -32,7 +32,7 @@ class AdmissionSettings:
     # tenants whose saturation and follow-through are remembered: bounded, the least recently seen go first
     max_tenants: int = 1024
 
-    # -- headroom kept for others (shares.py, priorities.py, headroom.py)
+    # -- headroom kept for others (headroom.py)
     # fair share between tenants and class priority; off: first come, the comparison of old
     fair: bool = True
     # free slots kept for each modest tenant or tenant under its share: calls come in bursts of a few
@@ -47,7 +47,7 @@ class AdmissionSettings:
     # class that sends one call
     class_slots_divisor: int = 4
 
-    # -- what senders offer (offered.py): tenants for fair share, classes for priority
+    # -- what senders offer (`Senders`, headroom.py): tenants for fair share, classes for priority
     # a sender is active while its age-weighted arrivals, at this half-life, stay over active_weight
     active_half_life_s: float = 2.0
     # of the rate a sender offers: long enough that a Poisson stream reads steady
@@ -57,7 +57,7 @@ class AdmissionSettings:
     # weight of the newest admitted call in a sender's mean slot hold: a few tens of calls make the mean
     hold_alpha: float = 0.05
 
-    # -- saturation (saturation.py): no retry invited to a replica refusing most new calls
+    # -- saturation (`Saturation` in history.py): no retry invited to a replica refusing most new calls
     # the share of first attempts refused is weighted by age at this half-life: a few seconds of traffic
     saturation_half_life_s: float = 2.0
     # saturated once the refused share stays over this; hysteresis: no longer once it falls under leave
@@ -68,7 +68,7 @@ class AdmissionSettings:
     # how long the share must stay over enter: a burst into a full replica is no verdict
     saturation_hold_s: float = 0.5
 
-    # -- follow-through (follow.py): whether a tenant's refused calls come back for their reservations
+    # -- follow-through (`FollowThrough`, history.py): whether refused calls come back for their reservations
     # weight of the newest reservation's fate in a tenant's rate: about the last ten
     follow_alpha: float = 0.1
     # reserve only where at least this share of reservations was taken up: below, a held slot mostly idles
@@ -76,7 +76,7 @@ class AdmissionSettings:
     # every this-many-th unbacked refusal reserves anyway, so a tenant whose clients start retrying is seen to
     follow_explore_every: int = 8
 
-    # -- lateness (lateness.py): how much later than predicted calls really finish
+    # -- lateness (`Lateness` in history.py): how much later than predicted calls really finish
     # weight of the newest call in the running mean: slots free late for reasons that change over seconds
     lateness_alpha: float = 0.05
     # slots are expected to free this many mean absolute deviations past the mean lateness: the cautious side
