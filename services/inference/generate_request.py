@@ -88,7 +88,7 @@ def _retry_attempt(metadata: tuple, v: _Violations) -> int:
 
 def _service_class(msg: pb.GenerateRequest, v: _Violations) -> str:
     """The class the request names, if any: its size first, then its characters. Whether the replica offers it
-    and whether it accepts the call's budget is the servicer's to say (policy/service_class.py), once the budget
+    and whether it accepts the call's budget is the servicer's to say (policy/gate.py), once the budget
     is known."""
     name = msg.service_class
     if len(name) > MAX_CLASS_CHARS:

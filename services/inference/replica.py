@@ -278,7 +278,7 @@ class Replica:
             steps,
             self.config.default_deadline_ms,
             self.config.stream_interval_ms,
-            QuotaGate(lambda: self.book.policy),
+            QuotaGate(self.book),
         )
 
     def _policy_read(self, ok: bool, policy: ServingPolicy) -> None:

@@ -111,7 +111,7 @@ class InferenceService:
         quotas: QuotaGate | None = None,
     ) -> None:
         self.engine = engine
-        self.quotas = quotas  # tenants' caps (policy/quotas.py); None: none enforced
+        self.quotas = quotas  # tenants' caps (policy/gate.py); None: none enforced
         self.meter = meter
         self.outbox = outbox
         self.card = card

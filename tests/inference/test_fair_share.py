@@ -142,6 +142,6 @@ def test_refusals_are_counted_by_cause_and_tenant_with_the_tenants_bounded():
     for i in range(MAX_TENANTS + 5):
         metrics.count_refusal("slots_full", f"t{i}")
     value = metrics.registry.get_sample_value
-    standard = {"service_class": "standard"}  # the class of a call that names none (policy/service_class.py)
+    standard = {"service_class": "standard"}  # the class of a call that names none (policy/gate.py)
     assert value("zeroqueue_refusals_total", {"cause": "over_share", "tenant": "flood", **standard}) == 1
     assert value("zeroqueue_refusals_total", {"cause": "slots_full", "tenant": "_other", **standard}) == 7

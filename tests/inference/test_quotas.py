@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -31,7 +32,7 @@ RESET_US = 1_800_000_000_000_000
 
 def gate(*quotas: TenantQuota, now_us: int = RESET_US - 3_600_000_000) -> QuotaGate:
     policy = ServingPolicy(tenants={q.tenant: q for q in quotas})
-    return QuotaGate(lambda: policy, lambda: now_us)
+    return QuotaGate(SimpleNamespace(policy=policy), lambda: now_us)
 
 
 # --- the rules ----------------------------------------------------------------------------------------------------
@@ -333,7 +334,7 @@ def test_a_replica_on_a_remote_metering_service_reads_the_policy_with_get_servin
             book = server.replica.book
             wait_until(lambda: book.policy.class_named("interactive") is not None, timeout=10)
             assert book.policy.quota_of("acme").calls_per_s == 1_000 and book.policy.weight_of("acme") == 3
-            assert server.replica.service.admission.headroom.weights == {"acme": 3.0}  # fair share weighs it so
+            assert server.replica.service.admission.shares.weights == {"acme": 3.0}  # fair share weighs it so
             messages = generate(server.stub(key=tenant_key), timeout=3.0, service_class="interactive")
             assert messages[0].admission.service_class == "interactive"
             ok = server.replica.metrics.registry.get_sample_value("zeroqueue_policy_refreshes_total", {"result": "ok"})

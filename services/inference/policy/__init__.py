@@ -1,7 +1,7 @@
 """The serving policy on a replica: the book that holds the latest ServingPolicy (billing/policy.py) read from the
 ledger or the metering service in the background, and each tenant's weight in fair share (book.py); the class of
-service a call gets from the class it names and its budget (service_class.py); and tenants' quotas at admission:
-monthly caps and calls per second (quotas.py). Calls only read the book's frozen policy, on the event loop, with
+service a call gets from the class it names and its budget, and tenants' quotas at admission: monthly caps and
+calls per second (gate.py). Calls only read the book's frozen policy, on the event loop, with
 no I/O. It may import the standard library, billing/policy.py (the policy's plain data), services/errors.py and
 the call's shapes (call.py); the ledger and the metering protocol only inside the readers that need them; no
 torch, nothing of the engine, the device or admission (admission is told the weights, it never reads the book).
@@ -11,7 +11,6 @@ import PolicyBook, QuotaGate, class_of`.
 """
 
 from .book import DEFAULT_REFRESH_S, PolicyBook, ledger_reader, remote_reader, weights_of
-from .quotas import QuotaGate
-from .service_class import class_of
+from .gate import QuotaGate, class_of
 
 __all__ = ["DEFAULT_REFRESH_S", "PolicyBook", "QuotaGate", "class_of", "ledger_reader", "remote_reader", "weights_of"]
