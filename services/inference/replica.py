@@ -33,22 +33,23 @@ from .admission.fifo import FifoAdmission
 from .clock import Clock
 from .device.card import read_card
 from .device.cpus import pin
-from .device.faults import Fault
 from .device.spec import ExecutorConfig
 from .device.telemetry import GpuTelemetry
 from .engine.client import EngineClient
 from .engine.core import build_engine
 from .engine.engine import Engine
 from .engine.messages import EngineSpec
-from .engine.steplog import StepLog
-from .engine.watchdog import DeviceState, WatchdogConfig
 from .generate_request import RequestLimits
+from .health.faults import Fault
+from .health.state import DeviceState
+from .health.watchdog import WatchdogConfig
 from .meter import Meter
 from .metrics import ServiceMetrics, StepStats
 from .policy_book import DEFAULT_REFRESH_S, PolicyBook, ledger_reader, remote_reader, weights_of
 from .quotas import QuotaGate
 from .service import InferenceService, ModelCard, WarmupState
 from .servicer import InferenceServicer
+from .steplog import StepLog
 
 log = structlog.get_logger(__name__)
 INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -96,9 +97,9 @@ class ServeConfig:
     tls_key: str | None = None
     health_port: int | None = None  # plaintext gRPC health only (kubelet probes cannot speak TLS)
     limits: RequestLimits = RequestLimits()  # what one Generate request may hold (servicer.py)
-    watchdog: WatchdogConfig | None = WatchdogConfig()  # the device's watchdog (engine/watchdog.py); None: off
+    watchdog: WatchdogConfig | None = WatchdogConfig()  # the device's watchdog (health/watchdog.py); None: off
     device_recovery_s: float = 60.0  # a device failed this long takes liveness down too, so the pod restarts
-    fault: Fault | None = None  # a fault injected on purpose, for tests and drills (device/faults.py)
+    fault: Fault | None = None  # a fault injected on purpose, for tests and drills (health/faults.py)
     policy_refresh_s: float = DEFAULT_REFRESH_S  # how often the serving policy (classes, quotas) is read again
 
 

@@ -28,12 +28,12 @@ from .device.spec import Device
 from .engine.client import EngineClient
 from .engine.digest import EndedRequest
 from .engine.engine import Engine, RequestOutput
-from .engine.steplog import StepLog
-from .engine.watchdog import DeviceState
+from .health.state import DeviceState
 from .meter import OUTCOMES, Meter, RecordContext
 from .metrics import ServiceMetrics
 from .quotas import QuotaGate
 from .sched.request import FinishReason, Request, RequestStatus
+from .steplog import StepLog
 
 log = structlog.get_logger(__name__)
 
@@ -120,7 +120,7 @@ class InferenceService:
         self.default_budget_ms = default_budget_ms
         self.stream_interval_ns = stream_interval_ms * 1_000_000  # 0: a message per engine step
         self.state = WarmupState.WARMING_UP
-        self.device_state = DeviceState.HEALTHY  # the engine's watchdog says (engine/watchdog.py)
+        self.device_state = DeviceState.HEALTHY  # the engine's watchdog says (health/watchdog.py)
         self.in_flight: dict[tuple[str, str], Ticket] = {}  # (tenant, request_id) -> its admitted call
         self.drained = asyncio.Event()
 

@@ -22,8 +22,8 @@ from services.status import rpc_errors
 
 from .call import BudgetSource, Ticket
 from .classes import class_of
-from .engine.watchdog import DeviceState
 from .generate_request import RequestLimits, encode, to_spec
+from .health.state import DeviceState
 from .policy_book import PolicyBook
 from .sched.request import FinishReason
 from .service import InferenceService, WarmupState

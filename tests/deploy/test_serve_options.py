@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from services.cli import build_parser, serve_config
-from services.inference.device.faults import Fault, FaultKind
-from services.inference.engine.watchdog import WatchdogConfig
+from services.inference.health.faults import Fault, FaultKind
+from services.inference.health.watchdog import WatchdogConfig
 
 
 def config(*options: str):

@@ -98,7 +98,7 @@ class Executor:
         decode_kernel = self.cpu_ops.decode_attention if use_kernel else None
         self.backend = AttentionBackend(self.kv_cache, decode_kernel)
         self.info = describe_device(self.device)
-        # the watchdog's probe (engine/watchdog.py): one small matmul, on a stream of its own on a GPU
+        # the watchdog's probe (health/watchdog.py): one small matmul, on a stream of its own on a GPU
         self._probe_in = torch.ones(PROBE_SIZE, PROBE_SIZE, device=self.device)
         self._probe_out = torch.empty_like(self._probe_in)
         self._probe_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None

@@ -17,12 +17,12 @@ import structlog
 
 from services import errors
 
+from ..health.state import DeviceState
 from ..sched.request import FinishReason, Request, RequestStatus
 from .core import engine_main
 from .digest import EndedRequest, StepDigest
 from .engine import OutputSink, RequestOutput, StepObserver
 from .messages import DEVICE_FAULT_EXIT, EngineFailed, EngineSpec, Ready
-from .watchdog import DeviceState
 
 log = structlog.get_logger(__name__)
 

@@ -25,13 +25,14 @@ from services.logs import configure_logging
 
 from ..admission.costmodel import CostModel
 from ..device.cpus import allowed_cpus, engine_threads, pin, split_cpus
-from ..device.faults import Fault, FaultyExecutor
+from ..health.faults import Fault, FaultyExecutor
+from ..health.state import DeviceState
+from ..health.watchdog import Watchdog, WatchedExecutor, probe_us
 from .calibration import calibrate
 from .digest import step_wire
 from .engine import Engine, RequestOutput, StepReport
 from .messages import DEVICE_FAULT_EXIT, EngineSpec, Ready
 from .pacing import Pacer
-from .watchdog import DeviceState, Watchdog, WatchedExecutor, probe_us
 
 if TYPE_CHECKING:
     from ..device.loader import Checkpoint

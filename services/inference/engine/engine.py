@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import structlog
 
 from ..device.spec import StepResult, is_device_fault
+from ..health.state import DeviceState
+from ..health.watchdog import Watchdog
 from ..sched.request import FinishReason, Request, RequestStatus
 from ..sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepUpdate
 from .detokenizer import Detokenizer
 from .digest import StepDigest, ended_request
 from .pacing import Pacer
-from .watchdog import DeviceState, Watchdog
 
 if TYPE_CHECKING:
     from ..device.executor import Executor
@@ -147,7 +148,7 @@ class Engine:
         self.idle_tick_s = 1.0  # how often observers hear of idle time while there is no work
         self.pacer: Pacer | None = None  # paced steps (pacing.py); None: each step starts when the last ends
         self.on_lost: Callable[[str], None] | None = None  # the loop stopped on a device fault (engine thread)
-        self.watchdog: Watchdog | None = None  # set once serving (watchdog.py): the idle device is probed
+        self.watchdog: Watchdog | None = None  # set once serving (health/watchdog.py): the idle device is probed
         self.on_device: Callable[[DeviceState, float, str], None] | None = None  # the watchdog's verdicts
         self._idle_told_ns = 0
         self._paced_ns = 0  # idled out since the last reported step

@@ -12,9 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..device.faults import Fault
 from ..device.spec import Device, ExecutorConfig
-from .watchdog import WatchdogConfig
+from ..health.faults import Fault
+from ..health.watchdog import WatchdogConfig
 
 if TYPE_CHECKING:
     from ..device.executor import Executor
@@ -36,8 +36,8 @@ class EngineSpec:
     # child decides, since only it knows (with torch) whether it runs on the CPU
     pin_cpus: bool = False
     pace_tokens: int = 0  # paced steps (pacing.py) with this chunk; 0: unpaced
-    watchdog: WatchdogConfig | None = None  # watch the device once calibrated (watchdog.py); None: unwatched
-    fault: Fault | None = None  # a fault injected on purpose (device/faults.py), armed once calibrated
+    watchdog: WatchdogConfig | None = None  # watch the device once calibrated (health/watchdog.py); None: unwatched
+    fault: Fault | None = None  # a fault injected on purpose (health/faults.py), armed once calibrated
 
 
 @dataclass(frozen=True)

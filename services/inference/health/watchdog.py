@@ -17,7 +17,6 @@ median time over calibrated (0 when failed).
 
 from __future__ import annotations
 
-import enum
 import statistics
 import threading
 import time
@@ -29,14 +28,9 @@ from typing import Any
 import structlog
 
 from ..admission.costmodel import CostModel
+from .state import DeviceState
 
 log = structlog.get_logger(__name__)
-
-
-class DeviceState(enum.StrEnum):
-    HEALTHY = "healthy"
-    SLOW = "slow"  # steps persistently slower than calibrated: admission's cost model follows
-    FAILED = "failed"  # an operation hung: this replica serves nothing until the device answers again
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .spec import InjectedDeviceFault
+from ..device.spec import InjectedDeviceFault
 
 
 class FaultKind(enum.StrEnum):
