@@ -121,7 +121,7 @@ class Meter:
                 # device waits for work, and that time is idle, not the next request's
                 self._busy = False
             records = [self._record(r, digest.ended_ns) for r in digest.ended if r.request_id in self.contexts]
-            for request in digest.ended:  # one already billed (abandoned: service.abandon) is billed no more
+            for request in digest.ended:  # one already billed (its device failed: health/reaction.py) is billed no more
                 self.usage_unit_us.pop(request.request_id, None)
             idle = self._close_minutes(digest.ended_ns)
         if records or idle:

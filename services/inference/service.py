@@ -25,9 +25,9 @@ from .admission.fifo import FifoAdmission
 from .call import BudgetSource, GenerateSpec, Ticket, admission_key
 from .clock import Clock
 from .device.spec import Device
-from .engine.client import EngineClient
 from .engine.digest import EndedRequest
-from .engine.engine import Engine, RequestOutput
+from .engine.engine import RequestOutput
+from .engine.handle import EngineHandle
 from .health.state import DeviceState
 from .meter import OUTCOMES, Meter, RecordContext
 from .metrics import ServiceMetrics
@@ -96,7 +96,7 @@ def _attempt_label(attempt: int) -> str:
 class InferenceService:
     def __init__(
         self,
-        engine: Engine | EngineClient,
+        engine: EngineHandle,
         card: ModelCard,
         admission: AdmissionController | FifoAdmission,
         metrics: ServiceMetrics,
@@ -266,7 +266,7 @@ class InferenceService:
             if last.finish_reason is not None:
                 ticket.finish_reason, ticket.finished_ns = last.finish_reason, last.time_ns
                 if ticket.device_failure is not None and last.finish_reason is FinishReason.ERROR:
-                    self.meter.end_now(self._ended(ticket), last.time_ns)  # abandoned: billed here, once
+                    self.meter.end_now(self._ended(ticket), last.time_ns)  # ended by health/reaction.py: billed once
                 elif ticket.device_failure is not None:  # the engine's own end came first: the call finished
                     ticket.device_failure = None
                 await self._usage_on_disk(ticket)
@@ -277,19 +277,6 @@ class InferenceService:
                 sent_ns = now_ns
             yield held[0] if len(held) == 1 else _merged(held)
             held = []
-
-    def abandon(self, why: str) -> None:
-        """The device stopped answering: every call in flight ends now, told UNAVAILABLE (DEVICE_FAILED) instead of
-        waiting out its deadline, and billed for the steps that ran (when its stream takes the end: the tokens it
-        relayed by then are the ones it is billed for). The engine drops them whenever it runs again."""
-        now_ns = self.clock.now_ns()
-        for ticket in self.in_flight.values():
-            if ticket.finish_reason is None and ticket.device_failure is None:
-                ticket.device_failure = why
-                self.engine.cancel(ticket.call_id)
-                ticket.outputs.put_nowait(
-                    RequestOutput(ticket.call_id, (), "", now_ns, ticket.num_output_tokens, FinishReason.ERROR)
-                )
 
     @staticmethod
     def _ended(ticket: Ticket) -> EndedRequest:

@@ -88,8 +88,8 @@ def paced_engine(llama_dir):
         checkpoint.tokenizer,
         checkpoint.eos_token_ids,
         clock=fake.clock,
+        pacer=Pacer(linear_cost(), chunk_tokens=8, sleep=fake.sleep),
     )
-    engine.pacer = Pacer(linear_cost(), chunk_tokens=8, sleep=fake.sleep)
     return engine, fake
 
 

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import structlog
 
 from ..device.spec import StepResult, is_device_fault
-from ..health.state import DeviceState
 from ..health.watchdog import Watchdog
 from ..sched.request import FinishReason, Request, RequestStatus
 from ..sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepUpdate
@@ -131,6 +130,9 @@ class Engine:
         clock: Callable[[], int] = time.monotonic_ns,
         observers: Sequence[StepObserver] = (),
         sink: StepSink | None = None,
+        pacer: Pacer | None = None,
+        watchdog: Watchdog | None = None,
+        on_lost: Callable[[str], None] | None = None,
     ) -> None:
         self.executor = executor
         self.tokenizer = tokenizer
@@ -146,10 +148,9 @@ class Engine:
         self.expiry_guard_ns = 0  # the service sets this to about one step
         self.last_interval_ns = 0
         self.idle_tick_s = 1.0  # how often observers hear of idle time while there is no work
-        self.pacer: Pacer | None = None  # paced steps (pacing.py); None: each step starts when the last ends
-        self.on_lost: Callable[[str], None] | None = None  # the loop stopped on a device fault (engine thread)
-        self.watchdog: Watchdog | None = None  # set once serving (health/watchdog.py): the idle device is probed
-        self.on_device: Callable[[DeviceState, float, str], None] | None = None  # the watchdog's verdicts
+        self.pacer = pacer  # paced steps (pacing.py); None: each step starts when the last ends
+        self.on_lost = on_lost  # the loop stopped on a device fault (called on the engine's thread)
+        self.watchdog = watchdog  # it times the executor (health/watchdog.py); the idle device is probed
         self._idle_told_ns = 0
         self._paced_ns = 0  # idled out since the last reported step
         self._streams: dict[str, _Stream] = {}
@@ -193,11 +194,6 @@ class Engine:
             self._thread.join(timeout_s)
         if self.watchdog is not None:
             self.watchdog.stop()
-
-    def device_changed(self, state: DeviceState, ratio: float, why: str) -> None:
-        """The watchdog's verdict (from its thread or the engine's), passed on to whoever listens."""
-        if self.on_device is not None:
-            self.on_device(state, ratio, why)
 
     # ---- engine thread ----
     def step(self) -> StepReport | None:

@@ -5,5 +5,6 @@ model follows, the calls in flight end billed, health statuses change, a recover
 
 The engine imports state.py, watchdog.py and faults.py, so they stay torch-free and import only the standard
 library, structlog, device/spec.py (the plain types, torch-free) and the cost model of admission/. reaction.py runs
-in the server; it imports none of the server's modules but is handed what it acts on.
+in the server, on the event loop, and may import the service it acts on (service.py) and the engine's plain
+types; nothing here imports reaction.py but the replica.
 """

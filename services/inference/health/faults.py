@@ -82,6 +82,14 @@ class FaultyExecutor:
         self.executor, self.fault, self.clock, self.sleep = executor, fault, clock, sleep
         self._armed_at: float | None = None
 
+    @property
+    def num_slots(self) -> int:  # the engine sizes its scheduler by the executor it runs
+        return self.executor.num_slots
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.executor.max_seq_len
+
     def arm(self) -> None:
         """Starts the fault's clock: the replica serves from now on (calibration ran without the fault)."""
         self._armed_at = self.clock()

@@ -156,6 +156,14 @@ class WatchedExecutor:
     def __init__(self, executor: Any, watchdog: Watchdog, cost: CostModel, probe_us: float) -> None:
         self.executor, self.watchdog, self.cost, self.probe_us = executor, watchdog, cost, probe_us
 
+    @property
+    def num_slots(self) -> int:  # the engine sizes its scheduler by the executor it runs
+        return self.executor.num_slots
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.executor.max_seq_len
+
     def run(self, step):
         expected_us = self.cost.raw_step_us(step.num_tokens, step.context_tokens)
         watchdog = self.watchdog
