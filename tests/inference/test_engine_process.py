@@ -176,7 +176,7 @@ def test_the_digest_the_engine_process_ships_is_the_one_the_thread_layout_builds
     assert shipped == digests
     work = [w for d in digests for w in d.work]
     assert len([n for rid, n in work if rid == "long" and n > 1]) >= 2  # the prompt ran in chunks
-    ended = {e.request_id: e.status for d in digests for e in d.ended}
+    ended = {e.call_id: e.status for d in digests for e in d.ended}
     assert ended["short-2"] is RequestStatus.FINISHED_CANCELLED and ended["short-0"].is_finished
     assert sum(n for rid, n in work if rid == "long") == 69 + 3 - 1  # prompt, then one decode per later token
 

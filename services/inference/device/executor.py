@@ -177,7 +177,7 @@ class Executor:
         tokens = sample(
             logits, [s.request.sampling for s in sample_seqs], [s.request.num_output_tokens for s in sample_seqs]
         )
-        return {s.request.request_id: t for s, t in zip(sample_seqs, tokens)}
+        return {s.request.call_id: t for s, t in zip(sample_seqs, tokens)}
 
     def _eager(self, step: SchedulerOutput) -> torch.Tensor:
         tokens, positions, slots, rows, chunks = [], [], [], [], []

@@ -111,7 +111,7 @@ class EngineClient:
             self._send(Add(request))
         except OSError:  # the child died and the loop has not read its end yet
             raise errors.NotServing("the engine process is gone; try another replica", {"state": "failed"}) from None
-        self._tracked[request.request_id] = _Tracked(sink, request.num_prompt_tokens)
+        self._tracked[request.call_id] = _Tracked(sink, request.num_prompt_tokens)
 
     def cancel(self, call_id: str) -> None:
         try:
@@ -171,14 +171,14 @@ class EngineClient:
 
     def _relay(self, outputs: Sequence[RequestOutput]) -> None:
         for output in outputs:
-            tracked = self._tracked.get(output.request_id)
+            tracked = self._tracked.get(output.call_id)
             if tracked is None:
                 continue
             tracked.num_output_tokens = output.num_output_tokens
             if output.token_ids and tracked.first_token_ns is None:
                 tracked.first_token_ns = output.time_ns
             if output.finish_reason is not None:
-                del self._tracked[output.request_id]
+                del self._tracked[output.call_id]
             tracked.sink.put(output)
 
     def _lose(self, why: str) -> None:
@@ -193,6 +193,6 @@ class EngineClient:
         for observer in self.observers:
             observer.on_step(digest)
         error = FinishReason.ERROR
-        self._relay([RequestOutput(e.request_id, (), "", now_ns, e.num_output_tokens, error) for e in ended])
+        self._relay([RequestOutput(e.call_id, (), "", now_ns, e.num_output_tokens, error) for e in ended])
         if self.on_lost is not None:
             self.on_lost(why)
