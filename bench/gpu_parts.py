@@ -24,9 +24,9 @@ class Sink:
         self.finish: dict[str, str | None] = {}
 
     def put(self, output: RequestOutput) -> None:
-        self.tokens.setdefault(output.request_id, []).extend(output.token_ids)
+        self.tokens.setdefault(output.call_id, []).extend(output.token_ids)
         if output.finish_reason is not None:
-            self.finish[output.request_id] = output.finish_reason
+            self.finish[output.call_id] = output.finish_reason
 
 
 def make_engine(ckpt: Checkpoint, device: str, max_batch: int, graphs: bool, max_seq_len: int = 512) -> Engine:

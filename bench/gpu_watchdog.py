@@ -14,7 +14,7 @@ from watchdog_overhead import Stopwatch
 from services.inference.device.spec import Device
 from services.inference.device.telemetry import GpuTelemetry
 from services.inference.engine.calibration import calibrate
-from services.inference.engine.watchdog import Watchdog, WatchdogConfig, WatchedExecutor, probe_us
+from services.inference.health.watchdog import Watchdog, WatchdogConfig, WatchedExecutor, probe_us
 
 
 def watchdog_check(out: dict, ckpt, device: str, batch: int, tokens: int) -> None:

@@ -1,6 +1,6 @@
 """The device watchdog's cost (goal: < 0.5 % of step time at full load), and its probe's.
 
-At full load the watchdog times every step (engine/watchdog.py: `WatchedExecutor.run`, its `begin`/`end` and the
+At full load the watchdog times every step (health/watchdog.py: `WatchedExecutor.run`, its `begin`/`end` and the
 median of the last steps) and runs no probe. Measured two ways on the same engine in one run:
 
   - side by side: blocks of decode steps at `--batch` take turns between the bare executor and the watched one
@@ -33,7 +33,7 @@ from services.inference.device.executor import Executor, ExecutorConfig  # noqa:
 from services.inference.device.loader import load_checkpoint  # noqa: E402
 from services.inference.engine.calibration import calibrate  # noqa: E402
 from services.inference.engine.engine import Engine  # noqa: E402
-from services.inference.engine.watchdog import Watchdog, WatchdogConfig, WatchedExecutor, probe_us  # noqa: E402
+from services.inference.health.watchdog import Watchdog, WatchdogConfig, WatchedExecutor, probe_us  # noqa: E402
 from services.inference.sched.request import Request, SamplingParams  # noqa: E402
 from services.logs import configure_logging  # noqa: E402
 

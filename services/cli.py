@@ -142,7 +142,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def add_device_options(p: argparse.ArgumentParser) -> None:
-    """The device's watchdog (services/inference/engine/watchdog.py) and faults injected for drills."""
+    """The device's watchdog (services/inference/health/watchdog.py) and faults injected for drills."""
     p.add_argument(
         "--watchdog-period-ms",
         type=_non_negative_int,
@@ -173,7 +173,7 @@ def add_device_options(p: argparse.ArgumentParser) -> None:
 
 
 def _fault(text: str):
-    from services.inference.device.faults import Fault
+    from services.inference.health.faults import Fault
 
     try:
         return Fault.parse(text)
@@ -183,7 +183,7 @@ def _fault(text: str):
 
 def device_config(args: argparse.Namespace) -> dict:
     """ServeConfig's device fields from the options of add_device_options."""
-    from services.inference.engine.watchdog import WatchdogConfig
+    from services.inference.health.watchdog import WatchdogConfig
 
     watchdog = None
     if args.watchdog_period_ms:

@@ -245,7 +245,7 @@ class NotServing(ServiceError):
 
 
 class DeviceFailed(ServiceError):
-    """The replica's device stopped answering (engine/watchdog.py): new calls and the calls it was running go
+    """The replica's device stopped answering (health/watchdog.py): new calls and the calls it was running go
     elsewhere; the calls are billed for what ran."""
 
     code = grpc.StatusCode.UNAVAILABLE

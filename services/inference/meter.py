@@ -102,15 +102,15 @@ class Meter:
     def __post_init__(self) -> None:
         self._last_ns = self.started_ns
 
-    def register(self, request_id: str, context: RecordContext) -> None:
+    def register(self, call_id: str, context: RecordContext) -> None:
         """Called by the service when it admits a request, before the engine sees it."""
         with self._lock:
-            self.contexts[request_id] = context
+            self.contexts[call_id] = context
 
-    def forget(self, request_id: str) -> None:
+    def forget(self, call_id: str) -> None:
         """Called by the service for an admitted request that never reached the engine."""
         with self._lock:
-            self.contexts.pop(request_id, None)
+            self.contexts.pop(call_id, None)
 
     def on_step(self, digest: StepDigest) -> None:
         with self._lock:
@@ -120,9 +120,9 @@ class Meter:
                 # requests ended without running (cancelled, expired) and none is left: from here on the
                 # device waits for work, and that time is idle, not the next request's
                 self._busy = False
-            records = [self._record(r, digest.ended_ns) for r in digest.ended if r.request_id in self.contexts]
-            for request in digest.ended:  # one already billed (abandoned: service.abandon) is billed no more
-                self.usage_unit_us.pop(request.request_id, None)
+            records = [self._record(r, digest.ended_ns) for r in digest.ended if r.call_id in self.contexts]
+            for request in digest.ended:  # one already billed (its device failed: health/reaction.py) is billed no more
+                self.usage_unit_us.pop(request.call_id, None)
             idle = self._close_minutes(digest.ended_ns)
         if records or idle:
             self.write(records, idle)
@@ -207,18 +207,18 @@ class Meter:
 
     def _record(self, request: EndedRequest, ended_ns: int) -> Callable[[], UsageRecord]:
         """The request's record, built (and validated) later by whoever calls it: off the engine's thread."""
-        ctx = self.contexts.pop(request.request_id)
+        ctx = self.contexts.pop(request.call_id)
         finished_us, deadline_us = self.epoch_us(ended_ns), self.epoch_us(ctx.deadline_ns)
         first_token_us = None if request.first_token_ns is None else self.epoch_us(request.first_token_ns)
         outcome = _OUTCOMES[request.status]
         met = finished_us <= deadline_us and outcome not in (Outcome.DEADLINE_EXCEEDED, Outcome.ERROR)
         d = self.device
-        unit_us = self.usage_unit_us.pop(request.request_id, 0)
+        unit_us = self.usage_unit_us.pop(request.call_id, 0)
         if self.count is not None:
             self.count(ctx.tenant, ctx.labels.get("cost_center", ""), d.unit, unit_us)
         return functools.partial(
             UsageRecord,
-            call_id=request.request_id,
+            call_id=request.call_id,
             tenant=ctx.tenant,
             labels=ctx.labels,
             model=self.model,

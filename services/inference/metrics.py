@@ -17,8 +17,8 @@ from .cost.model import CostModel
 from .device.spec import Device
 from .device.telemetry import GpuTelemetry, HostSteal
 from .engine.digest import StepDigest
-from .engine.steplog import StepLog
-from .engine.watchdog import DeviceState
+from .health.state import DeviceState
+from .steplog import StepLog
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 STEP_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1)

@@ -32,21 +32,23 @@ from .clock import Clock
 from .cost.model import CostModel
 from .device.checkpoint import read_header
 from .device.cpus import pin
-from .device.faults import Fault
 from .device.spec import ExecutorConfig
 from .device.telemetry import GpuTelemetry
 from .engine.client import EngineClient
-from .engine.core import build_engine
-from .engine.engine import Engine
+from .engine.handle import EngineHandle
 from .engine.messages import EngineSpec
-from .engine.steplog import StepLog
-from .engine.watchdog import DeviceState, WatchdogConfig
+from .engine.thread import EngineThread
 from .generate_request import RequestLimits
+from .health.faults import Fault
+from .health.reaction import DeviceReaction
+from .health.state import DeviceState
+from .health.watchdog import WatchdogConfig
 from .meter import Meter
 from .metrics import ServiceMetrics, StepStats
 from .policy import DEFAULT_REFRESH_S, PolicyBook, QuotaGate, ledger_reader, remote_reader, weights_of
 from .service import InferenceService, ModelCard, WarmupState
 from .servicer import InferenceServicer
+from .steplog import StepLog
 
 log = structlog.get_logger(__name__)
 INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -94,9 +96,9 @@ class ServeConfig:
     tls_key: str | None = None
     health_port: int | None = None  # plaintext gRPC health only (kubelet probes cannot speak TLS)
     limits: RequestLimits = RequestLimits()  # what one Generate request may hold (servicer.py)
-    watchdog: WatchdogConfig | None = WatchdogConfig()  # the device's watchdog (engine/watchdog.py); None: off
+    watchdog: WatchdogConfig | None = WatchdogConfig()  # the device's watchdog (health/watchdog.py); None: off
     device_recovery_s: float = 60.0  # a device failed this long takes liveness down too, so the pod restarts
-    fault: Fault | None = None  # a fault injected on purpose, for tests and drills (device/faults.py)
+    fault: Fault | None = None  # a fault injected on purpose, for tests and drills (health/faults.py)
     policy_refresh_s: float = DEFAULT_REFRESH_S  # how often the serving policy (classes, quotas) is read again
 
 
@@ -146,9 +148,9 @@ class Replica:
         self.health = health_aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.health_server: grpc.aio.Server | None = None
-        self.engine: Engine | EngineClient | None = None
+        self.engine: EngineHandle | None = None
         self.cost: CostModel | None = None
-        self._device_lost: asyncio.TimerHandle | None = None  # takes liveness down unless the device recovers
+        self.reaction: DeviceReaction | None = None  # to the device's state (health/reaction.py), once warm
         self.port = 0
 
     @property
@@ -195,10 +197,9 @@ class Replica:
             start_http_server(self.config.metrics_port, addr=self.config.host, registry=self.metrics.registry)
         log.info("listening", address=f"{self.config.host}:{self.port}", state="warming_up")
         service = await asyncio.to_thread(self._warm_up)
-        if isinstance(self.engine, Engine):  # the engine thread: a device fault stops it, from that thread
-            loop = asyncio.get_running_loop()
-            self.engine.on_lost = lambda why: loop.call_soon_threadsafe(self._engine_lost, why)
-            self.engine.on_device = lambda *verdict: loop.call_soon_threadsafe(self._device_changed, *verdict)
+        readiness = ("", INFERENCE_SERVICE)
+        recovery_s = self.config.device_recovery_s
+        self.reaction = DeviceReaction(service, self.cost, self.metrics, self._health, readiness, LIVENESS, recovery_s)
         self.engine.start()
         # fair share weighs tenants as the ledger says
         self.book.subscribe(lambda policy: service.admission.set_weights(weights_of(policy)))
@@ -224,14 +225,12 @@ class Replica:
             watchdog=self.config.watchdog,
             fault=self.config.fault,
         )
-        if self.config.engine_process:
-            engine = EngineClient(spec, self.clock.now_ns, on_lost=self._engine_lost, on_device=self._device_changed)
-            ready = engine.launch()
-            if ready.server_cpus:  # the engine pinned itself to cores of its own: this process takes the rest
-                pin(ready.server_cpus)
-                log.info("cpus_pinned", engine=list(ready.engine_cpus), server=list(ready.server_cpus))
-        else:
-            engine, ready = build_engine(spec)
+        make_engine = EngineClient if self.config.engine_process else EngineThread
+        engine = make_engine(spec, self.clock.now_ns, on_lost=self._engine_lost, on_verdict=self._device_changed)
+        ready = engine.launch()
+        if ready.server_cpus:  # the engine process pinned itself to cores of its own: this process takes the rest
+            pin(ready.server_cpus)
+            log.info("cpus_pinned", engine=list(ready.engine_cpus), server=list(ready.server_cpus))
         cost = self.cost = CostModel(list(ready.cost_rows), list(ready.cost_row_us), ready.cost_us_per_context_token)
         admission_config = AdmissionConfig(
             ready.num_slots,
@@ -293,32 +292,15 @@ class Replica:
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING, "", INFERENCE_SERVICE, LIVENESS)
 
     def _device_changed(self, state: DeviceState, ratio: float, why: str) -> None:
-        """The engine's watchdog changed its verdict on the device (on the event loop). Slow: admission predicts
-        with the measured speed at once; healthy again: with the recovered speed at once. Failed: the calls in
-        flight end now, billed, and readiness goes NOT_SERVING; liveness too if the device has not recovered in
-        `device_recovery_s`. Recovered: SERVING."""
-        service = self.service
-        if service is None or service.device_state is state:
-            return
-        previous, service.device_state = service.device_state, state
-        self.metrics.set_device_state(state)
-        if state is DeviceState.SLOW:
-            self.cost.follow(ratio)
-        elif state is DeviceState.HEALTHY:
-            self.cost.settle(ratio)
-        loop = asyncio.get_running_loop()
-        if state is DeviceState.FAILED:
-            service.abandon(why)
-            self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING, "", INFERENCE_SERVICE)
-            self._device_lost = loop.call_later(self.config.device_recovery_s, self._device_not_recovered)
-        elif previous is DeviceState.FAILED and service.state is WarmupState.READY:
-            if self._device_lost is not None:
-                self._device_lost.cancel()
-            self._set_health(health_pb2.HealthCheckResponse.SERVING, "", INFERENCE_SERVICE, LIVENESS)
+        """The engine's watchdog changed its verdict on the device (on the event loop): the one reaction, once
+        this replica serves."""
+        if self.service is not None and self.reaction is not None:
+            self.reaction(state, ratio, why)
 
-    def _device_not_recovered(self) -> None:
-        log.error("device_not_recovered", after_s=self.config.device_recovery_s)
-        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING, LIVENESS)
+    def _health(self, serving: bool, names: tuple[str, ...]) -> None:
+        self._set_health(
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING, *names
+        )
 
     def _set_health(self, status: int, *names: str) -> None:
         loop = asyncio.get_running_loop()

@@ -24,15 +24,15 @@ from .admission import Admission, Admit, Commitment, Infeasible, RefusalCause, R
 from .call import BudgetSource, GenerateSpec, Ticket, admission_key
 from .clock import Clock
 from .device.spec import Device
-from .engine.client import EngineClient
 from .engine.digest import EndedRequest
-from .engine.engine import Engine, RequestOutput
-from .engine.steplog import StepLog
-from .engine.watchdog import DeviceState
+from .engine.engine import RequestOutput
+from .engine.handle import EngineHandle
+from .health.state import DeviceState
 from .meter import OUTCOMES, Meter, RecordContext
 from .metrics import ServiceMetrics
 from .policy import QuotaGate
 from .sched.request import FinishReason, Request, RequestStatus
+from .steplog import StepLog
 
 log = structlog.get_logger(__name__)
 
@@ -98,7 +98,7 @@ def _attempt_label(attempt: int) -> str:
 class InferenceService:
     def __init__(
         self,
-        engine: Engine | EngineClient,
+        engine: EngineHandle,
         card: ModelCard,
         admission: Admission,
         metrics: ServiceMetrics,
@@ -122,7 +122,7 @@ class InferenceService:
         self.default_budget_ms = default_budget_ms
         self.stream_interval_ns = stream_interval_ms * 1_000_000  # 0: a message per engine step
         self.state = WarmupState.WARMING_UP
-        self.device_state = DeviceState.HEALTHY  # the engine's watchdog says (engine/watchdog.py)
+        self.device_state = DeviceState.HEALTHY  # the engine's watchdog says (health/watchdog.py)
         self.in_flight: dict[tuple[str, str], Ticket] = {}  # (tenant, request_id) -> its admitted call
         self.drained = asyncio.Event()
 
@@ -268,7 +268,7 @@ class InferenceService:
             if last.finish_reason is not None:
                 ticket.finish_reason, ticket.finished_ns = last.finish_reason, last.time_ns
                 if ticket.device_failure is not None and last.finish_reason is FinishReason.ERROR:
-                    self.meter.end_now(self._ended(ticket), last.time_ns)  # abandoned: billed here, once
+                    self.meter.end_now(self._ended(ticket), last.time_ns)  # ended by health/reaction.py: billed once
                 elif ticket.device_failure is not None:  # the engine's own end came first: the call finished
                     ticket.device_failure = None
                 await self._usage_on_disk(ticket)
@@ -279,19 +279,6 @@ class InferenceService:
                 sent_ns = now_ns
             yield held[0] if len(held) == 1 else _merged(held)
             held = []
-
-    def abandon(self, why: str) -> None:
-        """The device stopped answering: every call in flight ends now, told UNAVAILABLE (DEVICE_FAILED) instead of
-        waiting out its deadline, and billed for the steps that ran (when its stream takes the end: the tokens it
-        relayed by then are the ones it is billed for). The engine drops them whenever it runs again."""
-        now_ns = self.clock.now_ns()
-        for ticket in self.in_flight.values():
-            if ticket.finish_reason is None and ticket.device_failure is None:
-                ticket.device_failure = why
-                self.engine.cancel(ticket.call_id)
-                ticket.outputs.put_nowait(
-                    RequestOutput(ticket.call_id, (), "", now_ns, ticket.num_output_tokens, FinishReason.ERROR)
-                )
 
     @staticmethod
     def _ended(ticket: Ticket) -> EndedRequest:

@@ -21,8 +21,8 @@ from services.errors import clip
 from services.status import rpc_errors
 
 from .call import BudgetSource, Ticket
-from .engine.watchdog import DeviceState
 from .generate_request import RequestLimits, encode, to_spec
+from .health.state import DeviceState
 from .policy import PolicyBook, class_of
 from .sched.request import FinishReason
 from .service import InferenceService, WarmupState

@@ -9,8 +9,8 @@ import pytest
 import services
 from services.cli import build_parser, serve_config
 from services.inference.device.checkpoint import read_header
-from services.inference.device.faults import Fault, FaultKind
-from services.inference.engine.watchdog import WatchdogConfig
+from services.inference.health.faults import Fault, FaultKind
+from services.inference.health.watchdog import WatchdogConfig
 
 
 def config(*options: str):

@@ -32,9 +32,9 @@ def make_engine(path, dtype="float32", max_num_batched_tokens=256, **config) -> 
     )
 
 
-def request(request_id: str, prompt: list[int], deadline_ns: int | None = None, **sampling) -> Request:
+def request(call_id: str, prompt: list[int], deadline_ns: int | None = None, **sampling) -> Request:
     sampling.setdefault("temperature", 0.0)
-    return Request(request_id, tuple(prompt), SamplingParams(**sampling), time.monotonic_ns(), deadline_ns)
+    return Request(call_id, tuple(prompt), SamplingParams(**sampling), time.monotonic_ns(), deadline_ns)
 
 
 class Collector:
@@ -45,16 +45,16 @@ class Collector:
         self.queue: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
 
     def put(self, output: RequestOutput) -> None:
-        self.outputs[output.request_id].append(output)
+        self.outputs[output.call_id].append(output)
 
-    def tokens(self, request_id: str) -> list[int]:
-        return [t for o in self.outputs[request_id] for t in o.token_ids]
+    def tokens(self, call_id: str) -> list[int]:
+        return [t for o in self.outputs[call_id] for t in o.token_ids]
 
-    def text(self, request_id: str) -> str:
-        return "".join(o.text for o in self.outputs[request_id])
+    def text(self, call_id: str) -> str:
+        return "".join(o.text for o in self.outputs[call_id])
 
-    def finish_reason(self, request_id: str) -> str | None:
-        return self.outputs[request_id][-1].finish_reason if self.outputs[request_id] else None
+    def finish_reason(self, call_id: str) -> str | None:
+        return self.outputs[call_id][-1].finish_reason if self.outputs[call_id] else None
 
 
 def run_to_completion(engine: Engine, max_steps: int = 10_000) -> int:

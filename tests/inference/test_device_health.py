@@ -15,8 +15,9 @@ from zeroqueue.inference.v1 import inference_pb2 as pb
 from billing import commands
 from services.client import Client
 from services.inference.device.executor import ExecutorConfig
-from services.inference.device.faults import Fault, FaultKind
-from services.inference.engine.watchdog import DeviceState, WatchdogConfig
+from services.inference.health.faults import Fault, FaultKind
+from services.inference.health.state import DeviceState
+from services.inference.health.watchdog import WatchdogConfig
 from services.inference.replica import ServeConfig
 from tests.inference.harness import ServerThread, status_details
 from tests.inference.test_usage import ledger_rows

@@ -95,8 +95,8 @@ def test_long_prompt_is_chunked_and_running_decodes_never_stall(llama_dir):
         if report is None:
             continue
         assert report.scheduled.num_tokens <= 16
-        if any(s.request.request_id == "long" for s in report.scheduled.prefills):
-            assert any(s.request.request_id == "short" for s in report.scheduled.decodes) or sink.finish_reason("short")
+        if any(s.request.call_id == "long" for s in report.scheduled.prefills):
+            assert any(s.request.call_id == "short" for s in report.scheduled.decodes) or sink.finish_reason("short")
             decoding_steps += 1
     assert decoding_steps >= 100 // 16
     assert len(sink.tokens("short")) == 30

@@ -176,7 +176,7 @@ def test_the_digest_the_engine_process_ships_is_the_one_the_thread_layout_builds
     assert shipped == digests
     work = [w for d in digests for w in d.work]
     assert len([n for rid, n in work if rid == "long" and n > 1]) >= 2  # the prompt ran in chunks
-    ended = {e.request_id: e.status for d in digests for e in d.ended}
+    ended = {e.call_id: e.status for d in digests for e in d.ended}
     assert ended["short-2"] is RequestStatus.FINISHED_CANCELLED and ended["short-0"].is_finished
     assert sum(n for rid, n in work if rid == "long") == 69 + 3 - 1  # prompt, then one decode per later token
 
@@ -290,3 +290,37 @@ def test_a_step_that_fails_without_a_device_fault_leaves_the_replica_serving(lla
         assert server.replica.engine._process.is_alive()
     finally:
         server.stop(grace_s=1)
+
+
+def test_every_pipe_message_is_its_plain_tuple_and_back():
+    from services.inference.engine.messages import (
+        Add,
+        Cancel,
+        Failed,
+        Guard,
+        Idle,
+        Step,
+        Stop,
+        Stopped,
+        Verdict,
+        decode,
+        encode,
+    )
+    from services.inference.health.state import DeviceState
+
+    request = Request("c1", (1, 2), SamplingParams(max_tokens=2), 0)
+    wire = (1, 2, True, ("c1",), (), 3, (), 1, 0, 0)
+    expected = [
+        (Add(request), ("add", request)),
+        (Cancel("c1"), ("cancel", "c1")),
+        (Guard(5), ("guard", 5)),
+        (Stop(), ("stop",)),
+        (Failed("why"), ("failed", "why")),
+        (Step(wire, [("c1", (7,), "x", 4, 1, None, 0)]), ("step", wire, [("c1", (7,), "x", 4, 1, None, 0)])),
+        (Idle(9), ("idle", 9)),
+        (Verdict(DeviceState.SLOW, 1.5, "slow steps"), ("device", "slow", 1.5, "slow steps")),
+        (Stopped(), ("stopped",)),
+    ]
+    for message, plain in expected:
+        assert encode(message) == plain and type(encode(message)[0]) is str  # the pipe carries plain strings
+        assert decode(encode(message)) == message

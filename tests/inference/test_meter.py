@@ -48,13 +48,13 @@ def req(rid, prompt=4, max_tokens=8):
 
 
 def report(decodes, prefills, began_ns, ended_ns, ended=(), unfinished=1):
-    work = (*((r.request_id, 1) for r in decodes), *((r.request_id, n) for r, n in prefills))
+    work = (*((r.call_id, 1) for r in decodes), *((r.call_id, n) for r, n in prefills))
     return StepDigest(began_ns, ended_ns, bool(work), work, 0, tuple(map(ended_request, ended)), unfinished, 0)
 
 
 def register(meter, *requests):
     for r in requests:
-        meter.register(r.request_id, RecordContext("acme", {"team": "ml"}, 0, 0, 10**12))
+        meter.register(r.call_id, RecordContext("acme", {"team": "ml"}, 0, 0, 10**12))
 
 
 def test_a_step_is_split_by_tokens_and_the_record_carries_the_sum():
@@ -151,7 +151,7 @@ def test_billed_plus_idle_is_wall_time_and_every_step_splits_exactly(plan, start
             report([], list(zip(batch, tokens)), now + gap, now + gap + duration, unfinished=1 if more else 0)
         )
         step_total = meter.billed_unit_us - billed_before
-        assert sum(meter.usage_unit_us.get(r.request_id, 0) - before.get(r.request_id, 0) for r in batch) == step_total
+        assert sum(meter.usage_unit_us.get(r.call_id, 0) - before.get(r.call_id, 0) for r in batch) == step_total
         now += gap + duration
     meter.on_idle(now + 61 * 10**9, final=True)
     assert meter.billed_unit_us + meter.idle_unit_us == meter.wall_unit_us

@@ -17,9 +17,9 @@ from services.inference.engine.digest import StepDigest, step_wire
 from services.inference.engine.engine import Engine
 from services.inference.engine.messages import EngineSpec
 from services.inference.engine.pacing import Pacer
-from services.inference.engine.steplog import StepLog
 from services.inference.metrics import ServiceMetrics, StepStats
 from services.inference.sched.request import Request, SamplingParams
+from services.inference.steplog import StepLog
 from tests.inference.test_meter import Recorder, make_meter, register, req
 
 MS = 1_000_000
@@ -88,8 +88,8 @@ def paced_engine(llama_dir):
         checkpoint.tokenizer,
         checkpoint.eos_token_ids,
         clock=fake.clock,
+        pacer=Pacer(linear_cost(), chunk_tokens=8, sleep=fake.sleep),
     )
-    engine.pacer = Pacer(linear_cost(), chunk_tokens=8, sleep=fake.sleep)
     return engine, fake
 
 

@@ -29,7 +29,7 @@ def req(rid, n_prompt, max_tokens=4, deadline_ns=None, stop=frozenset()):
 
 def fake_step(scheduler, now_ns=0, token=7):
     out = scheduler.schedule(now_ns)
-    sampled = {s.request.request_id: token for s in (*out.decodes, *out.prefills) if s.sample}
+    sampled = {s.request.call_id: token for s in (*out.decodes, *out.prefills) if s.sample}
     return out, scheduler.update_from_output(out, sampled)
 
 
@@ -75,10 +75,10 @@ def test_new_request_joins_the_next_step_and_decodes_after_its_prompt():
     s = make()
     s.add_request(req("a", 5))
     out, updates = fake_step(s)
-    assert [p.request.request_id for p in out.prefills] == ["a"] and out.prefills[0].num_tokens == 5
+    assert [p.request.call_id for p in out.prefills] == ["a"] and out.prefills[0].num_tokens == 5
     assert updates[0].new_token_id == 7
     out, _ = fake_step(s)
-    assert [d.request.request_id for d in out.decodes] == ["a"] and out.decodes[0].start_pos == 5
+    assert [d.request.call_id for d in out.decodes] == ["a"] and out.decodes[0].start_pos == 5
 
 
 def test_prompt_is_chunked_under_the_token_budget_and_decodes_come_first():
@@ -89,7 +89,7 @@ def test_prompt_is_chunked_under_the_token_budget_and_decodes_come_first():
     chunks = []
     while s.requests["long"].is_prefilling:
         out, _ = fake_step(s)
-        assert [d.request.request_id for d in out.decodes] == ["running"]
+        assert [d.request.call_id for d in out.decodes] == ["running"]
         assert out.num_tokens <= 8
         chunks.append(out.prefills[0].num_tokens)
     assert sum(chunks) == 30 and max(chunks) == 7
@@ -100,11 +100,11 @@ def test_requests_beyond_the_slots_wait_and_take_freed_slots():
     for rid in "abc":
         s.add_request(req(rid, 3, max_tokens=2))
     out, _ = fake_step(s)
-    assert {p.request.request_id for p in out.prefills} == {"a", "b"} and s.num_free_slots == 0
+    assert {p.request.call_id for p in out.prefills} == {"a", "b"} and s.num_free_slots == 0
     fake_step(s)  # a and b produce their second token and finish
     assert s.num_free_slots == 2
     out, _ = fake_step(s)
-    assert [p.request.request_id for p in out.prefills] == ["c"]
+    assert [p.request.call_id for p in out.prefills] == ["c"]
 
 
 def test_stop_token_and_max_tokens_finish_and_free():
@@ -112,7 +112,7 @@ def test_stop_token_and_max_tokens_finish_and_free():
     s.add_request(req("stop", 3, max_tokens=10, stop=frozenset({7})))
     s.add_request(req("len", 3, max_tokens=1))
     _, updates = fake_step(s)
-    statuses = {u.request.request_id: u.request.status for u in updates}
+    statuses = {u.request.call_id: u.request.status for u in updates}
     assert statuses == {"stop": RequestStatus.FINISHED_STOPPED, "len": RequestStatus.FINISHED_LENGTH}
     assert s.num_free_slots == 4 and s.num_unfinished == 0
 
@@ -123,9 +123,9 @@ def test_expired_requests_end_before_the_step_and_free_their_slot():
     s.add_request(req("ok", 3, max_tokens=10, deadline_ns=10**9))
     fake_step(s, now_ns=0)
     out = s.schedule(now_ns=900, expiry_guard_ns=200)
-    assert [r.request_id for r in out.expired] == ["late"]
+    assert [r.call_id for r in out.expired] == ["late"]
     assert out.expired[0].status == RequestStatus.FINISHED_EXPIRED
-    assert [d.request.request_id for d in out.decodes] == ["ok"] and s.num_free_slots == 3
+    assert [d.request.call_id for d in out.decodes] == ["ok"] and s.num_free_slots == 3
 
 
 def test_cancel_of_a_waiting_request_removes_it():
@@ -133,7 +133,7 @@ def test_cancel_of_a_waiting_request_removes_it():
     s.add_request(req("a", 3, max_tokens=5))
     s.add_request(req("b", 3))
     fake_step(s)
-    assert [r.request_id for r in s.finish_requests(["b", "unknown"], RequestStatus.FINISHED_CANCELLED)] == ["b"]
+    assert [r.call_id for r in s.finish_requests(["b", "unknown"], RequestStatus.FINISHED_CANCELLED)] == ["b"]
     assert s.num_unfinished == 1 and not s.waiting
 
 

@@ -8,9 +8,10 @@ import threading
 import pytest
 
 from services.inference.cost.model import CostModel
-from services.inference.device.faults import Fault, FaultKind, FaultyExecutor
 from services.inference.device.spec import InjectedDeviceFault, is_device_fault
-from services.inference.engine.watchdog import DeviceState, Watchdog, WatchdogConfig, WatchedExecutor
+from services.inference.health.faults import Fault, FaultKind, FaultyExecutor
+from services.inference.health.state import DeviceState
+from services.inference.health.watchdog import Watchdog, WatchdogConfig, WatchedExecutor
 
 MS = 1_000_000
 

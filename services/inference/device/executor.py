@@ -98,7 +98,7 @@ class Executor:
         decode_kernel = self.cpu_ops.decode_attention if use_kernel else None
         self.backend = AttentionBackend(self.kv_cache, decode_kernel)
         self.info = describe_device(self.device)
-        # the watchdog's probe (engine/watchdog.py): one small matmul, on a stream of its own on a GPU
+        # the watchdog's probe (health/watchdog.py): one small matmul, on a stream of its own on a GPU
         self._probe_in = torch.ones(PROBE_SIZE, PROBE_SIZE, device=self.device)
         self._probe_out = torch.empty_like(self._probe_in)
         self._probe_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -177,7 +177,7 @@ class Executor:
         tokens = sample(
             logits, [s.request.sampling for s in sample_seqs], [s.request.num_output_tokens for s in sample_seqs]
         )
-        return {s.request.request_id: t for s, t in zip(sample_seqs, tokens)}
+        return {s.request.call_id: t for s, t in zip(sample_seqs, tokens)}
 
     def _eager(self, step: SchedulerOutput) -> torch.Tensor:
         tokens, positions, slots, rows, chunks = [], [], [], [], []

@@ -39,7 +39,7 @@ class StepResult:
 
 
 class InjectedDeviceFault(RuntimeError):
-    """A device fault made on purpose (`zeroqueue serve --inject-fault fail`, faults.py): handled as a real one."""
+    """A device fault made on purpose (`zeroqueue serve --inject-fault fail`, health/faults.py): handled as real."""
 
 
 def is_device_fault(exc: BaseException) -> bool:

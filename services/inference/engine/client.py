@@ -1,6 +1,6 @@
-"""The server process's side of the pipe: `EngineClient` starts the engine process (core.py), sends it calls
-and relays each step's digest to the observers and its outputs to the calls' sinks, on the event loop. The
-messages are messages.py's. No torch here.
+"""The server process's side of the pipe: `EngineClient` (an `EngineHandle`, handle.py) starts the engine process
+(core.py), sends it calls and relays each step's digest to the observers and its outputs to the calls' sinks, on
+the event loop. The messages are messages.py's. No torch here.
 """
 
 from __future__ import annotations
@@ -21,8 +21,23 @@ from ..sched.request import FinishReason, Request, RequestStatus
 from .core import engine_main
 from .digest import EndedRequest, StepDigest
 from .engine import OutputSink, RequestOutput, StepObserver
-from .messages import DEVICE_FAULT_EXIT, EngineFailed, EngineSpec, Ready
-from .watchdog import DeviceState
+from .handle import OnLost, OnVerdict
+from .messages import (
+    DEVICE_FAULT_EXIT,
+    Add,
+    Cancel,
+    EngineFailed,
+    EngineSpec,
+    Guard,
+    Idle,
+    Message,
+    Ready,
+    Step,
+    Stop,
+    Verdict,
+    decode,
+    encode,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -37,15 +52,14 @@ class _Tracked:
 
 @dataclass
 class EngineClient:
-    """Stands in for `Engine` in the server process: the same add_request / cancel / observers, with the
-    engine in a child process. `on_lost` is called (on the event loop) if the child dies while serving, and
-    `on_device` with each of the child's watchdog verdicts."""
+    """The engine in a child process. `on_lost` is called (on the event loop) if the child dies while serving, and
+    `on_verdict` with each of the child's watchdog verdicts."""
 
     spec: EngineSpec
     clock: Callable[[], int]
+    on_lost: OnLost | None = None
+    on_verdict: OnVerdict | None = None  # the watchdog's verdicts, on the loop
     observers: list[StepObserver] = field(default_factory=list)
-    on_lost: Callable[[str], None] | None = None
-    on_device: Callable[[DeviceState, float, str], None] | None = None  # the watchdog's verdicts, on the loop
     _tracked: dict[str, _Tracked] = field(default_factory=dict)
     _process: multiprocessing.process.BaseProcess | None = None
     _to_engine: Connection | None = None
@@ -66,15 +80,15 @@ class EngineClient:
         engine_in.close()
         engine_out.close()
         try:
-            kind, *rest = self._from_engine.recv()
+            message = decode(self._from_engine.recv())
         except EOFError:
             raise EngineFailed(
                 f"the engine process exited with code {self._process.exitcode} while warming up"
             ) from None
-        if kind != "ready":
+        if not isinstance(message, Ready):
             self._process.join(10)
-            raise EngineFailed(f"the engine process could not start: {rest[0]}")
-        return rest[0]
+            raise EngineFailed(f"the engine process could not start: {message.why}")
+        return message
 
     @property
     def num_unfinished(self) -> int:
@@ -85,7 +99,7 @@ class EngineClient:
         return None if self._process is None else self._process.pid
 
     def set_expiry_guard(self, guard_ns: int) -> None:
-        self._send(("guard", guard_ns))
+        self._send(Guard(guard_ns))
 
     def start(self) -> None:
         """Relays the child's messages on the running event loop from now on."""
@@ -94,14 +108,14 @@ class EngineClient:
 
     def add_request(self, request: Request, sink: OutputSink) -> None:
         try:
-            self._send(("add", request))
+            self._send(Add(request))
         except OSError:  # the child died and the loop has not read its end yet
             raise errors.NotServing("the engine process is gone; try another replica", {"state": "failed"}) from None
-        self._tracked[request.request_id] = _Tracked(sink, request.num_prompt_tokens)
+        self._tracked[request.call_id] = _Tracked(sink, request.num_prompt_tokens)
 
-    def cancel(self, request_id: str) -> None:
+    def cancel(self, call_id: str) -> None:
         try:
-            self._send(("cancel", request_id))
+            self._send(Cancel(call_id))
         except OSError:  # nothing left to cancel: the loss ends every call the child had
             pass
 
@@ -111,7 +125,7 @@ class EngineClient:
         if self._process is None:
             return
         try:
-            self._send(("stop",))
+            self._send(Stop())
         except (BrokenPipeError, OSError):
             pass
         self._process.join(timeout_s)
@@ -120,9 +134,9 @@ class EngineClient:
             self._process.kill()
             self._process.join(5)
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: Message) -> None:
         # the C pickler, as the relay does: an admitted call spends this on its way to the very next step
-        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps(encode(message), pickle.HIGHEST_PROTOCOL)
         with self._send_lock:
             self._to_engine.send_bytes(data)
 
@@ -130,7 +144,7 @@ class EngineClient:
         conn = self._from_engine
         try:
             while conn.poll():
-                self._dispatch(conn.recv())
+                self._dispatch(decode(conn.recv()))
         except (EOFError, OSError):
             self._loop.remove_reader(conn.fileno())
             if not self._stopping:
@@ -141,32 +155,30 @@ class EngineClient:
                     + (" after a device fault" if code == DEVICE_FAULT_EXIT else "")
                 )
 
-    def _dispatch(self, message: tuple) -> None:
-        kind = message[0]
-        if kind == "step":
-            _, wire, outputs = message
-            if wire is not None:
-                digest = StepDigest.from_wire(wire)
+    def _dispatch(self, message: Message) -> None:
+        match message:
+            case Step(wire, outputs):
+                if wire is not None:
+                    digest = StepDigest.from_wire(wire)
+                    for observer in self.observers:
+                        observer.on_step(digest)
+                self._relay([RequestOutput._make(o) for o in outputs])
+            case Idle(now_ns):
                 for observer in self.observers:
-                    observer.on_step(digest)
-            self._relay([RequestOutput._make(o) for o in outputs])
-        elif kind == "idle":
-            for observer in self.observers:
-                observer.on_idle(message[1])
-        elif kind == "device" and self.on_device is not None:
-            _, state, ratio, why = message
-            self.on_device(DeviceState(state), ratio, why)
+                    observer.on_idle(now_ns)
+            case Verdict(state, ratio, why) if self.on_verdict is not None:
+                self.on_verdict(state, ratio, why)
 
     def _relay(self, outputs: Sequence[RequestOutput]) -> None:
         for output in outputs:
-            tracked = self._tracked.get(output.request_id)
+            tracked = self._tracked.get(output.call_id)
             if tracked is None:
                 continue
             tracked.num_output_tokens = output.num_output_tokens
             if output.token_ids and tracked.first_token_ns is None:
                 tracked.first_token_ns = output.time_ns
             if output.finish_reason is not None:
-                del self._tracked[output.request_id]
+                del self._tracked[output.call_id]
             tracked.sink.put(output)
 
     def _lose(self, why: str) -> None:
@@ -181,6 +193,6 @@ class EngineClient:
         for observer in self.observers:
             observer.on_step(digest)
         error = FinishReason.ERROR
-        self._relay([RequestOutput(e.request_id, (), "", now_ns, e.num_output_tokens, error) for e in ended])
+        self._relay([RequestOutput(e.call_id, (), "", now_ns, e.num_output_tokens, error) for e in ended])
         if self.on_lost is not None:
             self.on_lost(why)

@@ -25,13 +25,30 @@ from services.logs import configure_logging
 
 from ..cost.model import CostModel
 from ..device.cpus import allowed_cpus, engine_threads, pin, split_cpus
-from ..device.faults import Fault, FaultyExecutor
+from ..health.faults import Fault, FaultyExecutor
+from ..health.state import DeviceState
+from ..health.watchdog import Watchdog, WatchedExecutor, probe_us
 from .calibration import calibrate
 from .digest import step_wire
-from .engine import Engine, RequestOutput, StepReport
-from .messages import DEVICE_FAULT_EXIT, EngineSpec, Ready
+from .engine import Engine, RequestOutput, StepReport, StepSink
+from .messages import (
+    DEVICE_FAULT_EXIT,
+    Add,
+    Cancel,
+    EngineSpec,
+    Failed,
+    Guard,
+    Idle,
+    Message,
+    Ready,
+    Step,
+    Stop,
+    Stopped,
+    Verdict,
+    decode,
+    encode,
+)
 from .pacing import Pacer
-from .watchdog import DeviceState, Watchdog, WatchedExecutor, probe_us
 
 if TYPE_CHECKING:
     from ..device.loader import Checkpoint
@@ -50,8 +67,10 @@ class Relay:
         self.outputs: list[RequestOutput] = []
         self._send_lock = threading.Lock()  # the watchdog's thread sends too
 
-    def send(self, message: tuple) -> None:
-        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
+    def send(self, message: Message) -> None:
+        # plain tuples and the C pickler: Connection.send's ForkingPickler (a Python subclass with its own
+        # dispatch table) took twice as long, on every step; recv() on the other end reads either
+        data = pickle.dumps(encode(message), pickle.HIGHEST_PROTOCOL)
         with self._send_lock:
             self.conn.send_bytes(data)
 
@@ -62,23 +81,30 @@ class Relay:
         self.wire = step_wire(report, num_free_slots)
 
     def on_idle(self, now_ns: int) -> None:
-        self.send(("idle", now_ns))
+        self.send(Idle(now_ns))
 
-    def device(self, state: DeviceState, ratio: float, why: str) -> None:
-        self.send(("device", state.value, ratio, why))
+    def verdict(self, state: DeviceState, ratio: float, why: str) -> None:
+        self.send(Verdict(state, ratio, why))
 
     def flush(self) -> None:
         if self.wire is not None or self.outputs:
-            # plain tuples and the C pickler: Connection.send's ForkingPickler (a Python subclass with its own
-            # dispatch table) took twice as long, on every step; recv() on the other end reads either
-            self.send(("step", self.wire, [tuple(o) for o in self.outputs]))
+            self.send(Step(self.wire, [tuple(o) for o in self.outputs]))
             self.wire, self.outputs = None, []
 
 
-def build_engine(spec: EngineSpec, checkpoint: Checkpoint | None = None) -> tuple[Engine, Ready]:
+def build_engine(
+    spec: EngineSpec,
+    sink: StepSink | None = None,
+    on_verdict: Callable[[DeviceState, float, str], None] | None = None,
+    on_lost: Callable[[str], None] | None = None,
+    checkpoint: Checkpoint | None = None,
+) -> tuple[Engine, Ready]:
     """Loads (unless given the checkpoint), warms up and (unless told not to) calibrates an engine, in
     whichever process calls it: the engine process, or with --engine-thread the server's. Torch comes in here,
-    with the executor and the checkpoint's weights."""
+    with the executor and the checkpoint's weights. Calibration runs on an engine of its own; the one returned is
+    built whole, with what calibration tells (the pacer, the watched executor, an injected fault armed from now
+    on): its steps go to `sink` (None: its observers), the watchdog's verdicts to `on_verdict` (from the
+    watchdog's thread or the engine's), and a device fault that stops its thread to `on_lost`."""
     from ..device.executor import Executor
     from ..device.loader import load_checkpoint
 
@@ -86,14 +112,18 @@ def build_engine(spec: EngineSpec, checkpoint: Checkpoint | None = None) -> tupl
         raise ValueError("paced steps need the calibrated cost model (calibrate=True)")
     checkpoint = checkpoint or load_checkpoint(spec.model_dir, spec.dtype)
     executor = (spec.make_executor or Executor)(checkpoint, spec.executor)
-    engine = Engine(
-        executor, checkpoint.tokenizer, checkpoint.eos_token_ids, max_num_batched_tokens=spec.max_num_batched_tokens
-    )
+
+    def make_engine(executor, **serving) -> Engine:
+        tokenizer, eos = checkpoint.tokenizer, checkpoint.eos_token_ids
+        return Engine(executor, tokenizer, eos, max_num_batched_tokens=spec.max_num_batched_tokens, **serving)
+
+    warming = make_engine(executor)
     ready = Ready(
-        executor.info, executor.num_slots, executor.max_seq_len, engine.scheduler.config.max_num_batched_tokens
+        executor.info, executor.num_slots, executor.max_seq_len, warming.scheduler.config.max_num_batched_tokens
     )
+    cost, pacer = None, None
     if spec.calibrate:
-        cost = calibrate(engine)
+        cost = calibrate(warming)
         ready = replace(
             ready,
             cost_rows=tuple(cost.rows),
@@ -101,33 +131,32 @@ def build_engine(spec: EngineSpec, checkpoint: Checkpoint | None = None) -> tupl
             cost_us_per_context_token=cost.us_per_context_token,
         )
         if spec.pace_tokens:  # a copy of the calibration, which the pacer scales by the steps it measures
-            engine.pacer = Pacer(
-                CostModel(list(cost.rows), list(cost.row_us), cost.us_per_context_token), spec.pace_tokens
-            )
-        if spec.watchdog is not None:
-            _watch(engine, spec, cost)
-    if spec.fault is not None and engine.watchdog is None:
-        engine.executor = _faulty(engine.executor, spec.fault)
+            pacer = Pacer(CostModel(list(cost.rows), list(cost.row_us), cost.us_per_context_token), spec.pace_tokens)
+    watchdog = None
+    if spec.watchdog is not None and cost is not None:
+        expected_probe_us = probe_us(executor)  # on the device as calibrated, before any fault
+        watchdog = Watchdog(spec.watchdog, on_verdict or _unheard)
+        executor = WatchedExecutor(_faulty(executor, spec.fault), watchdog, cost, expected_probe_us)
+    else:
+        executor = _faulty(executor, spec.fault)
+    engine = make_engine(executor, sink=sink, pacer=pacer, watchdog=watchdog, on_lost=on_lost)
+    if watchdog is not None:
+        watchdog.start()
     return engine, ready
 
 
-def _faulty(executor, fault: Fault) -> FaultyExecutor:
-    """The executor with `fault`, armed now: its clock starts once the engine is warm and calibrated."""
+def _unheard(state: DeviceState, ratio: float, why: str) -> None:
+    """No one listens for verdicts: the watchdog logs each one anyway."""
+
+
+def _faulty(executor, fault: Fault | None):
+    """The executor with `fault` (if any), armed now: its clock starts once the engine is warm and calibrated."""
+    if fault is None:
+        return executor
     faulty = FaultyExecutor(executor, fault)
     faulty.arm()
     log.warning("fault_injected", fault=str(fault))
     return faulty
-
-
-def _watch(engine: Engine, spec: EngineSpec, cost: CostModel) -> None:
-    """Puts the calibrated device under the watchdog, with an injected fault (armed from now on) beneath it."""
-    executor = engine.executor
-    expected_probe_us = probe_us(executor)  # on the device as calibrated, before any fault
-    if spec.fault is not None:
-        executor = _faulty(executor, spec.fault)
-    engine.watchdog = Watchdog(spec.watchdog, engine.device_changed)
-    engine.executor = WatchedExecutor(executor, engine.watchdog, cost, expected_probe_us)
-    engine.watchdog.start()
 
 
 def _pin_engine(spec: EngineSpec) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -151,20 +180,18 @@ def engine_main(spec: EngineSpec, inbox: Connection, outbox: Connection) -> None
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(bool(spec.json_logs))  # a spawned child starts with structlog's defaults: stdout, colours
+    relay = Relay(outbox)
     try:
         split = _pin_engine(spec)  # before the first parallel region: OpenMP's threads inherit the mask
-        engine, ready = build_engine(spec)
+        engine, ready = build_engine(spec, sink=relay, on_verdict=relay.verdict)
     except Exception as exc:  # noqa: BLE001 - reported to the server, which names it and exits
-        outbox.send(("failed", f"{type(exc).__name__}: {exc}"))
+        relay.send(Failed(f"{type(exc).__name__}: {exc}"))
         return
     if split is not None:
         ready = replace(ready, engine_cpus=split[0], server_cpus=split[1])
-    relay = Relay(outbox)
-    engine.sink = relay
-    engine.on_device = relay.device
-    outbox.send(("ready", ready))
+    relay.send(ready)
     _step_loop(engine, relay, inbox)
-    relay.send(("stopped",))
+    relay.send(Stopped())
 
 
 def _step_loop(engine: Engine, relay: Relay, inbox: Connection) -> None:
@@ -196,15 +223,15 @@ def _take_messages(engine: Engine, relay: Relay, inbox: Connection) -> bool:
     stop = False
     try:
         while inbox.poll():
-            kind, *args = inbox.recv()
-            if kind == "add":
-                engine.add_request(args[0], relay)
-            elif kind == "cancel":
-                engine.cancel(args[0])
-            elif kind == "guard":
-                engine.set_expiry_guard(args[0])
-            elif kind == "stop":
-                stop = True
+            match decode(inbox.recv()):
+                case Add(request):
+                    engine.add_request(request, relay)
+                case Cancel(call_id):
+                    engine.cancel(call_id)
+                case Guard(guard_ns):
+                    engine.set_expiry_guard(guard_ns)
+                case Stop():
+                    stop = True
     except (EOFError, OSError):  # the server is gone: nobody is left to stream to or to bill
         os._exit(0)
     return stop

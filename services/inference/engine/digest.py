@@ -13,7 +13,7 @@ from ..sched.request import Request, RequestStatus
 
 
 class EndedRequest(NamedTuple):
-    request_id: str
+    call_id: str
     status: RequestStatus
     num_prompt_tokens: int
     num_output_tokens: int
@@ -24,7 +24,7 @@ class StepDigest(NamedTuple):
     began_ns: int  # step() entered: taking new requests and scheduling count too
     ended_ns: int
     ran: bool  # the executor ran; False when requests only ended (cancelled, expired)
-    work: tuple[tuple[str, int], ...]  # (request_id, tokens run): decodes first (1 each), then prompt chunks
+    work: tuple[tuple[str, int], ...]  # (call_id, tokens run): decodes first (1 each), then prompt chunks
     context_tokens: int  # positions the decode rows attended to, summed
     ended: tuple[EndedRequest, ...]  # finished, cancelled or expired in this step
     num_unfinished: int  # requests still in the engine after this step
@@ -77,7 +77,7 @@ def step_wire(report, num_free_slots: int) -> tuple:
     ended = (
         tuple(
             [
-                (r.request_id, int(r.status), len(r.prompt_token_ids), len(r.output_token_ids), r.first_token_ns)
+                (r.call_id, int(r.status), len(r.prompt_token_ids), len(r.output_token_ids), r.first_token_ns)
                 for r in report.ended
             ]
         )
@@ -88,8 +88,8 @@ def step_wire(report, num_free_slots: int) -> tuple:
         report.began_ns,
         report.ended_ns,
         report.result is not None,
-        tuple([s.request.request_id for s in decodes]),
-        tuple([(s.request.request_id, len(s.token_ids)) for s in prefills]) if prefills else (),
+        tuple([s.request.call_id for s in decodes]),
+        tuple([(s.request.call_id, len(s.token_ids)) for s in prefills]) if prefills else (),
         report.scheduled.context_tokens,
         ended,
         report.num_unfinished,
@@ -100,5 +100,5 @@ def step_wire(report, num_free_slots: int) -> tuple:
 
 def ended_request(request: Request) -> EndedRequest:
     return EndedRequest(
-        request.request_id, request.status, request.num_prompt_tokens, request.num_output_tokens, request.first_token_ns
+        request.call_id, request.status, request.num_prompt_tokens, request.num_output_tokens, request.first_token_ns
     )

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import structlog
 
 from ..device.spec import StepResult, is_device_fault
+from ..health.watchdog import Watchdog
 from ..sched.request import FinishReason, Request, RequestStatus
 from ..sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepUpdate
 from .detokenizer import Detokenizer
 from .digest import StepDigest, ended_request
 from .pacing import Pacer
-from .watchdog import DeviceState, Watchdog
 
 if TYPE_CHECKING:
     from ..device.executor import Executor
@@ -28,7 +28,7 @@ log = structlog.get_logger(__name__)
 class RequestOutput(NamedTuple):
     """A named tuple: made for every token, and (as a plain tuple) pickled to the server process."""
 
-    request_id: str
+    call_id: str
     token_ids: tuple[int, ...]  # new tokens since the previous output (stop tokens are not streamed)
     text: str  # new text; held back while it may be the start of a stop string
     time_ns: int  # engine clock when the step that produced it ended
@@ -90,7 +90,7 @@ class Observers:
         decodes, prefills = report.scheduled.decodes, report.scheduled.prefills
         # list comprehensions: this runs every step, and they take 2/3 of the time of unpacked generators
         work = tuple(
-            [(s.request.request_id, 1) for s in decodes] + [(s.request.request_id, len(s.token_ids)) for s in prefills]
+            [(s.request.call_id, 1) for s in decodes] + [(s.request.call_id, len(s.token_ids)) for s in prefills]
         )
         digest = StepDigest(
             report.began_ns,
@@ -130,6 +130,9 @@ class Engine:
         clock: Callable[[], int] = time.monotonic_ns,
         observers: Sequence[StepObserver] = (),
         sink: StepSink | None = None,
+        pacer: Pacer | None = None,
+        watchdog: Watchdog | None = None,
+        on_lost: Callable[[str], None] | None = None,
     ) -> None:
         self.executor = executor
         self.tokenizer = tokenizer
@@ -145,10 +148,9 @@ class Engine:
         self.expiry_guard_ns = 0  # the service sets this to about one step
         self.last_interval_ns = 0
         self.idle_tick_s = 1.0  # how often observers hear of idle time while there is no work
-        self.pacer: Pacer | None = None  # paced steps (pacing.py); None: each step starts when the last ends
-        self.on_lost: Callable[[str], None] | None = None  # the loop stopped on a device fault (engine thread)
-        self.watchdog: Watchdog | None = None  # set once serving (watchdog.py): the idle device is probed
-        self.on_device: Callable[[DeviceState, float, str], None] | None = None  # the watchdog's verdicts
+        self.pacer = pacer  # paced steps (pacing.py); None: each step starts when the last ends
+        self.on_lost = on_lost  # the loop stopped on a device fault (called on the engine's thread)
+        self.watchdog = watchdog  # it times the executor (health/watchdog.py); the idle device is probed
         self._idle_told_ns = 0
         self._paced_ns = 0  # idled out since the last reported step
         self._streams: dict[str, _Stream] = {}
@@ -170,9 +172,9 @@ class Engine:
             self._inbox.append((request, sink))
             self._wake.notify()
 
-    def cancel(self, request_id: str) -> None:
+    def cancel(self, call_id: str) -> None:
         with self._wake:
-            self._inbox.append(request_id)
+            self._inbox.append(call_id)
             self._wake.notify()
 
     def set_expiry_guard(self, guard_ns: int) -> None:
@@ -192,11 +194,6 @@ class Engine:
             self._thread.join(timeout_s)
         if self.watchdog is not None:
             self.watchdog.stop()
-
-    def device_changed(self, state: DeviceState, ratio: float, why: str) -> None:
-        """The watchdog's verdict (from its thread or the engine's), passed on to whoever listens."""
-        if self.on_device is not None:
-            self.on_device(state, ratio, why)
 
     # ---- engine thread ----
     def step(self) -> StepReport | None:
@@ -242,7 +239,7 @@ class Engine:
         for request in closed:
             self._close(request, ended_ns)
         for update in updates:
-            self._emit(update, texts.get(update.request.request_id, ""), ended_ns)
+            self._emit(update, texts.get(update.request.call_id, ""), ended_ns)
         return report
 
     def pace(self, report: StepReport | None) -> None:
@@ -318,7 +315,7 @@ class Engine:
                 cancelled += self.scheduler.finish_requests([item], RequestStatus.FINISHED_CANCELLED)
                 continue
             request, sink = item
-            self._streams[request.request_id] = _Stream(sink, Detokenizer(self.tokenizer, request.sampling.stop))
+            self._streams[request.call_id] = _Stream(sink, Detokenizer(self.tokenizer, request.sampling.stop))
             self.scheduler.add_request(request)
         return cancelled
 
@@ -329,27 +326,27 @@ class Engine:
             request, token = update.request, update.new_token_id
             if token is None or token in request.sampling.stop_token_ids:
                 continue
-            detokenizer = self._streams[request.request_id].detokenizer
+            detokenizer = self._streams[request.call_id].detokenizer
             try:
-                texts[request.request_id] = detokenizer.push(token)
+                texts[request.call_id] = detokenizer.push(token)
             except Exception:  # noqa: BLE001 - one call's text (its stop strings, its tokens) ends that call alone
-                log.exception("detokenize_failed", request_id=request.request_id)
-                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR)
+                log.exception("detokenize_failed", call_id=request.call_id)
+                self.scheduler.finish_requests([request.call_id], RequestStatus.FINISHED_ERROR)
                 continue
             if detokenizer.stopped:
-                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+                self.scheduler.finish_requests([request.call_id], RequestStatus.FINISHED_STOPPED)
         return texts
 
     def _emit(self, update: StepUpdate, text: str, time_ns: int) -> None:
         request, token = update.request, update.new_token_id
         streamed = token is not None and token not in request.sampling.stop_token_ids
-        stream = self._streams[request.request_id]
+        stream = self._streams[request.call_id]
         if request.is_finished:
             if request.status is not RequestStatus.FINISHED_ERROR:  # a failed text has nothing more to give
                 text += stream.detokenizer.flush()
-            del self._streams[request.request_id]
+            del self._streams[request.call_id]
         output = RequestOutput(
-            request.request_id,
+            request.call_id,
             (token,) if streamed else (),
             text,
             time_ns,
@@ -361,11 +358,11 @@ class Engine:
             stream.sink.put(output)
 
     def _close(self, request: Request, time_ns: int) -> None:
-        stream = self._streams.pop(request.request_id, None)
+        stream = self._streams.pop(request.call_id, None)
         if stream is not None:
             stream.sink.put(
                 RequestOutput(
-                    request.request_id,
+                    request.call_id,
                     (),
                     stream.detokenizer.flush(),
                     time_ns,
@@ -377,7 +374,7 @@ class Engine:
 
     def fail_all(self) -> None:
         """After a failed step: every request ends with "error", the sink first, then its stream."""
-        ids = [r.request_id for r in (*self.scheduler.running, *self.scheduler.waiting)]
+        ids = [r.call_id for r in (*self.scheduler.running, *self.scheduler.waiting)]
         failed = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
         now_ns = self.clock()
         empty = SchedulerOutput((), (), ())

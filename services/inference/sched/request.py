@@ -64,7 +64,7 @@ class SamplingParams:
 
 @dataclass(eq=False)
 class Request:
-    request_id: str
+    call_id: str  # the replica's id for the call (the caller's own request_id stays with the service)
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     arrival_ns: int  # engine clock (monotonic)

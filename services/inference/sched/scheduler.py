@@ -86,18 +86,18 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request {request.request_id!r} is already scheduled")
+        if request.call_id in self.requests:
+            raise ValueError(f"request {request.call_id!r} is already scheduled")
         if request.num_prompt_tokens + request.sampling.max_tokens > self.config.max_seq_len:
-            raise ValueError(f"request {request.request_id!r} needs more than {self.config.max_seq_len} tokens")
-        self.requests[request.request_id] = request
+            raise ValueError(f"request {request.call_id!r} needs more than {self.config.max_seq_len} tokens")
+        self.requests[request.call_id] = request
         self.waiting.append(request)
 
-    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+    def finish_requests(self, call_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Ends requests (cancelled, stopped by a stop string) and frees their slots at once."""
         ended = []
-        for request_id in request_ids:
-            request = self.requests.get(request_id)
+        for call_id in call_ids:
+            request = self.requests.get(call_id)
             if request is not None and not request.is_finished:
                 self._finish(request, status)
                 ended.append(request)
@@ -141,7 +141,7 @@ class Scheduler:
             if request.is_finished:  # cancelled while the step ran
                 continue
             request.num_computed_tokens += seq.num_tokens
-            token = sampled.get(request.request_id) if seq.sample else None
+            token = sampled.get(request.call_id) if seq.sample else None
             if token is not None:
                 request.output_token_ids.append(token)
                 status = self._stop_status(request, token)
@@ -172,4 +172,4 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        del self.requests[request.request_id]
+        del self.requests[request.call_id]

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .spec import InjectedDeviceFault
+from ..device.spec import InjectedDeviceFault
 
 
 class FaultKind(enum.StrEnum):
@@ -81,6 +81,14 @@ class FaultyExecutor:
     ) -> None:
         self.executor, self.fault, self.clock, self.sleep = executor, fault, clock, sleep
         self._armed_at: float | None = None
+
+    @property
+    def num_slots(self) -> int:  # the engine sizes its scheduler by the executor it runs
+        return self.executor.num_slots
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.executor.max_seq_len
 
     def arm(self) -> None:
         """Starts the fault's clock: the replica serves from now on (calibration ran without the fault)."""

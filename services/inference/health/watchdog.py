@@ -17,7 +17,6 @@ median time over calibrated (0 when failed).
 
 from __future__ import annotations
 
-import enum
 import statistics
 import threading
 import time
@@ -29,14 +28,9 @@ from typing import Any
 import structlog
 
 from ..cost.model import CostModel
+from .state import DeviceState
 
 log = structlog.get_logger(__name__)
-
-
-class DeviceState(enum.StrEnum):
-    HEALTHY = "healthy"
-    SLOW = "slow"  # steps persistently slower than calibrated: admission's cost model follows
-    FAILED = "failed"  # an operation hung: this replica serves nothing until the device answers again
 
 
 @dataclass(frozen=True)
@@ -161,6 +155,14 @@ class WatchedExecutor:
 
     def __init__(self, executor: Any, watchdog: Watchdog, cost: CostModel, probe_us: float) -> None:
         self.executor, self.watchdog, self.cost, self.probe_us = executor, watchdog, cost, probe_us
+
+    @property
+    def num_slots(self) -> int:  # the engine sizes its scheduler by the executor it runs
+        return self.executor.num_slots
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.executor.max_seq_len
 
     def run(self, step):
         expected_us = self.cost.raw_step_us(step.num_tokens, step.context_tokens)
