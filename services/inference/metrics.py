@@ -3,7 +3,10 @@ observer (`StepStats`) that feeds them and the cost model from every step."""
 
 from __future__ import annotations
 
+import bisect
+import threading
 from collections import Counter as Tally
+from collections import deque
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -18,7 +21,6 @@ from .device.spec import Device
 from .device.telemetry import GpuTelemetry, HostSteal
 from .engine.digest import StepDigest
 from .health.state import DeviceState
-from .steplog import StepLog
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 STEP_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1)
@@ -268,3 +270,29 @@ class StepStats:
 
     def on_idle(self, now_ns: int) -> None:
         self.metrics.free_slots.set(self.num_slots)  # idle: nothing holds a slot
+
+
+# When recent engine steps began, to tell how many steps an admitted call waited before it first ran.
+#
+# "Joins the very next step" is the product's promise: a call admitted while a step runs waits for that step
+# (0 steps waited), never for another. (Counted from the admission decision: a step that begins while the
+# decision is being made could not have taken the call; the time from receipt is the queue-time metric.) Queue time in
+# ms cannot show this on its own: a call more likely arrives
+# during a long step than a short one, so its mean wait is E[S²]/2E[S], above half a mean step.
+class StepLog:
+    """Start times (ns) of the last `capacity` steps that ran, appended in order by the step observer (the
+    engine's thread or the event loop) and read on the event loop; a lock keeps the two apart."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self._began_ns: deque[int] = deque(maxlen=capacity)
+        self._lock = threading.Lock()
+
+    def add(self, began_ns: int) -> None:
+        with self._lock:
+            self._began_ns.append(began_ns)
+
+    def steps_began_between(self, after_ns: int, before_ns: int) -> int:
+        """Steps that began strictly after `after_ns` and strictly before `before_ns` (bisect indexes the deque
+        directly: a lookup is O(n/64) there, a dozen of them per call)."""
+        with self._lock:
+            return max(bisect.bisect_left(self._began_ns, before_ns) - bisect.bisect_right(self._began_ns, after_ns), 0)

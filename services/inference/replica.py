@@ -44,11 +44,10 @@ from .health.reaction import DeviceReaction
 from .health.state import DeviceState
 from .health.watchdog import WatchdogConfig
 from .meter import Meter
-from .metrics import ServiceMetrics, StepStats
+from .metrics import ServiceMetrics, StepLog, StepStats
 from .policy import DEFAULT_REFRESH_S, PolicyBook, QuotaGate, ledger_reader, remote_reader, weights_of
 from .service import InferenceService, ModelCard, WarmupState
 from .servicer import InferenceServicer
-from .steplog import StepLog
 
 log = structlog.get_logger(__name__)
 INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name

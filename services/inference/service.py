@@ -29,10 +29,9 @@ from .engine.engine import RequestOutput
 from .engine.handle import EngineHandle
 from .health.state import DeviceState
 from .meter import OUTCOMES, Meter, RecordContext
-from .metrics import ServiceMetrics
+from .metrics import ServiceMetrics, StepLog
 from .policy import QuotaGate
 from .sched.request import FinishReason, Request, RequestStatus
-from .steplog import StepLog
 
 log = structlog.get_logger(__name__)
 

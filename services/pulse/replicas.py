@@ -16,7 +16,7 @@ from billing.private_files import private_dir
 
 
 @dataclass
-class Replica:
+class ReplicaProcess:
     admission: str
     address: str
     metrics_url: str
@@ -54,7 +54,7 @@ def start_replica(
     serve_args: list[str] = (),
     timeout_s: float = 900.0,
     name: str | None = None,
-) -> Replica:
+) -> ReplicaProcess:
     """Starts a replica and waits until it says SERVING (warm-up and calibration take a while on a CPU). Its data
     directory is workdir/replica-<name> (default: the admission mode)."""
     from billing import commands
@@ -88,7 +88,7 @@ def start_replica(
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-    replica = Replica(admission, f"127.0.0.1:{port}", metrics_url, key, log_path, proc, ledger)
+    replica = ReplicaProcess(admission, f"127.0.0.1:{port}", metrics_url, key, log_path, proc, ledger)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if "zeroqueue: SERVING" in log_path.read_text(errors="replace"):

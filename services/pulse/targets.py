@@ -19,7 +19,7 @@ from services.client.retry import RetryConfig
 from .stats import LAG_WARNING_MS
 
 if TYPE_CHECKING:
-    from .replicas import Replica
+    from .replicas import ReplicaProcess
 
 
 @dataclass
@@ -31,7 +31,7 @@ class Target:
     admission: str = "deadline"  # the mode of a replica the tool starts when no endpoints are given
     tls_ca: str | None = None
     max_attempts: int = RetryConfig.max_attempts  # a call's attempts, the first included (1: no retries)
-    replica: Replica | None = None  # when the tool started the replica (it can create tenants there)
+    replica: ReplicaProcess | None = None  # when the tool started the replica (it can create tenants there)
 
     def client(self):
         import grpc

@@ -153,7 +153,7 @@ def test_grpc_retry_policy_waits_the_pushback_delay(server):
 def test_mispredicted_request_ends_with_deadline_exceeded_and_frees_its_slot(llama_dir):
     s = start_slow_server(llama_dir)
     try:
-        engine = s.replica.engine
+        engine = s.replica.engine.engine  # the Engine inside the thread handle
         misses = metric(s, "zeroqueue_deadline_misses_total")
         call = Background(s.stub(), timeout=3, prompt="def g():", max_tokens=60, temperature=0.0)
         assert call.admitted.wait(10) and call.error is None

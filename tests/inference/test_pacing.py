@@ -17,9 +17,8 @@ from services.inference.engine.digest import StepDigest, step_wire
 from services.inference.engine.engine import Engine
 from services.inference.engine.messages import EngineSpec
 from services.inference.engine.pacing import Pacer
-from services.inference.metrics import ServiceMetrics, StepStats
+from services.inference.metrics import ServiceMetrics, StepLog, StepStats
 from services.inference.sched.request import Request, SamplingParams
-from services.inference.steplog import StepLog
 from tests.inference.test_meter import Recorder, make_meter, register, req
 
 MS = 1_000_000

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.inference.steplog import StepLog
+from services.inference.metrics import StepLog
 
 
 def test_steps_that_began_between_receipt_and_first_step_are_counted():

@@ -113,7 +113,10 @@ def walk(model_dir: str | Path) -> list[str]:
 
 
 def main() -> None:
+    from services.logs import configure_logging
     from tests.checkpoints import save_hf_checkpoint
+
+    configure_logging()
 
     model_dir = save_hf_checkpoint(Path(tempfile.mkdtemp(prefix="walk-")), "llama")
     files = walk(model_dir)
