@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "protos"), str(ROOT / "bench")]
 
-from kernels import BandwidthProbe  # noqa: E402  (bench/kernels.py)
+from kernel_speed import BandwidthProbe  # noqa: E402  (bench/kernel_speed.py)
 
 from services.inference.device import kernels as zq_kernels  # noqa: E402
 from services.inference.device.executor import Executor, ExecutorConfig  # noqa: E402
@@ -60,7 +60,7 @@ NEW_TOKENS = 64
 
 
 def read_bandwidth_gbs(passes: int = 8) -> float:
-    """Best full read of a 512 MB buffer (bench/kernels.py's probe)."""
+    """Best full read of a 512 MB buffer (bench/kernel_speed.py's probe)."""
     probe, best = BandwidthProbe(), float("inf")
     for _ in range(passes):
         t0 = time.perf_counter()

@@ -4,7 +4,7 @@ purpose for tests and drills (faults.py), and the server's one reaction to a cha
 model follows, the calls in flight end billed, health statuses change, a recovery timer runs).
 
 The engine imports state.py, watchdog.py and faults.py, so they stay torch-free and import only the standard
-library, structlog, device/spec.py (the plain types, torch-free) and the cost model of admission/. reaction.py runs
+library, structlog, device/spec.py (the plain types, torch-free) and the cost model (cost/). reaction.py runs
 in the server, on the event loop, and may import the service it acts on (service.py) and the engine's plain
 types; nothing here imports reaction.py but the replica.
 """

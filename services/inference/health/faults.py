@@ -69,7 +69,22 @@ def _seconds(text: str) -> float:
     return _number(text.strip().removesuffix("s"), "seconds")
 
 
-class FaultyExecutor:
+class ExecutorLayer:
+    """An executor wrapped by another (a fault beneath, the watchdog's timing above): the engine sizes its
+    scheduler by the executor it runs, so a layer says the slots and the context of the one beneath."""
+
+    executor: Any
+
+    @property
+    def num_slots(self) -> int:
+        return self.executor.num_slots
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.executor.max_seq_len
+
+
+class FaultyExecutor(ExecutorLayer):
     """The executor, with the fault applied to each operation while the fault is active."""
 
     def __init__(
@@ -81,14 +96,6 @@ class FaultyExecutor:
     ) -> None:
         self.executor, self.fault, self.clock, self.sleep = executor, fault, clock, sleep
         self._armed_at: float | None = None
-
-    @property
-    def num_slots(self) -> int:  # the engine sizes its scheduler by the executor it runs
-        return self.executor.num_slots
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.executor.max_seq_len
 
     def arm(self) -> None:
         """Starts the fault's clock: the replica serves from now on (calibration ran without the fault)."""

@@ -28,6 +28,7 @@ from typing import Any
 import structlog
 
 from ..cost.model import CostModel
+from .faults import ExecutorLayer
 from .state import DeviceState
 
 log = structlog.get_logger(__name__)
@@ -149,20 +150,12 @@ class Watchdog:
         self.on_change(new, ratio, why)
 
 
-class WatchedExecutor:
+class WatchedExecutor(ExecutorLayer):
     """The executor as the engine runs it once serving: every step and every probe timed by the watchdog (steps
     against the cost model's calibrated time for their rows and context; probes against their own, for hangs)."""
 
     def __init__(self, executor: Any, watchdog: Watchdog, cost: CostModel, probe_us: float) -> None:
         self.executor, self.watchdog, self.cost, self.probe_us = executor, watchdog, cost, probe_us
-
-    @property
-    def num_slots(self) -> int:  # the engine sizes its scheduler by the executor it runs
-        return self.executor.num_slots
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.executor.max_seq_len
 
     def run(self, step):
         expected_us = self.cost.raw_step_us(step.num_tokens, step.context_tokens)

@@ -11,7 +11,7 @@ both sides alike:
   - the machine's read bandwidth: best of several full passes over a 512 MB buffer;
   - first, the bf16 weight stream on each linear path this CPU runs (widen, dot, amx), at M = 1 to 128.
 
-    python bench/kernels.py [--dtypes bfloat16,float32] [--reps 9] [--skip-ops] [--paths-only]
+    python bench/kernel_speed.py [--dtypes bfloat16,float32] [--reps 9] [--skip-ops] [--paths-only]
 """
 
 from __future__ import annotations
