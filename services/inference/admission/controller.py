@@ -58,7 +58,7 @@ class AdmissionController:
 
     @property
     def num_reserved(self) -> int:
-        return len(self.commitments) - self.num_admitted
+        return self.promises.num_reserved
 
     def set_weights(self, weights: Mapping[str, float]) -> None:
         """The tenants' weights as the replica's serving policy now says (1 for a tenant not named)."""
