@@ -23,6 +23,7 @@ from pathlib import Path
 
 from services.client.retry import RetryConfig
 
+from .schedule import ARRIVALS
 from .tenants import parse_tenant
 
 
@@ -73,7 +74,13 @@ def add_pulse(sub: argparse._SubParsersAction) -> None:
         metavar="NAME",
         help="with --tenant: first send this tenant's schedule on its own, for its goodput vs alone; repeatable",
     )
-    g.add_argument("--arrival", choices=("poisson", "constant"), default="poisson")
+    g.add_argument(
+        "--arrival",
+        choices=ARRIVALS,
+        default="poisson",
+        help="poisson or constant at the rate (with --pulse-* bursts); burst: qps × --pulse-every calls at once every "
+        "--pulse-every s; stages: a ramp up over the first quarter, a plateau, a ramp down over the last",
+    )
     g.add_argument("--pulse-factor", type=float, default=1.0, help="rate multiplier inside a burst")
     g.add_argument("--pulse-seconds", type=float, default=0.0, help="burst length (0: no bursts)")
     g.add_argument("--pulse-every", type=float, default=10.0, help="one burst per this many seconds")

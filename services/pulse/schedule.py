@@ -2,8 +2,11 @@
 
 Arrivals follow a piecewise-constant rate (a base QPS with bursts of `pulse_factor`× lasting `pulse_s`,
 one per `pulse_every_s`). Poisson arrivals are unit-rate exponential gaps mapped through the integrated
-rate; constant arrivals are evenly spaced in it. Everything comes from one seed, so the same schedule can
-be replayed against a deadline-mode and a fifo-mode replica.
+rate; constant arrivals are evenly spaced in it. The articles' two other shapes: `burst`, every
+`pulse_every_s` a burst of qps × pulse_every_s calls sent at once (as `hey -c` does), and `stages`, a ramp up to
+qps over the first quarter of the run, a plateau, and a ramp down over the last quarter (as k6's stages do),
+Poisson inside each step of the ramp. Everything comes from one seed, so the same schedule can be replayed
+against a deadline-mode and a fifo-mode replica.
 """
 
 from __future__ import annotations
@@ -11,12 +14,15 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+ARRIVALS = ("poisson", "constant", "burst", "stages")
+RAMP_STEPS = 8  # steps of a stages ramp
+
 
 @dataclass(frozen=True)
 class LoadSpec:
     qps: float
     duration_s: float
-    arrival: str = "poisson"  # poisson | constant
+    arrival: str = "poisson"  # poisson | constant | burst | stages
     pulse_factor: float = 1.0  # rate multiplier inside a burst
     pulse_s: float = 0.0  # burst length
     pulse_every_s: float = 10.0  # one burst per this period, centred in it
@@ -25,13 +31,15 @@ class LoadSpec:
     def __post_init__(self) -> None:
         if self.qps <= 0 or self.duration_s <= 0:
             raise ValueError("qps and duration must be > 0")
-        if self.arrival not in ("poisson", "constant"):
-            raise ValueError(f"arrival must be poisson or constant, got {self.arrival!r}")
+        if self.arrival not in ARRIVALS:
+            raise ValueError(f"arrival must be one of {', '.join(ARRIVALS)}, got {self.arrival!r}")
         if self.pulse_factor <= 0 or self.pulse_s < 0 or (self.pulse_s > 0 and self.pulse_s > self.pulse_every_s):
             raise ValueError("need pulse_factor > 0 and 0 <= pulse_s <= pulse_every_s")
 
     def segments(self) -> list[tuple[float, float, float]]:
         """(start_s, end_s, rate_qps) covering [0, duration_s)."""
+        if self.arrival == "stages":
+            return self._stages()
         if self.pulse_s == 0 or self.pulse_factor == 1:
             return [(0.0, self.duration_s, self.qps)]
         cuts, out, period = [], [], self.pulse_every_s
@@ -50,6 +58,18 @@ class LoadSpec:
         if t < self.duration_s:
             out.append((t, self.duration_s, self.qps))
         return out
+
+    def _stages(self) -> list[tuple[float, float, float]]:
+        """A ramp up to qps in RAMP_STEPS steps over the first quarter, the plateau, and the ramp down."""
+        ramp_s, step_s = self.duration_s / 4, self.duration_s / 4 / RAMP_STEPS
+        up = [(i * step_s, (i + 1) * step_s, self.qps * (i + 1) / RAMP_STEPS) for i in range(RAMP_STEPS)]
+        down = [(self.duration_s - b, self.duration_s - a, rate) for a, b, rate in reversed(up)]
+        return [*up, (ramp_s, self.duration_s - ramp_s, self.qps), *down]
+
+    @property
+    def burst_size(self) -> int:
+        """Calls in each burst of `burst` arrivals: the base rate's worth of one period."""
+        return max(round(self.qps * self.pulse_every_s), 1)
 
     def rate_at(self, t_s: float) -> float:
         return next((rate for a, b, rate in self.segments() if a <= t_s < b), 0.0)
@@ -86,14 +106,18 @@ class PlannedRequest:
 
 
 def arrival_times(load: LoadSpec, rng: random.Random) -> list[float]:
-    """Arrival times in [0, duration): the k-th arrival is where the integrated rate reaches the k-th mark."""
+    """Arrival times in [0, duration): the k-th arrival is where the integrated rate reaches the k-th mark; for
+    bursts, `burst_size` calls at the start of every period."""
+    if load.arrival == "burst":
+        starts = [k * load.pulse_every_s for k in range(int(-(-load.duration_s // load.pulse_every_s)))]
+        return [at_s for at_s in starts for _ in range(load.burst_size)]
     marks, total = [], 0.0
     capacity = sum((b - a) * rate for a, b, rate in load.segments())
     while True:
-        total += rng.expovariate(1.0) if load.arrival == "poisson" else 1.0
+        total += 1.0 if load.arrival == "constant" else rng.expovariate(1.0)
         if total > capacity:
             break
-        marks.append(total if load.arrival == "poisson" else total - 0.5)
+        marks.append(total - 0.5 if load.arrival == "constant" else total)
     times, segments, i, before = [], load.segments(), 0, 0.0
     for mark in marks:
         while before + (segments[i][1] - segments[i][0]) * segments[i][2] < mark:

@@ -154,6 +154,25 @@ def test_bursts_multiply_the_rate_for_their_length():
     assert load.rate_at(5.0) == 40 and load.rate_at(6.0) == 10
 
 
+def test_burst_arrivals_send_a_periods_worth_at_once_every_period():
+    load = LoadSpec(qps=6, duration_s=25, arrival="burst", pulse_every_s=10)
+    times = arrival_times(load, random.Random(0))
+    assert load.burst_size == 60 and times == [0.0] * 60 + [10.0] * 60 + [20.0] * 60
+
+
+def test_stages_ramp_up_hold_and_ramp_down_with_the_asked_rate_on_the_plateau():
+    load = LoadSpec(qps=40, duration_s=80, arrival="stages", seed=5)
+    segments = load.segments()
+    assert segments[0] == (0.0, 2.5, 5.0) and segments[7] == (17.5, 20.0, 40.0)
+    assert segments[8] == (20.0, 60.0, 40.0) and segments[-1] == (77.5, 80.0, 5.0)
+    assert [b for _, b, _ in segments[:-1]] == [a for a, _, _ in segments[1:]]  # no gap, no overlap
+    times = arrival_times(load, random.Random(5))
+    plateau = sum(1 for t in times if 20 <= t < 60)
+    assert plateau == pytest.approx(40 * 40, rel=0.06)
+    assert sum(1 for t in times if t < 5) < sum(1 for t in times if 15 <= t < 20) / 3  # still ramping
+    assert len(times) == pytest.approx(40 * 40 + 2 * 40 * 20 * 9 / 16, rel=0.06)  # the ramps: 9/16 of full rate
+
+
 def test_plans_are_reproducible_and_shapes_fit_the_context():
     load = LoadSpec(qps=20, duration_s=5, seed=7)
     fixed = plan(load, ShapeSpec("fixed", 24, 8), vocab_size=300, deadline_ms=900, deadline_per_token_ms=10)
