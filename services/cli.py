@@ -54,6 +54,13 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         help="deadline admission keeps headroom for tenants under their fair share and for higher-priority "
         "classes; --no-fair-share: first come, the comparison of old",
     )
+    p.add_argument(
+        "--hold",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="deadline admission admits a call that fits later inside its slack and holds it for the slot planned "
+        "for it; --no-hold: refuse it at once with a reserved retry, the comparison of old",
+    )
     p.add_argument("--default-deadline-ms", type=int, default=30_000, help="budget of calls without a deadline")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
     p.add_argument("--max-batch", type=int, default=32, help="KV slots: the most calls running at once")
@@ -216,6 +223,7 @@ def serve_config(args: argparse.Namespace):
         port=args.port,
         admission=args.admission,
         fair_share=args.fair_share,
+        hold=args.hold,
         default_deadline_ms=args.default_deadline_ms,
         metrics_port=args.metrics_port,
         dtype=args.dtype,

@@ -79,6 +79,8 @@ class Admission:
     prompt_tokens: int
     call_id: str = ""  # the replica's id of this call: the ledger's key for its usage record
     service_class: str = ""  # the class of service the call runs and is billed in
+    # when it is predicted to begin: its dispatch, or the slot the replica held it for inside its slack
+    predicted_start_at_us: int = 0
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,7 @@ def admission_from(msg: pb.Admission, endpoint: str) -> Admission:
         msg.prompt_tokens,
         msg.call_id,
         msg.service_class,
+        msg.predicted_start_at_us,
     )
 
 

@@ -43,6 +43,7 @@ class Ticket:
     budget_ms: int
     budget_source: BudgetSource
     predicted_finish_ns: int
+    predicted_start_ns: int | None = None  # held inside its slack: the slot planned for it (None: the next step)
     first_scheduled_ns: int | None = None
     first_token_ns: int | None = None
     finished_ns: int | None = None

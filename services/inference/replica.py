@@ -73,6 +73,7 @@ class ServeConfig:
     port: int = 50051
     admission: str = "deadline"  # deadline | fifo
     fair_share: bool = True  # deadline mode: fair share between tenants and class priority; False: first come
+    hold: bool = True  # deadline mode: a call that fits later inside its slack is held for its slot; False: refused
     default_deadline_ms: int = 30_000
     metrics_port: int | None = None
     dtype: str = "auto"
@@ -242,7 +243,8 @@ class Replica:
         if self.config.admission == "fifo":
             admission, observed_cost = FifoAdmission(), None
         else:
-            settings = AdmissionSettings(max_reservations=self.config.max_reservations, fair=self.config.fair_share)
+            c = self.config
+            settings = AdmissionSettings(max_reservations=c.max_reservations, fair=c.fair_share, hold_in_slack=c.hold)
             admission, observed_cost = AdmissionController(cost, admission_config, settings), cost
             self.metrics.watch_reservations(admission.events)
             engine.set_expiry_guard(int(cost.step_us(ready.num_slots) * 1000))

@@ -123,6 +123,9 @@ class InferenceService:
         self.state = WarmupState.WARMING_UP
         self.device_state = DeviceState.HEALTHY  # the engine's watchdog says (health/watchdog.py)
         self.in_flight: dict[tuple[str, str], Ticket] = {}  # (tenant, request_id) -> its admitted call
+        # admission key -> an admitted call held for a later start (`Admit.start_ns`): it reaches the engine then,
+        # or sooner if admission says a slot freed early (`Admission.due`)
+        self.held: dict[str, tuple[Ticket, LoopSink, asyncio.TimerHandle]] = {}
         self.drained = asyncio.Event()
 
     @property
@@ -217,11 +220,17 @@ class InferenceService:
             budget_ns // 1_000_000,
             source,
             decision.predicted_finish_ns or deadline_ns,
+            decision.start_ns,
         )
         self.in_flight[ticket.key] = ticket
         self.metrics.in_flight.set(len(self.in_flight))
         self.meter.register(call_id, context)
         ticket.usage_on_disk = self.outbox.expect(call_id)
+        if decision.start_ns is not None:  # held inside its slack for the slot planned for it
+            delay_s = max(decision.start_ns - self.clock.now_ns(), 0) / 1e9
+            timer = sink.loop.call_later(delay_s, self._start_held, ticket.admission_key)
+            self.held[ticket.admission_key] = (ticket, sink, timer)
+            return ticket
         try:
             self.engine.add_request(request, sink)
         except errors.NotServing:  # the engine process died under us: undo the admission, then say so
@@ -229,14 +238,35 @@ class InferenceService:
             raise
         return ticket
 
+    def _start_held(self, key: str) -> None:
+        """A held call's start has come, or a slot freed early: the engine has it for its next step."""
+        entry = self.held.pop(key, None)
+        if entry is None:
+            return
+        ticket, sink, timer = entry
+        timer.cancel()
+        if ticket.finish_reason is not None or ticket.device_failure is not None:
+            return  # ended while held (the device failed: health/reaction.py)
+        try:
+            self.engine.add_request(ticket.request, sink)
+        except errors.NotServing:  # the engine died while it was held: it ends as the device's calls do
+            ticket.device_failure = "the engine stopped before this call's start"
+            end = RequestOutput(ticket.call_id, (), "", self.clock.now_ns(), 0, FinishReason.ERROR)
+            ticket.outputs.put_nowait(end)
+
     def _withdraw(self, ticket: Ticket) -> None:
         """Forgets an admitted call that never reached the engine: nothing ran, nothing is billed."""
         self.meter.forget(ticket.call_id)
         self._untrack(ticket)
 
     def _untrack(self, ticket: Ticket) -> None:
-        """Drops the call's slot in admission, its outbox waiter and its in-flight entry."""
+        """Drops the call's slot in admission, its outbox waiter and its in-flight entry; a call held for a later
+        start that a freed slot lets start now goes to the engine."""
+        if (held := self.held.pop(ticket.admission_key, None)) is not None:
+            held[2].cancel()
         self.admission.release(ticket.admission_key)
+        for key in self.admission.due(self.clock.now_ns()) if self.held else ():
+            self._start_held(key)
         self.outbox.forget(ticket.call_id)
         if self.in_flight.get(ticket.key) is ticket:
             del self.in_flight[ticket.key]
@@ -314,7 +344,12 @@ class InferenceService:
 
     def close(self, ticket: Ticket) -> None:
         """Ends the call's bookkeeping; a call that ends before its stream did is cancelled in the engine."""
-        if ticket.finish_reason is None:
+        if ticket.finish_reason is None and ticket.admission_key in self.held:  # never reached the engine
+            prompt = len(ticket.spec.prompt_token_ids)
+            cancelled = EndedRequest(ticket.call_id, RequestStatus.FINISHED_CANCELLED, prompt, 0, None)
+            self.meter.end_now(cancelled, self.clock.now_ns())  # billed as a call cancelled in the engine's queue
+            outcome = Outcome.CANCELLED
+        elif ticket.finish_reason is None:
             self.engine.cancel(ticket.call_id)
             outcome = Outcome.CANCELLED
         else:

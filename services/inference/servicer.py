@@ -153,6 +153,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             received_at_us=clock.epoch_us(t.received_ns),
             dispatched_at_us=clock.epoch_us(t.dispatched_ns),
             predicted_finish_at_us=clock.epoch_us(t.predicted_finish_ns),
+            predicted_start_at_us=clock.epoch_us(t.predicted_start_ns or t.dispatched_ns),
             deadline_at_us=clock.epoch_us(t.deadline_ns),
             budget_ms=t.budget_ms,
             budget_source=_SOURCE[t.budget_source],

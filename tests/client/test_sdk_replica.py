@@ -13,7 +13,7 @@ from tests.inference.test_overload import fill, metric, start_slow_server
 
 @pytest.fixture(scope="module")
 def server(llama_dir):
-    s = start_slow_server(llama_dir)
+    s = start_slow_server(llama_dir, hold=False)  # the refusal and its hint (with holds, the call would be held)
     yield s
     s.stop()
 

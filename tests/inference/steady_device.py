@@ -1,5 +1,7 @@
 """A virtual-time replica whose device runs exactly as its calibration says: each step takes the calibrated time
-of its rows, prompts join the next step in order within its token budget, a call gets a token per step. Open-
+of its rows, prompts join the next step in order within its token budget and the free slots, a call gets a token
+per step, and a call admission held for a later start (`Admit.start_ns`) joins then, or when admission says a
+slot freed early (`due`), as the service hands it to the engine. Open-
 loop Poisson arrivals; a refused call retries at its hint while the hint fits its budget, up to `max_attempts`.
 What the admission tests use to judge promises on a device that keeps them: a reserved retry that comes on time
 must be admitted, and an admitted call must finish in its deadline."""
@@ -11,7 +13,8 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 
-from services.inference.admission import AdmissionController, Admit, Commitment, Reject
+from services.inference.admission import AdmissionController, Admit, Commitment, FifoAdmission, Reject
+from services.inference.cost.model import CostModel
 
 MS = 1_000_000
 
@@ -32,7 +35,7 @@ class Tally:
 
 
 def run(
-    controller: AdmissionController,
+    controller: AdmissionController | FifoAdmission,
     rate_per_s: float | dict[str, float],
     seconds: float,
     seed: int = 0,
@@ -41,12 +44,23 @@ def run(
     budget_ms: int = 2000,
     max_attempts: int = 8,
     streams: dict[str, tuple[str, int, int]] | None = None,
+    device: tuple[CostModel, int, int] | None = None,
 ) -> Tally:
     """`rate_per_s`: one tenant's ("t") rate, or each stream's. A stream is a tenant's calls of one class: by
     default its name is its tenant's, of priority 0 and `budget_ms`; `streams` names (tenant, priority, budget_ms)
-    for others. The Tally's by_tenant is by stream."""
+    for others. The Tally's by_tenant is by stream. `device`: (cost model, slots, step token budget), for a FIFO
+    controller, which knows none of them; its calls' clients give up at their deadline (a call waiting or running
+    then leaves the engine, as a cancelled gRPC call does), and each is counted a miss."""
     streams = streams or {}
-    cost, budget = controller.predictor.cost, controller.config.max_num_batched_tokens
+    if device is None:
+        cost, num_slots, budget = (
+            controller.predictor.cost,
+            controller.config.num_slots,
+            controller.config.max_num_batched_tokens,
+        )
+    else:
+        cost, num_slots, budget = device
+    give_up = not controller.predicts
     rng, tally = random.Random(seed), Tally()
     rates = rate_per_s if isinstance(rate_per_s, dict) else {"t": rate_per_s}
     arrivals = []  # (at_ns, seq, request id, deadline_ns, attempt, held a reservation)
@@ -61,7 +75,8 @@ def run(
             tally.by_tenant[stream]["calls"] += 1
     heapq.heapify(arrivals)
     seq, now_ns = len(arrivals), 0
-    pending: list[str] = []  # admitted, prompt not yet run
+    pending: list[str] = []  # admitted, prompt not yet run, in the engine's order (by start, then admission)
+    starts: dict[str, int] = {}  # pending: the earliest start (0: now)
     generated: dict[str, int] = {}  # running: tokens so far
     deadlines: dict[str, int] = {}
     prompt_left: dict[str, int] = {}  # pending calls whose prompt began: tokens still to run
@@ -84,7 +99,11 @@ def run(
             tally.by_tenant[stream][f"refused_{decision.reason}"] += 1
         if isinstance(decision, Admit):
             tally.by_tenant[stream]["admitted"] += 1
-            pending.append(rid)
+            starts[rid] = decision.start_ns or 0
+            i = len(pending)
+            while i and starts[pending[i - 1]] > starts[rid]:
+                i -= 1
+            pending.insert(i, rid)
             deadlines[rid] = deadline_ns
             admitted_at[rid] = (at_ns, decision.predicted_finish_ns)
         elif isinstance(decision, Reject) and decision.within_budget and attempt + 1 < max_attempts:
@@ -94,20 +113,39 @@ def run(
                 seq += 1
 
     while arrivals or generated or pending:
-        if not (generated or pending):  # idle until the next arrival
-            now_ns = max(now_ns, arrivals[0][0])
-            arrive()
+        for rid in [r for r in (*pending, *generated) if give_up and deadlines[r] <= now_ns]:
+            pending.remove(rid) if rid in pending else generated.pop(rid)
+            prompt_left.pop(rid, None)
+            controller.release(rid)
+            admitted_at.pop(rid)
+            tally.misses.append(deadlines.pop(rid) and rid)
+        if not (arrivals or generated or pending):
+            break
+        runnable = generated or (pending and starts[pending[0]] <= now_ns)
+        if not runnable:  # idle until the next arrival, or the first held call's start
+            held_ns = starts[pending[0]] if pending else None
+            if arrivals and (held_ns is None or arrivals[0][0] <= held_ns):
+                now_ns = max(now_ns, arrivals[0][0])
+                arrive()
+            else:
+                now_ns = max(now_ns, held_ns)
             continue
         # one step from now_ns: every running call decodes a token, then prompts in order, in chunks, within
-        # the step's token budget; a call's first token comes with its prompt's last chunk
+        # the step's token budget and the free slots; a call's first token comes with its prompt's last chunk
         rows, joining = len(generated), []
-        while pending and rows < budget:
+
+        while pending and rows < budget and starts[pending[0]] <= now_ns:
+            # a prompt begun holds its slot; another needs a free one
+            if pending[0] not in prompt_left and len(generated) + len(joining) + len(prompt_left) >= num_slots:
+                break
             chunk = min(prompt_left.get(pending[0], prompt_tokens), budget - rows)
             rows += chunk
             prompt_left[pending[0]] = prompt_left.get(pending[0], prompt_tokens) - chunk
             if prompt_left[pending[0]] == 0:
                 del prompt_left[pending[0]]
                 joining.append(pending.pop(0))
+            else:
+                break  # its prompt goes on next step, in its slot
         end_ns = now_ns + int(cost.raw_step_us(rows) * 1000)
         while arrivals and arrivals[0][0] < end_ns:  # decided during the step: they join a later one
             arrive()
@@ -121,6 +159,11 @@ def run(
             if count >= max_tokens:
                 del generated[rid]
                 controller.release(rid)
+                for early in controller.due(now_ns):  # a slot freed early: a held call starts now, as the service's
+                    assert early in pending and starts[early] > now_ns, "only a call still held may start early"
+                    starts[early] = now_ns
+                    pending.remove(early)
+                    pending.insert(sum(1 for r in pending if starts[r] <= now_ns), early)
                 at_ns, predicted_ns = admitted_at.pop(rid)
                 controller.observe_finish(predicted_ns - at_ns, now_ns - at_ns)  # as the service does
                 if now_ns > deadlines.pop(rid):

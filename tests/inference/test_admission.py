@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.inference.admission import (
+    DEFAULT_SETTINGS,
     AdmissionConfig,
     AdmissionController,
     AdmissionSettings,
@@ -24,6 +25,9 @@ from services.inference.admission.fifo import FifoAdmission
 from services.inference.cost.model import CostModel, fit_context_cost
 
 MS = 1_000_000
+# the refusal's own contract (its hint, its reservation): a call that could be held in its slack is refused here,
+# as with `zeroqueue serve --no-hold`; test_hold.py judges the hold
+REFUSING = AdmissionSettings(hold_in_slack=False)
 
 
 def flat_cost(step_ms=10.0):
@@ -37,9 +41,9 @@ def flat_cost(step_ms=10.0):
     )
 
 
-def controller(slots=4, step_ms=10.0, margin_ms=0.0):
+def controller(slots=4, step_ms=10.0, margin_ms=0.0, settings=REFUSING):
     return AdmissionController(
-        flat_cost(step_ms), AdmissionConfig(slots, 256, margin_ms=margin_ms, margin_fraction=0.0)
+        flat_cost(step_ms), AdmissionConfig(slots, 256, margin_ms=margin_ms, margin_fraction=0.0), settings
     )
 
 
@@ -141,7 +145,7 @@ def test_full_slots_reject_with_the_time_the_first_slot_frees():
 
 def test_newcomer_may_not_push_an_admitted_request_past_its_deadline():
     slow = CostModel(rows=[1, 2], row_us=[10_000, 30_000], us_per_context_token=0.0, num_deviations=0, deviation=0)
-    c = AdmissionController(slow, AdmissionConfig(4, 256, margin_ms=0, margin_fraction=0))
+    c = AdmissionController(slow, AdmissionConfig(4, 256, margin_ms=0, margin_fraction=0), REFUSING)
     # one prompt token costs the marginal row (20 ms), then 10 steps of 10 ms
     assert c.decide(commit("tight", prompt=1, max_tokens=10, deadline_ms=150), 0) == Admit(120 * MS)
     # the newcomer's own deadline is generous, but at batch 2 "tight" would take 340 ms
@@ -164,7 +168,9 @@ def test_a_rejected_call_reserves_capacity_for_its_retry():
 
 def test_reservation_expires_when_the_retry_never_comes():
     c = AdmissionController(
-        flat_cost(), AdmissionConfig(1, 256, margin_ms=0, margin_fraction=0), AdmissionSettings(reservation_grace_ms=20)
+        flat_cost(),
+        AdmissionConfig(1, 256, margin_ms=0, margin_fraction=0),
+        AdmissionSettings(reservation_grace_ms=20, hold_in_slack=False),
     )
     c.decide(commit("a", max_tokens=5), 0)
     assert isinstance(c.decide(commit("ghost", max_tokens=5), 0), Reject)
@@ -265,8 +271,8 @@ class NoShortcut(AdmissionController):
     """The controller without its quick answers ('no slot free at that instant', 'the calendar is full before
     the shortest run could end'): every check predicts."""
 
-    def __init__(self, cost, config):
-        super().__init__(cost, config)
+    def __init__(self, cost, config, settings=DEFAULT_SETTINGS):
+        super().__init__(cost, config, settings)
         self.calendar = EveryCheckPredicts(
             self.predictor, self.lateness, config.num_slots, self.settings.max_retry_candidates
         )

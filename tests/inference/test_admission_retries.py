@@ -11,13 +11,15 @@ from services.inference.admission import AdmissionConfig, AdmissionController, A
 from services.inference.admission.history import Lateness, Saturation
 from services.inference.cost.model import CostModel
 from tests.inference.overload import overload
-from tests.inference.test_admission import MS, NoShortcut, commit, controller
+from tests.inference.test_admission import MS, REFUSING, NoShortcut, commit, controller
 
 
 def test_a_retry_on_time_goes_ahead_of_reservations_planned_behind_it():
     cost = CostModel(rows=[1, 2], row_us=[10_000, 10_000], us_per_context_token=0.0, num_deviations=0, deviation=0)
     c = AdmissionController(
-        cost, AdmissionConfig(1, 256, margin_ms=0, margin_fraction=0), AdmissionSettings(max_reservations=4)
+        cost,
+        AdmissionConfig(1, 256, margin_ms=0, margin_fraction=0),
+        AdmissionSettings(max_reservations=4, hold_in_slack=False),
     )
     assert isinstance(c.decide(commit("a", max_tokens=10, deadline_ms=5000), 0), Admit)  # runs 0-100 ms
     b = c.decide(commit("b", max_tokens=10, deadline_ms=5000), 0)
@@ -115,7 +117,8 @@ def test_the_wait_for_room_counts_the_steps_the_prompts_ahead_need():
 def test_under_overload_the_quick_answers_give_every_call_the_same_decision_and_hint(pace):
     cost = CostModel(rows=[1, 8, 32, 96, 256], row_us=[2000, 2300, 3000, 4500, 8000], us_per_context_token=0.01)
     config = AdmissionConfig(32, 256, pace_tokens=pace)
-    quick, slow = AdmissionController(cost, config), NoShortcut(cost, config)
+    # refusing (no hold): every refusal plans its retry, the path the quick answers shorten
+    quick, slow = AdmissionController(cost, config, REFUSING), NoShortcut(cost, config, REFUSING)
     for c in (quick, slow):  # never saturated: every refusal plans its retry, the path the quick answers shorten
         c.promises.new_saturation = lambda: Saturation(enter=2.0)
     kinds = collections.Counter()

@@ -9,6 +9,7 @@ import pytest
 from services.inference.admission import AdmissionConfig, AdmissionController, Admit, Commitment, RefusalCause, Reject
 from services.inference.cost.model import CostModel
 from tests.inference.steady_device import run
+from tests.inference.test_admission import REFUSING
 from tests.inference.test_retry_invitations import CAPACITY_PER_S, replica
 
 MS = 1_000_000
@@ -19,7 +20,7 @@ INTERACTIVE, BATCH = 50, 0
 def flat(num_slots: int, per_class: int = 1, per_tenant: int = 1, us_per_row: float = 0.0) -> AdmissionController:
     """Every step 10 ms (plus `us_per_row` a row past the first); no margin, no spread: predictions are exact."""
     cost = CostModel([1, 256], [10_000.0, 10_000.0 + 255 * us_per_row], 0.0, num_deviations=0, deviation=0)
-    c = AdmissionController(cost, AdmissionConfig(num_slots, 256, margin_ms=0, margin_fraction=0))
+    c = AdmissionController(cost, AdmissionConfig(num_slots, 256, margin_ms=0, margin_fraction=0), REFUSING)
     c.priorities.per_class, c.shares.per_tenant = per_class, per_tenant
     return c
 

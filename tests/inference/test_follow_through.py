@@ -16,7 +16,7 @@ from tests.inference.test_admission import MS, flat_cost
 
 def one_slot() -> AdmissionController:
     config = AdmissionConfig(1, 256, margin_ms=0, margin_fraction=0)
-    return AdmissionController(flat_cost(10.0), config, AdmissionSettings(reservation_grace_ms=20))
+    return AdmissionController(flat_cost(10.0), config, AdmissionSettings(reservation_grace_ms=20, hold_in_slack=False))
 
 
 def call(rid: str, tenant: str, now_ms: int, attempt: int = 0) -> Commitment:

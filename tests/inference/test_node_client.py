@@ -6,15 +6,18 @@ import json
 import os
 import shutil
 import subprocess
+import threading
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 from google.rpc import error_details_pb2
+from zeroqueue.inference.v1 import inference_pb2 as pb
 
 from services.inference.admission import Admit, Reject
 from tests.inference.conftest import Collector, make_engine, request, run_to_completion
-from tests.inference.test_overload import SERVICE_CONFIG, fill, start_slow_server
+from tests.inference.test_overload import SERVICE_CONFIG, fill, metric, start_slow_server, wait_until
 
 NODE_DIR = Path(__file__).resolve().parents[1] / "node"
 PROTO_ROOT = Path(__file__).resolve().parents[2] / "protos"
@@ -65,7 +68,7 @@ def test_grpc_js_streams_a_reply(llama_dir):
 
 
 def test_grpc_js_decodes_the_retry_info_of_a_rejection(llama_dir):
-    server = start_slow_server(llama_dir)
+    server = start_slow_server(llama_dir, hold=False)  # a refusal: with holds, the call would be held
     try:
         running = fill(server, max_tokens=200)  # busy for ~4 s: node takes a while to start
         reply = node(server, "reject", timeout_ms=8000)
@@ -100,9 +103,9 @@ class DecisionLog:
         return [(at_ms, d) for rid, at_ms, d in self.entries if rid == request_id]
 
 
-def node_burst(server, calls: list[dict], fill_tokens: int) -> dict[str, dict]:
+def node_burst(server, calls: list[dict], fill_tokens: int = 0) -> dict[str, dict]:
     """Runs the calls at once from grpc-js, with the documented service config, into a replica whose two slots
-    `fill` takes first (node connects before, so its start-up does not eat into the fill)."""
+    `fill` takes first (node connects before, so its start-up does not eat into the fill; 0: no fill)."""
     proc = subprocess.Popen(
         [
             "node",
@@ -122,7 +125,7 @@ def node_burst(server, calls: list[dict], fill_tokens: int) -> dict[str, dict]:
     )
     try:
         assert json.loads(proc.stdout.readline()) == {"ready": True}, proc.stderr.read()
-        running = fill(server, max_tokens=fill_tokens)
+        running = fill(server, max_tokens=fill_tokens) if fill_tokens else []
         out, err = proc.communicate("go\n", timeout=60)
     finally:
         proc.kill()
@@ -147,12 +150,14 @@ def _retries_seen(server) -> float:
 
 
 def test_grpc_js_retries_a_burst_with_the_documented_service_config(llama_dir):
+    """The retry contract itself, so on a replica that refuses what does not fit now (--no-hold): with holds, the
+    patient calls below would be held for their slots and never refused."""
     patient = [{"request_id": f"node-patient-{i}", "max_tokens": 8, "timeout_ms": 10_000} for i in range(5)]
     # feasible on an idle replica (~0.2 s of work), but both slots stay taken for longer than their budget. With
     # the patient calls' first refusals, 11 failures: more than the old retryThrottling (20 tokens, retries stop
     # at 10) let through, so a throttle would show up as patient calls never retried
     hurried = [{"request_id": f"node-hurried-{i}", "max_tokens": 8, "timeout_ms": 600} for i in range(6)]
-    server = start_slow_server(llama_dir)
+    server = start_slow_server(llama_dir, hold=False)
     try:
         log = DecisionLog(server.replica.service.admission)
         retries_before = _retries_seen(server)
@@ -188,3 +193,43 @@ def test_grpc_js_retries_a_burst_with_the_documented_service_config(llama_dir):
     ]
     assert len(admitted_on_retry) >= 4, "the whole burst fits in 10 s: nearly every call gets in on a retry"
     assert all(outcomes[c["request_id"]]["code"] == 0 for c in admitted_on_retry)
+
+
+def unretried_burst(server, n: int, max_tokens: int, timeout_s: float) -> int:
+    """n calls at once from plain stubs that never retry; how many were served."""
+    served = []
+
+    def call(i: int) -> None:
+        try:
+            list(server.stub().Generate(pb.GenerateRequest(prompt="x", max_tokens=max_tokens), timeout=timeout_s))
+            served.append(i)
+        except grpc.RpcError:
+            pass
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return len(served)
+
+
+def test_grpc_js_a_burst_after_an_unretried_burst_is_served_as_well_as_the_first(llama_dir):
+    """Issue 35: a burst a few seconds after one that nobody retried is served as the first was: the first's
+    refusals neither saturate the replica for the second nor leave it without retry hints."""
+    calls = [{"request_id": f"node-b{i}", "max_tokens": 16, "timeout_ms": 3000} for i in range(40)]
+    server = start_slow_server(llama_dir, max_batch=4)  # ~0.35 s a call, 4 slots: ~11 calls a second
+    try:
+        first = node_burst(server, calls)
+        wait_until(lambda: not server.replica.service.in_flight, timeout=10)
+        unretried = unretried_burst(server, 40, 16, 3.0)  # refused calls no one comes back for
+        wait_until(lambda: not server.replica.service.in_flight, timeout=10)
+        time.sleep(1.0)
+        second = node_burst(server, [{**c, "request_id": c["request_id"] + "-again"} for c in calls])
+        misses = metric(server, "zeroqueue_deadline_misses_total")
+    finally:
+        server.stop()
+    served = [sum(1 for o in burst.values() if o["code"] == 0) for burst in (first, second)]
+    assert 0 < unretried < 40 and served[0] >= 8, (served, unretried)
+    assert served[1] >= 0.9 * served[0], served
+    assert misses == 0

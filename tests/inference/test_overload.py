@@ -23,16 +23,16 @@ STEP_S = 0.02
 SERVICE_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "grpc-service-config.json"
 
 
-def start_slow_server(llama_dir, **config):
+def start_slow_server(llama_dir, max_batch=2, **config):
     # the engine on a thread of this process, so a test can slow its device down mid-call
     config.setdefault("engine_process", False)
-    cfg = ServeConfig(str(llama_dir), port=0, executor=ExecutorConfig(max_batch=2, max_seq_len=256), **config)
+    cfg = ServeConfig(str(llama_dir), port=0, executor=ExecutorConfig(max_batch=max_batch, max_seq_len=256), **config)
     return ServerThread(cfg, step_floor_s=STEP_S).start()
 
 
 @pytest.fixture(scope="module")
 def server(llama_dir):
-    s = start_slow_server(llama_dir)
+    s = start_slow_server(llama_dir, hold=False)  # refusals and their hints: a call that fits later is not held
     yield s
     s.stop()
 

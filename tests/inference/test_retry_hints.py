@@ -10,7 +10,7 @@ from services import errors
 from services.inference.admission import AdmissionConfig, AdmissionController, AdmissionSettings, RefusalCause, Reject
 from services.inference.cost.model import CostModel
 from services.status import status_for
-from tests.inference.test_admission import MS, commit, controller, flat_cost
+from tests.inference.test_admission import MS, REFUSING, commit, controller, flat_cost
 
 
 def overloaded(decision: Reject, now_ns: int, budget_ms: int) -> errors.Overloaded:
@@ -110,7 +110,9 @@ def test_at_most_one_reservation_per_slot_then_the_hint_says_it_is_a_best_guess(
 
 def test_a_refusal_for_the_step_budget_holds_its_turn_while_turns_last():
     c = AdmissionController(
-        flat_cost(), AdmissionConfig(8, 256, margin_ms=0, margin_fraction=0), AdmissionSettings(max_reservations=1)
+        flat_cost(),
+        AdmissionConfig(8, 256, margin_ms=0, margin_fraction=0),
+        AdmissionSettings(max_reservations=1, hold_in_slack=False),
     )
     for rid in "abcd":  # four 80-token prompts not yet begun: the next step cannot take a fifth
         c.decide(commit(rid, prompt=80), 0)
@@ -137,7 +139,7 @@ def test_slots_full_is_not_reported_as_a_deadline_miss():
 def test_its_own_late_finish_is_a_deadline_refusal():
     slow = CostModel(rows=[1, 2], row_us=[10_000, 30_000], us_per_context_token=0.0, num_deviations=0, deviation=0)
     # its retry (at 100 ms, done by 200) would leave less spare than its run: not the point here
-    no_slack = AdmissionSettings(retry_slack_runs=0.0)
+    no_slack = AdmissionSettings(retry_slack_runs=0.0, hold_in_slack=False)
     c = AdmissionController(slow, AdmissionConfig(4, 256, margin_ms=0, margin_fraction=0), no_slack)
     c.decide(commit("a", prompt=1, max_tokens=10, deadline_ms=10_000), 0)
     refused = c.decide(commit("b", prompt=1, max_tokens=10, deadline_ms=250), 0)  # ~320 ms at batch 2
@@ -149,7 +151,7 @@ def test_its_own_late_finish_is_a_deadline_refusal():
 
 def test_pushing_an_admitted_call_late_is_its_own_reason():
     slow = CostModel(rows=[1, 2], row_us=[10_000, 30_000], us_per_context_token=0.0, num_deviations=0, deviation=0)
-    c = AdmissionController(slow, AdmissionConfig(4, 256, margin_ms=0, margin_fraction=0))
+    c = AdmissionController(slow, AdmissionConfig(4, 256, margin_ms=0, margin_fraction=0), REFUSING)
     c.decide(commit("tight", prompt=1, max_tokens=10, deadline_ms=150), 0)
     refused = c.decide(commit("late", prompt=1, max_tokens=10, deadline_ms=10_000), 0)
     assert refused.reason == RefusalCause.DELAYS_ADMITTED

@@ -61,8 +61,8 @@ def test_served_run_bills_every_call_once_and_conserves_wall_time(llama_dir, tmp
     stub = server.stub()
     done = finals(stub, 3, labels={"cost_center": "cc-7", "team": "search"})
     running = fill(server, max_tokens=60)
-    with pytest.raises(grpc.RpcError) as info:  # refused at admission: never billed
-        list(stub.Generate(pb.GenerateRequest(prompt="x", max_tokens=5, request_id="refused-1"), timeout=10))
+    with pytest.raises(grpc.RpcError) as info:  # refused at admission (no slot frees inside 0.5 s): never billed
+        list(stub.Generate(pb.GenerateRequest(prompt="x", max_tokens=5, request_id="refused-1"), timeout=0.5))
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     for call in running:
         call.join()

@@ -99,8 +99,8 @@ class Calendar:
         at_ns, admitted, finishes, reservations, before = (
             scene.at_ns, scene.admitted, scene.finishes, scene.reservations, scene.before
         )  # fmt: skip
-        if ahead_of_later_reservations:
-            reservations = [r for r in reservations if r.reserved_from_ns <= at_ns]
+        if ahead_of_later_reservations:  # never ahead of a held call: it was admitted
+            reservations = [r for r in reservations if r.held or r.reserved_from_ns <= at_ns]
         # slots free when calls really finish, which is later than predicted
         stretch = self.lateness.stretch
         intervals = [(at_ns, stretch(at_ns, finishes[c.key])) for c in admitted]

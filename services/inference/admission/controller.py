@@ -72,7 +72,7 @@ class AdmissionController:
         if not isinstance(decision, Infeasible):  # a call no idle replica could serve in time needs no headroom
             self.priorities.arrive(new, now_ns, first)
         if isinstance(decision, Admit):  # its slot's expected hold: the prediction, as late as calls really finish
-            hold_ns = int((decision.predicted_finish_ns - now_ns) * self.lateness.mean)
+            hold_ns = int((decision.predicted_finish_ns - (decision.start_ns or now_ns)) * self.lateness.mean)
             self.shares.admit(new.tenant, hold_ns)
             self.priorities.admit(new.priority, hold_ns)
         if first and not isinstance(decision, Infeasible):
@@ -84,6 +84,7 @@ class AdmissionController:
     def _decide(self, call: Arrival) -> Decision:
         """The checks in their order (checks.py), then the outcome (refusals.py)."""
         new, now_ns = call.new, call.now_ns
+        self.promises.keep_waiting_in_time(now_ns)
         # 1. feasible at all: an idle replica would finish it inside its budget
         if (never := infeasible(self.idle, new, now_ns)) is not None:
             return never
@@ -98,12 +99,13 @@ class AdmissionController:
         # 3. fits now beside the running calls and the headroom in time: a slot for its whole run, deadlines met
         beside = self.calendar.with_headroom(now, room)
         why, finish_ns = self.calendar.fits_at(new, beside, ahead_of_later_reservations=call.on_time)
-        # 4. admit (if its prompt finds room in the next steps), or refuse, with or without a reservation
+        # 4. admit (if its prompt finds room in the next steps), or hold it for a slot inside its slack, or refuse
+        # it, with or without a reservation
         if why is None:
             return self.promises.admit(call, running + list(room.prompts), finish_ns)
         if room.for_classes and self.calendar.fits_beside_tenants(new, now, room):
             return self.promises.refuse_for_headroom(call, finishes, finish_ns, RefusalCause.PRIORITY)
-        slack = 0.0 if self.estimators.lent(new.tenant, now_ns) else self.settings.retry_slack_runs
+        slack = self.promises.slack_runs(new.tenant, now_ns)
         retry = self.calendar.earliest_retry(new, beside, slack)
         return self.promises.refuse(call, beside.finishes, retry, why, finish_ns)
 
@@ -115,6 +117,28 @@ class AdmissionController:
         c = self.commitments.get(key)
         if c is not None:
             c.num_generated = num_generated
+            if c.is_waiting and num_generated:
+                self.promises.begun(c)
+
+    def due(self, now_ns: int) -> list[str]:
+        """Held calls that may start now, in the order of their planned starts: a slot freed before it was
+        predicted to, and each fits now beside the running calls as it would have at its start."""
+        # past its planned start, a held call is the engine's already (the service sent it then)
+        held = (c for c in self.commitments.values() if c.is_waiting and c.reserved_from_ns > now_ns)
+        waiting = sorted(held, key=lambda c: c.reserved_from_ns)
+        started: list[str] = []
+        for c in waiting:
+            running = [r for r in self.commitments.values() if r.reserved_from_ns is None]
+            others = [r for r in self.promises.reservations() if r is not c]
+            if self.calendar.full_at(now_ns, len(running), others):
+                break
+            now = Scene(now_ns, running, self.predictor.finish_times(running, now_ns), others)
+            why, finish_ns = self.calendar.fits_at(c, now)
+            if why is not None:
+                break  # in order: a later one starting first would take the slot planned for this one
+            self.promises.start_now(c, now_ns, finish_ns)
+            started.append(c.key)
+        return started
 
     def release(self, key: str) -> None:
         c = self.commitments.get(key)
@@ -122,3 +146,6 @@ class AdmissionController:
             del self.commitments[key]
             self.shares.release(c.tenant)
             self.priorities.release(c.priority)
+            if self.num_admitted == 0:  # drained: a saturation verdict must not outlive the burst behind it
+                for saturation in self.saturations.values():
+                    saturation.relieve()

@@ -22,15 +22,24 @@ class Commitment:
     attempt: int = 0  # the client's count of earlier attempts (x-retry-attempt); 0 when it says none
     priority: int = 0  # its class's priority, 0..100: higher is admitted first under overload
     # A reservation holds a KV slot for a rejected call's hinted retry, over [from, until); it lapses at
-    # `expires` if the retry has not come.
+    # `expires` if the retry has not come. A held call (`held`) is an admitted call whose slot is reserved the same
+    # way, from a start inside its slack, until its engine request begins (then the window is cleared); it never
+    # lapses, being admitted.
     reserved_from_ns: int | None = None
     reserved_until_ns: int | None = None
     expires_ns: int | None = None
     again: bool = False  # the reservation is for a call refused on a retry: its rate of return is its own
+    held: bool = False
 
     @property
     def is_reservation(self) -> bool:
-        return self.reserved_from_ns is not None
+        """A refused call's reserved retry (not an admitted call, held or not)."""
+        return self.reserved_from_ns is not None and not self.held
+
+    @property
+    def is_waiting(self) -> bool:
+        """An admitted call held for a later start that has not begun yet: it holds its reserved window."""
+        return self.held and self.reserved_from_ns is not None
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -64,6 +73,9 @@ class AdmissionConfig:
 @dataclass(frozen=True)
 class Admit:
     predicted_finish_ns: int
+    # held inside its slack: the start the replica reserved for it (engine clock), a slot predicted to free then;
+    # None: it joins the very next step
+    start_ns: int | None = None
 
 
 class RefusalCause(enum.StrEnum):

@@ -39,5 +39,8 @@ class FifoAdmission:
     def release(self, key: str) -> None:
         self.commitments.pop(key, None)
 
+    def due(self, now_ns: int) -> list[str]:
+        return []  # nothing is held: every call goes to the engine's queue at once
+
     def set_weights(self, weights: Mapping[str, float]) -> None:
         pass  # no fair share: every call is admitted

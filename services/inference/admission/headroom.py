@@ -327,4 +327,4 @@ def holding_against(new: Commitment, room: Headroom, reservations: list[Commitme
     headroom for other tenants (a tenant over its share takes no slot reserved for another, whatever its class)."""
     if room.for_tenants:
         return reservations
-    return [r for r in reservations if r.priority >= new.priority]
+    return [r for r in reservations if r.held or r.priority >= new.priority]  # a held call was admitted: it holds

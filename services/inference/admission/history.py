@@ -51,7 +51,6 @@ NS_PER_S = 1_000_000_000
 
 
 @dataclass
-@dataclass
 class Saturation:
     """The share of first attempts refused lately (retries are not counted: they would feed it themselves), each
     weighted by its age (half-life `half_life_s`), with hysteresis so that the verdict does not flap; judged only
@@ -62,7 +61,10 @@ class Saturation:
     slot to spare for anyone. There a retry can only take the place of another call, and a worse one: it comes
     with less of its budget left, so it is admitted with less slack and holds back the prompts of those admitted
     after it. So a saturated replica does not invite retries to itself (it points them at other replicas), which
-    keeps its goodput what it is without them."""
+    keeps its goodput what it is without them.
+
+    A verdict must not outlive its cause: once the replica has drained (its last admitted call released), what
+    the burst before taught says nothing of the next one, which is judged afresh (`relieve`)."""
 
     half_life_s: float = DEFAULT_SETTINGS.saturation_half_life_s
     enter: float = DEFAULT_SETTINGS.saturation_enter_share
@@ -78,6 +80,11 @@ class Saturation:
     @property
     def share(self) -> float:
         return self.refused / self.weight if self.weight else 0.0
+
+    def relieve(self) -> None:
+        """The replica drained: the verdict and the evidence behind it go."""
+        self.refused = self.weight = 0.0
+        self.saturated, self.above_since_ns = False, None
 
     def observe(self, refused: bool, now_ns: int) -> None:
         if self.last_ns is not None and now_ns > self.last_ns:

@@ -50,6 +50,12 @@ class Admission(Protocol):
         """The call under `key` is done (finished, cancelled or never started): its slot is free."""
         ...
 
+    def due(self, now_ns: int) -> list[str]:
+        """The admitted calls held for a later start (`Admit.start_ns`) that may start now, a slot having freed
+        early: the service hands them to the engine at once instead of at their planned start. Call it after
+        `release`."""
+        ...
+
     def set_weights(self, weights: Mapping[str, float]) -> None:
         """The tenants' weights in fair share, as the replica's serving policy now says."""
         ...

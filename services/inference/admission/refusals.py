@@ -1,5 +1,6 @@
-"""The last step of a decision, once the checks (checks.py) have said whether a call fits: admit it, or refuse it
-with a hint of when to retry, and with or without a promise that the retry finds room. No torch.
+"""The last step of a decision, once the checks (checks.py) have said whether a call fits: admit it, hold it for a
+slot that frees inside its slack, or refuse it with a hint of when to retry, and with or without a promise that
+the retry finds room. No torch.
 
 Every refusal of admission is built here, each with its cause (RefusalCause): the checks decide the cause, these
 decide what is promised with it. A promise is a reservation of a slot from the hinted time (SLOTS_FULL, DEADLINE,
@@ -63,11 +64,11 @@ class Promises:
     def arrive(self, new: Commitment, now_ns: int) -> Arrival:
         """`new` arrives: lapsed promises go, and a retry takes up its own reservation, or its held turn."""
         self._expire(now_ns)
-        held = self.commitments.get(new.key)
-        on_time = held is not None and held.is_reservation
+        kept = self.commitments.get(new.key)
+        on_time = kept is not None and kept.is_reservation
         if on_time:
             del self.commitments[new.key]
-            self.follow.observe(held.tenant, held.again, came=True)
+            self.follow.observe(kept.tenant, kept.again, came=True)
         has_turn = on_time or self.turns.pop(new.key, None) is not None
         if has_turn and not on_time:
             self.events["turn_retry"] += 1
@@ -81,9 +82,8 @@ class Promises:
         wait_ns = steps_until_room(admitted, config.max_num_batched_tokens) * full_step_ns
         # a retry that kept its turn may wait for prompts ahead: one full step, or retry_hold_ms if longer
         hold_ns = max(self.retry_hold_ns, full_step_ns)
-        if wait_ns and not (
-            call.has_turn and wait_ns <= hold_ns and finish_ns + wait_ns <= limit(self.by.predictor, new, now_ns)
-        ):
+        turn = call.has_turn and wait_ns <= hold_ns and finish_ns + wait_ns <= limit(self.by.predictor, new, now_ns)
+        if wait_ns and not (turn or self._holds_for_prompts(new, now_ns, wait_ns, finish_ns)):
             if self.saturated_for(new.tenant, now_ns):
                 return self._saturated(wait_ns, finish_ns, RefusalCause.STEP_BUDGET)
             if held_turn := len(self.turns) < self.max_reservations:
@@ -91,6 +91,8 @@ class Promises:
             self.events["turn_held" if held_turn else "unbacked"] += 1
             return Reject(_ms(wait_ns), finish_ns, reason=RefusalCause.STEP_BUDGET, reserved=held_turn)
         self.commitments[new.key] = new
+        if wait_ns and not turn:
+            self.events["held_for_prompts"] += 1
         return Admit(finish_ns + wait_ns)
 
     def refuse(
@@ -109,6 +111,8 @@ class Promises:
             return Admit(retry_finish_ns)
         if self.saturated_for(new.tenant, now_ns):
             return self._saturated(at_ns - now_ns, finish_ns, why)
+        if self.settings.hold_in_slack and self._holds(new, at_ns, retry_finish_ns):
+            return self.hold(new, at_ns, retry_finish_ns)
         # at most max_reservations, so a storm cannot grow every decision's work: past that, a best guess; and
         # only for tenants whose refused calls have been coming back for their reservations
         again = call.has_turn or new.attempt > 0
@@ -120,6 +124,54 @@ class Promises:
             self.commitments[new.key] = new
         self.events["reserved" if reserved else "unbacked"] += 1
         return Reject(_ms(at_ns - now_ns), finish_ns, reason=why, reserved=reserved)
+
+    def hold(self, new: Commitment, at_ns: int, finish_ns: int) -> Admit:
+        """`new` admitted, held for the slot predicted to free at `at_ns` (inside its slack, as `earliest_retry`
+        found it): the calendar keeps that slot for it as for a reservation, and the engine starts it no
+        earlier; once its request has begun (`begun`) it is a running call like any other."""
+        new.held = True
+        new.reserved_from_ns, new.reserved_until_ns = at_ns, self.by.lateness.stretch(at_ns, finish_ns)
+        self.commitments[new.key] = new
+        self.events["held"] += 1
+        return Admit(finish_ns, start_ns=at_ns)
+
+    def slack_runs(self, tenant: str, now_ns: int) -> float:
+        """How many runs again a later start must leave spare in a call's budget: `hold_slack_runs` for a held
+        call (the replica's own plan), `retry_slack_runs` for a client's retry (none for a tenant whose slots
+        others have borrowed: its retry takes back what was lent)."""
+        runs = 0.0 if self.by.lent(tenant, now_ns) else self.settings.retry_slack_runs
+        return max(runs, self.settings.hold_slack_runs) if self.settings.hold_in_slack else runs
+
+    def _holds(self, new: Commitment, at_ns: int, finish_ns: int) -> bool:
+        """Whether a start at `at_ns` leaves `hold_slack_runs` of its run spare: a start planned ahead is predicted
+        without the calls that will join beside it meanwhile."""
+        return finish_ns + self.settings.hold_slack_runs * (finish_ns - at_ns) <= limit(self.by.predictor, new, at_ns)
+
+    def _holds_for_prompts(self, new: Commitment, now_ns: int, wait_ns: int, finish_ns: int) -> bool:
+        """With holds, a call whose prompt waits `wait_ns` for room in the step budget is admitted now if its run
+        from then leaves the held calls' slack; not on a saturated replica, where the steps it would wait are
+        every admitted call's (each prompt ahead of it is a call that came first)."""
+        if not self.settings.hold_in_slack or self.saturated_for(new.tenant, now_ns):
+            return False
+        return self._holds(new, now_ns + wait_ns, finish_ns + wait_ns)
+
+    def keep_waiting_in_time(self, now_ns: int) -> None:
+        """A held call past its start that has not begun waits for a slot that frees late (the device ran slower
+        than predicted): its window moves with it, so the calendar does not free its slot early."""
+        for c in self.commitments.values():
+            if c.is_waiting and c.reserved_from_ns < now_ns:
+                c.reserved_until_ns += now_ns - c.reserved_from_ns
+                c.reserved_from_ns = now_ns
+
+    def start_now(self, c: Commitment, now_ns: int, finish_ns: int) -> None:
+        """The held call `c` starts now rather than at its planned start (`AdmissionController.due`)."""
+        c.reserved_from_ns, c.reserved_until_ns = now_ns, self.by.lateness.stretch(now_ns, finish_ns)
+        self.events["held_started_early"] += 1
+
+    @staticmethod
+    def begun(c: Commitment) -> None:
+        """The held call `c` has begun in the engine (its first token came back): its window is its run now."""
+        c.reserved_from_ns = c.reserved_until_ns = None
 
     def refuse_for_headroom(
         self, call: Arrival, finishes: dict[str, int], finish_ns: int, cause: RefusalCause

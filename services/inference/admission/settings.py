@@ -29,6 +29,16 @@ class AdmissionSettings:
     # its budget: a call admitted with less holds back the prompts of every call admitted after it (each one that
     # joins lengthens its run), so near capacity it costs more goodput than it brings
     retry_slack_runs: float = 1.0
+    # a call that cannot start now but would finish in time from a slot that frees inside its slack is admitted
+    # and held for that slot, rather than refused with a reservation for a retry: the slot is the same, but a
+    # held call needs no second round trip, and its start never lapses because a client did not come back. The
+    # wait is bounded by the call's own deadline (its start must leave `retry_slack_runs` of its run spare), never
+    # by a count of calls, and every held call is planned in the calendar like a running one. Off: refuse, as
+    # before (the comparison of old)
+    hold_in_slack: bool = True
+    # a held call's predicted run from its start must leave this many runs again spare in its budget, whoever
+    # lent it slots: its start is planned without the calls that will join beside it before then
+    hold_slack_runs: float = 0.5
     # tenants whose saturation and follow-through are remembered: bounded, the least recently seen go first
     max_tenants: int = 1024
 

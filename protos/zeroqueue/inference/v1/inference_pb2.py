@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&zeroqueue/inference/v1/inference.proto\x12\x16zeroqueue.inference.v1\"\xfe\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x07 \x01(\x05\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x43\n\x06labels\x18\x0b \x03(\x0b\x32\x33.zeroqueue.inference.v1.GenerateRequest.LabelsEntry\x12\x15\n\rservice_class\x18\x0c \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xb7\x01\n\x10GenerateResponse\x12\x36\n\tadmission\x18\x01 \x01(\x0b\x32!.zeroqueue.inference.v1.AdmissionH\x00\x12\x33\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\".zeroqueue.inference.v1.TokenChunkH\x00\x12.\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x1d.zeroqueue.inference.v1.FinalH\x00\x42\x06\n\x04kind\"\x98\x02\n\tAdmission\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0ereceived_at_us\x18\x02 \x01(\x03\x12\x18\n\x10\x64ispatched_at_us\x18\x03 \x01(\x03\x12\x1e\n\x16predicted_finish_at_us\x18\x04 \x01(\x03\x12\x16\n\x0e\x64\x65\x61\x64line_at_us\x18\x05 \x01(\x03\x12\x11\n\tbudget_ms\x18\x06 \x01(\x03\x12;\n\rbudget_source\x18\x07 \x01(\x0e\x32$.zeroqueue.inference.v1.BudgetSource\x12\x15\n\rprompt_tokens\x18\x08 \x01(\x05\x12\x0f\n\x07\x63\x61ll_id\x18\t \x01(\t\x12\x15\n\rservice_class\x18\n \x01(\t\"D\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\remitted_at_us\x18\x03 \x01(\x03\"\xa4\x01\n\x05\x46inal\x12;\n\rfinish_reason\x18\x01 \x01(\x0e\x32$.zeroqueue.inference.v1.FinishReason\x12\x30\n\x07timings\x18\x02 \x01(\x0b\x32\x1f.zeroqueue.inference.v1.Timings\x12,\n\x05usage\x18\x03 \x01(\x0b\x32\x1d.zeroqueue.inference.v1.Usage\"\xbe\x01\n\x07Timings\x12\x16\n\x0ereceived_at_us\x18\x01 \x01(\x03\x12\x1d\n\x15\x66irst_scheduled_at_us\x18\x02 \x01(\x03\x12\x19\n\x11\x66irst_token_at_us\x18\x03 \x01(\x03\x12\x16\n\x0e\x66inished_at_us\x18\x04 \x01(\x03\x12\x10\n\x08queue_us\x18\x05 \x01(\x03\x12\x0f\n\x07ttft_us\x18\x06 \x01(\x03\x12\x10\n\x08total_us\x18\x07 \x01(\x03\x12\x14\n\x0c\x64\x65\x61\x64line_met\x18\x08 \x01(\x08\"\x99\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\r\n\x05sm_us\x18\x03 \x01(\x03\x12\x0c\n\x04unit\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x65vice_kind\x18\x05 \x01(\t\x12\x11\n\tdevice_id\x18\x06 \x01(\t\x12\x19\n\x11num_compute_units\x18\x07 \x01(\x05\"\x13\n\x11ListModelsRequest\"G\n\x12ListModelsResponse\x12\x31\n\x06models\x18\x01 \x03(\x0b\x32!.zeroqueue.inference.v1.ModelInfo\"\xde\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\x05\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65vice_kind\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x05 \x01(\t\x12\x19\n\x11num_compute_units\x18\x06 \x01(\x05\x12\x0c\n\x04unit\x18\x07 \x01(\t\x12\x32\n\x05state\x18\x08 \x01(\x0e\x32#.zeroqueue.inference.v1.WarmupState\x12\x11\n\tmax_batch\x18\t \x01(\x05\x12\x12\n\nvocab_size\x18\n \x01(\x05\x12\x39\n\x0c\x64\x65vice_state\x18\x0b \x01(\x0e\x32#.zeroqueue.inference.v1.DeviceState\x12\x33\n\x07\x63lasses\x18\x0c \x03(\x0b\x32\".zeroqueue.inference.v1.ClassOffer\"\x96\x01\n\nClassOffer\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmin_budget_ms\x18\x02 \x01(\x03\x12\x15\n\rmax_budget_ms\x18\x03 \x01(\x03\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x14\n\x0cprice_micros\x18\x05 \x01(\x03\x12\x10\n\x08\x63urrency\x18\x06 \x01(\t\x12\x12\n\ncredit_ppm\x18\x07 \x01(\x05*r\n\x0c\x42udgetSource\x12\x1d\n\x19\x42UDGET_SOURCE_UNSPECIFIED\x10\x00\x12!\n\x1d\x42UDGET_SOURCE_CLIENT_DEADLINE\x10\x01\x12 \n\x1c\x42UDGET_SOURCE_SERVER_DEFAULT\x10\x02*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02*\x94\x01\n\x0bWarmupState\x12\x1c\n\x18WARMUP_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17WARMUP_STATE_WARMING_UP\x10\x01\x12\x16\n\x12WARMUP_STATE_READY\x10\x02\x12\x19\n\x15WARMUP_STATE_DRAINING\x10\x03\x12\x17\n\x13WARMUP_STATE_FAILED\x10\x04*u\n\x0b\x44\x65viceState\x12\x1c\n\x18\x44\x45VICE_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x44\x45VICE_STATE_HEALTHY\x10\x01\x12\x15\n\x11\x44\x45VICE_STATE_SLOW\x10\x02\x12\x17\n\x13\x44\x45VICE_STATE_FAILED\x10\x03\x32\xd1\x01\n\tInference\x12_\n\x08Generate\x12\'.zeroqueue.inference.v1.GenerateRequest\x1a(.zeroqueue.inference.v1.GenerateResponse0\x01\x12\x63\n\nListModels\x12).zeroqueue.inference.v1.ListModelsRequest\x1a*.zeroqueue.inference.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&zeroqueue/inference/v1/inference.proto\x12\x16zeroqueue.inference.v1\"\xfe\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x07 \x01(\x05\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x43\n\x06labels\x18\x0b \x03(\x0b\x32\x33.zeroqueue.inference.v1.GenerateRequest.LabelsEntry\x12\x15\n\rservice_class\x18\x0c \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xb7\x01\n\x10GenerateResponse\x12\x36\n\tadmission\x18\x01 \x01(\x0b\x32!.zeroqueue.inference.v1.AdmissionH\x00\x12\x33\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\".zeroqueue.inference.v1.TokenChunkH\x00\x12.\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x1d.zeroqueue.inference.v1.FinalH\x00\x42\x06\n\x04kind\"\xb7\x02\n\tAdmission\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0ereceived_at_us\x18\x02 \x01(\x03\x12\x18\n\x10\x64ispatched_at_us\x18\x03 \x01(\x03\x12\x1e\n\x16predicted_finish_at_us\x18\x04 \x01(\x03\x12\x16\n\x0e\x64\x65\x61\x64line_at_us\x18\x05 \x01(\x03\x12\x11\n\tbudget_ms\x18\x06 \x01(\x03\x12;\n\rbudget_source\x18\x07 \x01(\x0e\x32$.zeroqueue.inference.v1.BudgetSource\x12\x15\n\rprompt_tokens\x18\x08 \x01(\x05\x12\x0f\n\x07\x63\x61ll_id\x18\t \x01(\t\x12\x15\n\rservice_class\x18\n \x01(\t\x12\x1d\n\x15predicted_start_at_us\x18\x0b \x01(\x03\"D\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\remitted_at_us\x18\x03 \x01(\x03\"\xa4\x01\n\x05\x46inal\x12;\n\rfinish_reason\x18\x01 \x01(\x0e\x32$.zeroqueue.inference.v1.FinishReason\x12\x30\n\x07timings\x18\x02 \x01(\x0b\x32\x1f.zeroqueue.inference.v1.Timings\x12,\n\x05usage\x18\x03 \x01(\x0b\x32\x1d.zeroqueue.inference.v1.Usage\"\xbe\x01\n\x07Timings\x12\x16\n\x0ereceived_at_us\x18\x01 \x01(\x03\x12\x1d\n\x15\x66irst_scheduled_at_us\x18\x02 \x01(\x03\x12\x19\n\x11\x66irst_token_at_us\x18\x03 \x01(\x03\x12\x16\n\x0e\x66inished_at_us\x18\x04 \x01(\x03\x12\x10\n\x08queue_us\x18\x05 \x01(\x03\x12\x0f\n\x07ttft_us\x18\x06 \x01(\x03\x12\x10\n\x08total_us\x18\x07 \x01(\x03\x12\x14\n\x0c\x64\x65\x61\x64line_met\x18\x08 \x01(\x08\"\x99\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\r\n\x05sm_us\x18\x03 \x01(\x03\x12\x0c\n\x04unit\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x65vice_kind\x18\x05 \x01(\t\x12\x11\n\tdevice_id\x18\x06 \x01(\t\x12\x19\n\x11num_compute_units\x18\x07 \x01(\x05\"\x13\n\x11ListModelsRequest\"G\n\x12ListModelsResponse\x12\x31\n\x06models\x18\x01 \x03(\x0b\x32!.zeroqueue.inference.v1.ModelInfo\"\xde\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\x05\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65vice_kind\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x05 \x01(\t\x12\x19\n\x11num_compute_units\x18\x06 \x01(\x05\x12\x0c\n\x04unit\x18\x07 \x01(\t\x12\x32\n\x05state\x18\x08 \x01(\x0e\x32#.zeroqueue.inference.v1.WarmupState\x12\x11\n\tmax_batch\x18\t \x01(\x05\x12\x12\n\nvocab_size\x18\n \x01(\x05\x12\x39\n\x0c\x64\x65vice_state\x18\x0b \x01(\x0e\x32#.zeroqueue.inference.v1.DeviceState\x12\x33\n\x07\x63lasses\x18\x0c \x03(\x0b\x32\".zeroqueue.inference.v1.ClassOffer\"\x96\x01\n\nClassOffer\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmin_budget_ms\x18\x02 \x01(\x03\x12\x15\n\rmax_budget_ms\x18\x03 \x01(\x03\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x14\n\x0cprice_micros\x18\x05 \x01(\x03\x12\x10\n\x08\x63urrency\x18\x06 \x01(\t\x12\x12\n\ncredit_ppm\x18\x07 \x01(\x05*r\n\x0c\x42udgetSource\x12\x1d\n\x19\x42UDGET_SOURCE_UNSPECIFIED\x10\x00\x12!\n\x1d\x42UDGET_SOURCE_CLIENT_DEADLINE\x10\x01\x12 \n\x1c\x42UDGET_SOURCE_SERVER_DEFAULT\x10\x02*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02*\x94\x01\n\x0bWarmupState\x12\x1c\n\x18WARMUP_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17WARMUP_STATE_WARMING_UP\x10\x01\x12\x16\n\x12WARMUP_STATE_READY\x10\x02\x12\x19\n\x15WARMUP_STATE_DRAINING\x10\x03\x12\x17\n\x13WARMUP_STATE_FAILED\x10\x04*u\n\x0b\x44\x65viceState\x12\x1c\n\x18\x44\x45VICE_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x44\x45VICE_STATE_HEALTHY\x10\x01\x12\x15\n\x11\x44\x45VICE_STATE_SLOW\x10\x02\x12\x17\n\x13\x44\x45VICE_STATE_FAILED\x10\x03\x32\xd1\x01\n\tInference\x12_\n\x08Generate\x12\'.zeroqueue.inference.v1.GenerateRequest\x1a(.zeroqueue.inference.v1.GenerateResponse0\x01\x12\x63\n\nListModels\x12).zeroqueue.inference.v1.ListModelsRequest\x1a*.zeroqueue.inference.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,14 +33,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST_LABELSENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_BUDGETSOURCE']._serialized_start=2106
-  _globals['_BUDGETSOURCE']._serialized_end=2220
-  _globals['_FINISHREASON']._serialized_start=2222
-  _globals['_FINISHREASON']._serialized_end=2317
-  _globals['_WARMUPSTATE']._serialized_start=2320
-  _globals['_WARMUPSTATE']._serialized_end=2468
-  _globals['_DEVICESTATE']._serialized_start=2470
-  _globals['_DEVICESTATE']._serialized_end=2587
+  _globals['_BUDGETSOURCE']._serialized_start=2137
+  _globals['_BUDGETSOURCE']._serialized_end=2251
+  _globals['_FINISHREASON']._serialized_start=2253
+  _globals['_FINISHREASON']._serialized_end=2348
+  _globals['_WARMUPSTATE']._serialized_start=2351
+  _globals['_WARMUPSTATE']._serialized_end=2499
+  _globals['_DEVICESTATE']._serialized_start=2501
+  _globals['_DEVICESTATE']._serialized_end=2618
   _globals['_GENERATEREQUEST']._serialized_start=67
   _globals['_GENERATEREQUEST']._serialized_end=449
   _globals['_GENERATEREQUEST_LABELSENTRY']._serialized_start=369
@@ -48,23 +48,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATERESPONSE']._serialized_start=452
   _globals['_GENERATERESPONSE']._serialized_end=635
   _globals['_ADMISSION']._serialized_start=638
-  _globals['_ADMISSION']._serialized_end=918
-  _globals['_TOKENCHUNK']._serialized_start=920
-  _globals['_TOKENCHUNK']._serialized_end=988
-  _globals['_FINAL']._serialized_start=991
-  _globals['_FINAL']._serialized_end=1155
-  _globals['_TIMINGS']._serialized_start=1158
-  _globals['_TIMINGS']._serialized_end=1348
-  _globals['_USAGE']._serialized_start=1351
-  _globals['_USAGE']._serialized_end=1504
-  _globals['_LISTMODELSREQUEST']._serialized_start=1506
-  _globals['_LISTMODELSREQUEST']._serialized_end=1525
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1527
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1598
-  _globals['_MODELINFO']._serialized_start=1601
-  _globals['_MODELINFO']._serialized_end=1951
-  _globals['_CLASSOFFER']._serialized_start=1954
-  _globals['_CLASSOFFER']._serialized_end=2104
-  _globals['_INFERENCE']._serialized_start=2590
-  _globals['_INFERENCE']._serialized_end=2799
+  _globals['_ADMISSION']._serialized_end=949
+  _globals['_TOKENCHUNK']._serialized_start=951
+  _globals['_TOKENCHUNK']._serialized_end=1019
+  _globals['_FINAL']._serialized_start=1022
+  _globals['_FINAL']._serialized_end=1186
+  _globals['_TIMINGS']._serialized_start=1189
+  _globals['_TIMINGS']._serialized_end=1379
+  _globals['_USAGE']._serialized_start=1382
+  _globals['_USAGE']._serialized_end=1535
+  _globals['_LISTMODELSREQUEST']._serialized_start=1537
+  _globals['_LISTMODELSREQUEST']._serialized_end=1556
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1558
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1629
+  _globals['_MODELINFO']._serialized_start=1632
+  _globals['_MODELINFO']._serialized_end=1982
+  _globals['_CLASSOFFER']._serialized_start=1985
+  _globals['_CLASSOFFER']._serialized_end=2135
+  _globals['_INFERENCE']._serialized_start=2621
+  _globals['_INFERENCE']._serialized_end=2830
 # @@protoc_insertion_point(module_scope)

@@ -95,7 +95,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, admission: _Optional[_Union[Admission, _Mapping]] = ..., chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., final: _Optional[_Union[Final, _Mapping]] = ...) -> None: ...
 
 class Admission(_message.Message):
-    __slots__ = ("request_id", "received_at_us", "dispatched_at_us", "predicted_finish_at_us", "deadline_at_us", "budget_ms", "budget_source", "prompt_tokens", "call_id", "service_class")
+    __slots__ = ("request_id", "received_at_us", "dispatched_at_us", "predicted_finish_at_us", "deadline_at_us", "budget_ms", "budget_source", "prompt_tokens", "call_id", "service_class", "predicted_start_at_us")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_AT_US_FIELD_NUMBER: _ClassVar[int]
     DISPATCHED_AT_US_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class Admission(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     SERVICE_CLASS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_START_AT_US_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     received_at_us: int
     dispatched_at_us: int
@@ -116,7 +117,8 @@ class Admission(_message.Message):
     prompt_tokens: int
     call_id: str
     service_class: str
-    def __init__(self, request_id: _Optional[str] = ..., received_at_us: _Optional[int] = ..., dispatched_at_us: _Optional[int] = ..., predicted_finish_at_us: _Optional[int] = ..., deadline_at_us: _Optional[int] = ..., budget_ms: _Optional[int] = ..., budget_source: _Optional[_Union[BudgetSource, str]] = ..., prompt_tokens: _Optional[int] = ..., call_id: _Optional[str] = ..., service_class: _Optional[str] = ...) -> None: ...
+    predicted_start_at_us: int
+    def __init__(self, request_id: _Optional[str] = ..., received_at_us: _Optional[int] = ..., dispatched_at_us: _Optional[int] = ..., predicted_finish_at_us: _Optional[int] = ..., deadline_at_us: _Optional[int] = ..., budget_ms: _Optional[int] = ..., budget_source: _Optional[_Union[BudgetSource, str]] = ..., prompt_tokens: _Optional[int] = ..., call_id: _Optional[str] = ..., service_class: _Optional[str] = ..., predicted_start_at_us: _Optional[int] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("token_ids", "text", "emitted_at_us")
