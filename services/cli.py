@@ -57,9 +57,10 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--hold",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=False,
         help="deadline admission admits a call that fits later inside its slack and holds it for the slot planned "
-        "for it; --no-hold: refuse it at once with a reserved retry, the comparison of old",
+        "for it, instead of refusing it at once with a reserved retry (the default, which measured better at "
+        "capacity: BENCHMARKS.md, 'Holding calls in their slack')",
     )
     p.add_argument("--default-deadline-ms", type=int, default=30_000, help="budget of calls without a deadline")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")

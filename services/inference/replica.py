@@ -73,7 +73,7 @@ class ServeConfig:
     port: int = 50051
     admission: str = "deadline"  # deadline | fifo
     fair_share: bool = True  # deadline mode: fair share between tenants and class priority; False: first come
-    hold: bool = True  # deadline mode: a call that fits later inside its slack is held for its slot; False: refused
+    hold: bool = False  # deadline mode: a call that fits later inside its slack is held for its slot; False: refused
     default_deadline_ms: int = 30_000
     metrics_port: int | None = None
     dtype: str = "auto"

@@ -22,10 +22,13 @@ from tests.inference.steady_device import run
 from tests.inference.test_admission import MS, commit, flat_cost
 from tests.inference.test_retry_invitations import CAPACITY_PER_S, ROW_US, ROWS, replica
 
+HOLDING = AdmissionSettings(hold_in_slack=True)  # `zeroqueue serve --hold`
+
 
 def holding(slots: int = 1) -> AdmissionController:
     """Every step 10 ms, no margin, no spread: a call of 10 tokens runs 100 ms."""
-    return AdmissionController(flat_cost(10.0), AdmissionConfig(slots, 256, margin_ms=0, margin_fraction=0))
+    config = AdmissionConfig(slots, 256, margin_ms=0, margin_fraction=0)
+    return AdmissionController(flat_cost(10.0), config, HOLDING)
 
 
 def test_a_call_that_fits_later_in_its_slack_is_admitted_for_the_slot_that_frees():
@@ -108,7 +111,7 @@ def test_at_capacity_holding_serves_at_least_what_a_fifo_queue_does_and_every_ad
     rate = CAPACITY_PER_S
     fifo = run(FifoAdmission(), rate, 30.0, seed=seed, max_attempts=1, budget_ms=budget_ms, device=DEVICE)
     refusing = run(replica(hold=False), rate, 30.0, seed=seed, max_attempts=1, budget_ms=budget_ms)
-    held = run(controller := replica(), rate, 30.0, seed=seed, max_attempts=1, budget_ms=budget_ms)
+    held = run(controller := replica(hold=True), rate, 30.0, seed=seed, max_attempts=1, budget_ms=budget_ms)
     assert held.misses == []
     assert held.goodput(30.0) >= fifo.goodput(30.0)
     assert held.goodput(30.0) > refusing.goodput(30.0)
@@ -120,7 +123,7 @@ def test_past_capacity_holding_keeps_the_lead_over_a_queue(load):
     rate = load * CAPACITY_PER_S
     fifo = run(FifoAdmission(), rate, 30.0, seed=1, max_attempts=1, device=DEVICE)
     refusing = run(replica(hold=False), rate, 30.0, seed=1, max_attempts=1)
-    held = run(replica(), rate, 30.0, seed=1, max_attempts=1)
+    held = run(replica(hold=True), rate, 30.0, seed=1, max_attempts=1)
     assert held.goodput(30.0) >= 0.97 * refusing.goodput(30.0) > 10 * fifo.goodput(30.0)
     assert len(held.misses) <= 0.005 * held.num_admitted
 
@@ -136,7 +139,7 @@ def burst(c: AdmissionController, at_ns: int, n: int = 60, budget_ms: int = 3000
 
 def test_a_burst_after_a_drained_burst_is_served_as_the_first_was():
     cost = CostModel(list(ROWS), list(ROW_US), 1.975)
-    c = AdmissionController(cost, AdmissionConfig(4, 256))  # a 4-slot replica
+    c = AdmissionController(cost, AdmissionConfig(4, 256))  # a 4-slot replica, refusing (the default)
     first = burst(c, 0)
     for i in range(60):  # nobody retried; the calls it took have run by 4 s (shorter than the deadline)
         c.release(f"t/0-{i}")

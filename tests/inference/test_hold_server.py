@@ -16,7 +16,7 @@ from tests.inference.test_usage import ledger_rows
 
 @pytest.fixture(scope="module")
 def server(llama_dir):
-    s = start_slow_server(llama_dir)
+    s = start_slow_server(llama_dir, hold=True)
     yield s
     s.stop()
 
@@ -53,7 +53,7 @@ def test_without_room_for_a_later_start_it_is_refused_at_once(server):
 
 
 def test_a_held_call_cancelled_before_its_start_is_billed_once_as_cancelled_with_no_device_time(llama_dir):
-    server = start_slow_server(llama_dir)
+    server = start_slow_server(llama_dir, hold=True)
     try:
         running = fill(server, max_tokens=150)  # both slots busy for ~3 s
         call = server.stub().Generate(pb.GenerateRequest(prompt="y", max_tokens=20, request_id="held-1"), timeout=20)

@@ -27,9 +27,9 @@ ROW_US = [8519.0, 9380.2, 10413.9, 12375.3, 18219.6, 29966.7, 40262.7, 73194.9, 
 CAPACITY_PER_S = 17  # what this device finishes at saturation (see the no-retry runs below)
 
 
-def replica(max_reservations: int | None = None, hold: bool = True) -> AdmissionController:
-    """The SmolLM2-135M shape's replica; `hold`: calls that fit later inside their slack are held (the default),
-    else refused with a reserved retry (`zeroqueue serve --no-hold`)."""
+def replica(max_reservations: int | None = None, hold: bool = False) -> AdmissionController:
+    """The SmolLM2-135M shape's replica; `hold`: calls that fit later inside their slack are held (`zeroqueue
+    serve --hold`), else refused with a reserved retry (the default)."""
     cost = CostModel(list(ROWS), list(ROW_US), 1.975)
     settings = AdmissionSettings(max_reservations=max_reservations, hold_in_slack=hold)
     return AdmissionController(cost, AdmissionConfig(32, 256), settings)

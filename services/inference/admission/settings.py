@@ -33,9 +33,10 @@ class AdmissionSettings:
     # and held for that slot, rather than refused with a reservation for a retry: the slot is the same, but a
     # held call needs no second round trip, and its start never lapses because a client did not come back. The
     # wait is bounded by the call's own deadline (its start must leave `retry_slack_runs` of its run spare), never
-    # by a count of calls, and every held call is planned in the calendar like a running one. Off: refuse, as
-    # before (the comparison of old)
-    hold_in_slack: bool = True
+    # by a count of calls, and every held call is planned in the calendar like a running one. Off by default: on
+    # a real replica of the bundled model it delivered 0.90-0.98x a FIFO queue's goodput at capacity where
+    # refusing with a reserved retry delivered 1.00-1.06x (BENCHMARKS.md, "Holding calls in their slack")
+    hold_in_slack: bool = False
     # a held call's predicted run from its start must leave this many runs again spare in its budget, whoever
     # lent it slots: its start is planned without the calls that will join beside it before then
     hold_slack_runs: float = 0.5
