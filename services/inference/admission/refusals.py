@@ -158,6 +158,8 @@ class Promises:
     def keep_waiting_in_time(self, now_ns: int) -> None:
         """A held call past its start that has not begun waits for a slot that frees late (the device ran slower
         than predicted): its window moves with it, so the calendar does not free its slot early."""
+        if not self.settings.hold_in_slack:
+            return  # nothing is ever held: no walk over the commitments on every decision
         for c in self.commitments.values():
             if c.is_waiting and c.reserved_from_ns < now_ns:
                 c.reserved_until_ns += now_ns - c.reserved_from_ns
