@@ -1,0 +1,66 @@
+"""Issue 35, with the SDK's own retries: a burst a few seconds after one that nobody retried is served as well as
+the first (within 10 %), and every admitted call meets its deadline. A 4-slot replica of a tiny checkpoint on a
+device with a known least step time; the SDK retries at the replica's hints."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+from zeroqueue.inference.v1 import inference_pb2 as pb
+
+from services.client import AsyncClient, ZeroQueueError
+from tests.inference.test_overload import metric, start_slow_server, wait_until
+
+
+def sdk_burst(server, n: int, tag: str) -> int:
+    """n calls at once through the SDK (its default retries), 3-s deadlines; how many finished in deadline."""
+
+    async def main() -> int:
+        async with AsyncClient([server.address], api_key=server.key) as client:
+
+            async def one(i: int) -> bool:
+                try:
+                    result = await client.complete("x", deadline_ms=3000, max_tokens=16, request_id=f"{tag}-{i}")
+                except ZeroQueueError:
+                    return False
+                return result.timings.deadline_met
+
+            return sum(await asyncio.gather(*(one(i) for i in range(n))))
+
+    return asyncio.run(main())
+
+
+def unretried_burst(server, n: int) -> None:
+    """n calls at once from plain stubs that never come back for their reservations."""
+
+    def call() -> None:
+        try:
+            list(server.stub().Generate(pb.GenerateRequest(prompt="x", max_tokens=16), timeout=3.0))
+        except grpc.RpcError:
+            pass
+
+    threads = [threading.Thread(target=call) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+
+
+@pytest.mark.slow
+def test_an_sdk_burst_after_an_unretried_burst_is_served_as_well_as_the_first(llama_dir):
+    server = start_slow_server(llama_dir, max_batch=4)  # ~0.35 s a call, 4 slots: ~11 calls a second
+    try:
+        first = sdk_burst(server, 40, "first")
+        wait_until(lambda: not server.replica.service.in_flight, timeout=10)
+        unretried_burst(server, 40)
+        wait_until(lambda: not server.replica.service.in_flight, timeout=10)
+        second = sdk_burst(server, 40, "second")
+        misses = metric(server, "zeroqueue_deadline_misses_total")
+        saturated = server.replica.service.admission.events["saturated"]
+    finally:
+        server.stop()
+    assert first >= 8 and second >= 0.9 * first, (first, second, saturated)
+    assert misses == 0
