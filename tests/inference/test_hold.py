@@ -158,3 +158,14 @@ def test_without_the_drain_the_first_bursts_refusals_would_have_saturated_the_se
     s.relieve()
     s.observe(True, 5 * S)
     assert not s.saturated and s.weight == 1.0
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_modest_tenant_beside_a_flood_keeps_its_deadlines_when_calls_are_held(seed):
+    """Fair share lends the modest tenant's idle slots to the flood; a held call still leaves half a run spare
+    (`hold_slack_runs`): with none, seed 1 has two admitted calls miss (one of them the modest tenant's)."""
+    rates = {"flood": 4 * CAPACITY_PER_S, "modest": 0.4 * CAPACITY_PER_S}
+    tally = run(controller := replica(hold=True), rates, 30.0, seed=seed, max_attempts=8)
+    modest = tally.by_tenant["modest"]
+    assert modest["admitted"] >= 0.95 * modest["calls"] and modest["in_deadline"] == modest["admitted"]
+    assert tally.misses == [] and controller.events["held"] > 0

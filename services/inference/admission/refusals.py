@@ -111,7 +111,7 @@ class Promises:
             return Admit(retry_finish_ns)
         if self.saturated_for(new.tenant, now_ns):
             return self._saturated(at_ns - now_ns, finish_ns, why)
-        if self.settings.hold_in_slack and self._holds(new, at_ns, retry_finish_ns):
+        if self.settings.hold_in_slack:  # `retry` left the held calls' slack (slack_runs): hold it for that slot
             return self.hold(new, at_ns, retry_finish_ns)
         # at most max_reservations, so a storm cannot grow every decision's work: past that, a best guess; and
         # only for tenants whose refused calls have been coming back for their reservations
@@ -127,8 +127,9 @@ class Promises:
 
     def hold(self, new: Commitment, at_ns: int, finish_ns: int) -> Admit:
         """`new` admitted, held for the slot predicted to free at `at_ns` (inside its slack, as `earliest_retry`
-        found it): the calendar keeps that slot for it as for a reservation, and the engine starts it no
-        earlier; once its request has begun (`begun`) it is a running call like any other."""
+        found it): the calendar keeps that slot for it as for a reservation, and the service hands it to the engine
+        then, or sooner when a slot frees early (`AdmissionController.due`); once its request has begun (`begun`)
+        it is a running call like any other."""
         new.held = True
         new.reserved_from_ns, new.reserved_until_ns = at_ns, self.by.lateness.stretch(at_ns, finish_ns)
         self.commitments[new.key] = new
@@ -136,24 +137,21 @@ class Promises:
         return Admit(finish_ns, start_ns=at_ns)
 
     def slack_runs(self, tenant: str, now_ns: int) -> float:
-        """How many runs again a later start must leave spare in a call's budget: `hold_slack_runs` for a held
-        call (the replica's own plan), `retry_slack_runs` for a client's retry (none for a tenant whose slots
-        others have borrowed: its retry takes back what was lent)."""
+        """How many runs again a later start must leave spare in a call's budget: `retry_slack_runs` for a client's
+        retry (none for a tenant whose slots others have borrowed: its retry takes back what was lent); with holds,
+        never less than `hold_slack_runs`, since the start is the replica's own plan."""
         runs = 0.0 if self.by.lent(tenant, now_ns) else self.settings.retry_slack_runs
         return max(runs, self.settings.hold_slack_runs) if self.settings.hold_in_slack else runs
 
-    def _holds(self, new: Commitment, at_ns: int, finish_ns: int) -> bool:
-        """Whether a start at `at_ns` leaves `hold_slack_runs` of its run spare: a start planned ahead is predicted
-        without the calls that will join beside it meanwhile."""
-        return finish_ns + self.settings.hold_slack_runs * (finish_ns - at_ns) <= limit(self.by.predictor, new, at_ns)
-
     def _holds_for_prompts(self, new: Commitment, now_ns: int, wait_ns: int, finish_ns: int) -> bool:
         """With holds, a call whose prompt waits `wait_ns` for room in the step budget is admitted now if its run
-        from then leaves the held calls' slack; not on a saturated replica, where the steps it would wait are
-        every admitted call's (each prompt ahead of it is a call that came first)."""
+        from then leaves `hold_slack_runs` of itself spare (a start planned ahead is predicted without the calls
+        that join beside it meanwhile); not on a saturated replica, where the steps it would wait are every
+        admitted call's (each prompt ahead of it is a call that came first)."""
         if not self.settings.hold_in_slack or self.saturated_for(new.tenant, now_ns):
             return False
-        return self._holds(new, now_ns + wait_ns, finish_ns + wait_ns)
+        start_ns, end_ns = now_ns + wait_ns, finish_ns + wait_ns
+        return end_ns + self.settings.hold_slack_runs * (end_ns - start_ns) <= limit(self.by.predictor, new, start_ns)
 
     def keep_waiting_in_time(self, now_ns: int) -> None:
         """A held call past its start that has not begun waits for a slot that frees late (the device ran slower
