@@ -23,6 +23,8 @@ class Outcome:
     message: str = ""
     num_replies: int = 0
     final: bool = False  # the stream's last message was a Final
+    # an admitted call's Admission tells its times in order: received <= dispatched <= predicted start <= finish
+    admission_in_order: bool = True
 
     @property
     def failure(self) -> str | None:
@@ -35,6 +37,8 @@ class Outcome:
             return "RESOURCE_EXHAUSTED that is not an overload (a status or message over a limit?)"
         if self.code == "OK" and not self.final:
             return "a stream that ended without its Final"
+        if not self.admission_in_order:
+            return "an Admission whose times are out of order (received, dispatched, predicted start, finish)"
         if self.code not in ("OK", "DEADLINE_EXCEEDED", "UNAVAILABLE", "CANCELLED") and not self.reason:
             return "a refusal without an ErrorInfo"
         return None
@@ -74,7 +78,20 @@ async def send(channel, call: FuzzCall, metadata: tuple = (), timeout: float = 5
             call.index, call.kind, error.code().name, reason, size, (error.details() or "")[:300], len(replies)
         )
     final = bool(replies) and pb.GenerateResponse.FromString(replies[-1]).WhichOneof("kind") == "final"
-    return Outcome(call.index, call.kind, "OK", num_replies=len(replies), final=final)
+    return Outcome(
+        call.index, call.kind, "OK", num_replies=len(replies), final=final, admission_in_order=in_order(replies)
+    )
+
+
+def in_order(replies: list[bytes]) -> bool:
+    """Whether the first reply, an Admission, says its times in order (predicted_start_at_us is 0 on a replica
+    that does not send it)."""
+    first = pb.GenerateResponse.FromString(replies[0]) if replies else None
+    if first is None or first.WhichOneof("kind") != "admission":
+        return True
+    a = first.admission
+    start = a.predicted_start_at_us or a.dispatched_at_us
+    return a.received_at_us <= a.dispatched_at_us <= start <= max(a.predicted_finish_at_us, start)
 
 
 class Tally:
