@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import torch
@@ -22,6 +23,24 @@ EXCLUDED_DIRS = {
     "turtledemo",
 }
 SAMPLE_PROMPTS = ("def ", "import os\n", "class ")
+# the chat template is written by hand, not trained: it stays in the bundled directory, copied to any other --out
+BUNDLED_DIR = Path(__file__).resolve().parents[1] / "services/inference/bundled/zq-python-tiny"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+CHAT_TEMPLATE_SECTION = """## Chat template
+
+`chat_template.jinja` (written by hand, not trained) renders a conversation as one Python file, since the model has
+only ever read Python:
+
+- system: the module's docstring;
+- user: `# User: ` comment lines;
+- tool: `# Tool (name): ` comment lines;
+- assistant: its code after two blank lines (where the standard library starts a top-level `def` or `class`), then
+  `<|endoftext|>`, the end-of-file token the model learnt between files: it ends an assistant's turn.
+
+The generation prompt is those two blank lines, an opening for code: of 80 continuations sampled at temperature 0.8
+(four one-line requests, with and without a system message), 56 began with `def` or `class` and 23 with a comment.
+It is a demonstration of the chat path, not an assistant: whatever is asked, the answer is Python-shaped text.
+"""
 
 
 def save_checkpoint(model, tokenizer: Tokenizer, out: Path, seq_len: int) -> None:
@@ -34,6 +53,8 @@ def save_checkpoint(model, tokenizer: Tokenizer, out: Path, seq_len: int) -> Non
     model.save_pretrained(out, safe_serialization=True)
     (out / "model.safetensors").chmod(0o644)  # save_pretrained leaves it owner-only; serving may be another user
     tokenizer.save(str(out / "tokenizer.json"))
+    if out.resolve() != BUNDLED_DIR:
+        shutil.copyfile(BUNDLED_DIR / CHAT_TEMPLATE_FILE, out / CHAT_TEMPLATE_FILE)
     (out / "tokenizer_config.json").write_text(
         json.dumps(
             {
@@ -125,4 +146,5 @@ def write_model_card(out: Path, report: dict) -> None:
             "```",
             "",
         ]
+    lines.append(CHAT_TEMPLATE_SECTION)
     (out / "MODEL_CARD.md").write_text("\n".join(lines))

@@ -10,7 +10,7 @@ from services.inference.device.executor import Executor, ExecutorConfig
 from services.inference.device.loader import load_checkpoint
 from services.inference.engine.engine import Engine, RequestOutput
 from services.inference.sched.request import Request, SamplingParams
-from tests.checkpoints import save_hf_checkpoint
+from tests.checkpoints import save_chatml_checkpoint, save_hf_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -21,6 +21,12 @@ def llama_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def qwen_dir(tmp_path_factory):
     return save_hf_checkpoint(tmp_path_factory.mktemp("qwen2"), "qwen2", initializer_range=0.1)
+
+
+@pytest.fixture(scope="session")
+def chatml_dir(tmp_path_factory):
+    """A random llama with a ChatML chat template (tests/checkpoints.py): chat calls are served on it."""
+    return save_chatml_checkpoint(tmp_path_factory.mktemp("chatml"), initializer_range=0.1)
 
 
 def make_engine(path, dtype="float32", max_num_batched_tokens=256, **config) -> Engine:
