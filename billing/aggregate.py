@@ -144,6 +144,7 @@ def group_column(name: str, period_start_us: int) -> ColumnElement[object]:
         "model": UsageRow.model,
         "tenant": Tenant.name,
         "service_class": UsageRow.service_class,
+        "request_kind": UsageRow.request_kind,
         "day": (UsageRow.finished_at_us - period_start_us) // US_PER_DAY,
     }
     return columns[name].label(f"g_{name}")

@@ -1,5 +1,5 @@
-"""Chargeback: usage, cost and deadline attainment per cost center, team, model, tenant, day or class of
-service, plus device utilisation from the idle records.
+"""Chargeback: usage, cost and deadline attainment per cost center, team, model, tenant, day, class of
+service or request kind (plain, chat, constrained, chat_constrained), plus device utilisation from the idle records.
 
 Cost is the billed amount after SLA credits, priced like invoice lines: usage
 is summed per group, model, unit, class and price version (each class at its
@@ -24,7 +24,7 @@ from billing.models import IdleRow, UsageRow
 from billing.period import US_PER_DAY, day_label, parse_period
 from billing.period import now_us as clock_us
 
-GROUPINGS = ("cost_center", "team", "model", "tenant", "day", "service_class")
+GROUPINGS = ("cost_center", "team", "model", "tenant", "day", "service_class", "request_kind")
 NO_LABEL = "(none)"
 
 

@@ -74,9 +74,17 @@ def add_price(
         )
 
 
-def invoice(url: str | None, tenant: str, period: str, finalize: bool = False, fmt: str = "json") -> str:
+def invoice(
+    url: str | None,
+    tenant: str,
+    period: str,
+    finalize: bool = False,
+    fmt: str = "json",
+    *,
+    by_request_kind: bool = False,
+) -> str:
     """The tenant's invoice for ``period``: refreshes the draft (and finalizes it if asked);
-    a finalized invoice is shown as it is."""
+    a finalized invoice is shown as it is. ``by_request_kind``: the CSV's lines split by request kind."""
     parse_format(fmt)
     with sessions(url) as factory, unit_of_work(factory) as session:
         current = invoices.find_open_invoice(session, tenant, period)
@@ -84,7 +92,7 @@ def invoice(url: str | None, tenant: str, period: str, finalize: bool = False, f
             current = invoices.create_or_refresh_draft(session, tenant, period)
             if finalize:
                 current = invoices.finalize_invoice(session, current.id, refresh=False)
-        return render_invoice(current, fmt)
+        return render_invoice(current, fmt, by_request_kind=by_request_kind)
 
 
 def chargeback(url: str | None, period: str, by: Sequence[str], fmt: str = "csv", tenant: str | None = None) -> str:

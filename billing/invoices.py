@@ -11,7 +11,9 @@ first and priced once (see :mod:`billing.pricing` for the rounding rule), each
 class at its own price (or the generic one).  Requests that missed their
 deadline (``deadline_met`` false) are credited their class's share of their
 cost (credit_ppm; the class `standard`: all of it) on a separate negative
-``sla_credit`` line, rounded once (see :mod:`billing.aggregate`).
+``sla_credit`` line, rounded once (see :mod:`billing.aggregate`).  Each line
+lists its usage per request kind, its amount split over them exactly
+(:mod:`billing.invoice_kinds`); the kinds change no line and no total.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from sqlalchemy import delete, insert, select, text
 from sqlalchemy.orm import Session
 
-from billing.aggregate import UsageAggregate, aggregate_usage, check_int64
+from billing.aggregate import aggregate_usage, check_int64
 from billing.errors import (
     CreditExceedsInvoice,
     CurrencyMismatch,
@@ -30,8 +32,9 @@ from billing.errors import (
     InvoiceNotFound,
     InvoiceState,
 )
+from billing.invoice_kinds import KindedAggregate, RequestKindUsage, by_line, kind_rows, read_kinds
 from billing.ledger import dialect_insert, tenant_ids
-from billing.models import CreditNote, Invoice, InvoiceLine, InvoiceStatus, LineKind, Tenant
+from billing.models import CreditNote, Invoice, InvoiceLine, InvoiceLineRequestKind, InvoiceStatus, LineKind, Tenant
 from billing.period import Period, day_label, parse_period
 from billing.period import now_us as clock_us
 from billing.records import DEFAULT_CLASS, MAX_INT32, MAX_INT64
@@ -57,6 +60,7 @@ class InvoiceLineView:
     completion_tokens: int
     amount_micros: int
     service_class: str = DEFAULT_CLASS
+    request_kinds: tuple[RequestKindUsage, ...] = ()  # the line per kind: they sum to it, amount included
 
     @property
     def description(self) -> str:
@@ -106,9 +110,12 @@ class InvoiceView:
 _STORED = ("num_requests", "unit_us", "prompt_tokens", "completion_tokens", "amount_micros")
 
 
-def _line_rows(aggregates: list[UsageAggregate], period: str) -> list[dict[str, object]]:
+def _line_rows(lines: list[KindedAggregate], period: str) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
+    """The invoice's lines, and each line's rows per request kind."""
     rows: list[dict[str, object]] = []
-    for agg in sorted(aggregates, key=lambda a: (a.model, a.unit, a.service_class, a.from_us)):
+    kinds: list[dict[str, object]] = []
+    for line in sorted(lines, key=lambda a: (a.total.model, a.total.unit, a.total.service_class, a.total.from_us)):
+        agg = line.total
         common = dict(
             model=agg.model,
             unit=agg.unit,
@@ -129,6 +136,7 @@ def _line_rows(aggregates: list[UsageAggregate], period: str) -> list[dict[str, 
                 amount_micros=agg.charge_micros,
             )
         )
+        kinds += kind_rows(len(rows) - 1, LineKind.USAGE, agg.charge_micros, line.kinds)
         if agg.num_missed:
             rows.append(
                 dict(
@@ -141,16 +149,17 @@ def _line_rows(aggregates: list[UsageAggregate], period: str) -> list[dict[str, 
                     amount_micros=-agg.sla_credit_micros,
                 )
             )
+            kinds += kind_rows(len(rows) - 1, LineKind.SLA_CREDIT, -agg.sla_credit_micros, line.kinds)
     for position, row in enumerate(rows):
         row["position"] = position
         for name in _STORED:
             where = f"{row['model']} {row['unit']} {row['service_class']} in {period}"
             check_int64(name, row[name], where)  # type: ignore[arg-type]
-    return rows
+    return rows, kinds  # a kind's sums are at most its line's
 
 
-def _currency(aggregates: list[UsageAggregate], period: Period) -> str:
-    currencies = sorted({agg.price.currency for agg in aggregates})
+def _currency(lines: list[KindedAggregate], period: Period) -> str:
+    currencies = sorted({line.total.price.currency for line in lines})
     if len(currencies) > 1:
         raise CurrencyMismatch(
             f"period: usage in {period.name} is priced in several currencies ({', '.join(currencies)})", field="period"
@@ -160,14 +169,19 @@ def _currency(aggregates: list[UsageAggregate], period: Period) -> str:
 
 def _refresh(session: Session, invoice: Invoice, now_us: int) -> None:
     period = parse_period(invoice.period)
-    aggregates = aggregate_usage(session, period.start_us, period.end_us, tenant_id=invoice.tenant_id)
-    rows = _line_rows(aggregates, period.name)
-    currency = _currency(aggregates, period)
+    kinded = aggregate_usage(
+        session, period.start_us, period.end_us, group_by=("request_kind",), tenant_id=invoice.tenant_id
+    )
+    lines = by_line(kinded)
+    rows, kinds = _line_rows(lines, period.name)
+    currency = _currency(lines, period)
     amounts = [int(row["amount_micros"]) for row in rows]  # type: ignore[call-overload]
     total = check_int64("total", sum(amounts), period.name)
+    session.execute(delete(InvoiceLineRequestKind).where(InvoiceLineRequestKind.invoice_id == invoice.id))
     session.execute(delete(InvoiceLine).where(InvoiceLine.invoice_id == invoice.id))
     if rows:
         session.execute(insert(InvoiceLine), [dict(row, invoice_id=invoice.id) for row in rows])
+        session.execute(insert(InvoiceLineRequestKind), [dict(row, invoice_id=invoice.id) for row in kinds])
     invoice.currency = currency
     invoice.total_micros = total
     invoice.refreshed_at_us = now_us
@@ -322,6 +336,7 @@ def _view(session: Session, invoice: Invoice, tenant: str) -> InvoiceView:
         select(InvoiceLine).where(InvoiceLine.invoice_id == invoice.id).order_by(InvoiceLine.position)
     )
     notes = session.scalars(select(CreditNote).where(CreditNote.invoice_id == invoice.id).order_by(CreditNote.id))
+    kinds = read_kinds(session, invoice.id)
     return InvoiceView(
         invoice.id,
         tenant,
@@ -351,6 +366,7 @@ def _view(session: Session, invoice: Invoice, tenant: str) -> InvoiceView:
                 line.completion_tokens,
                 line.amount_micros,
                 line.service_class,
+                kinds.get(line.position, ()),
             )
             for line in lines
         ),

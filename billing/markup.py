@@ -1,5 +1,6 @@
-"""The building blocks of rendered invoices and reports (billing/render.py): CSV text, HTML tables and pages, and
-PNG charts. matplotlib is imported inside the chart functions, not at module level: only HTML output pays for it."""
+"""The building blocks of rendered invoices and reports (billing/render.py, billing/render_kinds.py): money as
+text, CSV text, HTML tables and pages, and PNG charts. matplotlib is imported inside the chart functions, not at
+module level: only HTML output pays for it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,13 @@ import io
 from collections.abc import Iterable, Sequence
 
 from billing.chargeback import UtilisationPoint
+
+
+def format_micros(micros: int) -> str:
+    """Micro-units as a decimal string with six places: -1234567 → '-1.234567'."""
+    sign = "-" if micros < 0 else ""
+    whole, fraction = divmod(abs(micros), 1_000_000)
+    return f"{sign}{whole}.{fraction:06d}"
 
 
 def csv_text(columns: Sequence[str], rows: Iterable[Sequence[object]]) -> str:

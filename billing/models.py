@@ -16,6 +16,7 @@ from sqlalchemy import (
     Boolean,
     CheckConstraint,
     ForeignKey,
+    ForeignKeyConstraint,
     Index,
     Integer,
     MetaData,
@@ -24,17 +25,27 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from billing.checks import (
+    DEADLINE_EXCEEDED_NOT_MET,
+    DEADLINE_MET_ON_TIME,
+    IDLE_DEVICE_ID_OF_UNIT,
+    OK_DEADLINE_MET_IS_ON_TIME,
+    PERIOD_FORMAT,
+    UNIT_OF_DEVICE_KIND,
+    USAGE_DEVICE_ID_OF_KIND,
+    USAGE_TIMES,
+    one_of,
+)
 from billing.period import US_PER_MINUTE
 from billing.records import (
     DEFAULT_CLASS,
-    DEVICE_ID_PREFIXES,
     MAX_NUM_UNITS,
     MAX_RECORD_WALL_US,
     MAX_TIME_US,
     MAX_TOKENS,
-    UNIT_OF_KIND,
     DeviceKind,
     Outcome,
+    RequestKind,
     Unit,
 )
 
@@ -71,52 +82,13 @@ class RecordKind(StrEnum):
     IDLE = "idle"
 
 
-def one_of(column: str, enum: type[StrEnum]) -> str:
-    return f"{column} IN ({', '.join(repr(member.value) for member in enum)})"
-
-
-# The bounds of billing/records.py and the ASCII 'YYYY-MM' of billing/period.py, as the database enforces
-# them (migration 0003: CHECK constraints on PostgreSQL, BEFORE triggers on SQLite, the same expressions).
+# Bounds the database enforces (migration 0003; the CHECK expressions are billing/checks.py's).
 MAX_PRICE_MICROS = 1_000_000_000  # 1,000 currency units per unit·second: far above any real price
 # Classes of service and tenant policies (migration 0005).
 MAX_CLASS_BUDGET_MS = 86_400_000
 MAX_PRIORITY = 100
 MAX_WEIGHT = 1000
 PPM = 1_000_000
-_DIGIT = "('0', '1', '2', '3', '4', '5', '6', '7', '8', '9')"
-_MONTH = ", ".join(f"'{month:02d}'" for month in range(1, 13))
-PERIOD_FORMAT = (
-    "length(period) = 7 AND substr(period, 5, 1) = '-' AND "
-    + " AND ".join(f"substr(period, {i}, 1) IN {_DIGIT}" for i in (1, 2, 3, 4))
-    + f" AND substr(period, 6, 2) IN ({_MONTH})"
-)
-USAGE_TIMES = (
-    "received_at_us >= 1 AND dispatched_at_us >= received_at_us AND finished_at_us >= dispatched_at_us "
-    f"AND finished_at_us < {MAX_TIME_US} AND deadline_at_us >= 1 AND (first_token_at_us IS NULL OR "
-    "(first_token_at_us >= dispatched_at_us AND first_token_at_us <= finished_at_us))"
-)
-
-
-# The rules of billing/records.py that cross columns, as the database enforces them (migration 0004: CHECK
-# constraints on PostgreSQL, BEFORE INSERT triggers on SQLite, the same expressions).
-def starts_with(column: str, prefixes: tuple[str, ...]) -> str:
-    return " OR ".join(f"substr({column}, 1, {len(prefix)}) = '{prefix}'" for prefix in prefixes)
-
-
-UNIT_OF_DEVICE_KIND = " OR ".join(
-    f"(device_kind = '{kind}' AND unit = '{unit}')" for kind, unit in UNIT_OF_KIND.items()
-)
-USAGE_DEVICE_ID_OF_KIND = " OR ".join(
-    f"(device_kind = '{kind}' AND ({starts_with('device_id', prefixes)}))"
-    for kind, prefixes in DEVICE_ID_PREFIXES.items()
-)
-IDLE_DEVICE_ID_OF_UNIT = " OR ".join(
-    f"(unit = '{UNIT_OF_KIND[kind]}' AND ({starts_with('device_id', prefixes)}))"
-    for kind, prefixes in DEVICE_ID_PREFIXES.items()
-)
-DEADLINE_MET_ON_TIME = "NOT deadline_met OR finished_at_us <= deadline_at_us"
-DEADLINE_EXCEEDED_NOT_MET = f"outcome <> '{Outcome.DEADLINE_EXCEEDED}' OR NOT deadline_met"
-OK_DEADLINE_MET_IS_ON_TIME = f"outcome <> '{Outcome.OK}' OR deadline_met = (finished_at_us <= deadline_at_us)"
 
 
 class Base(DeclarativeBase):
@@ -156,6 +128,7 @@ class UsageRow(Base):
         CheckConstraint(one_of("device_kind", DeviceKind), name="device_kind"),
         CheckConstraint(one_of("unit", Unit), name="unit"),
         CheckConstraint(one_of("outcome", Outcome), name="outcome"),
+        CheckConstraint(one_of("request_kind", RequestKind), name="request_kind"),  # migration 0007
         CheckConstraint("num_units > 0", name="num_units_positive"),
         CheckConstraint("unit_us >= 0 AND prompt_tokens >= 0 AND completion_tokens >= 0", name="non_negative"),
         CheckConstraint("finished_at_us >= received_at_us", name="finished_after_received"),
@@ -197,6 +170,7 @@ class UsageRow(Base):
     payload_digest: Mapped[str] = mapped_column(String(64))
     ingested_at_us: Mapped[int]
     service_class: Mapped[str] = mapped_column(String(32), server_default=DEFAULT_CLASS)
+    request_kind: Mapped[str] = mapped_column(String(32), server_default=RequestKind.PLAIN.value)  # rows before: plain
 
 
 class IdleRow(Base):
@@ -364,6 +338,33 @@ class InvoiceLine(Base):
     price_micros: Mapped[int]
     usage_from_us: Mapped[int]
     usage_to_us: Mapped[int]
+    num_requests: Mapped[int]
+    unit_us: Mapped[int]
+    prompt_tokens: Mapped[int]
+    completion_tokens: Mapped[int]
+    amount_micros: Mapped[int]
+
+
+class InvoiceLineRequestKind(Base):
+    """One invoice line's usage of one request kind (migration 0007), frozen with its invoice like the line. A line's
+    kinds sum to it, amount_micros too: the line's amount split by unit·µs, in integers (billing/invoice_kinds.py)."""
+
+    __tablename__ = "invoice_line_request_kinds"
+    __table_args__ = (
+        CheckConstraint(one_of("request_kind", RequestKind), name="request_kind"),
+        CheckConstraint(
+            "num_requests >= 1 AND unit_us >= 0 AND prompt_tokens >= 0 AND completion_tokens >= 0", name="usage"
+        ),
+        ForeignKeyConstraint(  # a line's kinds go with it (a draft's lines are rebuilt on every refresh)
+            ["invoice_id", "position"], ["invoice_lines.invoice_id", "invoice_lines.position"], ondelete="CASCADE"
+        ),
+        UniqueConstraint("invoice_id", "position", "request_kind"),
+    )
+
+    id: Mapped[int] = mapped_column(BigIntPK, primary_key=True)
+    invoice_id: Mapped[int] = mapped_column(Integer)
+    position: Mapped[int] = mapped_column(Integer)  # the line's
+    request_kind: Mapped[str] = mapped_column(String(32))
     num_requests: Mapped[int]
     unit_us: Mapped[int]
     prompt_tokens: Mapped[int]

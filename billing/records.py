@@ -79,6 +79,17 @@ class Outcome(StrEnum):
     ERROR = "error"
 
 
+class RequestKind(StrEnum):
+    """What kind of Generate call a record bills (issue 31), so invoices and chargeback can group by it. Device
+    time stays the measured truth whatever the kind: the kind only labels it. A sender before kinds sends ''
+    (plain), and a plain record digests as it did before (canonical_digest)."""
+
+    PLAIN = "plain"  # a prompt or token ids, free text
+    CHAT = "chat"  # messages rendered through the model's chat template
+    CONSTRAINED = "constrained"  # a prompt with a response format (JSON, JSON Schema, regex, grammar)
+    CHAT_CONSTRAINED = "chat_constrained"  # both
+
+
 def check_text(name: str, value: object, max_chars: int = MAX_ID_CHARS) -> None:
     if not isinstance(value, str):
         raise InvalidRecord(f"{name} must be a string, got {type(value).__name__}", field=name)
@@ -145,6 +156,8 @@ def canonical_digest(kind: str, payload: Mapping[str, object]) -> str:
         del payload["client_request_id"]
     if payload.get("service_class") == DEFAULT_CLASS:  # before classes every call ran in `standard`
         del payload["service_class"]
+    if payload.get("request_kind") == RequestKind.PLAIN:  # before kinds every call was plain (issue 31)
+        del payload["request_kind"]
     encoded = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(f"{kind}\n{encoded}".encode()).hexdigest()
 
@@ -194,6 +207,7 @@ class UsageRecord:
     outcome: Outcome  # given as the enum or its value; stored as the enum
     request_id: str = ""  # '' on records made before the caller's id was kept
     service_class: str = DEFAULT_CLASS  # '' (a sender before classes) is `standard`
+    request_kind: RequestKind = RequestKind.PLAIN  # the enum or its value, stored as the enum; '' (before kinds): plain
 
     def __post_init__(self) -> None:
         check_text("call_id", self.call_id)
@@ -212,6 +226,10 @@ class UsageRecord:
         self._check_times()
         check_enum("outcome", self.outcome, Outcome)
         object.__setattr__(self, "outcome", Outcome(self.outcome))
+        if self.request_kind == "":
+            object.__setattr__(self, "request_kind", RequestKind.PLAIN)
+        check_enum("request_kind", self.request_kind, RequestKind)
+        object.__setattr__(self, "request_kind", RequestKind(self.request_kind))
         if not isinstance(self.deadline_met, bool):
             raise InvalidRecord("deadline_met must be a bool", field="deadline_met")
         self._check_deadline()
@@ -260,6 +278,7 @@ class UsageRecord:
         payload = {f.name: getattr(self, f.name) for f in fields(self)}
         payload["labels"] = dict(self.labels)
         payload["outcome"] = self.outcome.value
+        payload["request_kind"] = self.request_kind.value
         return payload
 
     def to_v1_payload(self) -> dict[str, object]:

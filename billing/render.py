@@ -2,7 +2,8 @@
 
 Money is written as integer micro-units plus a decimal string computed from
 the integer (``format_micros``); charts are the only place numbers become
-floats, for drawing. The CSV, HTML and chart building blocks are billing/markup.py.
+floats, for drawing. The CSV, HTML and chart building blocks are billing/markup.py; an invoice line's request
+kinds are rendered by billing/render_kinds.py.
 """
 
 from __future__ import annotations
@@ -15,8 +16,17 @@ from enum import StrEnum
 from billing.chargeback import ChargebackReport, percent_text
 from billing.errors import InvalidArgument
 from billing.invoices import InvoiceView
-from billing.markup import bar_chart_png, csv_text, html_img, html_page, html_table, utilisation_chart_png
+from billing.markup import (
+    bar_chart_png,
+    csv_text,
+    format_micros,
+    html_img,
+    html_page,
+    html_table,
+    utilisation_chart_png,
+)
 from billing.period import us_to_datetime
+from billing.render_kinds import KIND_CSV_COLUMN, kind_dicts, kinds_csv_rows, kinds_html
 
 
 class Format(StrEnum):
@@ -29,13 +39,6 @@ def parse_format(fmt: str) -> Format:
     if fmt not in {f.value for f in Format}:
         raise InvalidArgument(f"format must be json, csv or html, got {fmt!r}", field="format")
     return Format(fmt)
-
-
-def format_micros(micros: int) -> str:
-    """Micro-units as a decimal string with six places: -1234567 → '-1.234567'."""
-    sign = "-" if micros < 0 else ""
-    whole, fraction = divmod(abs(micros), 1_000_000)
-    return f"{sign}{whole}.{fraction:06d}"
 
 
 def _iso(at_us: int | None) -> str | None:
@@ -81,6 +84,7 @@ def invoice_dict(invoice: InvoiceView) -> dict[str, object]:
                 "amount": format_micros(line.amount_micros),
                 "usage_from": _iso(line.usage_from_us),
                 "usage_to": _iso(line.usage_to_us),
+                "request_kinds": kind_dicts(line),
             }
             for line in invoice.lines
         ],
@@ -118,32 +122,25 @@ INVOICE_CSV_COLUMNS = (
 )
 
 
-def invoice_csv(invoice: InvoiceView) -> str:
+def invoice_csv(invoice: InvoiceView, *, by_request_kind: bool = False) -> str:
+    """One row per line, then the total and any credit notes; ``by_request_kind``: one row per line and request
+    kind instead, with the column `request_kind` at the end (billing/render_kinds.py)."""
     head = (invoice.id, invoice.tenant, invoice.period, invoice.status.value, invoice.currency)
-    rows: list[Sequence[object]] = [
-        (
-            *head,
-            line.position,
-            line.kind.value,
-            line.model,
-            line.unit,
-            line.service_class,
-            line.price_micros,
-            line.num_requests,
-            line.unit_us,
-            line.prompt_tokens,
-            line.completion_tokens,
-            line.amount_micros,
-            format_micros(line.amount_micros),
-        )
-        for line in invoice.lines
-    ]
-    rows.append((*head, "", "total", *[""] * 8, invoice.total_micros, format_micros(invoice.total_micros)))
+    rows: list[Sequence[object]] = []
+    for line in invoice.lines:
+        prefix = (*head, line.position, line.kind.value, line.model, line.unit, line.service_class, line.price_micros)
+        if by_request_kind:
+            rows += kinds_csv_rows(prefix, line)
+            continue
+        usage = (line.num_requests, line.unit_us, line.prompt_tokens, line.completion_tokens, line.amount_micros)
+        rows.append((*prefix, *usage, format_micros(line.amount_micros)))
+    tail = ("",) if by_request_kind else ()
+    rows.append((*head, "", "total", *[""] * 8, invoice.total_micros, format_micros(invoice.total_micros), *tail))
     rows.extend(
-        (*head, "", "credit_note", *[""] * 8, -note.amount_micros, format_micros(-note.amount_micros))
+        (*head, "", "credit_note", *[""] * 8, -note.amount_micros, format_micros(-note.amount_micros), *tail)
         for note in invoice.credit_notes
     )
-    return csv_text(INVOICE_CSV_COLUMNS, rows)
+    return csv_text((*INVOICE_CSV_COLUMNS, KIND_CSV_COLUMN) if by_request_kind else INVOICE_CSV_COLUMNS, rows)
 
 
 def invoice_html(invoice: InvoiceView) -> str:
@@ -177,6 +174,7 @@ def invoice_html(invoice: InvoiceView) -> str:
             ],
         ),
         "<p>Each line sums its usage first, then rounds once, half up, to a micro-unit.</p>",
+        kinds_html(invoice),
     ]
     if invoice.credit_notes:
         body.append(
@@ -329,12 +327,13 @@ def chargeback_html(report: ChargebackReport) -> str:
     return html_page(f"Chargeback {report.period}", body)
 
 
-def render_invoice(invoice: InvoiceView, fmt: str) -> str:
+def render_invoice(invoice: InvoiceView, fmt: str, *, by_request_kind: bool = False) -> str:
+    """``by_request_kind`` splits the CSV's lines by request kind; JSON and HTML always list each line's kinds."""
     match parse_format(fmt):
         case Format.JSON:
             return json.dumps(invoice_dict(invoice), indent=2, ensure_ascii=False) + "\n"
         case Format.CSV:
-            return invoice_csv(invoice)
+            return invoice_csv(invoice, by_request_kind=by_request_kind)
         case Format.HTML:
             return invoice_html(invoice)
 

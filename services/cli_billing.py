@@ -138,7 +138,10 @@ def run_invoice(args: argparse.Namespace) -> int:
 
     url = ledger_url(args)
     require_migrated(url)
-    emit(commands.invoice(url, args.tenant, args.period, args.finalize, args.format), args.output)
+    text = commands.invoice(
+        url, args.tenant, args.period, args.finalize, args.format, by_request_kind=args.by_request_kind
+    )
+    emit(text, args.output)
     return 0
 
 
@@ -198,13 +201,23 @@ def add_billing_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--period", required=True, help="UTC calendar month, YYYY-MM")
     p.add_argument("--finalize", action="store_true", help="finalize the draft (the month must have ended)")
     p.add_argument("--format", choices=("json", "csv", "html"), default="json")
+    p.add_argument(
+        "--by-request-kind",
+        action="store_true",
+        help="CSV: one row per line and request kind, with a request_kind column at the end (JSON and HTML always "
+        "list each line's kinds)",
+    )
     p.add_argument("--output", default=None, help="write to this file instead of stdout")
 
     p = ledger_command(
         sub, "chargeback", "usage, cost and deadline attainment by group, and device utilisation", run_chargeback
     )
     p.add_argument("--period", required=True, help="UTC calendar month, YYYY-MM")
-    p.add_argument("--by", default="cost_center", help="comma-separated: cost_center, team, model, tenant, day")
+    p.add_argument(
+        "--by",
+        default="cost_center",
+        help="comma-separated: cost_center, team, model, tenant, day, service_class, request_kind",
+    )
     p.add_argument("--tenant", default=None, help="only this tenant's usage (no device utilisation)")
     p.add_argument("--format", choices=("csv", "json", "html"), default="csv")
     p.add_argument("--output", default=None, help="write to this file instead of stdout")

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from billing.records import DEFAULT_CLASS, IdleRecord, Outcome, UsageRecord
+from billing.records import DEFAULT_CLASS, IdleRecord, Outcome, RequestKind, UsageRecord
 
 from .device.spec import Device
 from .engine.digest import EndedRequest, StepDigest
@@ -69,6 +69,7 @@ class RecordContext:
     deadline_ns: int
     request_id: str = ""  # the caller's (the record's own id, call_id, is the call's)
     service_class: str = DEFAULT_CLASS  # the class the call runs and is billed in
+    request_kind: RequestKind = RequestKind.PLAIN  # plain, chat, constrained or both: labels the record's device time
 
 
 @dataclass
@@ -238,4 +239,5 @@ class Meter:
             outcome=outcome,
             request_id=ctx.request_id,
             service_class=ctx.service_class,
+            request_kind=ctx.request_kind,
         )

@@ -8,7 +8,9 @@ never dropped.
 
 A usage row's payload is the record under its frozen zq.usage.v1 keys (billing/records.py V1_USAGE_KEYS), not
 under its field names: rows written by a replica before a field was renamed still decode and ship after an
-upgrade, and a record appended again compares equal to the row it already has.
+upgrade. A row written before a field was added lacks its key and decodes to the field's default (request_kind:
+plain). A record appended again is the row already held when their payloads are the same record, compared by
+payload digest (billing/records.py), which an added field at its default leaves as it was: not a conflict.
 """
 
 from __future__ import annotations
@@ -80,6 +82,14 @@ def _now_us() -> int:
 def _decode(kind: str, payload: str) -> UsageRecord | IdleRecord:
     data = json.loads(payload)
     return UsageRecord.from_v1_payload(data) if kind == "usage" else IdleRecord(**data)
+
+
+def _same_record(kind: str, held: str, payload: str) -> bool:
+    """Whether two payloads are one record: equal digests (a row written before a field existed, say)."""
+    try:
+        return _decode(kind, held).payload_digest() == _decode(kind, payload).payload_digest()
+    except (InvalidRecord, TypeError, ValueError):  # a held row that no longer decodes is no match
+        return False
 
 
 class Outbox:
@@ -182,7 +192,7 @@ class Outbox:
             ).rowcount:
                 continue
             (held,) = conn.execute("SELECT payload FROM outbox WHERE record_id = ?", (record_id,)).fetchone()
-            if held == payload:
+            if held == payload or _same_record(kind, held, payload):
                 log.warning("outbox_duplicate", kind=kind, record_id=record_id)
                 continue
             log.error("outbox_conflict", kind=kind, record_id=record_id)

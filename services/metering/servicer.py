@@ -21,10 +21,9 @@ from zeroqueue.metering.v1 import metering_pb2 as pb
 from zeroqueue.metering.v1 import metering_pb2_grpc
 
 from billing import invoices, ledger
-from billing.chargeback import GROUPINGS, ChargebackReport, chargeback_report
+from billing.chargeback import GROUPINGS, chargeback_report
 from billing.db import ledger_errors, unit_of_work
 from billing.errors import (
-    CurrencyMismatch,
     InvalidArgument,
     InvalidRecord,
     InvoiceNotFound,
@@ -33,13 +32,13 @@ from billing.errors import (
     UnknownTenant,
 )
 from billing.invoices import check_invoice_id
-from billing.models import InvoiceStatus
 from billing.period import now_us as clock_us
 from billing.records import MAX_INT64, IdleRecord, UsageRecord, check_tenant_name, freeze_labels
 from billing.serving_policy import read_serving_policy
 from billing.tenants import Principal
 from services.auth import Authenticator, bearer_key
 from services.metering.policy_wire import SharedRead, policy_to_proto
+from services.metering.report_wire import chargeback_to_pb, invoice_to_pb
 from services.status import rpc_errors
 
 log = structlog.get_logger(__name__)
@@ -49,11 +48,6 @@ _STATUS = {
     ledger.IngestStatus.ACCEPTED: pb.RECORD_STATUS_ACCEPTED,
     ledger.IngestStatus.DUPLICATE: pb.RECORD_STATUS_DUPLICATE,
     ledger.IngestStatus.CONFLICT: pb.RECORD_STATUS_CONFLICT,
-}
-_INVOICE_STATUS = {
-    InvoiceStatus.DRAFT: pb.INVOICE_STATUS_DRAFT,
-    InvoiceStatus.FINALIZED: pb.INVOICE_STATUS_FINALIZED,
-    InvoiceStatus.VOID: pb.INVOICE_STATUS_VOID,
 }
 
 
@@ -83,6 +77,7 @@ def usage_from_pb(message: pb.UsageRecord) -> UsageRecord:
         outcome=message.outcome,  # the wire's string: UsageRecord makes it an Outcome, or refuses it naming the field
         request_id=message.request_id,
         service_class=message.service_class,  # '' (a sender before classes): standard
+        request_kind=message.request_kind,  # '' (a sender before kinds): plain; an unknown one is refused, named
     )
 
 
@@ -107,77 +102,6 @@ def idle_from_pb(message: pb.IdleRecord) -> IdleRecord:
 
 def idle_to_pb(record: IdleRecord) -> pb.IdleRecord:
     return pb.IdleRecord(**record.to_payload())
-
-
-def invoice_to_pb(view: invoices.InvoiceView) -> pb.Invoice:
-    return pb.Invoice(
-        id=view.id,
-        tenant=view.tenant,
-        period=view.period,
-        status=_INVOICE_STATUS[view.status],
-        currency=view.currency,
-        total_micros=view.total_micros,
-        balance_micros=view.balance_micros,
-        created_at_us=view.created_at_us,
-        finalized_at_us=view.finalized_at_us or 0,
-        lines=[
-            pb.InvoiceLine(
-                kind=line.kind.value,
-                model=line.model,
-                unit=line.unit,
-                quantity_unit_us=line.unit_us,
-                requests=line.num_requests,
-                price_micros=line.price_micros,
-                amount_micros=line.amount_micros,
-                service_class=line.service_class,
-            )
-            for line in view.lines
-        ],
-        credit_notes=[
-            pb.CreditNote(
-                id=note.id, amount_micros=note.amount_micros, reason=note.reason, created_at_us=note.created_at_us
-            )
-            for note in view.credit_notes
-        ],
-    )
-
-
-def chargeback_to_pb(report: ChargebackReport) -> pb.ChargebackReport:
-    currencies = sorted({row.currency for row in report.rows})
-    if len(currencies) > 1:  # the message has one currency; mixed books cannot be summed
-        raise CurrencyMismatch(
-            f"period: usage in {report.period} is priced in several currencies ({', '.join(currencies)})",
-            field="period",
-        )
-    return pb.ChargebackReport(
-        period=report.period,
-        group_by=report.group_by,
-        currency=currencies[0] if currencies else "",
-        rows=[
-            pb.ChargebackRow(
-                group=dict(row.group),
-                unit_us=row.unit_us,
-                unit=row.unit,
-                requests=row.num_requests,
-                prompt_tokens=row.prompt_tokens,
-                completion_tokens=row.completion_tokens,
-                cost_micros=row.cost_micros,
-                deadline_met=row.num_deadline_met,
-                admitted=row.num_admitted,
-            )
-            for row in report.rows
-        ],
-        devices=[
-            pb.DeviceUtilisation(
-                device_id=d.device_id,
-                unit=d.unit,
-                wall_unit_us=d.wall_unit_us,
-                idle_unit_us=d.idle_unit_us,
-                billed_unit_us=d.billed_unit_us,
-            )
-            for d in report.devices
-        ],
-    )
 
 
 def _check_group_by(group_by: Sequence[str]) -> list[str]:

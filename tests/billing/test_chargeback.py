@@ -22,7 +22,7 @@ GPU_WALL = 132 * US_PER_MINUTE
 
 @pytest.fixture
 def month(ledger: Ledger) -> Ledger:
-    """Four requests, one missed; the idle records leave exactly the billed time busy."""
+    """Four requests, one missed, of three request kinds; the idle records leave exactly the billed time busy."""
     with unit_of_work(ledger.sessions) as session:
         create_tenant(session, "acme")
         create_tenant(session, "globex")
@@ -32,14 +32,23 @@ def month(ledger: Ledger) -> Ledger:
             session,
             [
                 usage("a1", finished_at_us=DAY_1, unit_us=2_000_000),
-                missed("a2", finished_at_us=DAY_2, unit_us=3_000_000, labels={"cost_center": "cc-1", "team": "ads"}),
-                gpu_usage("a3", model="big", finished_at_us=DAY_2, unit_us=50_000_000, labels={}),
+                missed(
+                    "a2",
+                    finished_at_us=DAY_2,
+                    unit_us=3_000_000,
+                    labels={"cost_center": "cc-1", "team": "ads"},
+                    request_kind="chat",
+                ),
+                gpu_usage(
+                    "a3", model="big", finished_at_us=DAY_2, unit_us=50_000_000, labels={}, request_kind="constrained"
+                ),
                 usage(
                     "g1",
                     tenant="globex",
                     finished_at_us=DAY_1,
                     unit_us=1_000_000,
                     labels={"cost_center": "cc-2", "team": "search"},
+                    request_kind="chat",
                 ),
             ],
         )
@@ -112,12 +121,78 @@ def rows(ledger: Ledger, by: list[str]) -> list[tuple]:
                 ("globex", "search", "core_us", 1, 1, 1_000_000, 1_000, "100.00%"),
             ],
         ),
+        (
+            ["request_kind"],
+            [
+                ("chat", "core_us", 2, 1, 4_000_000, 1_000, "50.00%"),  # a2's miss credited: 4000 − 3000
+                ("constrained", "sm_us", 1, 1, 50_000_000, 100, "100.00%"),
+                ("plain", "core_us", 1, 1, 2_000_000, 2_000, "100.00%"),
+            ],
+        ),
+        (
+            ["tenant", "request_kind"],
+            [
+                ("acme", "chat", "core_us", 1, 0, 3_000_000, 0, "0.00%"),
+                ("acme", "constrained", "sm_us", 1, 1, 50_000_000, 100, "100.00%"),
+                ("acme", "plain", "core_us", 1, 1, 2_000_000, 2_000, "100.00%"),
+                ("globex", "chat", "core_us", 1, 1, 1_000_000, 1_000, "100.00%"),
+            ],
+        ),
         ([], [("core_us", 3, 2, 6_000_000, 3_000, "66.67%"), ("sm_us", 1, 1, 50_000_000, 100, "100.00%")]),
     ],
     ids=lambda value: ",".join(value) if isinstance(value, list) and all(isinstance(v, str) for v in value) else None,
 )
 def test_groupings_match_the_hand_computed_answers(month: Ledger, by: list[str], expected: list[tuple]) -> None:
     assert rows(month, by) == expected
+
+
+@pytest.mark.parametrize("within", [[], ["tenant"], ["model", "day"]], ids=lambda by: ",".join(by) or "nothing")
+def test_grouping_by_request_kind_splits_usage_exactly(ledger: Ledger, within: list[str]) -> None:
+    """Each row grouped further by kind sums back to the row it splits: requests, deadlines met, unit·µs and tokens
+    exactly. Cost is priced per kind (rounded once per kind), so with prices that leave no fraction it sums too."""
+    kinds = ["plain", "chat", "constrained", "chat_constrained"]
+    with unit_of_work(ledger.sessions) as session:
+        create_tenant(session, "acme")
+        create_tenant(session, "globex")
+        add_price(session, "tiny", "core_us", 1_000, "USD", 0)
+        add_price(session, "big", "sm_us", 2, "USD", 0)
+        records = []
+        for i in range(40):
+            make = gpu_usage if i % 5 == 0 else missed if i % 7 == 0 else usage
+            records.append(
+                make(
+                    f"r{i}",
+                    tenant=("acme", "globex")[i % 2],
+                    model="big" if i % 5 == 0 else "tiny",
+                    finished_at_us=START_US + (i % 3) * US_PER_DAY + i,
+                    unit_us=1_000_000 * (i % 4 + 1),
+                    prompt_tokens=i,
+                    completion_tokens=2 * i + 1,
+                    request_kind=kinds[i % 4 if i < 36 else 0],
+                )
+            )
+        ingest_usage(session, records)
+    with ledger.sessions() as session:
+        whole = chargeback_report(session, PERIOD, within)
+        split = chargeback_report(session, PERIOD, [*within, "request_kind"])
+    assert {value for row in split.rows for name, value in row.group if name == "request_kind"} == set(kinds)
+    assert len(split.rows) > len(whole.rows)
+    sums: dict[tuple, list[int]] = {}
+    for row in split.rows:
+        key = (tuple(pair for pair in row.group if pair[0] != "request_kind"), row.unit, row.currency)
+        values = (row.num_requests, row.num_deadline_met, row.unit_us, row.prompt_tokens, row.completion_tokens)
+        sums[key] = [a + b for a, b in zip(sums.get(key, [0] * 6), (*values, row.cost_micros), strict=True)]
+    assert sums == {
+        (row.group, row.unit, row.currency): [
+            row.num_requests,
+            row.num_deadline_met,
+            row.unit_us,
+            row.prompt_tokens,
+            row.completion_tokens,
+            row.cost_micros,
+        ]
+        for row in whole.rows
+    }
 
 
 def test_device_utilisation_and_conservation(month: Ledger) -> None:
@@ -151,6 +226,8 @@ def test_bad_groupings_and_periods_name_the_field(month: Ledger) -> None:
         assert caught.value.field == "by"
         with pytest.raises(InvalidArgument):
             chargeback_report(session, PERIOD, ["team", "team"])
+        with pytest.raises(InvalidArgument):
+            chargeback_report(session, PERIOD, ["request_type"])
         with pytest.raises(InvalidPeriod) as period:
             chargeback_report(session, "2026-13", ["team"])
         assert period.value.field == "period"

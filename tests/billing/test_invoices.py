@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sqlalchemy import func, select, text
 from sqlalchemy.exc import IntegrityError
 
@@ -17,6 +22,7 @@ from billing.errors import (
     MissingPrice,
     UnknownTenant,
 )
+from billing.invoice_kinds import RequestKindUsage, allocate
 from billing.invoices import (
     create_or_refresh_draft,
     finalize_invoice,
@@ -29,6 +35,8 @@ from billing.ledger import ingest_usage
 from billing.models import Invoice, InvoiceStatus, LineKind
 from billing.period import parse_period
 from billing.pricing import add_price, cost_micros
+from billing.records import RequestKind
+from billing.render import render_invoice
 from billing.tenants import create_tenant
 from tests.billing.conftest import Ledger
 from tests.billing.factories import PERIOD, START_US, gpu_usage, missed, usage
@@ -39,7 +47,7 @@ AFTER_PERIOD_US = parse_period(PERIOD).end_us + 1
 
 @pytest.fixture
 def billed(ledger: Ledger) -> Ledger:
-    """Two tenants, two models, a price change mid-month, missed deadlines, usage outside the month."""
+    """Two tenants, two models, a price change mid-month, missed deadlines, usage outside the month, request kinds."""
     with unit_of_work(ledger.sessions) as session:
         create_tenant(session, "acme")
         create_tenant(session, "globex")
@@ -50,9 +58,15 @@ def billed(ledger: Ledger) -> Ledger:
             session,
             [
                 usage("r1", unit_us=1_000_000),
-                usage("r2", unit_us=2_500_000, labels={}),
-                missed("r3", unit_us=333_333),
-                gpu_usage("g1", model="big", unit_us=132_000_000, finished_at_us=MID_MONTH_US - 1),
+                usage("r2", unit_us=2_500_000, labels={}, request_kind="chat"),
+                missed("r3", unit_us=333_333, request_kind="constrained"),
+                gpu_usage(
+                    "g1",
+                    model="big",
+                    unit_us=132_000_000,
+                    finished_at_us=MID_MONTH_US - 1,
+                    request_kind="chat_constrained",
+                ),
                 missed(
                     "g2",
                     model="big",
@@ -62,7 +76,7 @@ def billed(ledger: Ledger) -> Ledger:
                     unit_us=66_000_001,
                     finished_at_us=MID_MONTH_US,
                 ),
-                gpu_usage("g3", model="big", unit_us=1, finished_at_us=MID_MONTH_US + 5),
+                gpu_usage("g3", model="big", unit_us=1, finished_at_us=MID_MONTH_US + 5, request_kind="chat"),
                 usage("other-tenant", tenant="globex", unit_us=7_000_000),
                 usage("last-month", unit_us=9_000_000, finished_at_us=START_US - 1),
                 usage("next-month", unit_us=9_000_000, finished_at_us=parse_period(PERIOD).end_us),
@@ -119,6 +133,82 @@ def test_totals_equal_lines_and_the_ledger_rows(billed: Ledger) -> None:
         *[(period.start_us, period.end_us)] * 2,
     ]
     assert invoice.currency == "USD" and invoice.status is InvoiceStatus.DRAFT
+
+
+def test_each_line_lists_its_request_kinds_which_add_up_to_it(billed: Ledger) -> None:
+    """The kinds split each line (above: lines and total as they were); a line's amount goes to its kinds by their
+    unit·µs, largest remainder first, so they add up to the line exactly."""
+    invoice = draft(billed)
+    plain, chat, constrained, both = RequestKind
+    assert [line.request_kinds for line in invoice.lines] == [
+        (RequestKindUsage(both, 1, 132_000_000, 10, 20, 1_320),),
+        (RequestKindUsage(plain, 1, 66_000_001, 10, 20, 792), RequestKindUsage(chat, 1, 1, 10, 20, 0)),
+        (RequestKindUsage(plain, 1, 66_000_001, 10, 20, -792),),  # only the plain call missed
+        (
+            RequestKindUsage(plain, 1, 1_000_000, 10, 20, 1_500),
+            RequestKindUsage(chat, 1, 2_500_000, 10, 20, 3_750),
+            RequestKindUsage(constrained, 1, 333_333, 10, 20, 500),  # 499.9996: the largest remainder
+        ),
+        (RequestKindUsage(constrained, 1, 333_333, 10, 20, -500),),
+    ]
+    numbers = ("num_requests", "unit_us", "prompt_tokens", "completion_tokens", "amount_micros")
+    for line in invoice.lines:
+        assert [sum(getattr(k, name) for k in line.request_kinds) for name in numbers] == [
+            getattr(line, name) for name in numbers
+        ]
+    assert draft(billed).lines == invoice.lines  # a refresh rebuilds the same kinds
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(-(10**15), 10**15), st.lists(st.integers(0, 10**12), min_size=1, max_size=4).filter(any))
+def test_an_amount_is_allocated_exactly_and_in_proportion(amount: int, weights: list[int]) -> None:
+    parts = allocate(amount, weights)
+    assert sum(parts) == amount
+    for part, weight in zip(parts, weights, strict=True):
+        assert abs(part - amount * weight / sum(weights)) < 1
+        assert weight or part == 0
+    assert allocate(10, [1, 1, 1]) == [4, 3, 3] and allocate(-10, [1, 1, 1]) == [-4, -3, -3]
+
+
+# The columns scripts parse, as they were before request kinds: the default CSV never changes them.
+CSV_HEADER = (
+    "invoice_id,tenant,period,status,currency,position,kind,model,unit,service_class,price_micros,num_requests,"
+    "unit_us,prompt_tokens,completion_tokens,amount_micros,amount"
+)
+
+
+def test_the_invoice_shows_its_kinds_and_its_csv_splits_lines_by_kind_only_when_asked(billed: Ledger) -> None:
+    invoice = draft(billed)
+    lines = json.loads(render_invoice(invoice, "json"))["lines"]
+    assert [[(k["request_kind"], k["amount_micros"]) for k in line["request_kinds"]] for line in lines] == [
+        [("chat_constrained", 1_320)],
+        [("plain", 792), ("chat", 0)],
+        [("plain", -792)],
+        [("plain", 1_500), ("chat", 3_750), ("constrained", 500)],
+        [("constrained", -500)],
+    ]
+    assert lines[3]["request_kinds"][1]["amount"] == "0.003750"
+
+    plain_csv = list(csv.DictReader(io.StringIO(render_invoice(invoice, "csv"))))
+    assert render_invoice(invoice, "csv").splitlines()[0] == CSV_HEADER
+    assert len(plain_csv) == len(invoice.lines) + 1  # and the total
+
+    text_by_kind = render_invoice(invoice, "csv", by_request_kind=True)
+    assert text_by_kind.splitlines()[0] == CSV_HEADER + ",request_kind"
+    by_kind = list(csv.DictReader(io.StringIO(text_by_kind)))
+    billed_rows = [row for row in by_kind if row["kind"] in ("usage", "sla_credit")]
+    assert [(row["position"], row["request_kind"], row["amount_micros"]) for row in billed_rows] == [
+        (str(line.position), kind.request_kind.value, str(kind.amount_micros))
+        for line in invoice.lines
+        for kind in line.request_kinds
+    ]
+    assert sum(int(row["amount_micros"]) for row in billed_rows) == invoice.total_micros
+    (total,) = [row for row in by_kind if row["kind"] == "total"]
+    assert (int(total["amount_micros"]), total["request_kind"]) == (invoice.total_micros, "")
+    assert {row["num_requests"] for row in by_kind if row["position"] == "4"} == {"1"}
+
+    page = render_invoice(invoice, "html")
+    assert "Usage by request kind" in page and "<td>chat_constrained</td>" in page
 
 
 def test_generating_a_draft_again_refreshes_the_same_invoice(billed: Ledger) -> None:
@@ -193,6 +283,8 @@ def test_finalized_invoices_refuse_changes_in_code(billed: Ledger) -> None:
         "DELETE FROM invoices",
         "UPDATE invoice_lines SET amount_micros = 0",
         "DELETE FROM invoice_lines",
+        "UPDATE invoice_line_request_kinds SET amount_micros = 0",
+        "DELETE FROM invoice_line_request_kinds",
         "INSERT INTO invoice_lines (invoice_id, position, kind, model, unit, price_id, price_micros, "
         "usage_from_us, usage_to_us, num_requests, unit_us, prompt_tokens, completion_tokens, amount_micros) "
         "SELECT invoice_id, 99, kind, model, unit, price_id, price_micros, usage_from_us, usage_to_us, "

@@ -18,7 +18,7 @@ from billing.errors import InvalidArgument, InvalidPageToken, UnknownTenant
 from billing.ledger import IngestStatus, ingest_idle, ingest_usage, query_usage
 from billing.models import IdleRow, UsageConflict, UsageRow
 from billing.period import parse_period
-from billing.records import MAX_RECORD_WALL_US, MAX_TOKENS
+from billing.records import MAX_RECORD_WALL_US, MAX_TOKENS, RequestKind
 from billing.tenants import create_tenant
 from tests.billing.conftest import Ledger
 from tests.billing.factories import PERIOD, START_US, idle, usage
@@ -85,6 +85,36 @@ def test_copies_inside_one_batch_resolve_against_the_first(acme: Ledger) -> None
         ("r-1", IngestStatus.CONFLICT),
     ]
     assert count(acme, UsageRow) == 2 and count(acme, UsageConflict) == 1
+
+
+def test_the_same_call_with_another_request_kind_is_a_conflict(acme: Ledger) -> None:
+    chat = usage("r-chat", request_kind=RequestKind.CHAT)
+    plain = usage("r-plain")
+    with unit_of_work(acme.sessions) as session:
+        assert [r.status for r in ingest_usage(session, [chat, plain])] == [IngestStatus.ACCEPTED] * 2
+    with unit_of_work(acme.sessions) as session:
+        replays = ingest_usage(
+            session,
+            [
+                chat,
+                dataclasses.replace(chat, request_kind=RequestKind.CHAT_CONSTRAINED),
+                dataclasses.replace(chat, request_kind=RequestKind.PLAIN),
+                dataclasses.replace(plain, request_kind=""),  # a sender before kinds: plain, the same record
+                dataclasses.replace(plain, request_kind=RequestKind.CONSTRAINED),
+            ],
+        )
+    assert [r.status for r in replays] == [
+        IngestStatus.DUPLICATE,
+        IngestStatus.CONFLICT,
+        IngestStatus.CONFLICT,
+        IngestStatus.DUPLICATE,
+        IngestStatus.CONFLICT,
+    ]
+    with acme.sessions() as session:
+        stored = dict(session.execute(select(UsageRow.call_id, UsageRow.request_kind)).all())
+        rejected = [c.rejected_payload["request_kind"] for c in session.scalars(select(UsageConflict))]
+    assert stored == {"r-chat": "chat", "r-plain": "plain"}  # never overwritten
+    assert sorted(rejected) == ["chat_constrained", "constrained", "plain"]
 
 
 def test_unknown_tenant_is_typed_and_writes_nothing(acme: Ledger) -> None:
@@ -240,11 +270,13 @@ def test_page_tokens_are_checked(acme: Ledger) -> None:
         st.characters(min_codepoint=33, max_codepoint=0x2FFF, exclude_characters="\x7f"), min_size=1, max_size=128
     ),
     streamed=st.booleans(),
+    kind=st.sampled_from(RequestKind),
 )
-def test_stored_records_read_back_identical(acme: Ledger, unit_us, tokens, label, call_id, streamed) -> None:
+def test_stored_records_read_back_identical(acme: Ledger, unit_us, tokens, label, call_id, streamed, kind) -> None:
     record = usage(
         call_id,
         request_id=call_id[::-1],  # the caller's, beside the call's own
+        request_kind=kind,
         unit_us=unit_us,
         prompt_tokens=tokens,
         labels={"team": label, "note": label},

@@ -36,6 +36,7 @@ def row_before_0006(record: UsageRecord, digest: str) -> dict[str, Any]:
     """``record`` as a ledger before 0006 stored it: the call's id in request_id, the caller's in client_request_id."""
     row = _usage_row(record, 1, digest, 0)
     row["request_id"], row["client_request_id"] = row.pop("call_id"), row.pop("request_id")
+    del row["request_kind"]  # no such column before 0007
     return row
 
 
@@ -77,8 +78,14 @@ def assert_usage_guarded(engine: Engine, call_id_column: str) -> None:
     for sql in ("UPDATE usage_records SET unit_us = 0", "DELETE FROM usage_records"):
         with pytest.raises(IntegrityError, match="append-only"), engine.begin() as connection:
             connection.execute(text(sql))
+    # the columns named: at head the table has columns 0006 did not know (request_kind, 0007: its default)
+    columns = (
+        "id, {call_id}, tenant_id, labels, cost_center, team, model, device_kind, device_id, unit, num_units, unit_us, "
+        "prompt_tokens, completion_tokens, received_at_us, dispatched_at_us, first_token_at_us, finished_at_us, "
+        "deadline_at_us, deadline_met, outcome, payload_digest, ingested_at_us, {caller}, service_class"
+    )
     copy = (
-        "INSERT INTO usage_records SELECT id + 10, {id}, tenant_id, labels, cost_center, team, model, "
+        f"INSERT INTO usage_records ({columns}) SELECT id + 10, {{id}}, tenant_id, labels, cost_center, team, model, "
         "device_kind, device_id, {unit}, num_units, {unit_us}, prompt_tokens, completion_tokens, received_at_us, "
         "dispatched_at_us, first_token_at_us, finished_at_us, deadline_at_us, deadline_met, outcome, "
         "payload_digest, ingested_at_us, {caller}, service_class FROM usage_records WHERE id = 1"
@@ -91,7 +98,7 @@ def assert_usage_guarded(engine: Engine, call_id_column: str) -> None:
     ]
     for parts, refusal in refusals:
         with pytest.raises(IntegrityError, match=refusal), engine.begin() as connection:
-            connection.execute(text(copy.format(caller=caller, **parts)))
+            connection.execute(text(copy.format(call_id=call_id_column, caller=caller, **parts)))
 
 
 def test_0006_renames_the_ids_of_a_ledger_with_usage_in_it_both_ways(at_0005: str) -> None:
@@ -99,9 +106,10 @@ def test_0006_renames_the_ids_of_a_ledger_with_usage_in_it_both_ways(at_0005: st
     engine = make_engine(at_0005)
     try:
         assert_usage_guarded(engine, "request_id")
-        migrations.upgrade(at_0005)
-        assert drift(at_0005) == []
+        migrations.upgrade(at_0005, "0006")
         assert tables_and_routines(at_0005) == before  # every trigger (or trigger function) kept
+        migrations.upgrade(at_0005)  # and on to head, whose models the code below writes with
+        assert drift(at_0005) == []
         assert_usage_guarded(engine, "call_id")
         ids = "SELECT call_id, request_id FROM usage_records ORDER BY id"
         assert rows(engine, ids) == [("call-1", "caller-7"), ("call-2", "")]

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from billing.errors import InvalidRecord
-from billing.records import MAX_RECORD_WALL_US, MAX_TOKENS, IdleRecord, Outcome, UsageRecord
+from billing.records import MAX_RECORD_WALL_US, MAX_TOKENS, IdleRecord, Outcome, RequestKind, UsageRecord
 from tests.billing.factories import START_US, US_PER_HOUR, gpu_usage, idle, missed, usage
 
 
@@ -35,6 +35,9 @@ from tests.billing.factories import START_US, US_PER_HOUR, gpu_usage, idle, miss
         ({"unit_us": 2**63}, "unit_us"),
         ({"prompt_tokens": -1}, "prompt_tokens"),
         ({"outcome": "timeout"}, "outcome"),
+        ({"request_kind": "voice"}, "request_kind"),
+        ({"request_kind": "Chat"}, "request_kind"),  # the values are lower case, as they are stored
+        ({"request_kind": None}, "request_kind"),
         ({"deadline_met": 1}, "deadline_met"),
         ({"first_token_at_us": START_US}, "first_token_at_us"),  # before dispatch
         ({"dispatched_at_us": START_US + 10**12}, "first_token_at_us"),
@@ -99,6 +102,9 @@ DIGEST_CHANGES = [
     {"call_id": "r-other"},
     {"request_id": "caller-1"},
     {"service_class": "batch"},
+    {"request_kind": "chat"},
+    {"request_kind": "constrained"},
+    {"request_kind": "chat_constrained"},
     {"tenant": "other"},
     {"labels": {"team": "x"}},
     {"model": "m2"},
@@ -148,6 +154,41 @@ DIGESTS_BEFORE_THE_RENAME = [
 @pytest.mark.parametrize(("fields", "digest"), DIGESTS_BEFORE_THE_RENAME)
 def test_a_record_digests_as_it_did_before_its_fields_were_renamed(fields: dict, digest: str) -> None:
     assert usage("call-1", **fields).payload_digest() == digest
+
+
+# Issue 31 added request_kind: a plain record (every record before it) keeps the digest it had, however its kind is
+# spelled, so a record stored or queued before kinds replays as a DUPLICATE. Any other kind digests differently
+# (the same call_id with another kind is a CONFLICT); those digests are frozen from here on too.
+DIGESTS_OF_REQUEST_KINDS = [
+    *(
+        (fields | {"request_kind": kind}, digest)
+        for fields, digest in DIGESTS_BEFORE_THE_RENAME
+        for kind in ("", "plain")
+    ),
+    ({"request_kind": RequestKind.PLAIN}, DIGESTS_BEFORE_THE_RENAME[0][1]),
+    ({"request_kind": "chat"}, "0c6268e7547dad96313fbc7d439f9d5d220e4e6c561d88e3cd7952aed9ef2715"),
+    ({"request_kind": "constrained"}, "e5220a26bf73e57ec7bfb23b9f313bd7f762cf43ab2ee614e734796b2e3f4576"),
+    ({"request_kind": "chat_constrained"}, "5433425b4adbb2add548afa835d962fba3e85c8b4df31899f2de750f8a65a632"),
+]
+
+
+@pytest.mark.parametrize(("fields", "digest"), DIGESTS_OF_REQUEST_KINDS)
+def test_a_plain_record_digests_as_before_kinds_and_another_kind_differently(fields: dict, digest: str) -> None:
+    assert usage("call-1", **fields).payload_digest() == digest
+
+
+def test_a_record_holds_its_request_kind_as_the_enum_and_empty_means_plain() -> None:
+    assert usage("r-1").request_kind is RequestKind.PLAIN
+    assert usage("r-1", request_kind="").request_kind is RequestKind.PLAIN  # a sender before kinds
+    for kind in RequestKind:
+        record = usage("r-1", request_kind=kind.value)
+        assert record.request_kind is kind
+        payload = record.to_payload()
+        assert type(payload["request_kind"]) is str and payload["request_kind"] == kind.value
+        assert UsageRecord(**payload) == record == UsageRecord.from_v1_payload(record.to_v1_payload())
+    v1 = usage("r-1").to_v1_payload()
+    del v1["request_kind"]  # queued or stored before kinds
+    assert UsageRecord.from_v1_payload(v1).request_kind is RequestKind.PLAIN
 
 
 def test_an_idle_record_digests_as_it_did_before_the_digest_took_payloads() -> None:

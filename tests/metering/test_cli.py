@@ -82,13 +82,25 @@ def test_ledger_commands_end_to_end(home: Path, tmp_path: Path) -> None:
         ("usage", 6_000),
         ("sla_credit", -1_500),
     ]
+    assert [[(k["request_kind"], k["amount_micros"]) for k in line["request_kinds"]] for line in invoice["lines"]] == [
+        [("plain", 3_000), ("chat_constrained", 3_000)],
+        [("plain", -1_500)],
+    ]
     out = tmp_path / "invoice.csv"
     zeroqueue(
         home, "invoice", "--tenant", "acme", "--period", PAST, "--finalize", "--format", "csv", "--output", str(out)
     )
     rows = list(csv.DictReader(io.StringIO(out.read_text())))
     assert {row["status"] for row in rows} == {"finalized"} and rows[-1]["kind"] == "total"
-    assert rows[-1]["amount_micros"] == "4500"
+    assert rows[-1]["amount_micros"] == "4500" and "request_kind" not in rows[0]  # the CSV scripts already parse
+    by_kind = zeroqueue(home, "invoice", "--tenant", "acme", "--period", PAST, "--format", "csv", "--by-request-kind")
+    rows = list(csv.DictReader(io.StringIO(by_kind.stdout)))
+    assert [(r["kind"], r["request_kind"], r["num_requests"], r["amount_micros"]) for r in rows] == [
+        ("usage", "plain", "2", "3000"),
+        ("usage", "chat_constrained", "1", "3000"),
+        ("sla_credit", "plain", "1", "-1500"),
+        ("total", "", "", "4500"),
+    ]
     assert (
         "no tenant named 'nobody'"
         in zeroqueue(home, "invoice", "--tenant", "nobody", "--period", PAST, ok=False).stderr
@@ -100,6 +112,13 @@ def test_ledger_commands_end_to_end(home: Path, tmp_path: Path) -> None:
     assert [(r["cost_center"], r["team"], r["num_requests"], r["cost_micros"]) for r in table] == [
         ("cc-1", "search", "2", "1500"),
         ("cc-2", "(none)", "1", "3000"),
+    ]
+    table = list(
+        csv.DictReader(io.StringIO(zeroqueue(home, "chargeback", "--period", PAST, "--by", "request_kind").stdout))
+    )
+    assert [(r["request_kind"], r["num_requests"], r["unit_us"], r["cost_micros"]) for r in table] == [
+        ("chat_constrained", "1", "2000000", "3000"),
+        ("plain", "2", "2000001", "1500"),
     ]
     html_file = tmp_path / "chargeback.html"
     zeroqueue(home, "chargeback", "--period", PAST, "--by", "model", "--format", "html", "--output", str(html_file))
@@ -120,7 +139,13 @@ def with_usage(home: Path, admin: str) -> None:
         address = next(line.split(" on ")[1].strip() for line in server.stdout if "SERVING on" in line)
         records = [
             usage("r1", finished_at_us=PAST_START_US + 10, unit_us=1_000_000),
-            usage("r2", finished_at_us=PAST_START_US + 20, unit_us=2_000_000, labels={"cost_center": "cc-2"}),
+            usage(
+                "r2",
+                finished_at_us=PAST_START_US + 20,
+                unit_us=2_000_000,
+                labels={"cost_center": "cc-2"},
+                request_kind="chat_constrained",
+            ),
             missed("r3", finished_at_us=PAST_START_US + 30, unit_us=1_000_001),
         ]
         with grpc.insecure_channel(address) as channel:

@@ -9,6 +9,7 @@ import grpc
 import pytest
 from zeroqueue.metering.v1 import metering_pb2 as pb
 
+from billing.records import RequestKind
 from services.metering.shipper import Delivery, GrpcSink, SinkUnavailable
 from tests.metering.test_outbox import builder
 
@@ -19,10 +20,12 @@ class FakeStub:
     def __init__(self, poison: set[str], code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT) -> None:
         self.poison, self.code = poison, code
         self.batches: list[list[str]] = []
+        self.kinds: dict[str, str] = {}
 
     async def RecordUsage(self, request, metadata, timeout):  # noqa: N802 - the stub's method
         ids = [r.call_id for r in request.records]
         self.batches.append(ids)
+        self.kinds.update((r.call_id, r.request_kind) for r in request.records)
         if self.poison & set(ids):
             raise grpc.aio.AioRpcError(
                 self.code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="records[0].unit_us is out of range"
@@ -63,3 +66,11 @@ def test_any_other_refusal_keeps_the_whole_batch_for_a_retry(code):
     with pytest.raises(SinkUnavailable, match=code.name):
         asyncio.run(sink_with(stub).deliver([builder(f"r{i}")() for i in range(4)], []))
     assert len(stub.batches) == 1
+
+
+def test_each_record_goes_with_its_request_kind():
+    stub = FakeStub(set())
+    records = [builder(f"r-{kind.value}")(request_kind=kind) for kind in RequestKind]
+    acks = asyncio.run(sink_with(stub).deliver(records, []))
+    assert {a.delivery for a in acks} == {Delivery.DELIVERED}
+    assert stub.kinds == {f"r-{kind.value}": kind.value for kind in RequestKind}

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import sqlite3
 
 import pytest
+from sqlalchemy import select
 
-from billing.records import UsageRecord
+from billing.db import unit_of_work
+from billing.models import UsageRow
+from billing.records import RequestKind, UsageRecord
+from billing.tenants import create_tenant
 from services.metering.outbox import Outbox, OutboxConflict
+from services.metering.shipper import LedgerSink, Shipper
+from tests.billing.conftest import Ledger
 
 T0_US = 1_795_000_000_000_000
 
@@ -108,9 +115,47 @@ def test_a_row_an_older_replica_wrote_still_reads_back_and_the_same_record_appen
         (row,) = outbox.pending(10)
         assert row.record == builder("r-old")(request_id="caller-7")
         assert row.record.call_id == "r-old" and row.record.request_id == "caller-7"
+        assert row.record.request_kind is RequestKind.PLAIN  # written before kinds: plain
         again = outbox.expect("r-old")
         outbox.append([functools.partial(builder("r-old"), request_id="caller-7")], [])
         assert again.result(timeout=10).call_id == "r-old"  # held with the very same payload: not a conflict
         assert outbox.counts() == {"pending": 1, "delivered": 0, "dead": 0, "conflicts": 0}
     finally:
         outbox.close()
+
+
+def test_a_record_keeps_its_request_kind_on_disk_and_another_kind_under_its_id_is_a_conflict(tmp_path):
+    outbox = Outbox(tmp_path / "outbox.db")
+    try:
+        chat = outbox.expect("r-chat")
+        outbox.append([functools.partial(builder("r-chat"), request_kind="chat")], [])
+        assert chat.result(timeout=10).request_kind is RequestKind.CHAT
+        with sqlite3.connect(tmp_path / "outbox.db") as conn:
+            (payload,) = conn.execute("SELECT payload FROM outbox WHERE record_id = 'r-chat'").fetchone()
+        assert json.loads(payload)["request_kind"] == "chat"
+        assert [row.record.request_kind for row in outbox.pending(10)] == [RequestKind.CHAT]
+        again = outbox.expect("r-chat")
+        outbox.append([functools.partial(builder("r-chat"), request_kind="constrained")], [])
+        with pytest.raises(OutboxConflict, match="r-chat"):
+            again.result(timeout=10)
+        assert outbox.counts() == {"pending": 1, "delivered": 0, "dead": 0, "conflicts": 1}
+    finally:
+        outbox.close()
+
+
+@pytest.mark.parametrize("ledger", ["sqlite"], indirect=True)
+def test_the_shipper_delivers_each_records_kind_to_the_ledger(tmp_path, ledger: Ledger) -> None:
+    with unit_of_work(ledger.sessions) as session:
+        create_tenant(session, "acme")
+    outbox = Outbox(tmp_path / "outbox.db")
+    try:
+        kinds = {f"r-{kind.value}": kind for kind in RequestKind}
+        outbox.append([functools.partial(builder(call_id), request_kind=kind) for call_id, kind in kinds.items()], [])
+        assert outbox.flush()
+        assert asyncio.run(Shipper(outbox, LedgerSink(ledger.sessions)).ship_once()) == len(kinds)
+        assert outbox.counts()["delivered"] == len(kinds)
+    finally:
+        outbox.close()
+    with ledger.sessions() as session:
+        stored = dict(session.execute(select(UsageRow.call_id, UsageRow.request_kind)).all())
+    assert stored == {call_id: kind.value for call_id, kind in kinds.items()}

@@ -12,7 +12,8 @@ from billing.db import unit_of_work
 from billing.ledger import ingest_usage
 from billing.models import UsageConflict, UsageRow
 from billing.period import parse_period
-from services.metering.servicer import idle_to_pb, usage_to_pb
+from billing.records import RequestKind
+from services.metering.servicer import idle_to_pb, usage_from_pb, usage_to_pb
 from tests.billing.conftest import Ledger
 from tests.billing.factories import idle, missed, usage
 from tests.inference.harness import status_details
@@ -171,6 +172,38 @@ def test_an_invalid_record_is_refused_alone_naming_its_field(stub, keys: Keys, l
     assert stored_rows(ledger) == 2
 
 
+@pytest.mark.parametrize("kind", list(RequestKind))
+def test_the_request_kind_survives_the_wire_and_a_sender_before_kinds_sends_plain(kind: RequestKind) -> None:
+    message = record("r1", request_kind=kind)
+    assert message.request_kind == kind.value
+    assert usage_from_pb(pb.UsageRecord.FromString(message.SerializeToString())) == usage("r1", request_kind=kind)
+    message.ClearField("request_kind")  # as a replica before kinds sends it
+    assert usage_from_pb(message).request_kind is RequestKind.PLAIN
+
+
+def test_the_ledger_keeps_the_kind_refuses_an_unknown_one_and_another_kind_is_a_conflict(
+    stub, keys: Keys, ledger: Ledger
+) -> None:
+    voice = record("k-voice")
+    voice.request_kind = "voice"
+    response = send(stub, keys.admin, record("k-chat", request_kind="chat"), record("k-plain"), voice)
+    assert [pb.RecordStatus.Name(r.status) for r in response.records] == [
+        "RECORD_STATUS_ACCEPTED",
+        "RECORD_STATUS_ACCEPTED",
+        "RECORD_STATUS_INVALID",
+    ]
+    assert response.records[2].message.startswith("request_kind ") and "voice" in response.records[2].message
+    stored = stub.QueryUsage(pb.QueryUsageRequest(), metadata=bearer(keys.admin)).records
+    assert [(r.call_id, r.request_kind) for r in stored] == [("k-chat", "chat"), ("k-plain", "plain")]
+    replays = send(stub, keys.admin, record("k-chat", request_kind="chat"), record("k-chat"), record("k-plain"))
+    assert [pb.RecordStatus.Name(r.status) for r in replays.records] == [
+        "RECORD_STATUS_DUPLICATE",
+        "RECORD_STATUS_CONFLICT",  # the same call, now claiming to be plain
+        "RECORD_STATUS_DUPLICATE",
+    ]
+    assert stored_rows(ledger) == 2
+
+
 def test_an_oversized_batch_is_invalid_argument(stub, keys: Keys) -> None:
     one = record("r")
     error = failed(stub.RecordUsage, pb.RecordUsageRequest(records=[one] * 10_001), keys.admin)
@@ -248,7 +281,7 @@ def test_invoice_lifecycle(stub, keys: Keys) -> None:
         stub,
         keys.admin,
         record("r1", finished_at_us=PAST_START_US + 10, unit_us=1_000_000),
-        record("r2", finished_at_us=PAST_START_US + 20, unit_us=2_000_000),
+        record("r2", finished_at_us=PAST_START_US + 20, unit_us=2_000_000, request_kind="chat"),
         usage_to_pb(missed("r3", finished_at_us=PAST_START_US + 30, unit_us=1_000_001)),
     )
     draft = stub.CreateInvoice(pb.CreateInvoiceRequest(period=PAST), metadata=bearer(keys.acme))
@@ -258,6 +291,10 @@ def test_invoice_lifecycle(stub, keys: Keys) -> None:
         ("sla_credit", 1_000_001, 1, -1_500),
     ]
     assert draft.total_micros == sum(line.amount_micros for line in draft.lines) == draft.balance_micros == 4_500
+    assert [
+        [(k.request_kind, k.requests, k.quantity_unit_us, k.amount_micros) for k in line.request_kinds]
+        for line in draft.lines
+    ] == [[("plain", 2, 2_000_001, 3_000), ("chat", 1, 2_000_000, 3_000)], [("plain", 1, 1_000_001, -1_500)]]
     again = stub.CreateInvoice(pb.CreateInvoiceRequest(tenant="acme", period=PAST), metadata=bearer(keys.admin))
     assert again.id == draft.id
     assert [
@@ -305,7 +342,13 @@ def test_chargeback_report(stub, keys: Keys) -> None:
         stub,
         keys.admin,
         record("a1", finished_at_us=PAST_START_US + 10),
-        record("a2", finished_at_us=PAST_START_US + 20, labels={"cost_center": "cc-2"}, unit_us=2_000_000),
+        record(
+            "a2",
+            finished_at_us=PAST_START_US + 20,
+            labels={"cost_center": "cc-2"},
+            unit_us=2_000_000,
+            request_kind="chat",
+        ),
         usage_to_pb(missed("a3", finished_at_us=PAST_START_US + 30)),
         record("g1", tenant="globex", finished_at_us=PAST_START_US + 40),
         idle_records=[idle_to_pb(idle("cpu:host-a", 0, 200_000_000, start_us=PAST_START_US))],
@@ -326,6 +369,13 @@ def test_chargeback_report(stub, keys: Keys) -> None:
         pb.GetChargebackReportRequest(period=PAST, group_by=["tenant"]), metadata=bearer(keys.acme)
     )
     assert [(dict(r.group), r.requests) for r in own.rows] == [({"tenant": "acme"}, 3)]
+    kinds = stub.GetChargebackReport(
+        pb.GetChargebackReportRequest(period=PAST, group_by=["request_kind"]), metadata=bearer(keys.admin)
+    )
+    assert [(dict(r.group), r.requests, r.unit_us, r.cost_micros) for r in kinds.rows] == [
+        ({"request_kind": "chat"}, 1, 2_000_000, 3_000),
+        ({"request_kind": "plain"}, 3, 3_000_000, 3_000),  # a3's miss credited
+    ]
     assert list(own.devices) == []  # shared infrastructure is not a tenant's to see
     error = failed(
         stub.GetChargebackReport, pb.GetChargebackReportRequest(period=PAST, group_by=["colour"]), keys.admin

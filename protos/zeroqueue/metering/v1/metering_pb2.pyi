@@ -32,7 +32,7 @@ INVOICE_STATUS_FINALIZED: InvoiceStatus
 INVOICE_STATUS_VOID: InvoiceStatus
 
 class UsageRecord(_message.Message):
-    __slots__ = ("call_id", "tenant", "labels", "model", "device_kind", "device_id", "unit", "num_units", "unit_us", "prompt_tokens", "completion_tokens", "received_at_us", "dispatched_at_us", "first_token_at_us", "finished_at_us", "deadline_at_us", "deadline_met", "outcome", "request_id", "service_class")
+    __slots__ = ("call_id", "tenant", "labels", "model", "device_kind", "device_id", "unit", "num_units", "unit_us", "prompt_tokens", "completion_tokens", "received_at_us", "dispatched_at_us", "first_token_at_us", "finished_at_us", "deadline_at_us", "deadline_met", "outcome", "request_id", "service_class", "request_kind")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class UsageRecord(_message.Message):
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SERVICE_CLASS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_KIND_FIELD_NUMBER: _ClassVar[int]
     call_id: str
     tenant: str
     labels: _containers.ScalarMap[str, str]
@@ -80,7 +81,8 @@ class UsageRecord(_message.Message):
     outcome: str
     request_id: str
     service_class: str
-    def __init__(self, call_id: _Optional[str] = ..., tenant: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., model: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_id: _Optional[str] = ..., unit: _Optional[str] = ..., num_units: _Optional[int] = ..., unit_us: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., received_at_us: _Optional[int] = ..., dispatched_at_us: _Optional[int] = ..., first_token_at_us: _Optional[int] = ..., finished_at_us: _Optional[int] = ..., deadline_at_us: _Optional[int] = ..., deadline_met: _Optional[bool] = ..., outcome: _Optional[str] = ..., request_id: _Optional[str] = ..., service_class: _Optional[str] = ...) -> None: ...
+    request_kind: str
+    def __init__(self, call_id: _Optional[str] = ..., tenant: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., model: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_id: _Optional[str] = ..., unit: _Optional[str] = ..., num_units: _Optional[int] = ..., unit_us: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., received_at_us: _Optional[int] = ..., dispatched_at_us: _Optional[int] = ..., first_token_at_us: _Optional[int] = ..., finished_at_us: _Optional[int] = ..., deadline_at_us: _Optional[int] = ..., deadline_met: _Optional[bool] = ..., outcome: _Optional[str] = ..., request_id: _Optional[str] = ..., service_class: _Optional[str] = ..., request_kind: _Optional[str] = ...) -> None: ...
 
 class IdleRecord(_message.Message):
     __slots__ = ("record_id", "device_id", "unit", "num_units", "minute_start_us", "idle_unit_us", "wall_unit_us")
@@ -160,7 +162,7 @@ class QueryUsageResponse(_message.Message):
     def __init__(self, records: _Optional[_Iterable[_Union[UsageRecord, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class InvoiceLine(_message.Message):
-    __slots__ = ("kind", "model", "unit", "quantity_unit_us", "requests", "price_micros", "amount_micros", "service_class")
+    __slots__ = ("kind", "model", "unit", "quantity_unit_us", "requests", "price_micros", "amount_micros", "service_class", "request_kinds")
     KIND_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     UNIT_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +171,7 @@ class InvoiceLine(_message.Message):
     PRICE_MICROS_FIELD_NUMBER: _ClassVar[int]
     AMOUNT_MICROS_FIELD_NUMBER: _ClassVar[int]
     SERVICE_CLASS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_KINDS_FIELD_NUMBER: _ClassVar[int]
     kind: str
     model: str
     unit: str
@@ -177,7 +180,20 @@ class InvoiceLine(_message.Message):
     price_micros: int
     amount_micros: int
     service_class: str
-    def __init__(self, kind: _Optional[str] = ..., model: _Optional[str] = ..., unit: _Optional[str] = ..., quantity_unit_us: _Optional[int] = ..., requests: _Optional[int] = ..., price_micros: _Optional[int] = ..., amount_micros: _Optional[int] = ..., service_class: _Optional[str] = ...) -> None: ...
+    request_kinds: _containers.RepeatedCompositeFieldContainer[RequestKindUsage]
+    def __init__(self, kind: _Optional[str] = ..., model: _Optional[str] = ..., unit: _Optional[str] = ..., quantity_unit_us: _Optional[int] = ..., requests: _Optional[int] = ..., price_micros: _Optional[int] = ..., amount_micros: _Optional[int] = ..., service_class: _Optional[str] = ..., request_kinds: _Optional[_Iterable[_Union[RequestKindUsage, _Mapping]]] = ...) -> None: ...
+
+class RequestKindUsage(_message.Message):
+    __slots__ = ("request_kind", "requests", "quantity_unit_us", "amount_micros")
+    REQUEST_KIND_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    QUANTITY_UNIT_US_FIELD_NUMBER: _ClassVar[int]
+    AMOUNT_MICROS_FIELD_NUMBER: _ClassVar[int]
+    request_kind: str
+    requests: int
+    quantity_unit_us: int
+    amount_micros: int
+    def __init__(self, request_kind: _Optional[str] = ..., requests: _Optional[int] = ..., quantity_unit_us: _Optional[int] = ..., amount_micros: _Optional[int] = ...) -> None: ...
 
 class CreditNote(_message.Message):
     __slots__ = ("id", "amount_micros", "reason", "created_at_us")
