@@ -40,7 +40,8 @@ from services.inference.clock import Clock  # noqa: E402
 from services.inference.device.executor import Executor, ExecutorConfig  # noqa: E402
 from services.inference.device.loader import load_checkpoint  # noqa: E402
 from services.inference.engine.core import Relay  # noqa: E402
-from services.inference.engine.engine import Engine, Observers  # noqa: E402
+from services.inference.engine.digest import Observers  # noqa: E402
+from services.inference.engine.engine import Engine  # noqa: E402
 from services.inference.meter import Meter, RecordContext  # noqa: E402
 from services.inference.sched.request import Request, SamplingParams  # noqa: E402
 from services.logs import configure_logging  # noqa: E402

@@ -34,6 +34,7 @@ OUTCOMES = {
     FinishReason.CANCELLED: Outcome.CANCELLED,
     FinishReason.DEADLINE_EXCEEDED: Outcome.DEADLINE_EXCEEDED,
     FinishReason.ERROR: Outcome.ERROR,
+    FinishReason.GRAMMAR: Outcome.ERROR,  # it ran, and is billed for what ran, but did not end as asked
 }
 _OUTCOMES = {status: OUTCOMES[status.finish_reason] for status in RequestStatus if status.is_finished}
 

@@ -20,8 +20,8 @@ from services.inference.device.executor import Executor, ExecutorConfig
 from services.inference.device.loader import load_checkpoint
 from services.inference.engine.client import EngineClient
 from services.inference.engine.core import Relay
-from services.inference.engine.digest import StepDigest
-from services.inference.engine.engine import Engine, Observers
+from services.inference.engine.digest import Observers, StepDigest
+from services.inference.engine.engine import Engine
 from services.inference.engine.messages import DEVICE_FAULT_EXIT, EngineFailed, EngineSpec
 from services.inference.replica import ServeConfig
 from services.inference.sched.request import Request, RequestStatus, SamplingParams

@@ -30,6 +30,10 @@ class Commitment:
     expires_ns: int | None = None
     again: bool = False  # the reservation is for a call refused on a retry: its rate of return is its own
     held: bool = False
+    # its row costs more than the calibrated step's every step, on the host (the cost model's extra_row_us): its
+    # grammar's mask (structured output), its log-probabilities
+    masked: bool = False
+    logprobs: bool = False
 
     @property
     def is_reservation(self) -> bool:
@@ -91,6 +95,7 @@ class RefusalCause(enum.StrEnum):
     # not a Reject's: an Infeasible decision, and the tenant's quota checked before admission (quotas.py)
     INFEASIBLE = "infeasible"  # no idle replica could finish it inside its budget
     QUOTA = "quota"  # its tenant is at one of its caps
+    COMPILES = "compiles"  # too many new response_format grammars are compiling on the replica (compiler.py)
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,8 @@ class Predictor:
         # Runs on every decision, several times on a refusal: one pass over plain tuples, no properties, no
         # calls per commitment (the step count is _steps_left's, inline); a finish per phase, not per call.
         budget, pace, cost = self.config.max_num_batched_tokens, self.config.pace_tokens, self.cost
-        prefill_tokens, context_left, order = 0, 0, []
+        prefill_tokens, context_left, extra_left, order = 0, 0, 0.0, []
+        masked_us, logprob_us = cost.us_per_masked_row, cost.us_per_logprob_row
         for c in commitments:
             generated, prompt, max_tokens = c.num_generated, c.num_prompt_tokens, c.max_tokens
             remaining = max_tokens - generated if max_tokens > generated else 0
@@ -71,20 +72,24 @@ class Predictor:
                 if prompt > budget:
                     remaining += (prompt - 1) // budget  # chunk steps before the first token
             context_left += prompt + max_tokens
-            order.append((remaining, prompt + max_tokens, c.key))
+            extra = c.masked * masked_us + c.logprobs * logprob_us  # its row's host work, every step
+            extra_left += extra
+            order.append((remaining, prompt + max_tokens, c.key, extra))
         order.sort(key=itemgetter(0))
         n = len(order)
         # paced, a step costs at least as much as with `pace` prompt tokens: those come at no extra cost
         mean_us = max(prefill_tokens - pace, 0) * cost.marginal_row_us(n + pace)
         finish, var_us2, done_steps, k, steps_us = {}, 0.0, 0, cost.num_deviations, cost.steps_us
         finish_ns = _finish_ns(now_ns, mean_us, var_us2, k)
-        for i, (steps, final_context, key) in enumerate(order):
+        for i, (steps, final_context, key, extra) in enumerate(order):
             if steps > done_steps:
                 phase_us, phase_var = steps_us(steps - done_steps, n - i + pace, context_left)
+                phase_us += (steps - done_steps) * extra_left * cost.ratio if extra_left else 0.0
                 mean_us, var_us2, done_steps = mean_us + phase_us, var_us2 + phase_var, steps
                 finish_ns = _finish_ns(now_ns, mean_us, var_us2, k)
             finish[key] = finish_ns
             context_left -= final_context
+            extra_left -= extra
         return finish
 
     def earliest_finish(self, c: Commitment, now_ns: int) -> int:
@@ -93,7 +98,11 @@ class Predictor:
         (finish_times never predicts less: every phase up to its finish is at least that)."""
         cost = self.cost
         steps = _steps_left(c.num_remaining_tokens, c.num_prefill_tokens, self.config.max_num_batched_tokens)
-        raw_us = self._cheapest_step_us() + c.final_context * cost.us_per_context_token
+        raw_us = (
+            self._cheapest_step_us()
+            + c.final_context * cost.us_per_context_token
+            + cost.extra_row_us(c.masked, c.logprobs)
+        )
         mean_us, var_us2 = steps * raw_us * cost.ratio, steps * (raw_us * cost.deviation) ** 2
         return _finish_ns(now_ns, mean_us, var_us2, cost.num_deviations)
 
@@ -141,6 +150,8 @@ def progressed(admitted: list[Commitment], finishes: dict[str, int], now_ns: int
                 max_tokens,
                 c.deadline_ns,
                 generated + remaining * (at_ns - now_ns) // max(finish_ns - now_ns, 1),
+                masked=c.masked,
+                logprobs=c.logprobs,
             )
         )
     return later
@@ -155,7 +166,16 @@ def from_their_time(predictor: Predictor, due: list[Commitment], at_ns: int, num
     shifted = []
     for r in due:
         steps_before = int((r.reserved_from_ns - at_ns) // step_ns) if r.reserved_from_ns > at_ns else 0
-        shifted.append(Commitment(r.key, r.num_prompt_tokens, r.max_tokens + steps_before, r.deadline_ns))
+        shifted.append(
+            Commitment(
+                r.key,
+                r.num_prompt_tokens,
+                r.max_tokens + steps_before,
+                r.deadline_ns,
+                masked=r.masked,
+                logprobs=r.logprobs,
+            )
+        )
     return shifted
 
 

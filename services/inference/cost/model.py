@@ -25,6 +25,9 @@ class CostModel:
     rows: list[int]  # calibration points, ascending
     row_us: list[float]  # step time at each point, context excluded
     us_per_context_token: float
+    # a row's host work beyond the calibrated (greedy, free) step: its grammar's mask, its log-probabilities
+    us_per_masked_row: float = 0.0
+    us_per_logprob_row: float = 0.0
     alpha: float = 0.05  # weight of the newest step in the running ratio
     num_deviations: float = 3.0
     ratio: float = 1.0
@@ -57,6 +60,10 @@ class CostModel:
             base = self.row_us[lo] + slope * (num_rows - self.rows[lo])
         return max(base, self.row_us[0] * 0.5)
 
+    def extra_row_us(self, masked: bool, logprobs: bool) -> float:
+        """Calibrated host time one row adds to each step it is in: its grammar's mask, its log-probabilities."""
+        return masked * self.us_per_masked_row + logprobs * self.us_per_logprob_row
+
     def step_us(self, num_rows: int, context_tokens: int = 0) -> float:
         """A cautious prediction of one step: calibrated time × (running ratio + num_deviations × deviation)."""
         return self.raw_step_us(num_rows, context_tokens) * (self.ratio + self.num_deviations * self.deviation)
@@ -72,8 +79,9 @@ class CostModel:
         """Extra time of one more row in a step that already has `num_rows`."""
         return max(self.step_us(num_rows + 1) - self.step_us(num_rows), 0.0)
 
-    def observe(self, num_rows: int, context_tokens: int, measured_us: int) -> None:
-        raw = self.raw_step_us(num_rows, context_tokens)
+    def observe(self, num_rows: int, context_tokens: int, measured_us: int, extra_us: float = 0.0) -> None:
+        """A measured step; `extra_us` is the calibrated host time of its masked and log-probability rows."""
+        raw = self.raw_step_us(num_rows, context_tokens) + extra_us
         if raw <= 0:
             return
         with self._lock:
@@ -100,6 +108,8 @@ class CostModel:
             "rows": self.rows,
             "row_us": [round(u, 1) for u in self.row_us],
             "us_per_context_token": self.us_per_context_token,
+            "us_per_masked_row": round(self.us_per_masked_row, 1),
+            "us_per_logprob_row": round(self.us_per_logprob_row, 1),
             "ratio": round(self.ratio, 4),
             "deviation": round(self.deviation, 4),
             "num_observed": self.num_observed,

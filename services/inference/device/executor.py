@@ -23,7 +23,7 @@ from .loader import Checkpoint
 from .model import Transformer
 from .nvml import gpu_facts
 from .packed import pack_model
-from .sampler import sample
+from .sampler import draw_step
 from .spec import Device, ExecutorConfig, StepResult
 
 log = structlog.get_logger(__name__)
@@ -143,15 +143,15 @@ class Executor:
             start.record()
             logits, padded, used_graph = self._forward(step)
             end.record()
-            sampled = self._sample(step, logits)
+            sampled, logprobs, errors, masked = self._sample(step, logits)
             end.synchronize()
             device_us = round(start.elapsed_time(end) * 1000)
         else:
             t0 = time.perf_counter_ns()
             logits, padded, used_graph = self._forward(step)
-            sampled = self._sample(step, logits)
+            sampled, logprobs, errors, masked = self._sample(step, logits)
             device_us = (time.perf_counter_ns() - t0) // 1000
-        return StepResult(sampled, device_us, padded, used_graph)
+        return StepResult(sampled, device_us, padded, used_graph, logprobs, errors, masked)
 
     @torch.inference_mode()
     def probe(self) -> None:
@@ -172,12 +172,21 @@ class Executor:
         with attention_kernels(self.device):
             return self._eager(step), step.num_seqs, False
 
-    def _sample(self, step: SchedulerOutput, logits: torch.Tensor) -> dict[str, int]:
-        sample_seqs = [s for s in (*step.decodes, *step.prefills) if s.sample]
-        tokens = sample(
-            logits, [s.request.sampling for s in sample_seqs], [s.request.num_output_tokens for s in sample_seqs]
+    def _sample(
+        self, step: SchedulerOutput, logits: torch.Tensor
+    ) -> tuple[dict[str, int], dict[str, tuple], dict[str, str], int]:
+        """(call id -> token, call id -> its log-probabilities, call id -> why its grammar failed, masked rows)."""
+        seqs = [s for s in (*step.decodes, *step.prefills) if s.sample]
+        requests = [s.request for s in seqs]
+        matchers = [r.matcher for r in requests] if any(r.matcher is not None for r in requests) else None
+        draws = draw_step(logits, [r.sampling for r in requests], [r.num_output_tokens for r in requests], matchers)
+        ids = [r.call_id for r in requests]
+        return (
+            dict(zip(ids, draws.tokens)),
+            {ids[row]: lp for row, lp in draws.logprobs.items()},
+            {ids[row]: why for row, why in draws.grammar_errors.items()},
+            len(matchers) - matchers.count(None) if matchers is not None else 0,
         )
-        return {s.request.call_id: t for s, t in zip(sample_seqs, tokens)}
 
     def _eager(self, step: SchedulerOutput) -> torch.Tensor:
         tokens, positions, slots, rows, chunks = [], [], [], [], []

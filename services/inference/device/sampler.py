@@ -3,19 +3,39 @@
 Randomness is a pure function of (request seed, index of the token being drawn): one uniform number drawn
 by inverse CDF. A request's tokens therefore do not depend on which other requests share its batch.
 
-Whatever the device, the device computes the argmax and picks out the rows to sample, one copy brings them to
-the host, and every draw is made there on fp32: one host sync per step, and the same logits draw the same
-token on a CPU and on a GPU.
+Whatever the device, the device computes the argmax and picks out the rows to draw on the host (sampled,
+constrained or reporting log-probabilities), one copy brings them to the host, and every draw is made there on
+fp32: one host sync per step, and the same logits draw the same token on a CPU and on a GPU.
+
+A constrained row's grammar matcher (grammar.py, llguidance) writes the tokens it allows as a bitmask; the
+disallowed logits become -inf before temperature, top-k, top-p and the draw, so every mode draws inside the
+grammar, and the matcher takes the token drawn. Log-probabilities come from that same masked, scaled distribution.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import torch
 
 from ..sched.request import SamplingParams
+
+if TYPE_CHECKING:
+    from ..grammar import Matcher
+
+# (the drawn token's log-probability, the top alternatives as (token id, log-probability), most likely first)
+TokenLogprob = tuple[float, tuple[tuple[int, float], ...]]
+
+
+class StepDraws(NamedTuple):
+    tokens: list[int]  # one per row
+    logprobs: dict[int, TokenLogprob]  # by row, for the rows that asked
+    grammar_errors: dict[int, str]  # by row: the matcher failed (its limits); the row's token is meaningless
+
 
 _FIRST_NUCLEUS_K = 256
 
@@ -59,9 +79,10 @@ def _nucleus(probs: torch.Tensor, ids: torch.Tensor, top_p: float) -> tuple[torc
 def to_host(
     logits: torch.Tensor, params: Sequence[SamplingParams]
 ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
-    """logits [N, V] fp32 on the step's device -> (argmax [N] on the host, the rows to sample, their logits
-    [len(rows), V] on the host, or None when every row is greedy). The only part that touches the device."""
-    rows = [i for i, p in enumerate(params) if not p.greedy]
+    """logits [N, V] fp32 on the step's device -> (argmax [N] on the host, the rows to draw on the host, their
+    logits [len(rows), V] on the host, or None when every row is greedy and plain). The only part that touches
+    the device."""
+    rows = [i for i, p in enumerate(params) if p.on_host]
     argmax = torch.argmax(logits, dim=-1)
     if not rows:
         return argmax.cpu(), rows, None
@@ -85,13 +106,89 @@ def draw(scaled: torch.Tensor, params: SamplingParams, index: int) -> int:
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], draw_index: Sequence[int]) -> list[int]:
     """logits [N, V] fp32 on any device -> one token per row; row i draws its draw_index[i]-th random number."""
+    return draw_step(logits, params, draw_index).tokens
+
+
+def draw_step(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    draw_index: Sequence[int],
+    matchers: Sequence[Matcher | None] | None = None,
+) -> StepDraws:
+    """logits [N, V] fp32 on any device -> one token per row, row i drawing its draw_index[i]-th random number
+    under its grammar matcher (matchers[i], None for a free row), which then takes the token; and the
+    log-probabilities of the rows that asked for them."""
     argmax, rows, host = to_host(logits, params)
-    tokens = argmax.tolist()
+    tokens, logprobs, errors = argmax.tolist(), {}, {}
+    failed: dict[int, str] = {}
+    if matchers is not None and host is not None:
+        failed = mask(host, [matchers[row] for row in rows])
     for k, row in enumerate(rows):
-        p = params[row]
-        scaled = host[k] / p.temperature
-        # a temperature so small that the scaled logits overflow draws the argmax, which is what it tends to
-        # (and what softmax of infinities, NaN, cannot draw)
-        if bool(torch.isfinite(scaled).all()):
+        p, matcher = params[row], matchers[row] if matchers is not None else None
+        if k in failed:
+            errors[row] = failed[k]
+            continue
+        row_logits = host[k]
+        scaled = row_logits if p.greedy else row_logits / p.temperature
+        if p.greedy:
+            tokens[row] = int(torch.argmax(scaled)) if matcher is not None else tokens[row]
+        elif _drawable(scaled, matcher is not None):
             tokens[row] = draw(scaled, p, draw_index[row])
-    return tokens
+        else:
+            # a temperature so small that the scaled logits overflow draws the argmax, which is what it tends to
+            # (and what softmax of infinities, NaN, cannot draw)
+            tokens[row] = int(torch.argmax(row_logits))
+        if p.logprobs:
+            logprobs[row] = token_logprob(scaled, tokens[row], p.top_logprobs)
+        if matcher is not None and not matcher.consume(tokens[row]):
+            errors[row] = matcher.error or f"the grammar refused token {tokens[row]}"
+    return StepDraws(tokens, logprobs, errors)
+
+
+def _drawable(scaled: torch.Tensor, masked: bool) -> bool:
+    """No logit overflowed to +inf or NaN (a mask's -inf is a probability of 0, not an overflow)."""
+    if not masked:
+        return bool(torch.isfinite(scaled).all())
+    return math.isfinite(float(scaled.max()))  # max is NaN if any is, +inf if any is, finite if some token is allowed
+
+
+def mask(host: torch.Tensor, matchers: Sequence[Matcher | None]) -> dict[int, str]:
+    """Sets the logits [N, V] fp32 on the host of every row with a matcher to -inf wherever its grammar does not allow
+    the token next, all rows at once; returns the rows whose matcher failed (its per-token limits) or allows nothing,
+    with why. (The logits are the step's own, used for nothing after the draw: masked in place.)"""
+    constrained = [(k, m) for k, m in enumerate(matchers) if m is not None]
+    if not constrained:
+        return {}
+    num_words = (constrained[0][1].vocab_size + 31) // 32  # one tokenizer: one mask size
+    words = torch.empty((len(constrained), num_words), dtype=torch.int32)
+    row_bytes, base = num_words * 4, words.data_ptr()
+    failed = {}
+    for i, (k, matcher) in enumerate(constrained):
+        matcher.fill_mask(base + i * row_bytes, row_bytes)
+        if matcher.error:
+            failed[k] = matcher.error
+    # bit j of word w allows token 32 w + j: [C, W] int32 -> [C, 32 W] bits, cut or padded to the model's vocabulary
+    bits = np.unpackbits(words.numpy().view(np.uint8), axis=1, bitorder="little")
+    vocab = host.shape[1]
+    allowed = torch.from_numpy(bits[:, :vocab]).bool()
+    if allowed.shape[1] < vocab:  # model rows with no token in the tokenizer: never allowed
+        allowed = torch.cat((allowed, torch.zeros(len(constrained), vocab - allowed.shape[1], dtype=torch.bool)), 1)
+    if len(constrained) == host.shape[0]:  # every row: no gather and scatter
+        host.masked_fill_(~allowed, float("-inf"))
+    else:
+        index = torch.tensor([k for k, _ in constrained])
+        host[index] = host[index].masked_fill_(~allowed, float("-inf"))
+    for i in (~allowed.any(dim=1)).nonzero().flatten().tolist():
+        failed.setdefault(constrained[i][0], "the grammar allows no token")
+    return failed
+
+
+def token_logprob(scaled: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """Scaled logits [V] fp32 -> the log-probability of `token` and of the `top` most likely tokens, over the
+    whole vocabulary (a masked token is -inf: probability 0)."""
+    logp = torch.log_softmax(scaled, dim=-1)
+    alternatives: tuple[tuple[int, float], ...] = ()
+    if top > 0:
+        values, ids = torch.topk(logp, min(top, logp.shape[0]))
+        alternatives = tuple((int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist()) if v != float("-inf"))
+    return float(logp[token]), alternatives

@@ -4,7 +4,7 @@ and what a step measured. No torch here, so the server process and the step loop
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -32,10 +32,16 @@ class Device:
 
 @dataclass(frozen=True)
 class StepResult:
-    sampled: dict[str, int]  # request id -> new token
-    device_time_us: int  # measured: CUDA events around the forward on a GPU, a clock around the step on CPU
+    sampled: dict[str, int]  # call id -> new token
+    # measured: CUDA events around the forward on a GPU (the host's sampling and grammar masks run while the
+    # device idles, outside it), a clock around the whole step on a CPU (its cores mask and sample: inside it)
+    device_time_us: int
     num_padded_seqs: int  # sequences the step computed, padding of a graph bucket included
     used_graph: bool
+    # call id -> (the token's log-probability, the top alternatives): the calls that asked (sampler.TokenLogprob)
+    logprobs: dict[str, tuple] = field(default_factory=dict)
+    grammar_errors: dict[str, str] = field(default_factory=dict)  # call id -> why its grammar's matcher failed
+    num_masked_rows: int = 0  # rows drawn under a grammar's mask (the cost model's us_per_masked_row each)
 
 
 class InjectedDeviceFault(RuntimeError):

@@ -5,10 +5,12 @@ from __future__ import annotations
 import itertools
 import random
 import statistics
+from dataclasses import replace
 
 import structlog
 
 from ..cost.model import CostModel, fit_context_cost
+from ..grammar import ConstraintKind, make_constraint
 from ..sched.request import Request, SamplingParams
 from .engine import Engine, RequestOutput
 
@@ -20,8 +22,21 @@ class _Discard:
         pass
 
 
-def _decode_step_us(engine: Engine, batch: int, prompt_len: int, num_steps: int, rng: random.Random) -> float:
-    """Median interval of decode-only steps with `batch` requests whose context is about `prompt_len`."""
+GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)  # frozen: a shared default is safe
+# What a constrained row costs is calibrated on a realistic schema (objects in an array, strings, integers, an enum):
+# its mask varies with where the output is in the grammar, and a run of steps walks through several places.
+CALIBRATION_SCHEMA = (
+    '{"type": "object", "properties": {"items": {"type": "array", "items": {"type": "object", "properties": '
+    '{"name": {"type": "string"}, "qty": {"type": "integer", "minimum": 1}, "kind": {"enum": ["tool", "part"]}}, '
+    '"required": ["name", "qty", "kind"]}}}, "required": ["items"]}'
+)
+
+
+def _decode_step_us(
+    engine: Engine, batch: int, prompt_len: int, num_steps: int, rng: random.Random, sampling: SamplingParams = GREEDY
+) -> float:
+    """Median interval of decode-only steps with `batch` requests whose context is about `prompt_len`, each drawn
+    with `sampling` (its max_tokens aside)."""
     vocab = engine.executor.model.args.vocab_size
     # the first requests decode while later prompts are still filled in chunks: outlast that
     prefill_steps = -(-batch * prompt_len // engine.scheduler.config.max_num_batched_tokens)
@@ -30,7 +45,7 @@ def _decode_step_us(engine: Engine, batch: int, prompt_len: int, num_steps: int,
         request = Request(
             f"calibrate-{batch}-{prompt_len}-{i}",
             prompt,
-            SamplingParams(max_tokens=prefill_steps + num_steps + 1, temperature=0.0, ignore_eos=True),
+            replace(sampling, max_tokens=prefill_steps + num_steps + 1),
             engine.clock(),
         )
         engine.add_request(request, _Discard())
@@ -84,7 +99,29 @@ def calibrate(engine: Engine, num_steps: int = 6, repeats: int = 3, seed: int = 
     short_us = row_us[rows.index(batch)] if batch in rows else _decode_step_us(engine, batch, 4, num_steps, rng)
     long_us = _decode_step_us(engine, batch, long_ctx, num_steps, rng)
     per_ctx = fit_context_cost(batch * 4, short_us, batch * long_ctx, long_us)
+    masked_us, logprob_us = _extra_row_us(engine, batch, short_us, num_steps, rng)
     # a bigger step never takes less time; noise must not make the curve dip
-    model = CostModel(rows=rows, row_us=list(itertools.accumulate(row_us, max)), us_per_context_token=per_ctx)
+    model = CostModel(
+        rows=rows,
+        row_us=list(itertools.accumulate(row_us, max)),
+        us_per_context_token=per_ctx,
+        us_per_masked_row=masked_us,
+        us_per_logprob_row=logprob_us,
+    )
     log.info("cost_model_calibrated", **model.to_dict())
     return model
+
+
+def _extra_row_us(
+    engine: Engine, batch: int, plain_us: float, num_steps: int, rng: random.Random
+) -> tuple[float, float]:
+    """The host time one row adds to a decode step of `batch` rows (whose plain step takes `plain_us`): under a
+    grammar's mask (CALIBRATION_SCHEMA, compiled first, as a call's is before its first step), and reporting
+    20 log-probabilities. Each is that batch's step, every row so drawn, less the plain step, per row."""
+    constraint = make_constraint(ConstraintKind.JSON_SCHEMA, CALIBRATION_SCHEMA, engine.grammars.limits)
+    masked = SamplingParams(temperature=0.0, ignore_eos=True, constraint=constraint)
+    _decode_step_us(engine, 1, 4, 2, rng, masked)  # the compile, and the matcher's first masks, stay out
+    masked_us = _decode_step_us(engine, batch, 4, num_steps, rng, masked)
+    logprobs = SamplingParams(temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=20)
+    logprob_us = _decode_step_us(engine, batch, 4, num_steps, rng, logprobs)
+    return max(masked_us - plain_us, 0.0) / batch, max(logprob_us - plain_us, 0.0) / batch

@@ -19,8 +19,8 @@ from services import errors
 
 from ..sched.request import FinishReason, Request, RequestStatus
 from .core import engine_main
-from .digest import EndedRequest, StepDigest
-from .engine import OutputSink, RequestOutput, StepObserver
+from .digest import EndedRequest, StepDigest, StepObserver
+from .engine import OutputSink, RequestOutput
 from .handle import OnLost, OnVerdict
 from .messages import (
     DEVICE_FAULT_EXIT,

@@ -23,14 +23,17 @@ import structlog
 
 from services.logs import configure_logging
 
+from ..chat import ChatTemplate, stop_token_ids
 from ..cost.model import CostModel
 from ..device.cpus import allowed_cpus, engine_threads, pin, split_cpus
+from ..grammar import GrammarLimits
 from ..health.faults import Fault, FaultyExecutor
 from ..health.state import DeviceState
 from ..health.watchdog import Watchdog, WatchedExecutor, probe_us
 from .calibration import calibrate
-from .digest import step_wire
-from .engine import Engine, RequestOutput, StepReport, StepSink
+from .digest import StepReport, StepSink, step_wire
+from .engine import Engine, RequestOutput
+from .grammars import GrammarBook
 from .messages import (
     DEVICE_FAULT_EXIT,
     Add,
@@ -113,9 +116,16 @@ def build_engine(
     checkpoint = checkpoint or load_checkpoint(spec.model_dir, spec.dtype)
     executor = (spec.make_executor or Executor)(checkpoint, spec.executor)
 
+    tokenizer, eos = checkpoint.tokenizer, checkpoint.eos_token_ids
+    chat = ChatTemplate.from_dir(checkpoint.path)
+    # a grammar's output may end where a chat turn ends, as well as at end-of-sequence
+    grammar_stops = (*eos, *(stop_token_ids(chat, tokenizer) if chat is not None else ()))
+
     def make_engine(executor, **serving) -> Engine:
-        tokenizer, eos = checkpoint.tokenizer, checkpoint.eos_token_ids
-        return Engine(executor, tokenizer, eos, max_num_batched_tokens=spec.max_num_batched_tokens, **serving)
+        grammars = GrammarBook(tokenizer, grammar_stops, GrammarLimits())
+        return Engine(
+            executor, tokenizer, eos, max_num_batched_tokens=spec.max_num_batched_tokens, grammars=grammars, **serving
+        )
 
     warming = make_engine(executor)
     ready = Ready(
@@ -129,6 +139,8 @@ def build_engine(
             cost_rows=tuple(cost.rows),
             cost_row_us=tuple(cost.row_us),
             cost_us_per_context_token=cost.us_per_context_token,
+            cost_us_per_masked_row=cost.us_per_masked_row,
+            cost_us_per_logprob_row=cost.us_per_logprob_row,
         )
         if spec.pace_tokens:  # a copy of the calibration, which the pacer scales by the steps it measures
             pacer = Pacer(CostModel(list(cost.rows), list(cost.row_us), cost.us_per_context_token), spec.pace_tokens)
@@ -139,6 +151,7 @@ def build_engine(
         executor = WatchedExecutor(_faulty(executor, spec.fault), watchdog, cost, expected_probe_us)
     else:
         executor = _faulty(executor, spec.fault)
+    warming.grammars.close()  # its compiles were calibration's
     engine = make_engine(executor, sink=sink, pacer=pacer, watchdog=watchdog, on_lost=on_lost)
     if watchdog is not None:
         watchdog.start()

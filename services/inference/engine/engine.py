@@ -11,12 +11,14 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import structlog
 
-from ..device.spec import StepResult, is_device_fault
+from ..device.spec import is_device_fault
+from ..grammar import GrammarLimits
 from ..health.watchdog import Watchdog
 from ..sched.request import FinishReason, Request, RequestStatus
 from ..sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepUpdate
 from .detokenizer import Detokenizer
-from .digest import StepDigest, ended_request
+from .digest import Observers, StepObserver, StepReport, StepSink
+from .grammars import GrammarBook
 from .pacing import Pacer
 
 if TYPE_CHECKING:
@@ -35,83 +37,11 @@ class RequestOutput(NamedTuple):
     num_output_tokens: int  # generated so far, stop tokens included
     finish_reason: FinishReason | None = None  # set on a request's last output
     first_scheduled_ns: int | None = None  # start of the first step that ran the request
+    logprobs: tuple[tuple, ...] = ()  # with SamplingParams.logprobs: one per token id (sampler.TokenLogprob)
 
 
 class OutputSink(Protocol):
     def put(self, output: RequestOutput) -> None: ...
-
-
-@dataclass(frozen=True)
-class StepReport:
-    scheduled: SchedulerOutput
-    result: StepResult | None  # None when nothing ran but requests ended (cancelled, expired)
-    updates: tuple[StepUpdate, ...]
-    ended: tuple[Request, ...]  # requests that finished, were cancelled or expired in this step
-    began_ns: int  # step() entered: taking new requests and scheduling count too
-    started_ns: int  # handed to the executor
-    ended_ns: int
-    num_unfinished: int  # requests still in the engine after this step
-    paced_ns: int = 0  # the engine idled this long on purpose (paced steps) before this step
-
-    @property
-    def interval_ns(self) -> int:
-        return self.ended_ns - self.began_ns
-
-
-class StepObserver(Protocol):
-    """Sees every step before its outputs are emitted (the meter must record usage before a final message)."""
-
-    def on_step(self, digest: StepDigest) -> None: ...
-
-    def on_idle(self, now_ns: int) -> None: ...
-
-
-class StepSink(Protocol):
-    """Where the engine hands each step: its report before the step's outputs are emitted (so usage is recorded
-    before a final message), `flush` once they are, and `on_idle` while there is no work. On the engine's
-    thread that is `Observers`; in the engine process, the relay to the server (core.py)."""
-
-    def report(self, report: StepReport, num_free_slots: int) -> None: ...
-
-    def flush(self) -> None: ...
-
-    def on_idle(self, now_ns: int) -> None: ...
-
-
-class Observers:
-    """The in-thread sink: builds each step's digest and hands it to the observers on the engine's thread."""
-
-    def __init__(self, observers: list[StepObserver]) -> None:
-        self.observers = observers  # the engine's own list: observers added to it later are heard too
-
-    def report(self, report: StepReport, num_free_slots: int) -> None:
-        if not self.observers:
-            return
-        decodes, prefills = report.scheduled.decodes, report.scheduled.prefills
-        # list comprehensions: this runs every step, and they take 2/3 of the time of unpacked generators
-        work = tuple(
-            [(s.request.call_id, 1) for s in decodes] + [(s.request.call_id, len(s.token_ids)) for s in prefills]
-        )
-        digest = StepDigest(
-            report.began_ns,
-            report.ended_ns,
-            report.result is not None,
-            work,
-            report.scheduled.context_tokens,
-            tuple([ended_request(r) for r in report.ended]),
-            report.num_unfinished,
-            num_free_slots,
-            report.paced_ns,
-        )
-        for observer in self.observers:
-            observer.on_step(digest)
-
-    def flush(self) -> None:
-        pass
-
-    def on_idle(self, now_ns: int) -> None:
-        for observer in self.observers:
-            observer.on_idle(now_ns)
 
 
 @dataclass
@@ -133,6 +63,7 @@ class Engine:
         pacer: Pacer | None = None,
         watchdog: Watchdog | None = None,
         on_lost: Callable[[str], None] | None = None,
+        grammars: GrammarBook | None = None,
     ) -> None:
         self.executor = executor
         self.tokenizer = tokenizer
@@ -151,6 +82,8 @@ class Engine:
         self.pacer = pacer  # paced steps (pacing.py); None: each step starts when the last ends
         self.on_lost = on_lost  # the loop stopped on a device fault (called on the engine's thread)
         self.watchdog = watchdog  # it times the executor (health/watchdog.py); the idle device is probed
+        # structured output: constrained calls wait here for their grammar's compile, outside the scheduler
+        self.grammars = grammars or GrammarBook(tokenizer, self.eos_token_ids, GrammarLimits())
         self._idle_told_ns = 0
         self._paced_ns = 0  # idled out since the last reported step
         self._streams: dict[str, _Stream] = {}
@@ -194,6 +127,7 @@ class Engine:
             self._thread.join(timeout_s)
         if self.watchdog is not None:
             self.watchdog.stop()
+        self.grammars.close()
 
     # ---- engine thread ----
     def step(self) -> StepReport | None:
@@ -207,12 +141,22 @@ class Engine:
         cancelled = self._drain_inbox()
         # a request whose deadline falls before the next step could end is over: end it now, so its caller
         # hears DEADLINE_EXCEEDED from us before its own timer fires
-        scheduled = self.scheduler.schedule(began_ns, max(self.expiry_guard_ns, self.last_interval_ns * 3 // 2))
+        guard_ns = max(self.expiry_guard_ns, self.last_interval_ns * 3 // 2)
+        if self.grammars.waiting:
+            cancelled += self.grammars.schedule_compiled(self.scheduler, began_ns, guard_ns)
+        scheduled = self.scheduler.schedule(began_ns, guard_ns)
         started_ns, result, updates, texts = self.clock(), None, (), {}
         if not scheduled.is_empty:
             result = self.executor.run(scheduled)
-            updates = tuple(self.scheduler.update_from_output(scheduled, result.sampled))
+            sampled = result.sampled
+            if result.grammar_errors:  # a failed matcher's token is meaningless: the call ends without it
+                sampled = {k: t for k, t in sampled.items() if k not in result.grammar_errors}
+            updates = tuple(self.scheduler.update_from_output(scheduled, sampled))
+            if any(u.request.matcher is not None for u in updates):
+                self.grammars.end_outputs(self.scheduler, updates, result.grammar_errors)
             texts = self._detokenize(updates)
+        elif self.grammars.waiting and not cancelled:
+            self.grammars.wait(0.005)  # nothing to run but compiles: wait for one rather than spin
         ended_ns = self.clock()
         for update in updates:
             if update.new_token_id is not None and update.request.first_token_ns is None:
@@ -238,8 +182,10 @@ class Engine:
         self.sink.report(report, self.scheduler.num_free_slots)
         for request in closed:
             self._close(request, ended_ns)
+        logprobs = result.logprobs if result is not None else {}
         for update in updates:
-            self._emit(update, texts.get(update.request.call_id, ""), ended_ns)
+            call_id = update.request.call_id
+            self._emit(update, texts.get(call_id, ""), ended_ns, logprobs.get(call_id))
         return report
 
     def pace(self, report: StepReport | None) -> None:
@@ -259,7 +205,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self._inbox)
+        return self.scheduler.num_unfinished > 0 or bool(self._inbox) or bool(self.grammars.waiting)
 
     @property
     def idle_wait_s(self) -> float:
@@ -278,9 +224,9 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._wake:
-                if self._running and not self._inbox and self.scheduler.num_unfinished == 0:
+                if self._running and not self.has_work:
                     self._wake.wait(self.idle_wait_s)
-                idle = not self._inbox and self.scheduler.num_unfinished == 0
+                idle = not self.has_work
                 if idle and not self._running:
                     return
             try:
@@ -312,11 +258,14 @@ class Engine:
         cancelled = []
         for item in inbox:
             if isinstance(item, str):
-                cancelled += self.scheduler.finish_requests([item], RequestStatus.FINISHED_CANCELLED)
+                waiting = self.grammars.cancel(item) if self.grammars.waiting else None
+                status = RequestStatus.FINISHED_CANCELLED
+                cancelled += [waiting] if waiting else self.scheduler.finish_requests([item], status)
                 continue
             request, sink = item
             self._streams[request.call_id] = _Stream(sink, Detokenizer(self.tokenizer, request.sampling.stop))
-            self.scheduler.add_request(request)
+            if request.sampling.constraint is None or self.grammars.take(request):
+                self.scheduler.add_request(request)
         return cancelled
 
     def _detokenize(self, updates: tuple[StepUpdate, ...]) -> dict[str, str]:
@@ -337,7 +286,7 @@ class Engine:
                 self.scheduler.finish_requests([request.call_id], RequestStatus.FINISHED_STOPPED)
         return texts
 
-    def _emit(self, update: StepUpdate, text: str, time_ns: int) -> None:
+    def _emit(self, update: StepUpdate, text: str, time_ns: int, logprob: tuple | None) -> None:
         request, token = update.request, update.new_token_id
         streamed = token is not None and token not in request.sampling.stop_token_ids
         stream = self._streams[request.call_id]
@@ -353,6 +302,7 @@ class Engine:
             request.num_output_tokens,
             request.status.finish_reason,
             request.first_scheduled_ns,
+            (logprob,) if streamed and logprob is not None else (),
         )
         if output.token_ids or output.text or output.finish_reason:
             stream.sink.put(output)
@@ -375,7 +325,7 @@ class Engine:
     def fail_all(self) -> None:
         """After a failed step: every request ends with "error", the sink first, then its stream."""
         ids = [r.call_id for r in (*self.scheduler.running, *self.scheduler.waiting)]
-        failed = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        failed = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR) + self.grammars.fail_all()
         now_ns = self.clock()
         empty = SchedulerOutput((), (), ())
         try:

@@ -14,7 +14,8 @@ from typing import Protocol
 
 from ..health.state import DeviceState
 from ..sched.request import Request
-from .engine import OutputSink, StepObserver
+from .digest import StepObserver
+from .engine import OutputSink
 from .messages import Ready
 
 OnLost = Callable[[str], None]

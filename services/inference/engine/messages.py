@@ -56,6 +56,8 @@ class Ready:
     cost_rows: tuple[int, ...] = ()  # the calibrated cost model, empty without calibration
     cost_row_us: tuple[float, ...] = ()
     cost_us_per_context_token: float = 0.0
+    cost_us_per_masked_row: float = 0.0
+    cost_us_per_logprob_row: float = 0.0
     engine_cpus: tuple[int, ...] = ()  # with pin_cpus: the engine process's cores, and the server's
     server_cpus: tuple[int, ...] = ()
 

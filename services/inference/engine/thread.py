@@ -11,7 +11,8 @@ from collections.abc import Callable
 from ..health.state import DeviceState
 from ..sched.request import Request
 from .core import build_engine
-from .engine import Engine, OutputSink, StepObserver
+from .digest import StepObserver
+from .engine import Engine, OutputSink
 from .handle import OnLost, OnVerdict
 from .messages import EngineSpec, Ready
 

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..grammar import Constraint
 
 
 class RequestStatus(enum.IntEnum):
@@ -16,6 +20,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_CANCELLED = 4
     FINISHED_EXPIRED = 5
     FINISHED_ERROR = 6
+    FINISHED_GRAMMAR = 7  # its grammar's matcher failed mid-output (its per-token limits): the caller's grammar
 
     @property
     def is_finished(self) -> bool:
@@ -35,6 +40,7 @@ class FinishReason(enum.StrEnum):
     CANCELLED = "cancelled"
     DEADLINE_EXCEEDED = "deadline_exceeded"
     ERROR = "error"
+    GRAMMAR = "grammar"  # the response_format's grammar went past its per-token limits: the call ends there
 
 
 _FINISH_REASONS = {
@@ -43,6 +49,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_CANCELLED: FinishReason.CANCELLED,
     RequestStatus.FINISHED_EXPIRED: FinishReason.DEADLINE_EXCEEDED,
     RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+    RequestStatus.FINISHED_GRAMMAR: FinishReason.GRAMMAR,
 }
 
 
@@ -56,10 +63,19 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = frozenset()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # keep going past end-of-sequence (benchmarks, calibration)
+    constraint: Constraint | None = None  # structured output: every token is drawn under its grammar's mask
+    logprobs: bool = False  # report each drawn token's log-probability
+    top_logprobs: int = 0  # and of this many most likely tokens (needs logprobs)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def on_host(self) -> bool:
+        """Its row's logits go to the host every step: it samples, or its grammar masks them, or it reports
+        log-probabilities (a greedy row is drawn by the device's argmax alone)."""
+        return not self.greedy or self.constraint is not None or self.logprobs
 
 
 @dataclass(eq=False)
@@ -75,6 +91,9 @@ class Request:
     slot: int | None = None
     first_scheduled_ns: int | None = None  # start of the first step that ran it
     first_token_ns: int | None = None  # end of the step that produced its first token
+    # its grammar's matcher (an llguidance.LLMatcher), the engine's own, set when the engine takes a constrained
+    # request in; advanced by the sampler with every token drawn. Never crosses the pipe.
+    matcher: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:
