@@ -169,6 +169,8 @@ _WHY = {
     "are kept for tenants under theirs (its run would end in {finish} ms of a {budget} ms budget)",
     RefusalCause.PRIORITY: "what is free on this replica is headroom kept for a higher-priority class of service "
     "that is active (its run would end in {finish} ms of a {budget} ms budget)",
+    RefusalCause.COMPILES: "the replica is compiling as many new response_format grammars as it compiles at once "
+    "(a {budget} ms budget)",
 }
 
 
@@ -213,18 +215,43 @@ class ServiceClassRefused(InvalidArgument):
         self.metadata = metadata
 
 
+class GrammarFailed(InvalidArgument):
+    """The call's response_format grammar went past its per-token limits while the call ran (grammar.py
+    GrammarLimits: a grammar whose next-token mask costs too much to compute). The call ended there, alone, and is
+    billed for what ran; the same response_format will fail the same way."""
+
+    reason = "GRAMMAR_LIMITS"
+
+    def __init__(self, field: str, description: str) -> None:
+        super().__init__([FieldViolation(field, description)])
+
+
 class DeadlineInfeasible(ServiceError):
-    """Even an idle server could not finish inside the budget: retrying with it is pointless."""
+    """Even an idle server could not finish inside the budget: retrying with it is pointless. `compile_ms`: the
+    call's response_format alone takes about this long to compile (server and engine), longer than its budget
+    allows; the minimum budget is then at least that (its run comes on top). `still_compiling`: the compile that ran
+    out of the budget goes on, and later calls with the same response_format find it compiled."""
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED
     reason = "DEADLINE_INFEASIBLE"
 
-    def __init__(self, budget_ms: int, min_budget_ms: int) -> None:
-        super().__init__(
-            f"a budget of {budget_ms} ms cannot be met even on an idle server; "
-            f"the minimum feasible budget is {min_budget_ms} ms",
-            {"min_budget_ms": str(min_budget_ms), "budget_ms": str(budget_ms)},
-        )
+    def __init__(
+        self, budget_ms: int, min_budget_ms: int, compile_ms: int | None = None, still_compiling: bool = False
+    ) -> None:
+        metadata = {"min_budget_ms": str(min_budget_ms), "budget_ms": str(budget_ms)}
+        if compile_ms is None:
+            why = f"the minimum feasible budget is {min_budget_ms} ms"
+        else:
+            metadata["compile_ms"] = str(compile_ms)
+            why = (
+                f"compiling its response_format takes about {compile_ms} ms, so the minimum feasible budget is "
+                f"more than {min_budget_ms} ms"
+            ) + (
+                "; the compile goes on, and calls with the same response_format will find it compiled"
+                if still_compiling
+                else ""
+            )
+        super().__init__(f"a budget of {budget_ms} ms cannot be met even on an idle server; {why}", metadata)
 
 
 class DeadlineExpired(ServiceError):

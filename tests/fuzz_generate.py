@@ -15,6 +15,8 @@ from collections.abc import Iterator
 
 from zeroqueue.inference.v1 import inference_pb2 as pb
 
+from tests import fuzz_formats
+
 # the wire helpers and the judging of answers live beside this module; they are named here too, as callers import
 # them from here
 from tests.fuzz_outcomes import SOFT_METADATA_BYTES, Outcome, Tally, send, status_bytes  # noqa: F401
@@ -150,6 +152,7 @@ class GenerateFuzzer:
         # a fresh id: a reused one may meet its own earlier call in flight (ALREADY_EXISTS, not a bug)
         if rng.random() < 0.5:
             message.request_id = f"fuzz-{self.seed}-{rng.getrandbits(64):016x}"
+        fuzz_formats.add_valid(rng, message)
         return message
 
     # --- one mutation per GenerateRequest field -------------------------------------------------------------------
@@ -265,6 +268,18 @@ class GenerateFuzzer:
                 self._long(rng),
             )
         )
+
+    def _mutate_messages(self, rng, m) -> None:
+        fuzz_formats.mutate_messages(rng, m, self._long(rng, "x y"))
+
+    def _mutate_response_format(self, rng, m) -> None:
+        fuzz_formats.mutate_response_format(rng, m)
+
+    def _mutate_logprobs(self, rng, m) -> None:
+        fuzz_formats.mutate_logprobs(rng, m)
+
+    def _mutate_top_logprobs(self, rng, m) -> None:
+        fuzz_formats.mutate_top_logprobs(rng, m)
 
     def _mutate_labels(self, rng, m) -> None:
         m.labels.clear()

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from billing.records import UsageRecord
+from billing.records import RequestKind, UsageRecord
 
 from .meter import RecordContext
 from .sched.request import FinishReason, Request, SamplingParams
@@ -28,6 +28,7 @@ class GenerateSpec:
     labels: Mapping[str, str]
     retry_attempt: int = 0
     service_class: str = ""  # the class the request named (its size and characters checked); "": none
+    kind: RequestKind = RequestKind.PLAIN  # plain, chat, constrained or both: what the usage record bills
 
 
 @dataclass
@@ -52,6 +53,7 @@ class Ticket:
     usage_on_disk: Future | None = None  # the outbox resolves it once the usage record is durable
     usage: UsageRecord | None = None
     device_failure: str | None = None  # why the call was ended when the device stopped answering
+    compile_us: int = 0  # the server's compile of its response_format before admission (0: cached, or none)
 
     @property
     def tenant(self) -> str:

@@ -8,20 +8,22 @@ import math
 import re
 import secrets
 import uuid
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
+from typing import Protocol
 
 import grpc
 from tokenizers import Tokenizer
 from zeroqueue.inference.v1 import inference_pb2 as pb
 
 from billing.errors import InvalidRecord
-from billing.records import MAX_LABEL_KEY_CHARS, MAX_LABEL_VALUE_CHARS, MAX_LABELS, freeze_labels
+from billing.records import MAX_LABEL_KEY_CHARS, MAX_LABEL_VALUE_CHARS, MAX_LABELS, RequestKind, freeze_labels
 from services import errors
 from services.errors import FieldViolation, clip
 
 from .call import GenerateSpec
+from .chat import ChatMessage, TemplateError
+from .grammar import Constraint, ConstraintKind, GrammarError
 from .sched.request import SamplingParams
 from .service import ModelCard
 
@@ -32,6 +34,48 @@ _CLASS = re.compile(r"[a-z0-9_\-]{1,32}")
 _ATTEMPT_HEADERS = ("x-retry-attempt", "grpc-previous-rpc-attempts")
 _TOKEN_ID_BYTES = 8  # a token id on the wire: a varint of at most 5 bytes, and a tag when not packed
 _SMALL_FIELDS_BYTES = 64 << 10  # every other field of a valid request together (stop strings, labels, ids: ~12 KiB)
+_MESSAGE_BYTES = 96  # a chat message's own bytes beside its content: tags, lengths, its role, a name
+_ROLES = {
+    pb.CHAT_ROLE_SYSTEM: "system",
+    pb.CHAT_ROLE_USER: "user",
+    pb.CHAT_ROLE_ASSISTANT: "assistant",
+    pb.CHAT_ROLE_TOOL: "tool",
+}
+_FORMATS = {  # the response_format oneof's field -> its constraint's kind
+    "json_object": ConstraintKind.JSON_OBJECT,
+    "json_schema": ConstraintKind.JSON_SCHEMA,
+    "regex": ConstraintKind.REGEX,
+    "lark_grammar": ConstraintKind.LARK_GRAMMAR,
+}
+_KINDS = {  # (chat, constrained) -> the kind the usage record bills
+    (False, False): RequestKind.PLAIN,
+    (True, False): RequestKind.CHAT,
+    (False, True): RequestKind.CONSTRAINED,
+    (True, True): RequestKind.CHAT_CONSTRAINED,
+}
+
+
+class Preparer(Protocol):
+    """What turns a valid request's parts into what the engine runs (the servicer, with the model's tokenizer, chat
+    template and grammar tokenizer): each is off the event loop when large."""
+
+    @property
+    def has_chat_template(self) -> bool: ...
+
+    @property
+    def chat_stop_token_ids(self) -> frozenset[int]:
+        """The tokens that end the template's assistant turn: they end a chat call (and are not streamed)."""
+        ...
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]: ...
+
+    async def render(self, messages: list[ChatMessage]) -> str:
+        """The conversation as the template renders it, with the generation prompt; TemplateError if it refuses."""
+        ...
+
+    async def constraint(self, kind: ConstraintKind, source: str) -> Constraint:
+        """The response_format's constraint; GrammarError when its text is not what its kind says."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -43,6 +87,10 @@ class RequestLimits:
     max_bytes_per_token: int = 32  # a text prompt over context × this many bytes cannot fit the context
     max_stop_strings: int = 8
     max_stop_chars: int = 64
+    max_messages: int = 256
+    max_name_chars: int = 64  # a chat message's name
+    max_format_bytes: int = 64 << 10  # a response_format's schema, regex or grammar (grammar.py GrammarLimits)
+    max_top_logprobs: int = 20
     inline_tokenize_chars: int = 1024  # longer prompts are tokenized on a worker thread (~1 ms/KiB)
     tokenize_threads: int = 2
     min_temperature: float = 1e-4  # a temperature in (0, this) samples as greedy, its limit
@@ -51,8 +99,11 @@ class RequestLimits:
         return min(self.max_prompt_bytes, context_length * self.max_bytes_per_token)
 
     def max_request_bytes(self, context_length: int) -> int:
-        """No valid GenerateRequest is larger: a full prompt or a context of token ids, and the small fields."""
-        return max(self.prompt_bytes(context_length), context_length * _TOKEN_ID_BYTES) + _SMALL_FIELDS_BYTES
+        """No valid GenerateRequest is larger: a full prompt, a conversation or a context of token ids, a
+        response_format, and the small fields."""
+        conversation = self.prompt_bytes(context_length) + self.max_messages * (_MESSAGE_BYTES + self.max_name_chars)
+        prompt = max(conversation, context_length * _TOKEN_ID_BYTES)
+        return prompt + self.max_format_bytes + _SMALL_FIELDS_BYTES
 
 
 class _Violations:
@@ -119,6 +170,10 @@ def _sampling(msg: pb.GenerateRequest, v: _Violations, limits: RequestLimits) ->
     for i, s in enumerate(stop):
         if not s or len(s) > limits.max_stop_chars:
             v.add(f"stop[{i}]", f"must be 1 to {limits.max_stop_chars} characters, got {len(s)}")
+    if not 0 <= msg.top_logprobs <= limits.max_top_logprobs:
+        v.add("top_logprobs", f"must be 0 to {limits.max_top_logprobs}, got {msg.top_logprobs}")
+    elif msg.top_logprobs and not msg.logprobs:
+        v.add("top_logprobs", "needs logprobs: true")
     seed = msg.seed if msg.HasField("seed") else secrets.randbits(63)
     return SamplingParams(
         max_tokens=max(msg.max_tokens, 1),
@@ -127,6 +182,8 @@ def _sampling(msg: pb.GenerateRequest, v: _Violations, limits: RequestLimits) ->
         top_k=max(msg.top_k, 0),
         seed=seed,
         stop=tuple(stop),
+        logprobs=msg.logprobs,
+        top_logprobs=max(msg.top_logprobs, 0) if msg.logprobs else 0,
     )
 
 
@@ -151,6 +208,52 @@ def _labels(msg: pb.GenerateRequest, v: _Violations) -> MappingProxyType:
                 v.add(field, clip(exc.message, 256))
         bad = True
     return MappingProxyType({}) if bad else freeze_labels(labels)
+
+
+def _messages(
+    msg: pb.GenerateRequest, card: ModelCard, v: _Violations, limits: RequestLimits, has_template: bool
+) -> list[ChatMessage] | None:
+    """The conversation to render; None when it is wrong. Sizes first: the number of messages, then their bytes
+    together against the prompt's bound, then each message's role and name."""
+    if not has_template:
+        v.add("messages", f"model {card.name!r} has no chat template (ListModels: has_chat_template); send a prompt")
+        return None
+    if len(msg.messages) > limits.max_messages:
+        v.add("messages", f"at most {limits.max_messages} messages, got {len(msg.messages)}", out_of_range=True)
+        return None
+    cap = limits.prompt_bytes(card.context_length)
+    size = sum(len(m.content.encode()) for m in msg.messages)
+    if size > cap:
+        v.add("messages", f"{size} bytes of content; at most {cap} for a context of {card.context_length} tokens", True)
+        return None
+    messages, ok = [], True
+    for i, m in enumerate(msg.messages):
+        role = _ROLES.get(m.role)
+        if role is None:
+            v.add(f"messages[{i}].role", f"must be one of {', '.join(_ROLES.values())} (got {m.role})")
+            ok = False
+        if len(m.name) > limits.max_name_chars:
+            v.add(f"messages[{i}].name", f"at most {limits.max_name_chars} characters, got {len(m.name)}")
+            ok = False
+        elif ok:
+            messages.append(ChatMessage(role, m.content, m.name))
+    return messages if ok else None
+
+
+def _response_format(msg: pb.GenerateRequest, v: _Violations, limits: RequestLimits) -> tuple[str, str] | None:
+    """(the response_format's field, its text), or None when there is none or it is wrong (its size first)."""
+    if not msg.HasField("response_format"):
+        return None
+    field = msg.response_format.WhichOneof("format")
+    if field is None:
+        v.add("response_format", f"set one of {', '.join(_FORMATS)}")
+        return None
+    source = "" if field == "json_object" else getattr(msg.response_format, field)
+    size = len(source.encode())
+    if size > limits.max_format_bytes:
+        v.add(f"response_format.{field}", f"{size} bytes; at most {limits.max_format_bytes}", out_of_range=True)
+        return None
+    return field, source
 
 
 def _prompt(
@@ -179,7 +282,7 @@ def _prompt(
             return None
         return tokens
     if not text:
-        v.add("prompt", "must not be empty (set prompt or prompt_token_ids)")
+        v.add("prompt", "must not be empty (set prompt, prompt_token_ids or messages)")
         return None
     cap = limits.prompt_bytes(context)
     size = len(text.encode())  # at most the request's size, which is bounded before parsing
@@ -208,21 +311,25 @@ def _check_length(tokens: tuple[int, ...], field: str, max_tokens: int, context:
 
 
 async def to_spec(
-    msg: pb.GenerateRequest,
-    card: ModelCard,
-    limits: RequestLimits,
-    metadata: tuple,
-    tokenize: Callable[[str], Awaitable[tuple[int, ...]]],
+    msg: pb.GenerateRequest, card: ModelCard, limits: RequestLimits, metadata: tuple, prepare: Preparer
 ) -> GenerateSpec:
     """Validates a GenerateRequest. Every field first, by cheap checks that bound sizes before anything costs,
-    all problems found reported together, each naming its field; only a request with none is tokenized (off
-    the loop when long), and then its length checked against the context."""
+    all problems found reported together, each naming its field; only a request with none is prepared (its
+    constraint made, its conversation rendered, its prompt tokenized: each off the loop when large), and then
+    its length checked against the context."""
     v = _Violations()
     if msg.model and msg.model != card.name:
         v.add("model", f"unknown model {clip(msg.model)!r}; this server serves {card.name!r}")
     if msg.request_id and not _REQUEST_ID.match(msg.request_id):
         v.add("request_id", "1 to 128 characters from A-Z a-z 0-9 . _ : -")
-    prompt = _prompt(msg, card, v, limits)
+    chat, prompt = None, None
+    if msg.messages and (msg.prompt or msg.prompt_token_ids):
+        v.add("messages", "set one of prompt, prompt_token_ids and messages")
+    elif msg.messages:
+        chat = _messages(msg, card, v, limits, prepare.has_chat_template)
+    else:
+        prompt = _prompt(msg, card, v, limits)
+    response_format = _response_format(msg, v, limits)
     if msg.max_tokens <= 0:
         v.add("max_tokens", f"must be >= 1, got {msg.max_tokens}")
     elif msg.max_tokens >= card.context_length:
@@ -236,13 +343,49 @@ async def to_spec(
     attempt = _retry_attempt(metadata, v)
     service_class = _service_class(msg, v)
     v.raise_if_any()
-    field = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
-    tokens = await tokenize(prompt) if isinstance(prompt, str) else prompt
+    constraint = await _constraint(response_format, prepare, v) if response_format else None
+    if chat is not None:
+        field, tokens = "messages", await _render(chat, prepare, v)
+    else:
+        field = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
+        tokens = await prepare.tokenize(prompt) if isinstance(prompt, str) else prompt
     _check_length(tokens, field, msg.max_tokens, card.context_length, v)
     v.raise_if_any()
-    return GenerateSpec(msg.request_id or uuid.uuid4().hex, tokens, sampling, labels, attempt, service_class)
+    if constraint is not None:
+        sampling = replace(sampling, constraint=constraint)
+    if chat is not None:
+        sampling = replace(sampling, stop_token_ids=sampling.stop_token_ids | prepare.chat_stop_token_ids)
+    return GenerateSpec(
+        msg.request_id or uuid.uuid4().hex,
+        tokens,
+        sampling,
+        labels,
+        attempt,
+        service_class,
+        _KINDS[chat is not None, constraint is not None],
+    )
 
 
-def encode(tokenizer: Tokenizer, text: str) -> tuple[int, ...]:
+async def _constraint(response_format: tuple[str, str], prepare: Preparer, v: _Violations) -> Constraint | None:
+    field, source = response_format
+    try:
+        return await prepare.constraint(_FORMATS[field], source)
+    except GrammarError as exc:
+        v.add(f"response_format.{field}", clip(str(exc), 300))
+        return None
+
+
+async def _render(chat: list[ChatMessage], prepare: Preparer, v: _Violations) -> tuple[int, ...]:
+    """The conversation's tokens: rendered by the template, tokenized without the tokenizer's own special tokens
+    (a template writes those it wants, as transformers' apply_chat_template leaves them out)."""
+    try:
+        text = await prepare.render(chat)
+    except TemplateError as exc:
+        v.add("messages", str(exc))
+        return ()
+    return await prepare.tokenize(text, add_special_tokens=False)
+
+
+def encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
     # encode_batch lets go of the GIL while it runs (encode does not): the event loop goes on meanwhile
-    return tuple(tokenizer.encode_batch([text])[0].ids)
+    return tuple(tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)

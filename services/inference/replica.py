@@ -28,7 +28,9 @@ from services.standard import SERVICE_NAMES as STANDARD_SERVICES
 from services.standard import add_health, enable_reflection
 
 from .admission import Admission, AdmissionConfig, AdmissionController, AdmissionSettings, FifoAdmission
+from .chat import ChatTemplate, stop_token_ids
 from .clock import Clock
+from .compiler import GrammarCompiler
 from .cost.model import CostModel
 from .device.checkpoint import read_header
 from .device.cpus import pin
@@ -39,6 +41,7 @@ from .engine.handle import EngineHandle
 from .engine.messages import EngineSpec
 from .engine.thread import EngineThread
 from .generate_request import RequestLimits
+from .grammar import GrammarLimits
 from .health.faults import Fault
 from .health.reaction import DeviceReaction
 from .health.state import DeviceState
@@ -140,8 +143,16 @@ class Replica:
         else:
             read = ledger_reader(self.link.sessions)
         self.book = PolicyBook(read, config.policy_refresh_s, self._policy_read)
+        self.chat = ChatTemplate.from_dir(self.header.path)  # None: the model has none, and messages are refused
+        chat_stops = stop_token_ids(self.chat, self.header.tokenizer) if self.chat is not None else frozenset()
         self.servicer = InferenceServicer(
-            self.header.name, self.header.tokenizer, self.link.authenticator, config.limits, self.book
+            self.header.name,
+            self.header.tokenizer,
+            self.link.authenticator,
+            config.limits,
+            self.book,
+            self.chat,
+            chat_stops,
         )
         self.meter: Meter | None = None
         self.telemetry: GpuTelemetry | None = None
@@ -231,7 +242,13 @@ class Replica:
         if ready.server_cpus:  # the engine process pinned itself to cores of its own: this process takes the rest
             pin(ready.server_cpus)
             log.info("cpus_pinned", engine=list(ready.engine_cpus), server=list(ready.server_cpus))
-        cost = self.cost = CostModel(list(ready.cost_rows), list(ready.cost_row_us), ready.cost_us_per_context_token)
+        cost = self.cost = CostModel(
+            list(ready.cost_rows),
+            list(ready.cost_row_us),
+            ready.cost_us_per_context_token,
+            ready.cost_us_per_masked_row,
+            ready.cost_us_per_logprob_row,
+        )
         admission_config = AdmissionConfig(
             ready.num_slots,
             ready.max_num_batched_tokens,
@@ -263,6 +280,7 @@ class Replica:
         self.telemetry = self.metrics.watch_device(ready.device)
         engine.observers.append(self.meter)
         self.engine = engine
+        self.servicer.compiler = self._grammar_compiler()
         header = self.header
         card = ModelCard(
             header.name, ready.max_seq_len, header.dtype, header.args.vocab_size, ready.num_slots, ready.device
@@ -280,6 +298,18 @@ class Replica:
             self.config.stream_interval_ms,
             QuotaGate(self.book),
         )
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """The server's grammar compiler, its compile times calibrated (on the warm-up thread)."""
+        header = self.header
+        compiler = GrammarCompiler(
+            header.tokenizer, (*header.eos_token_ids, *self.servicer.chat_stop_token_ids), GrammarLimits()
+        )
+        compiler.calibrate()
+        log.info(
+            "grammar_compiler_calibrated", base_us=round(compiler.cost.base_us), us_per_byte=compiler.cost.us_per_byte
+        )
+        return compiler
 
     def _policy_read(self, ok: bool, policy: ServingPolicy) -> None:
         self.metrics.count_policy_refresh(ok, policy.read_at_us or time.time_ns() // 1000)

@@ -84,6 +84,7 @@ def _merged(outputs: list[RequestOutput]) -> RequestOutput:
     first = outputs[0]
     return outputs[-1]._replace(
         token_ids=tuple(t for o in outputs for t in o.token_ids),
+        logprobs=tuple(lp for o in outputs for lp in o.logprobs),
         text="".join(o.text for o in outputs),
         time_ns=first.time_ns,
         first_scheduled_ns=first.first_scheduled_ns,
@@ -146,9 +147,12 @@ class InferenceService:
         budget_ns: int,
         source: BudgetSource,
         service_class: ClassSpec = STANDARD,
+        lead_ns: int = 0,
     ) -> Ticket:
         """Admits the call, in its class of service, into the next engine step, or raises the domain error that
-        says why not. The tenant's quotas come before the cost model: a tenant at a cap is refused at once."""
+        says why not. The tenant's quotas come before the cost model: a tenant at a cap is refused at once.
+        `lead_ns`: what the engine spends on the call before its first step (its grammar's compile): the call
+        must finish that much sooner."""
         if self.state is not WarmupState.READY:
             raise errors.NotServing(f"replica is {self.state.value}; try another replica", {"state": self.state.value})
         if self.device_state is DeviceState.FAILED:
@@ -173,10 +177,12 @@ class InferenceService:
             admission_key(tenant, spec.request_id),
             len(spec.prompt_token_ids),
             spec.sampling.max_tokens,
-            deadline_ns,
+            deadline_ns - lead_ns,
             tenant=tenant,
             attempt=spec.retry_attempt,
             priority=service_class.priority,
+            masked=spec.sampling.constraint is not None,
+            logprobs=spec.sampling.logprobs,
         )
         now_ns = self.clock.now_ns()
         decision = self.admission.decide(commitment, now_ns)
@@ -186,7 +192,7 @@ class InferenceService:
         if isinstance(decision, Infeasible):
             self._count_decision(attempt, "infeasible")
             self.metrics.count_refusal(RefusalCause.INFEASIBLE, tenant, klass)
-            raise errors.DeadlineInfeasible(budget_ns // 1_000_000, decision.min_budget_ms)
+            raise errors.DeadlineInfeasible(budget_ns // 1_000_000, decision.min_budget_ms + -(-lead_ns // 1_000_000))
         if isinstance(decision, Reject):
             self._count_decision(attempt, "overloaded")
             self.metrics.count_refusal(decision.reason, tenant, klass)
@@ -210,7 +216,9 @@ class InferenceService:
             deadline_ns=deadline_ns if self.deadline_mode else None,
         )
         sink = LoopSink(asyncio.get_running_loop())
-        context = RecordContext(tenant, spec.labels, received_ns, decided_ns, deadline_ns, spec.request_id, klass)
+        context = RecordContext(
+            tenant, spec.labels, received_ns, decided_ns, deadline_ns, spec.request_id, klass, spec.kind
+        )
         ticket = Ticket(
             spec,
             context,

@@ -20,8 +20,12 @@ from services.auth import Authenticator, bearer_key
 from services.errors import clip
 from services.status import rpc_errors
 
-from .call import BudgetSource, Ticket
+from .admission import RefusalCause
+from .call import BudgetSource, GenerateSpec, Ticket
+from .chat import ChatMessage, ChatTemplate
+from .compiler import CompilesBusy, CompileTooSlow, GrammarCompiler, Prepared
 from .generate_request import RequestLimits, encode, to_spec
+from .grammar import Constraint, ConstraintKind, GrammarError, make_constraint
 from .health.state import DeviceState
 from .policy import PolicyBook, class_of
 from .sched.request import FinishReason
@@ -48,7 +52,9 @@ INFERENCE = pb.DESCRIPTOR.services_by_name["Inference"]
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     """`service` stays None while the replica warms up; Generate then answers UNAVAILABLE. `book` holds the serving
-    policy (classes of service, prices, quotas) the replica read last; without one, ServingPolicy()."""
+    policy (classes of service, prices, quotas) the replica read last; without one, ServingPolicy(). `chat` is the
+    model's chat template (None: messages are refused) and `compiler` the grammar compiler, set once warm (until
+    then, as without one, a response_format is refused). It is generate_request.py's `Preparer`."""
 
     def __init__(
         self,
@@ -57,12 +63,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         authenticator: Authenticator,
         limits: RequestLimits | None = None,
         book: PolicyBook | None = None,
+        chat: ChatTemplate | None = None,
+        chat_stop_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.name = name
         self.book = book or PolicyBook()
         self.tokenizer = tokenizer
         self.authenticator = authenticator
         self.limits = limits or RequestLimits()
+        self.chat = chat
+        self.chat_stop_token_ids = chat_stop_token_ids  # the template's end of turn ends a chat call
+        self.compiler: GrammarCompiler | None = None
         self.service: InferenceService | None = None
         self._tokenize_pool = ThreadPoolExecutor(self.limits.tokenize_threads, thread_name_prefix="tokenize")
 
@@ -71,10 +82,56 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         larger than any valid request for `context_length` is refused before parsing."""
         parsing.add_servicer(server, INFERENCE, self, self.limits.max_request_bytes(context_length))
 
-    async def _tokenize(self, text: str) -> tuple[int, ...]:
+    # ---- generate_request.Preparer ----
+    @property
+    def has_chat_template(self) -> bool:
+        return self.chat is not None
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
         if len(text) <= self.limits.inline_tokenize_chars:
-            return tuple(self.tokenizer.encode(text).ids)
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, encode, self.tokenizer, text)
+            return tuple(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, encode, self.tokenizer, text, add_special_tokens)
+
+    async def render(self, messages: list[ChatMessage]) -> str:
+        assert self.chat is not None  # to_spec refuses messages without a template
+        max_chars = self.limits.prompt_bytes(self._ready_service().card.context_length)
+        if sum(len(m.content) for m in messages) <= self.limits.inline_tokenize_chars:
+            return self.chat.render(messages, max_chars=max_chars)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, lambda: self.chat.render(messages, max_chars=max_chars))
+
+    async def constraint(self, kind: ConstraintKind, source: str) -> Constraint:
+        if self.compiler is None:
+            raise GrammarError("this replica serves no response_format")
+        limits = self.compiler.limits
+        if len(source) <= self.limits.inline_tokenize_chars:
+            return make_constraint(kind, source, limits)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenize_pool, make_constraint, kind, source, limits
+        )
+
+    async def _compile(self, spec: GenerateSpec, budget_ns: int, tenant: str, klass: str) -> Prepared | None:
+        """The call's constraint compiled (or found cached) inside its budget; the refusal that says why not."""
+        constraint = spec.sampling.constraint
+        if constraint is None or budget_ns <= 0:  # no budget left: submit says DEADLINE_EXPIRED
+            return None
+        try:
+            return await self.compiler.prepare(constraint, budget_ns)
+        except GrammarError as exc:
+            raise errors.InvalidArgument(
+                [errors.FieldViolation(f"response_format.{constraint.kind}", str(exc))]
+            ) from None
+        except CompileTooSlow as exc:
+            self.service.metrics.count_refusal(RefusalCause.INFEASIBLE, tenant, klass)
+            raise errors.DeadlineInfeasible(
+                _ms(budget_ns), exc.compile_ms, exc.compile_ms, exc.still_compiling
+            ) from None
+        except CompilesBusy as exc:
+            self.service.metrics.count_refusal(RefusalCause.COMPILES, tenant, klass)
+            raise errors.Overloaded(
+                exc.retry_after_ms, exc.retry_after_ms, _ms(budget_ns), cause=RefusalCause.COMPILES
+            ) from None
 
     async def _tenant(self, context: grpc.aio.ServicerContext) -> str:
         """The tenant billed for the call: the API key's, never a request field."""
@@ -102,13 +159,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         async with rpc_errors(context, "Generate", clip(request.request_id, 128), before_abort=time_refusal):
             tenant = await self._tenant(context)
             service = self._ready_service()
-            spec = await to_spec(request, service.card, self.limits, context.invocation_metadata(), self._tokenize)
+            spec = await to_spec(request, service.card, self.limits, context.invocation_metadata(), self)
             budget_ns, source = service.budget(context.time_remaining())
             policy = self.book.policy  # an expired budget has no class: submit says DEADLINE_EXPIRED
             klass = STANDARD if budget_ns <= 0 else class_of(policy, spec.service_class, _ms(budget_ns), source)
             # every later line of this call says who and in which class (each call is a task: its own context)
             structlog.contextvars.bind_contextvars(tenant=tenant, service_class=klass.name)
-            ticket = service.submit(spec, tenant, received_ns, budget_ns, source, klass)
+            compiled = await self._compile(spec, received_ns + budget_ns - time.monotonic_ns(), tenant, klass.name)
+            lead_ns = compiled.compile_ns if compiled is not None else 0
+            ticket = service.submit(spec, tenant, received_ns, budget_ns, source, klass, lead_ns)
+            ticket.compile_us = compiled.compile_us if compiled is not None else 0
         try:
             await context.send_initial_metadata(
                 (("x-budget-ms", str(ticket.budget_ms)), ("x-budget-source", source.value))
@@ -122,6 +182,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                                 token_ids=output.token_ids,
                                 text=output.text,
                                 emitted_at_us=self.service.clock.epoch_us(output.time_ns),
+                                logprobs=_logprobs(output.token_ids, output.logprobs),
                             )
                         )
                     if output.finish_reason is not None:
@@ -142,6 +203,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 f"the request ran out of its {ticket.budget_ms} ms budget after "
                 f"{ticket.num_output_tokens} tokens; it is recorded as a deadline miss"
             )
+        constraint = ticket.spec.sampling.constraint
+        if ticket.finish_reason == FinishReason.GRAMMAR and constraint is not None:
+            raise errors.GrammarFailed(
+                f"response_format.{constraint.kind}",
+                f"the grammar went past its per-token limits after {ticket.num_output_tokens} tokens; "
+                "the call ended there and is billed for what ran",
+            )
         if ticket.finish_reason == FinishReason.ERROR:
             raise errors.EngineFailure("the engine failed while running this request; it has been logged")
 
@@ -159,6 +227,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             budget_source=_SOURCE[t.budget_source],
             prompt_tokens=len(t.spec.prompt_token_ids),
             service_class=t.service_class,
+            compile_us=t.compile_us,
         )
 
     def _final(self, t: Ticket) -> pb.Final:
@@ -210,9 +279,19 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                         vocab_size=card.vocab_size,
                         device_state=_DEVICE_STATE[self.service.device_state],
                         classes=_offers(self.book.policy, card.name, card.device.unit),
+                        has_chat_template=self.chat is not None,
+                        response_formats=list(ConstraintKind) if self.compiler is not None else [],
                     )
                 ]
             )
+
+
+def _logprobs(token_ids: tuple[int, ...], logprobs: tuple[tuple, ...]) -> list[pb.TokenLogprob]:
+    """The chunk's log-probabilities, one per token (none when the call did not ask)."""
+    return [
+        pb.TokenLogprob(token_id=t, logprob=lp, top=[pb.TopLogprob(token_id=i, logprob=v) for i, v in top])
+        for t, (lp, top) in zip(token_ids, logprobs)
+    ]
 
 
 def _ms(budget_ns: int) -> int:

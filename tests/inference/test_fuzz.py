@@ -30,11 +30,11 @@ STEADY = pb.GenerateRequest(
 
 
 @pytest.fixture
-def server(ledger, llama_dir):  # noqa: F811 - the ledger fixture: SQLite and PostgreSQL
+def server(ledger, chatml_dir):  # noqa: F811 - the ledger fixture: SQLite and PostgreSQL
     key = commands.create_tenant(ledger.url, "acme")
     s = ServerThread(
         ServeConfig(
-            str(llama_dir), port=0, ledger_url=ledger.url, executor=ExecutorConfig(max_batch=4, max_seq_len=256)
+            str(chatml_dir), port=0, ledger_url=ledger.url, executor=ExecutorConfig(max_batch=4, max_seq_len=256)
         )
     )
     s.key = key

@@ -85,16 +85,16 @@ class SpyTokenizer:
         self.tokenizer, self.calls = tokenizer, 0
         self.hold, self.started, self.release = hold, threading.Event(), threading.Event()
 
-    def encode(self, text):
+    def encode(self, text, **options):
         self.calls += 1
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode(text, **options)
 
-    def encode_batch(self, texts):
+    def encode_batch(self, texts, **options):
         self.calls += 1
         self.started.set()
         if self.hold:
             self.release.wait(30)
-        return self.tokenizer.encode_batch(texts)
+        return self.tokenizer.encode_batch(texts, **options)
 
 
 @pytest.fixture
@@ -132,10 +132,12 @@ def test_request_larger_than_any_valid_one_is_refused_before_parsing(server, spy
 
 def test_the_receive_limit_fits_the_context():
     limits = RequestLimits()
-    assert limits.max_request_bytes(CONTEXT) == CONTEXT * 32 + (64 << 10)
+    # a conversation as large as the prompt's bound (its messages' own bytes beside), a response_format, the rest
+    conversation = CONTEXT * 32 + limits.max_messages * (96 + limits.max_name_chars)
+    assert limits.max_request_bytes(CONTEXT) == conversation + limits.max_format_bytes + (64 << 10)
     assert receive_limit(limits, CONTEXT, hosts_metering=False) == 4 << 20  # gRPC's default, at least
     assert receive_limit(limits, CONTEXT, hosts_metering=True) == METERING_MAX_MESSAGE_BYTES
-    assert receive_limit(limits, 1 << 20, hosts_metering=False) == (1 << 20) * 8 + (64 << 10)
+    assert receive_limit(limits, 1 << 20, hosts_metering=False) == (1 << 20) * 8 + (128 << 10)
 
 
 def test_the_largest_valid_request_fits_its_bound_and_is_served(server):

@@ -5,7 +5,9 @@ from __future__ import annotations
 import re
 
 import pytest
+import structlog
 
+from services.logs import configure_logging
 from tests.checkpoints import save_hf_checkpoint
 from tests.tools.walk import ROOT, counted, walk
 
@@ -48,7 +50,13 @@ def test_the_walk_leaves_out_the_caller_and_the_model_arithmetic():
 
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory) -> list[str]:
-    return walk(save_hf_checkpoint(tmp_path_factory.mktemp("walk"), "llama"))
+    # logging as `zeroqueue serve` configures it (walk.main too): with structlog's defaults, which an earlier test
+    # may have left, the call's log line would not pass through services/logs.py
+    configure_logging()
+    try:
+        return walk(save_hf_checkpoint(tmp_path_factory.mktemp("walk"), "llama"))
+    finally:
+        structlog.reset_defaults()
 
 
 def test_one_generate_crosses_exactly_the_documented_files(traced):

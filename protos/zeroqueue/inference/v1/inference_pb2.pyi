@@ -7,6 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ChatRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHAT_ROLE_UNSPECIFIED: _ClassVar[ChatRole]
+    CHAT_ROLE_SYSTEM: _ClassVar[ChatRole]
+    CHAT_ROLE_USER: _ClassVar[ChatRole]
+    CHAT_ROLE_ASSISTANT: _ClassVar[ChatRole]
+    CHAT_ROLE_TOOL: _ClassVar[ChatRole]
+
 class BudgetSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     BUDGET_SOURCE_UNSPECIFIED: _ClassVar[BudgetSource]
@@ -33,6 +41,11 @@ class DeviceState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DEVICE_STATE_HEALTHY: _ClassVar[DeviceState]
     DEVICE_STATE_SLOW: _ClassVar[DeviceState]
     DEVICE_STATE_FAILED: _ClassVar[DeviceState]
+CHAT_ROLE_UNSPECIFIED: ChatRole
+CHAT_ROLE_SYSTEM: ChatRole
+CHAT_ROLE_USER: ChatRole
+CHAT_ROLE_ASSISTANT: ChatRole
+CHAT_ROLE_TOOL: ChatRole
 BUDGET_SOURCE_UNSPECIFIED: BudgetSource
 BUDGET_SOURCE_CLIENT_DEADLINE: BudgetSource
 BUDGET_SOURCE_SERVER_DEFAULT: BudgetSource
@@ -50,7 +63,7 @@ DEVICE_STATE_SLOW: DeviceState
 DEVICE_STATE_FAILED: DeviceState
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "request_id", "labels", "service_class")
+    __slots__ = ("model", "prompt", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "request_id", "labels", "service_class", "messages", "response_format", "logprobs", "top_logprobs")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +83,10 @@ class GenerateRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     SERVICE_CLASS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -82,7 +99,37 @@ class GenerateRequest(_message.Message):
     request_id: str
     labels: _containers.ScalarMap[str, str]
     service_class: str
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., service_class: _Optional[str] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    response_format: ResponseFormat
+    logprobs: bool
+    top_logprobs: int
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., service_class: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content", "name")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    role: ChatRole
+    content: str
+    name: str
+    def __init__(self, role: _Optional[_Union[ChatRole, str]] = ..., content: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class ResponseFormat(_message.Message):
+    __slots__ = ("json_object", "json_schema", "regex", "lark_grammar")
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    LARK_GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    json_object: AnyJson
+    json_schema: str
+    regex: str
+    lark_grammar: str
+    def __init__(self, json_object: _Optional[_Union[AnyJson, _Mapping]] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., lark_grammar: _Optional[str] = ...) -> None: ...
+
+class AnyJson(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("admission", "chunk", "final")
@@ -95,7 +142,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, admission: _Optional[_Union[Admission, _Mapping]] = ..., chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., final: _Optional[_Union[Final, _Mapping]] = ...) -> None: ...
 
 class Admission(_message.Message):
-    __slots__ = ("request_id", "received_at_us", "dispatched_at_us", "predicted_finish_at_us", "deadline_at_us", "budget_ms", "budget_source", "prompt_tokens", "call_id", "service_class", "predicted_start_at_us")
+    __slots__ = ("request_id", "received_at_us", "dispatched_at_us", "predicted_finish_at_us", "deadline_at_us", "budget_ms", "budget_source", "prompt_tokens", "call_id", "service_class", "predicted_start_at_us", "compile_us")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_AT_US_FIELD_NUMBER: _ClassVar[int]
     DISPATCHED_AT_US_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +154,7 @@ class Admission(_message.Message):
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     SERVICE_CLASS_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_START_AT_US_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_US_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     received_at_us: int
     dispatched_at_us: int
@@ -118,17 +166,38 @@ class Admission(_message.Message):
     call_id: str
     service_class: str
     predicted_start_at_us: int
-    def __init__(self, request_id: _Optional[str] = ..., received_at_us: _Optional[int] = ..., dispatched_at_us: _Optional[int] = ..., predicted_finish_at_us: _Optional[int] = ..., deadline_at_us: _Optional[int] = ..., budget_ms: _Optional[int] = ..., budget_source: _Optional[_Union[BudgetSource, str]] = ..., prompt_tokens: _Optional[int] = ..., call_id: _Optional[str] = ..., service_class: _Optional[str] = ..., predicted_start_at_us: _Optional[int] = ...) -> None: ...
+    compile_us: int
+    def __init__(self, request_id: _Optional[str] = ..., received_at_us: _Optional[int] = ..., dispatched_at_us: _Optional[int] = ..., predicted_finish_at_us: _Optional[int] = ..., deadline_at_us: _Optional[int] = ..., budget_ms: _Optional[int] = ..., budget_source: _Optional[_Union[BudgetSource, str]] = ..., prompt_tokens: _Optional[int] = ..., call_id: _Optional[str] = ..., service_class: _Optional[str] = ..., predicted_start_at_us: _Optional[int] = ..., compile_us: _Optional[int] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "text", "emitted_at_us")
+    __slots__ = ("token_ids", "text", "emitted_at_us", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     EMITTED_AT_US_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     emitted_at_us: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., emitted_at_us: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., emitted_at_us: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "top")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class Final(_message.Message):
     __slots__ = ("finish_reason", "timings", "usage")
@@ -189,7 +258,7 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "context_length", "dtype", "device_kind", "device_name", "num_compute_units", "unit", "state", "max_batch", "vocab_size", "device_state", "classes")
+    __slots__ = ("name", "context_length", "dtype", "device_kind", "device_name", "num_compute_units", "unit", "state", "max_batch", "vocab_size", "device_state", "classes", "has_chat_template", "response_formats")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +271,8 @@ class ModelInfo(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_STATE_FIELD_NUMBER: _ClassVar[int]
     CLASSES_FIELD_NUMBER: _ClassVar[int]
+    HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FORMATS_FIELD_NUMBER: _ClassVar[int]
     name: str
     context_length: int
     dtype: str
@@ -214,7 +285,9 @@ class ModelInfo(_message.Message):
     vocab_size: int
     device_state: DeviceState
     classes: _containers.RepeatedCompositeFieldContainer[ClassOffer]
-    def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., num_compute_units: _Optional[int] = ..., unit: _Optional[str] = ..., state: _Optional[_Union[WarmupState, str]] = ..., max_batch: _Optional[int] = ..., vocab_size: _Optional[int] = ..., device_state: _Optional[_Union[DeviceState, str]] = ..., classes: _Optional[_Iterable[_Union[ClassOffer, _Mapping]]] = ...) -> None: ...
+    has_chat_template: bool
+    response_formats: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., num_compute_units: _Optional[int] = ..., unit: _Optional[str] = ..., state: _Optional[_Union[WarmupState, str]] = ..., max_batch: _Optional[int] = ..., vocab_size: _Optional[int] = ..., device_state: _Optional[_Union[DeviceState, str]] = ..., classes: _Optional[_Iterable[_Union[ClassOffer, _Mapping]]] = ..., has_chat_template: _Optional[bool] = ..., response_formats: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ClassOffer(_message.Message):
     __slots__ = ("name", "min_budget_ms", "max_budget_ms", "priority", "price_micros", "currency", "credit_ppm")
