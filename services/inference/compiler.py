@@ -127,7 +127,8 @@ class GrammarCompiler:
 
     def _timed_compile(self, constraint: Constraint) -> tuple[Constraint, float]:
         started = time.perf_counter_ns()
-        compile_matcher(self._tokenizer, constraint, self.limits)  # GrammarError when it is bad
+        # GrammarError when it is bad, or generates nothing (its first mask): refused before admission, not mid-call
+        compile_matcher(self._tokenizer, constraint, self.limits).check_start()
         return constraint, (time.perf_counter_ns() - started) / 1000
 
     def is_cached(self, key: str) -> bool:

@@ -167,6 +167,16 @@ class Matcher:
     def copy(self) -> Matcher:
         return Matcher(self._matcher.deep_copy(), self.vocab_size)
 
+    def check_start(self) -> None:
+        """GrammarError unless the grammar allows some first token: a grammar that compiles may still generate
+        nothing (no base case to its recursion, no string its tokens can spell), which only its first mask shows."""
+        import numpy as np
+
+        words = np.zeros((self.vocab_size + 31) // 32, dtype=np.int32)
+        self.fill_mask(words.ctypes.data, words.nbytes)
+        if self.error or not words.any():
+            raise GrammarError("the grammar allows no output (does every rule reach text?)")
+
 
 def compile_matcher(tokenizer: llguidance.LLTokenizer, constraint: Constraint, limits: GrammarLimits) -> Matcher:
     """A fresh matcher for `constraint` (llguidance drops the GIL while it builds); GrammarError when the grammar

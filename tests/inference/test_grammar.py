@@ -114,3 +114,13 @@ def test_the_cache_holds_its_capacity_dropping_the_least_recently_used(tokenizer
     cache.put("c", compiled(tokenizer, ConstraintKind.REGEX, "c"))
     assert len(cache) == 2 and "b" not in cache and "a" in cache and "c" in cache
     assert cache.copy("b") is None
+
+
+@pytest.mark.parametrize(
+    "kind, source", [(ConstraintKind.LARK_GRAMMAR, "start: start"), (ConstraintKind.REGEX, "[^\\x00-\\x{10FFFF}]")]
+)
+def test_a_grammar_that_compiles_but_generates_nothing_is_refused_at_its_start(tokenizer, kind, source):
+    matcher = compiled(tokenizer, kind, source)  # it compiles
+    with pytest.raises(GrammarError, match="allows no output"):
+        matcher.check_start()
+    compiled(tokenizer, ConstraintKind.REGEX, "[0-9]+").check_start()  # one that generates passes

@@ -102,7 +102,7 @@ class DeviceCopies(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("params, copies", [(MIXED, 2), (MIXED[:1] * 3, 1), (MIXED[1:], 2)])
+@pytest.mark.parametrize("params, copies", [(MIXED, 2), (MIXED[:1] * 3, 1), (MIXED[1:], 1)])
 def test_logits_on_a_cuda_device_come_to_the_host_in_one_sync(params, copies):
     with FakeTensorMode(), DeviceCopies() as seen:  # fake CUDA tensors: shapes and devices, no GPU needed
         logits = torch.empty(len(params), 5000, device="cuda")
@@ -111,7 +111,8 @@ def test_logits_on_a_cuda_device_come_to_the_host_in_one_sync(params, copies):
     assert argmax.device.type == "cpu" and argmax.shape == (len(params),)
     assert rows == sampled
     assert (host is None) if not sampled else (host.device.type == "cpu" and host.shape == (len(sampled), 5000))
-    # the argmax and the sampled rows, each copied once; with no sampled row, the argmax alone
+    # the argmax and the sampled rows, each copied once; with no sampled row, the argmax alone; with every row
+    # sampled, the rows alone (the device computes no argmax)
     assert seen.to_host == copies, seen.device_ops
 
 

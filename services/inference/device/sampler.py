@@ -83,6 +83,8 @@ def to_host(
     logits [len(rows), V] on the host, or None when every row is greedy and plain). The only part that touches
     the device."""
     rows = [i for i, p in enumerate(params) if p.on_host]
+    if len(rows) == len(params):  # every row drawn on the host: no argmax here (the host's comes after any mask)
+        return torch.zeros(len(params), dtype=torch.int64), rows, logits.to("cpu")
     argmax = torch.argmax(logits, dim=-1)
     if not rows:
         return argmax.cpu(), rows, None
@@ -117,32 +119,59 @@ def draw_step(
 ) -> StepDraws:
     """logits [N, V] fp32 on any device -> one token per row, row i drawing its draw_index[i]-th random number
     under its grammar matcher (matchers[i], None for a free row), which then takes the token; and the
-    log-probabilities of the rows that asked for them."""
+    log-probabilities of the rows that asked for them. What can be done for all host rows at once is (the masks,
+    the masked argmax, the scaling, the log-softmax): at a 49k vocabulary a call per row costs more than the row."""
     argmax, rows, host = to_host(logits, params)
-    tokens, logprobs, errors = argmax.tolist(), {}, {}
-    failed: dict[int, str] = {}
-    if matchers is not None and host is not None:
-        failed = mask(host, [matchers[row] for row in rows])
-    for k, row in enumerate(rows):
-        p, matcher = params[row], matchers[row] if matchers is not None else None
+    tokens, errors = argmax.tolist(), {}
+    if host is None:
+        return StepDraws(tokens, {}, errors)
+    row_params = [params[row] for row in rows]
+    row_matchers = [matchers[row] for row in rows] if matchers is not None else [None] * len(rows)
+    failed = mask(host, row_matchers) if matchers is not None else {}
+    # the host rows' argmax (after their masks): a constrained greedy row's token, or any row's when the device
+    # computed none (every row on the host)
+    masked_argmax = host.argmax(dim=1).tolist() if matchers is not None or len(rows) == len(params) else None
+    # each row divided by its temperature (a greedy row's logits as they are): the distribution it is drawn from
+    scaled = host
+    if any(not p.greedy or p.logprobs for p in row_params):
+        scaled = host / torch.tensor([[p.temperature or 1.0] for p in row_params])
+    for k, (row, p, matcher) in enumerate(zip(rows, row_params, row_matchers)):
         if k in failed:
             errors[row] = failed[k]
-            continue
-        row_logits = host[k]
-        scaled = row_logits if p.greedy else row_logits / p.temperature
-        if p.greedy:
-            tokens[row] = int(torch.argmax(scaled)) if matcher is not None else tokens[row]
-        elif _drawable(scaled, matcher is not None):
-            tokens[row] = draw(scaled, p, draw_index[row])
+        elif p.greedy:
+            tokens[row] = masked_argmax[k] if masked_argmax is not None else tokens[row]
+        elif _drawable(scaled[k], matcher is not None):
+            tokens[row] = draw(scaled[k], p, draw_index[row])
         else:
             # a temperature so small that the scaled logits overflow draws the argmax, which is what it tends to
             # (and what softmax of infinities, NaN, cannot draw)
-            tokens[row] = int(torch.argmax(row_logits))
-        if p.logprobs:
-            logprobs[row] = token_logprob(scaled, tokens[row], p.top_logprobs)
-        if matcher is not None and not matcher.consume(tokens[row]):
+            tokens[row] = masked_argmax[k] if masked_argmax is not None else int(torch.argmax(host[k]))
+    asked = [k for k, p in enumerate(row_params) if p.logprobs and k not in failed]
+    logprobs = _logprobs(scaled, asked, [tokens[rows[k]] for k in asked], [row_params[k].top_logprobs for k in asked])
+    for k, matcher in enumerate(row_matchers):
+        row = rows[k]
+        if matcher is not None and k not in failed and not matcher.consume(tokens[row]):
             errors[row] = matcher.error or f"the grammar refused token {tokens[row]}"
-    return StepDraws(tokens, logprobs, errors)
+    return StepDraws(tokens, {rows[k]: lp for k, lp in logprobs.items()}, errors)
+
+
+def _logprobs(scaled: torch.Tensor, asked: list[int], chosen: list[int], tops: list[int]) -> dict[int, TokenLogprob]:
+    """The log-probabilities of rows `asked` of scaled logits [N, V] fp32: of each row's chosen token and its
+    `tops` most likely, over the whole vocabulary (a masked token is -inf: probability 0), all rows at once."""
+    if not asked:
+        return {}
+    logp = torch.log_softmax(scaled[asked], dim=-1)  # [A, V]
+    picked = logp.gather(1, torch.tensor(chosen).unsqueeze(1)).squeeze(1).tolist()
+    most = max(tops)
+    values, ids = torch.topk(logp, min(most, logp.shape[1])) if most else (None, None)
+    out = {}
+    for i, k in enumerate(asked):
+        alternatives: tuple[tuple[int, float], ...] = ()
+        if tops[i]:
+            pairs = zip(ids[i, : tops[i]].tolist(), values[i, : tops[i]].tolist())
+            alternatives = tuple((t, v) for t, v in pairs if v != float("-inf"))
+        out[k] = (picked[i], alternatives)
+    return out
 
 
 def _drawable(scaled: torch.Tensor, masked: bool) -> bool:
@@ -167,28 +196,20 @@ def mask(host: torch.Tensor, matchers: Sequence[Matcher | None]) -> dict[int, st
         matcher.fill_mask(base + i * row_bytes, row_bytes)
         if matcher.error:
             failed[k] = matcher.error
-    # bit j of word w allows token 32 w + j: [C, W] int32 -> [C, 32 W] bits, cut or padded to the model's vocabulary
-    bits = np.unpackbits(words.numpy().view(np.uint8), axis=1, bitorder="little")
+    # bit j of word w allows token 32 w + j: [C, W] int32 -> [C, 32 W] bits of the words inverted (1: banned), as
+    # bools without a copy; model rows past the tokenizer's vocabulary (no text) are banned too
+    bits = words.numpy()
+    banned = torch.from_numpy(np.unpackbits((~bits).view(np.uint8), axis=1, bitorder="little")).view(torch.bool)
     vocab = host.shape[1]
-    allowed = torch.from_numpy(bits[:, :vocab]).bool()
-    if allowed.shape[1] < vocab:  # model rows with no token in the tokenizer: never allowed
-        allowed = torch.cat((allowed, torch.zeros(len(constrained), vocab - allowed.shape[1], dtype=torch.bool)), 1)
+    if banned.shape[1] >= vocab:
+        banned = banned[:, :vocab]
+    else:
+        banned = torch.cat((banned, torch.ones(len(constrained), vocab - banned.shape[1], dtype=torch.bool)), 1)
     if len(constrained) == host.shape[0]:  # every row: no gather and scatter
-        host.masked_fill_(~allowed, float("-inf"))
+        host.masked_fill_(banned, float("-inf"))
     else:
         index = torch.tensor([k for k, _ in constrained])
-        host[index] = host[index].masked_fill_(~allowed, float("-inf"))
-    for i in (~allowed.any(dim=1)).nonzero().flatten().tolist():
+        host[index] = host[index].masked_fill_(banned, float("-inf"))
+    for i in np.flatnonzero(~bits.any(axis=1)).tolist():
         failed.setdefault(constrained[i][0], "the grammar allows no token")
     return failed
-
-
-def token_logprob(scaled: torch.Tensor, token: int, top: int) -> TokenLogprob:
-    """Scaled logits [V] fp32 -> the log-probability of `token` and of the `top` most likely tokens, over the
-    whole vocabulary (a masked token is -inf: probability 0)."""
-    logp = torch.log_softmax(scaled, dim=-1)
-    alternatives: tuple[tuple[int, float], ...] = ()
-    if top > 0:
-        values, ids = torch.topk(logp, min(top, logp.shape[0]))
-        alternatives = tuple((int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist()) if v != float("-inf"))
-    return float(logp[token]), alternatives
