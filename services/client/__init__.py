@@ -24,7 +24,21 @@ from .errors import (
     ZeroQueueError,
 )
 from .failure import Failure, FieldViolation, QuotaViolation
-from .results import Admission, AttemptRecord, CallReport, Chunk, ClassOffer, ModelInfo, Result, Timings, Usage
+from .request import Message
+from .results import (
+    Admission,
+    AttemptRecord,
+    CallReport,
+    Chunk,
+    ClassOffer,
+    IncompleteOutput,
+    ModelInfo,
+    Result,
+    Timings,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 from .retry import Retrier, RetryConfig
 
 __all__ = [
@@ -41,7 +55,9 @@ __all__ = [
     "Failure",
     "FieldViolation",
     "Generation",
+    "IncompleteOutput",
     "InvalidRequest",
+    "Message",
     "ModelInfo",
     "PermissionDenied",
     "QuotaExceeded",
@@ -53,6 +69,8 @@ __all__ = [
     "Retrier",
     "ServerError",
     "Timings",
+    "TokenLogprob",
+    "TopLogprob",
     "Unauthenticated",
     "Unavailable",
     "Usage",

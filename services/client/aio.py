@@ -18,10 +18,11 @@ import grpc
 from zeroqueue.inference.v1 import inference_pb2 as pb
 from zeroqueue.inference.v1 import inference_pb2_grpc
 
-from .call import Attempt, CallDriver, build_request
+from .call import Attempt, CallDriver
 from .client import channel_credentials
 from .failure import failure_from_rpc
-from .results import CallReport, Chunk, ModelInfo, Result, models_from
+from .request import Message, build_request
+from .results import Admission, CallReport, Chunk, ModelInfo, Result, models_from
 from .retry import Retrier, RetryConfig
 
 
@@ -44,7 +45,8 @@ class AsyncGeneration(AsyncIterator[Chunk]):
         return self._driver.report() if self._driver is not None else None
 
     @property
-    def admission(self):
+    def admission(self) -> Admission | None:
+        """The replica's admission (budget, predicted finish, compile_us) once the call is admitted."""
         return self._driver.admission if self._driver is not None else None
 
     async def __anext__(self) -> Chunk:
@@ -112,9 +114,13 @@ class AsyncClient:
 
     def generate(
         self,
-        prompt: str | Sequence[int],
-        deadline_ms: float,
+        prompt: str | Sequence[int] | None = None,
+        deadline_ms: float | None = None,
         *,
+        messages: Sequence[Message | Mapping[str, str]] | None = None,
+        response_format: Mapping[str, object] | None = None,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
         max_tokens: int = 64,
         model: str = "",
         temperature: float | None = None,
@@ -126,9 +132,18 @@ class AsyncClient:
         labels: Mapping[str, str] | None = None,
         service_class: str = "",
     ) -> AsyncGeneration:
+        """As Client.generate (its docstring says what each argument sends); iterate with `async for`."""
+        if deadline_ms is None:
+            raise TypeError("generate() needs deadline_ms: the call's whole budget, retries included")
+        if not deadline_ms > 0:
+            raise ValueError(f"deadline_ms must be > 0, got {deadline_ms}")
         request = build_request(
             prompt,
             max_tokens,
+            messages=messages,
+            response_format=response_format,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
             model=model,
             temperature=temperature,
             top_p=top_p,
@@ -139,11 +154,12 @@ class AsyncClient:
             labels=labels,
             service_class=service_class,
         )
-        if not deadline_ms > 0:
-            raise ValueError(f"deadline_ms must be > 0, got {deadline_ms}")
         return AsyncGeneration(self, request, deadline_ms)
 
-    async def complete(self, prompt: str | Sequence[int], deadline_ms: float, **options) -> Result:
+    async def complete(
+        self, prompt: str | Sequence[int] | None = None, deadline_ms: float | None = None, **options
+    ) -> Result:
+        """generate(...) run to its end: its Result."""
         return await self.generate(prompt, deadline_ms, **options).collect()
 
     async def list_models(self, endpoint: int = 0, timeout_s: float = 5.0) -> list[ModelInfo]:

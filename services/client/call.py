@@ -3,8 +3,7 @@ metadata and timeout, the retrier's verdict on a failure, and the report. The tr
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import grpc
@@ -16,47 +15,6 @@ from .results import Admission, AttemptRecord, CallReport, Chunk, Result, admiss
 from .retry import CallState, GiveUp, Retrier, Retry
 
 RETRY_ATTEMPT_KEY = "x-retry-attempt"
-
-
-def build_request(
-    prompt: str | Sequence[int],
-    max_tokens: int,
-    *,
-    model: str = "",
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int = 0,
-    seed: int | None = None,
-    stop: Sequence[str] = (),
-    request_id: str | None = None,
-    labels: Mapping[str, str] | None = None,
-    service_class: str = "",
-) -> pb.GenerateRequest:
-    """A GenerateRequest; a prompt given as token ids goes in prompt_token_ids. The request_id is the
-    caller's or a fresh one, and every attempt of the call carries the same one. `service_class`: the class of
-    service to run in (ListModels lists them with their prices); "": the least privileged one the deadline fits."""
-    if isinstance(prompt, str):
-        text, token_ids = prompt, ()
-    else:
-        text, token_ids = "", tuple(int(t) for t in prompt)
-    request = pb.GenerateRequest(
-        model=model,
-        prompt=text,
-        prompt_token_ids=token_ids,
-        max_tokens=max_tokens,
-        top_k=top_k,
-        stop=list(stop),
-        request_id=request_id or uuid.uuid4().hex,
-        labels=dict(labels or {}),
-        service_class=service_class,
-    )
-    if temperature is not None:
-        request.temperature = temperature
-    if top_p is not None:
-        request.top_p = top_p
-    if seed is not None:
-        request.seed = seed
-    return request
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,11 @@
         for chunk in generation:
             print(chunk.text, end="")
         print(generation.result.usage, generation.report.num_attempts, generation.report.waited_s)
+        record = client.complete(
+            messages=[{"role": "user", "content": "a function that parses --name=value arguments"}],
+            response_format={"type": "json_schema", "schema": {"type": "object"}},
+            deadline_ms=2_000, max_tokens=64, logprobs=True,
+        ).json()
 
 A call starts when its iteration does. Retries (see retry.py) happen before the first chunk; once the
 server has admitted the call, a failure is raised to the caller as it is.
@@ -20,9 +25,10 @@ import grpc
 from zeroqueue.inference.v1 import inference_pb2 as pb
 from zeroqueue.inference.v1 import inference_pb2_grpc
 
-from .call import Attempt, CallDriver, build_request
+from .call import Attempt, CallDriver
 from .failure import failure_from_rpc
-from .results import CallReport, Chunk, ModelInfo, Result, models_from
+from .request import Message, build_request
+from .results import Admission, CallReport, Chunk, ModelInfo, Result, models_from
 from .retry import Retrier, RetryConfig
 
 
@@ -49,6 +55,11 @@ class Generation(Iterator[Chunk]):
     @property
     def report(self) -> CallReport | None:
         return self._driver.report() if self._driver is not None else None
+
+    @property
+    def admission(self) -> Admission | None:
+        """The replica's admission (budget, predicted finish, compile_us) once the call is admitted."""
+        return self._driver.admission if self._driver is not None else None
 
     def __next__(self) -> Chunk:
         return next(self._stream)
@@ -116,9 +127,13 @@ class Client:
 
     def generate(
         self,
-        prompt: str | Sequence[int],
-        deadline_ms: float,
+        prompt: str | Sequence[int] | None = None,
+        deadline_ms: float | None = None,
         *,
+        messages: Sequence[Message | Mapping[str, str]] | None = None,
+        response_format: Mapping[str, object] | None = None,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
         max_tokens: int = 64,
         model: str = "",
         temperature: float | None = None,
@@ -130,11 +145,36 @@ class Client:
         labels: Mapping[str, str] | None = None,
         service_class: str = "",
     ) -> Generation:
-        """A call whose whole life, retries included, fits in `deadline_ms`. A prompt given as a sequence of
-        ints is sent as token ids."""
+        """A call whose whole life, retries included, fits in `deadline_ms`.
+
+        What it sends, exactly one of:
+          prompt       text, or a sequence of ints sent as token ids;
+          messages     a conversation, rendered by the model's chat template (ListModels: has_chat_template): a list
+                       of Message(role, content, name="") or of OpenAI-style dicts {"role", "content", "name"?}, role
+                       one of system, user, assistant, tool.
+        `response_format` (OpenAI-style; the one way to constrain the output, there is no separate json_schema=):
+          {"type": "json_object"}                                 any JSON object
+          {"type": "json_schema", "json_schema": {"schema": S}}   or {"type": "json_schema", "schema": S}: S a dict
+                                                                  (sent compactly, in its own key order) or JSON text
+          {"type": "regex", "regex": "..."}                       the whole output matches it
+          {"type": "lark_grammar", "grammar": "..."}              a Lark grammar from `start`
+        A constrained call that ends with finish_reason "stop" holds exactly that (Result.json() parses it); "length"
+        means max_tokens cut it short. A first call with a new format waits for its compile (Admission.compile_us).
+        `logprobs`: each token's log-probability (Chunk.logprobs, Result.logprobs); `top_logprobs` (0-20, needs
+        logprobs) adds that many most likely alternatives at each position.
+        A form the server would refuse (no or two prompts, an unknown role or format type, top_logprobs without
+        logprobs) raises ValueError before anything is sent. Retries resend the same request."""
+        if deadline_ms is None:
+            raise TypeError("generate() needs deadline_ms: the call's whole budget, retries included")
+        if not deadline_ms > 0:
+            raise ValueError(f"deadline_ms must be > 0, got {deadline_ms}")
         request = build_request(
             prompt,
             max_tokens,
+            messages=messages,
+            response_format=response_format,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
             model=model,
             temperature=temperature,
             top_p=top_p,
@@ -145,11 +185,12 @@ class Client:
             labels=labels,
             service_class=service_class,
         )
-        if not deadline_ms > 0:
-            raise ValueError(f"deadline_ms must be > 0, got {deadline_ms}")
         return Generation(self, request, deadline_ms)
 
-    def complete(self, prompt: str | Sequence[int], deadline_ms: float, **options) -> Result:
+    def complete(
+        self, prompt: str | Sequence[int] | None = None, deadline_ms: float | None = None, **options
+    ) -> Result:
+        """generate(...) run to its end: its Result."""
         return self.generate(prompt, deadline_ms, **options).collect()
 
     def list_models(self, endpoint: int = 0, timeout_s: float = 5.0) -> list[ModelInfo]:

@@ -34,6 +34,12 @@ class Rejected(ZeroQueueError):
     def retry_after_ms(self) -> int | None:
         return self.failure.retry_after_ms
 
+    @property
+    def cause(self) -> str:
+        """Why the last replica refused: slots_full, step_budget, ..., or compiles (it was compiling as many new
+        response_format grammars as it compiles at once); "" when it did not say."""
+        return self.failure.error_metadata.get("cause", "")
+
 
 class QuotaExceeded(ZeroQueueError):
     """The tenant is at one of its caps (RESOURCE_EXHAUSTED, QUOTA_EXCEEDED): a monthly one (device time, spend)
@@ -73,8 +79,13 @@ class DeadlineInfeasible(ZeroQueueError):
 
     @property
     def min_budget_ms(self) -> int | None:
-        value = self.failure.error_metadata.get("min_budget_ms")
-        return int(value) if value is not None and value.isdigit() else None
+        return _int(self.failure.error_metadata.get("min_budget_ms"))
+
+    @property
+    def compile_ms(self) -> int | None:
+        """When compiling the call's response_format alone takes longer than its budget: about how long it takes
+        (the compile goes on, and a later call with the same format may find it cached); None otherwise."""
+        return _int(self.failure.error_metadata.get("compile_ms"))
 
 
 class DeadlineExceeded(ZeroQueueError):

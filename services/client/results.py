@@ -5,6 +5,7 @@ Protobuf becomes these plain dataclasses here and nowhere else in the SDK.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from zeroqueue.inference.v1 import inference_pb2 as pb
@@ -61,10 +62,27 @@ class CallReport:
 
 
 @dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    logprob: float  # natural log
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the distribution it was drawn from (after the response_format's
+    mask and the temperature, before top-k and top-p), and the `top` most likely tokens there, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
 class Chunk:
     text: str
     token_ids: tuple[int, ...]
     emitted_at_us: int  # server clock
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, in order, when the call asked for logprobs
 
 
 @dataclass(frozen=True)
@@ -81,6 +99,7 @@ class Admission:
     service_class: str = ""  # the class of service the call runs and is billed in
     # when it is predicted to begin: its dispatch, or the slot the replica held it for inside its slack
     predicted_start_at_us: int = 0
+    compile_us: int = 0  # the replica compiling the call's response_format before admitting it; 0: cached or none
 
 
 @dataclass(frozen=True)
@@ -108,6 +127,11 @@ class Timings:
     deadline_met: bool
 
 
+class IncompleteOutput(ValueError):
+    """The call did not end with finish_reason "stop" (max_tokens or the context cut it short), so its text is not
+    the whole output its response_format asked for."""
+
+
 @dataclass(frozen=True)
 class Result:
     request_id: str
@@ -118,6 +142,18 @@ class Result:
     timings: Timings
     admission: Admission
     report: CallReport
+    logprobs: tuple[TokenLogprob, ...] = ()  # every chunk's, in order: one per token id, when asked for
+
+    def json(self) -> object:
+        """The output parsed as JSON: what a call with a json_object or json_schema response_format returns.
+        IncompleteOutput when the call was cut short (finish_reason "length"); json.JSONDecodeError when the text
+        is not JSON (a call without a JSON response_format)."""
+        if self.finish_reason != "stop":
+            raise IncompleteOutput(
+                f"the call ended with finish_reason {self.finish_reason!r}, not 'stop': its output was cut short "
+                f"after {len(self.token_ids)} tokens (allow more max_tokens)"
+            )
+        return json.loads(self.text)
 
 
 @dataclass(frozen=True)
@@ -141,6 +177,8 @@ class ModelInfo:
     ready: bool
     device_state: str = ""  # healthy, slow or failed: the replica's watchdog on its device ("" if not said)
     classes: tuple[ClassOffer, ...] = ()  # the classes of service a call may name, with their prices here
+    has_chat_template: bool = False  # generate(messages=...) can be served
+    response_formats: tuple[str, ...] = ()  # the response_format types served: json_object, json_schema, ...
 
 
 def admission_from(msg: pb.Admission, endpoint: str) -> Admission:
@@ -156,11 +194,16 @@ def admission_from(msg: pb.Admission, endpoint: str) -> Admission:
         msg.call_id,
         msg.service_class,
         msg.predicted_start_at_us,
+        msg.compile_us,
     )
 
 
+def _logprob(msg: pb.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(msg.token_id, msg.logprob, tuple(TopLogprob(t.token_id, t.logprob) for t in msg.top))
+
+
 def chunk_from(msg: pb.TokenChunk) -> Chunk:
-    return Chunk(msg.text, tuple(msg.token_ids), msg.emitted_at_us)
+    return Chunk(msg.text, tuple(msg.token_ids), msg.emitted_at_us, tuple(_logprob(lp) for lp in msg.logprobs))
 
 
 def result_from(final: pb.Final, admission: Admission, chunks: list[Chunk], report: CallReport) -> Result:
@@ -187,6 +230,7 @@ def result_from(final: pb.Final, admission: Admission, chunks: list[Chunk], repo
         timings,
         admission,
         report,
+        tuple(lp for c in chunks for lp in c.logprobs),
     )
 
 
@@ -208,6 +252,8 @@ def models_from(reply: pb.ListModelsResponse) -> list[ModelInfo]:
             m.state == pb.WARMUP_STATE_READY,
             _DEVICE_STATES.get(m.device_state, ""),
             tuple(_offer(c) for c in m.classes),
+            m.has_chat_template,
+            tuple(m.response_formats),
         )
         for m in reply.models
     ]

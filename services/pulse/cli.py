@@ -6,6 +6,8 @@
     zeroqueue pulse --compare --load 2 --capacity-json out/capacity/capacity.json --duration 60
     zeroqueue pulse --tenant name=A,load=4 --tenant name=B,load=0.4 --alone B \
         --capacity-json out/capacity/capacity.json --duration 30   # tenants side by side, B also alone
+    zeroqueue pulse --compare --qps 8 --templates plain=2,chat=1,json=1   # chat and constrained calls too
+    zeroqueue pulse --compare --qps 8 --request-file calls.jsonl        # your own (templates.py says the fields)
 
 A compare run replays one schedule (same seed) against each mode in turn, one replica at a time, so the
 two never share the machine's cores.
@@ -24,6 +26,7 @@ from pathlib import Path
 from services.client.retry import RetryConfig
 
 from .schedule import ARRIVALS
+from .templates import BUILT_INS, describe_mix, parse_templates, read_request_file, templates_of
 from .tenants import parse_tenant
 
 
@@ -99,6 +102,23 @@ def add_pulse(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--shape-sigma", type=float, default=0.6, help="mix: log-normal spread")
     s.add_argument("--deadline-ms", type=float, default=2_000.0)
     s.add_argument("--deadline-per-token-ms", type=float, default=0.0, help="added per requested output token")
+    s.add_argument(
+        "--templates",
+        type=parse_templates,
+        default=None,
+        metavar="NAME[=WEIGHT],...",
+        help=f"kinds of call, drawn by weight (seeded): built-ins {', '.join(BUILT_INS)}; plain is the shape's "
+        "token ids, chat a conversation for the bundled model, json a JSON Schema and regex a regular expression "
+        "(on the shape's token ids), chat_json both. The report splits by kind. E.g. plain=2,chat=1,json=1",
+    )
+    s.add_argument(
+        "--request-file",
+        type=read_request_file,
+        default=None,
+        metavar="FILE",
+        help="request templates, one JSON object a line, drawn by weight beside --templates': messages or prompt, "
+        "response_format, max_tokens, logprobs, top_logprobs, temperature, deadline_ms, weight (all optional)",
+    )
     c = p.add_argument_group("capacity")
     c.add_argument(
         "--capacity",
@@ -171,6 +191,8 @@ def run_pulse(args: argparse.Namespace) -> int:
     if args.capacity:
         from .capacity import run_capacity
 
+        if templates_of(args):
+            raise SystemExit("zeroqueue pulse: error: --capacity measures plain calls: no --templates/--request-file")
         return run_capacity(args, shape_args, out_dir, run_id, console)
     load = LoadSpec(
         _load_qps(args), args.duration, args.arrival, args.pulse_factor, args.pulse_seconds, args.pulse_every, args.seed
@@ -183,7 +205,7 @@ def run_pulse(args: argparse.Namespace) -> int:
         f"pulse: {load.arrival} {load.qps:.2f} qps for {load.duration_s:.0f} s"
         + (f", bursts {load.pulse_factor}× for {load.pulse_s} s every {load.pulse_every_s} s" if load.pulse_s else "")
         + f", shape {args.shape} {args.prompt_tokens}+{args.max_tokens}, "
-        f"deadline {args.deadline_ms:.0f} ms"
+        f"deadline {args.deadline_ms:.0f} ms" + describe_mix(templates_of(args))
     )
     print_table(runs, title, console)
     config = {
@@ -191,6 +213,7 @@ def run_pulse(args: argparse.Namespace) -> int:
         "shape": shape_args,
         "deadline_ms": args.deadline_ms,
         "deadline_per_token_ms": args.deadline_per_token_ms,
+        "templates": [t.describe() for t in templates_of(args)],
         "run_id": run_id,
     }
     write_json(out_dir / "pulse.json", runs, config)

@@ -22,6 +22,7 @@ from pathlib import Path
 from .schedule import LoadSpec, PlannedRequest, ShapeSpec, plan
 from .stats import LAG_WARNING_MS, RequestTrace
 from .targets import Target, model_info, opened, scrape_all, server_view_between, targets_from
+from .templates import check_served, describe_mix, templates_of
 from .tenant_stats import TenantFigures, TogetherRun, tenant_figures, together
 from .tenants import TenantSpec, check_tenants
 
@@ -62,7 +63,13 @@ def tenant_plans(
         )
         deadline_ms = spec.deadline_ms or args.deadline_ms
         plans[spec.name] = plan(
-            load, shape, vocab, deadline_ms, args.deadline_per_token_ms, service_class=spec.service_class
+            load,
+            shape,
+            vocab,
+            deadline_ms,
+            args.deadline_per_token_ms,
+            service_class=spec.service_class,
+            templates=templates_of(args),
         )
     return plans
 
@@ -118,6 +125,10 @@ async def pulse_tenants(
     traces (an alone run's under '<name> alone'). One event loop for all of it: gRPC's aio channels outlive none."""
     keys = tenant_keys(target, specs)
     model = await model_info(replace(target, api_key=keys[specs[0].name]))
+    try:
+        check_served(templates_of(args), model)
+    except ValueError as error:
+        raise SystemExit(f"zeroqueue pulse: error: {error}") from None
     shape = ShapeSpec(**shape_args, context_length=model.context_length)
     plans = tenant_plans(specs, rates, args, shape, model.vocab_size)
     classes = {spec.name: spec.service_class for spec in specs}
@@ -159,6 +170,7 @@ def run_multi_tenant(args: argparse.Namespace, shape_args: dict, out_dir: Path, 
         f"pulse, {len(specs)} tenants: "
         + "; ".join(spec.describe(capacity_qps) for spec in specs)
         + f"; {args.arrival}, {args.duration:.0f} s, shape {args.shape} {args.prompt_tokens}+{args.max_tokens}"
+        + describe_mix(templates_of(args))
     )
     print_tenant_table(runs, title, console)
     config = {
@@ -179,6 +191,7 @@ def run_multi_tenant(args: argparse.Namespace, shape_args: dict, out_dir: Path, 
         "arrival": args.arrival,
         "shape": shape_args,
         "deadline_ms": args.deadline_ms,
+        "templates": [t.describe() for t in templates_of(args)],
         "max_attempts": args.max_attempts,
         "seed": args.seed,
         "run_id": run_id,

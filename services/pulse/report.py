@@ -1,4 +1,5 @@
-"""A pulse run's outputs: the rich table (runs side by side), the JSON file, per-request traces, PNG plots."""
+"""A pulse run's outputs: the rich table (runs side by side; with several kinds of call, a second one with each kind
+of each run side by side), the JSON file, per-request traces, PNG plots."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .stats import RequestTrace, Summary, TraceOutcome, time_series
+from .templates import KINDS
 
 
 @dataclass
@@ -22,6 +24,7 @@ class RunReport:
     traces: list[RequestTrace]
     server: dict | None = None  # scrape.server_view, when /metrics was reachable
     notes: list[str] = field(default_factory=list)
+    by_kind: dict[str, Summary] = field(default_factory=dict)  # stats.summarize_by_kind of the traces
 
 
 def number(value, fmt: str = "{:.1f}") -> str:
@@ -79,7 +82,45 @@ def rows(run: RunReport) -> list[tuple[str, str]]:
     return out
 
 
+def kind_rows(s: Summary) -> list[tuple[str, str]]:
+    """One kind of call's figures: what to set beside the same run's plain calls (and a plain run's)."""
+    admitted, compiles = s.admitted_latency_ms, s.compile_ms
+    attainment = None if s.admitted_miss_rate is None else 1 - s.admitted_miss_rate
+    return [
+        ("sent / completed / in deadline", f"{s.num_sent} / {s.num_completed} / {s.num_in_deadline}"),
+        ("goodput, req/s", number(s.goodput_rps, "{:.2f}")),
+        ("attainment of admitted", percent(attainment)),
+        ("refused at first attempt", percent(s.rejection_rate)),
+        ("admitted P50 / P99, ms", f"{_p(admitted, 'p50')} / {_p(admitted, 'p99')}"),
+        ("TTFT P50 / P99, ms", f"{_p(s.ttft_ms, 'p50')} / {_p(s.ttft_ms, 'p99')}"),
+        ("ended stop / length", f"{s.num_stopped} / {s.num_completed - s.num_stopped}"),
+        ("compiles; P50 / max, ms", f"{compiles.count}; {_p(compiles, 'p50')} / {_p(compiles, 'max')}"),
+        ("mean output tokens", number(s.mean_completion_tokens)),
+        ("outcomes", ", ".join(f"{k} {v}" for k, v in sorted(s.outcomes.items()))),
+    ]
+
+
+def print_kind_table(runs: Sequence[RunReport], console: Console) -> None:
+    """When a run had more than plain calls: each kind of call, the runs' side by side (deadline beside fifo)."""
+    if all(set(run.by_kind) <= {"plain"} for run in runs):
+        return
+    table = Table(title="by kind of call (goodput: the kind's calls in deadline per second of the run)")
+    table.add_column("metric")
+    kinds = [kind for kind in KINDS if any(kind in run.by_kind for run in runs)]
+    cells = [
+        (f"{run.label}: {kind}", dict(kind_rows(run.by_kind[kind])) if kind in run.by_kind else {})
+        for kind in kinds
+        for run in runs
+    ]
+    for header, _ in cells:
+        table.add_column(header, justify="right")
+    for name, _ in kind_rows(runs[0].summary):
+        table.add_row(name, *(cell.get(name, "—") for _, cell in cells))
+    console.print(table)
+
+
 def print_table(runs: Sequence[RunReport], title: str, console: Console | None = None) -> None:
+    console = console or Console()
     table = Table(title=title)
     table.add_column("metric")
     for run in runs:
@@ -87,10 +128,11 @@ def print_table(runs: Sequence[RunReport], title: str, console: Console | None =
     per_run = [dict(rows(run)) for run in runs]
     for name, _ in rows(runs[0]):
         table.add_row(name, *(r[name] for r in per_run))
-    (console or Console()).print(table)
+    console.print(table)
+    print_kind_table(runs, console)
     for run in runs:
         for note in run.notes:
-            (console or Console()).print(f"[yellow]{run.label}: {note}[/yellow]")
+            console.print(f"[yellow]{run.label}: {note}[/yellow]")
 
 
 def write_json(path: Path, runs: Sequence[RunReport], config: dict) -> None:
@@ -101,6 +143,7 @@ def write_json(path: Path, runs: Sequence[RunReport], config: dict) -> None:
             run.label: {
                 "endpoints": run.endpoints,
                 "summary": run.summary.to_dict(),
+                "by_kind": {kind: s.to_dict() for kind, s in run.by_kind.items()},
                 "server": run.server,
                 "notes": run.notes,
                 "time_series": time_series(run.traces, run.summary.duration_s),

@@ -37,13 +37,29 @@ def outcome_of(error: ZeroQueueError) -> TraceOutcome:
 
 
 def _generate(client: AsyncClient, request: PlannedRequest, request_id: str):
+    """A plain call on the planned token ids, greedy; or what its template sends."""
+    call = {"prompt": request.prompt_token_ids, "temperature": 0.0}
+    if request.template is not None:
+        call = request.template.call(request.prompt_token_ids)
     return client.generate(
-        request.prompt_token_ids,
+        **call,
         deadline_ms=request.deadline_ms,
         max_tokens=request.max_tokens,
-        temperature=0.0,
         request_id=request_id,
         service_class=request.service_class,
+    )
+
+
+def trace_of(request: PlannedRequest, planned_s: float | None = None) -> RequestTrace:
+    """A request's trace before it is sent. Its prompt tokens are the planned ids' count until the replica counts
+    them (its admission): a text prompt's and a conversation's are known only then."""
+    return RequestTrace(
+        request.index,
+        request.at_s if planned_s is None else planned_s,
+        request.deadline_ms,
+        len(request.prompt_token_ids),
+        request.max_tokens,
+        kind=request.kind,
     )
 
 
@@ -68,6 +84,8 @@ async def _one(
         trace.device_us = result.usage.device_us
         trace.server_deadline_met, trace.server_queue_us = result.timings.deadline_met, result.timings.queue_us
         trace.server_total_us = result.timings.total_us
+        trace.prompt_tokens, trace.compile_us = result.admission.prompt_tokens, result.admission.compile_us
+        trace.finish_reason = result.finish_reason
         report = result.report
     except ZeroQueueError as error:
         trace.finished_s = time.monotonic() - t0
@@ -97,7 +115,7 @@ async def run_plan(
 ) -> list[RequestTrace]:
     """Sends `requests` at their `at_s` (seconds from now); returns one trace per request. A request that
     would exceed `max_in_flight` calls open at once is recorded as not_sent, never delayed."""
-    traces = [RequestTrace(r.index, r.at_s, r.deadline_ms, len(r.prompt_token_ids), r.max_tokens) for r in requests]
+    traces = [trace_of(r) for r in requests]
     in_flight: set[asyncio.Task] = set()
     t0 = time.monotonic()
     for request, trace in zip(requests, traces, strict=True):
@@ -135,13 +153,7 @@ async def run_closed_loop(
     async def caller() -> None:
         while time.monotonic() - t0 < duration_s:
             request = make_request(next(counter))
-            trace = RequestTrace(
-                request.index,
-                time.monotonic() - t0,
-                request.deadline_ms,
-                len(request.prompt_token_ids),
-                request.max_tokens,
-            )
+            trace = trace_of(request, time.monotonic() - t0)
             traces.append(trace)
             await _one(client, request, trace, t0, f"{id_prefix}-{request.index}", lambda t: None)
             if trace.outcome == TraceOutcome.REJECTED and trace.retry_after_ms:

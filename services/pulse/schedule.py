@@ -6,13 +6,17 @@ rate; constant arrivals are evenly spaced in it. The articles' two other shapes:
 `pulse_every_s` a burst of qps × pulse_every_s calls sent at once (as `hey -c` does), and `stages`, a ramp up to
 qps over the first quarter of the run, a plateau, and a ramp down over the last quarter (as k6's stages do),
 Poisson inside each step of the ramp. Everything comes from one seed, so the same schedule can be replayed
-against a deadline-mode and a fifo-mode replica.
+against a deadline-mode and a fifo-mode replica. With request templates (templates.py), each call also draws
+what kind of call it is.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from .templates import RequestTemplate, TemplateDraw, kind_of
 
 ARRIVALS = ("poisson", "constant", "burst", "stages")
 RAMP_STEPS = 8  # steps of a stages ramp
@@ -103,6 +107,12 @@ class PlannedRequest:
     max_tokens: int
     deadline_ms: float
     service_class: str = ""  # GenerateRequest.service_class ("": the replica picks by the budget)
+    template: RequestTemplate | None = None  # what else it sends (None: a plain call on prompt_token_ids)
+
+    @property
+    def kind(self) -> str:
+        """plain, chat, constrained or chat_constrained."""
+        return kind_of(self.template)
 
 
 def arrival_times(load: LoadSpec, rng: random.Random) -> list[float]:
@@ -145,15 +155,29 @@ def plan(
     deadline_per_token_ms: float = 0.0,
     first_token_id: int = 16,
     service_class: str = "",
+    templates: Sequence[RequestTemplate] = (),
 ) -> list[PlannedRequest]:
-    """The whole schedule. Prompt tokens are drawn from [first_token_id, vocab_size) so low special ids stay out."""
+    """The whole schedule. Prompt tokens are drawn from [first_token_id, vocab_size) so low special ids stay out.
+    With `templates`, each call draws one by weight: a template's max_tokens and deadline_ms replace the shape's
+    and `deadline_ms`, and one with its own prompt or messages sends no token ids. Every call draws its lengths and
+    token ids all the same, so the arrivals and the plain calls are those of a plan without templates."""
     if deadline_ms <= 0:
         raise ValueError("deadline_ms must be > 0")
     rng = random.Random(load.seed)
+    draw = TemplateDraw(templates, load.seed) if templates else None
     requests = []
     for index, at_s in enumerate(arrival_times(load, rng)):
         prompt_len, max_tokens = _lengths(shape, rng)
         prompt = tuple(rng.randrange(first_token_id, vocab_size) for _ in range(prompt_len))
-        deadline = deadline_ms + deadline_per_token_ms * max_tokens
-        requests.append(PlannedRequest(index, at_s, prompt, max_tokens, deadline, service_class))
+        template = draw.next() if draw is not None else None
+        base_ms = deadline_ms
+        if template is not None:
+            if template.max_tokens is not None:
+                limit = shape.context_length - len(prompt) if template.uses_token_ids else shape.context_length
+                max_tokens = min(template.max_tokens, limit)
+            if not template.uses_token_ids:
+                prompt = ()
+            base_ms = template.deadline_ms or deadline_ms
+        deadline = base_ms + deadline_per_token_ms * max_tokens
+        requests.append(PlannedRequest(index, at_s, prompt, max_tokens, deadline, service_class, template))
     return requests

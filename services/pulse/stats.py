@@ -9,6 +9,8 @@ Definitions (times in seconds since the run began, on the client's monotonic clo
   first-retry success  of calls refused at first whose SDK tried again, the share admitted at that second try
   goodput            calls completed inside their deadline / run duration
   admitted misses    admitted calls that did not complete inside their deadline / admitted calls
+  compiles           completed calls whose replica compiled their response_format first (not cached), and how long
+Each figure can be taken over one kind of call alone (summarize_by_kind): plain, chat, constrained, chat_constrained.
 Percentiles are nearest-rank: the smallest value with at least p% of the values at or below it.
 """
 
@@ -19,6 +21,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
+
+from .templates import KINDS
 
 # a run whose scheduler fired a request later than this is flagged: the load generator's host fell behind
 LAG_WARNING_MS = 50.0
@@ -65,6 +69,9 @@ class RequestTrace:
     endpoint: str = ""
     retry_after_ms: int | None = None  # a failed call's last hint (Rejected: when to come back)
     refusal_cause: str = ""  # a refused call's last refusal: why not now (ErrorInfo metadata "cause")
+    kind: str = "plain"  # plain, chat, constrained or chat_constrained (templates.py)
+    compile_us: int | None = None  # an admitted call's response_format compile (Admission.compile_us; 0: cached)
+    finish_reason: str = ""  # a completed call's: stop, or length (a constrained output cut short)
 
     @property
     def admitted_s(self) -> float | None:
@@ -144,6 +151,8 @@ class Summary:
     mean_completion_tokens: float | None
     max_dispatch_lag_ms: float | None  # how late the scheduler fired, worst case
     duration_s: float
+    num_stopped: int = 0  # completed calls that ended with finish_reason stop (a constrained output whole)
+    compile_ms: Percentiles = Percentiles(None, None, None, None, 0)  # completed calls that waited for a compile
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -196,7 +205,19 @@ def summarize(traces: Sequence[RequestTrace], duration_s: float) -> Summary:
         mean_completion_tokens=ratio(sum(t.completion_tokens for t in done), len(done)),
         max_dispatch_lag_ms=max(lags) if lags else None,
         duration_s=duration_s,
+        num_stopped=sum(1 for t in done if t.finish_reason == "stop"),
+        compile_ms=percentiles([t.compile_us / 1000 for t in done if t.compile_us]),
     )
+
+
+def summarize_by_kind(traces: Sequence[RequestTrace], duration_s: float) -> dict[str, Summary]:
+    """A summary per kind of call (plain, chat, constrained, chat_constrained) over the same run duration, so each
+    kind's goodput is its own share of the run's; kinds no call had are left out."""
+    kinds: dict[str, list[RequestTrace]] = {}
+    for t in traces:
+        kinds.setdefault(t.kind, []).append(t)
+    ordered = sorted(kinds, key=lambda k: (KINDS.index(k) if k in KINDS else len(KINDS), k))
+    return {kind: summarize(kinds[kind], duration_s) for kind in ordered}
 
 
 def time_series(traces: Sequence[RequestTrace], duration_s: float, bin_s: float = 0.5) -> dict[str, list]:

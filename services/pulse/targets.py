@@ -155,11 +155,17 @@ def pulse_one(target: Target, args: argparse.Namespace, load, shape_args: dict, 
     """One open-loop run of `load` against an opened target: its summary, traces and the replicas' view."""
     from .report import RunReport
     from .schedule import ShapeSpec, plan
-    from .stats import summarize
+    from .stats import summarize, summarize_by_kind
+    from .templates import check_served, templates_of
 
     model = asyncio.run(model_info(target))
     shape = ShapeSpec(**shape_args, context_length=model.context_length)
-    requests = plan(load, shape, model.vocab_size, args.deadline_ms, args.deadline_per_token_ms)
+    templates = templates_of(args)
+    try:
+        check_served(templates, model)
+    except ValueError as error:
+        raise SystemExit(f"zeroqueue pulse: error: {error}") from None
+    requests = plan(load, shape, model.vocab_size, args.deadline_ms, args.deadline_per_token_ms, templates=templates)
     before = scrape_all(target.metrics_urls)
     traces = asyncio.run(_drive(target, requests, f"pulse-{run_id}-{target.label}", args, console))
     time.sleep(0.5)  # the last calls' metrics settle
@@ -171,4 +177,6 @@ def pulse_one(target: Target, args: argparse.Namespace, load, shape_args: dict, 
             f"the load generator sent some requests up to {summary.max_dispatch_lag_ms:.0f} ms late: this "
             "machine could not keep the schedule, so arrivals bunched up (see scheduler lag)"
         )
-    return RunReport(target.label, target.endpoints, summary, traces, server, notes)
+    return RunReport(
+        target.label, target.endpoints, summary, traces, server, notes, summarize_by_kind(traces, load.duration_s)
+    )

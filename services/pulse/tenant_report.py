@@ -29,8 +29,21 @@ def _device_s(by_unit: Mapping[str, float] | None) -> str:
     return ", ".join(f"{v / 1e6:.2f} {unit.removesuffix('_us')}·s" for unit, v in sorted(by_unit.items())) or "none"
 
 
-def tenant_rows(f: TenantFigures) -> list[tuple[str, str]]:
+def _by_kind(f: TenantFigures, figure) -> str:
+    return ", ".join(f"{kind} {figure(s)}" for kind, s in f.by_kind.items()) or "—"
+
+
+def tenant_rows(f: TenantFigures, with_kinds: bool = False) -> list[tuple[str, str]]:
+    """A column's rows; `with_kinds` (request templates sent more than plain calls): goodput and attainment of
+    each kind of call too."""
     s = f.summary
+    kinds = [
+        ("goodput by kind, req/s", _by_kind(f, lambda k: number(k.goodput_rps, "{:.2f}"))),
+        (
+            "in deadline of admitted, by kind",
+            _by_kind(f, lambda k: percent(None if k.admitted_miss_rate is None else 1 - k.admitted_miss_rate)),
+        ),
+    ]
     return [
         ("class", f.service_class or "—"),
         ("offered, req/s (calls planned)", f"{f.offered_qps:.2f} ({s.num_requests})"),
@@ -49,6 +62,7 @@ def tenant_rows(f: TenantFigures) -> list[tuple[str, str]]:
             f"{number(s.admitted_latency_ms.p50)} / {number(s.admitted_latency_ms.p99)}",
         ),
         ("scheduler lag max, ms", number(s.max_dispatch_lag_ms)),
+        *(kinds if with_kinds else []),
     ]
 
 
@@ -67,10 +81,11 @@ def print_tenant_table(runs: Sequence[TogetherRun], title: str, console: Console
     console = console or Console()
     table = Table(title=title)
     table.add_column("metric")
-    cells = [(header, dict(tenant_rows(f))) for run in runs for header, f in columns(run)]
+    with_kinds = any(set(f.by_kind) - {"plain"} for run in runs for _, f in columns(run))
+    cells = [(header, dict(tenant_rows(f, with_kinds))) for run in runs for header, f in columns(run)]
     for header, _ in cells:
         table.add_column(header, justify="right")
-    for name, _ in tenant_rows(runs[0].total):
+    for name, _ in tenant_rows(runs[0].total, with_kinds):
         table.add_row(name, *(rows[name] for _, rows in cells))
     console.print(table)
     for run in runs:

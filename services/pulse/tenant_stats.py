@@ -8,7 +8,8 @@ Per tenant (the definitions of stats.py, over that tenant's calls only):
   goodput vs alone    goodput beside the others / goodput of the same schedule sent alone
   refused in the end  calls that ended refused, by the cause of their last refusal (the client's view)
   replica refusals    refused attempts, by cause, as the replica counted them (zeroqueue_refusals_total{tenant})
-Causes are grouped by kind: overload (slots_full, step_budget, deadline, delays_admitted: the replica is full),
+Causes are grouped by kind: overload (slots_full, step_budget, deadline, delays_admitted: the replica is full;
+compiles: it is compiling as many new response_format grammars as it compiles at once),
 share (over_share: the tenant holds its fair share), priority (a higher class took the room), quota (a cap on
 the tenant), infeasible (no idle replica could finish in the budget).
 """
@@ -19,10 +20,10 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .stats import RequestTrace, Summary, TraceOutcome, ratio, summarize
+from .stats import RequestTrace, Summary, TraceOutcome, ratio, summarize, summarize_by_kind
 
 CAUSE_KINDS = {
-    "overload": ("slots_full", "step_budget", "deadline", "delays_admitted"),
+    "overload": ("slots_full", "step_budget", "deadline", "delays_admitted", "compiles"),
     "share": ("over_share",),
     "priority": ("priority",),
     "quota": ("quota",),
@@ -66,6 +67,7 @@ class TenantFigures:
     replica_refusals: dict[str, int] | None = None  # by cause; None: no /metrics
     replica_device_us: dict[str, float] | None = None  # by unit (core_us, sm_us)
     alone: TenantFigures | None = None
+    by_kind: dict[str, Summary] = field(default_factory=dict)  # with request templates: each kind's summary
 
     @property
     def admitted_share(self) -> float | None:
@@ -102,6 +104,7 @@ class TenantFigures:
             "replica_refusals_by_kind": self.replica_refusals_by_kind,
             "replica_device_us": self.replica_device_us,
             "summary": self.summary.to_dict(),
+            "by_kind": {kind: s.to_dict() for kind, s in self.by_kind.items()},
             "alone": None if self.alone is None else self.alone.to_dict(),
         }
 
@@ -131,6 +134,7 @@ def tenant_figures(
         _server_part(server, "refusals_by_tenant", tenant),
         _server_part(server, "device_unit_us_by_tenant", tenant),
         alone,
+        summarize_by_kind(traces, duration_s),
     )
 
 
@@ -167,6 +171,13 @@ def together(
         device = dict(sum((Counter(f.replica_device_us) for f in figures), Counter()))
     offered_qps = sum(specs_qps.values())
     total = TenantFigures(
-        "all tenants", "", offered_qps, summarize(every, duration_s), final_refusals(every), refusals, device
+        "all tenants",
+        "",
+        offered_qps,
+        summarize(every, duration_s),
+        final_refusals(every),
+        refusals,
+        device,
+        by_kind=summarize_by_kind(every, duration_s),
     )
     return TogetherRun(label, figures, total, dict(server) if server is not None else None)

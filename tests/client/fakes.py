@@ -4,6 +4,7 @@ call it saw (metadata, request, the deadline it carried). Real loopback ports, o
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 import time
 from collections import deque
@@ -15,6 +16,7 @@ from google.rpc import error_details_pb2
 from zeroqueue.inference.v1 import inference_pb2 as pb
 from zeroqueue.inference.v1 import inference_pb2_grpc
 
+from services.client import AsyncClient, CallReport, Chunk, Client, Result, RetryConfig, ZeroQueueError
 from services.status import RpcStatus, to_grpc_status
 
 
@@ -36,10 +38,24 @@ class Fail:
 
 @dataclass(frozen=True)
 class Serve:
-    """Admission, `num_chunks` token chunks, then a final message, or the status `then_fail` instead of it."""
+    """Admission, `num_chunks` token chunks, then a final message, or the status `then_fail` instead of it. Chunk i
+    holds token 10 + i and the text `texts[i]` (default "t<i>"), and, when the call asked for logprobs, that token's
+    logprob -0.5 - i with `top_logprobs` alternatives (ids 100, 101, ...). A call with a response_format is admitted
+    with `compile_us` and ends `finish`."""
 
     num_chunks: int = 2
     then_fail: grpc.StatusCode | None = None
+    texts: tuple[str, ...] = ()
+    compile_us: int = 1500
+    finish: int = pb.FINISH_REASON_LENGTH
+
+
+def _chunk(request: pb.GenerateRequest, answer: Serve, i: int, now_us: int) -> pb.TokenChunk:
+    chunk = pb.TokenChunk(token_ids=[10 + i], text=answer.texts[i] if answer.texts else f"t{i}", emitted_at_us=now_us)
+    if request.logprobs:
+        top = [pb.TopLogprob(token_id=100 + k, logprob=-0.25 - k) for k in range(request.top_logprobs)]
+        chunk.logprobs.append(pb.TokenLogprob(token_id=10 + i, logprob=-0.5 - i, top=top))
+    return chunk
 
 
 @dataclass(frozen=True)
@@ -115,15 +131,16 @@ class ScriptedInference(inference_pb2_grpc.InferenceServicer):
                 dispatched_at_us=now_us,
                 budget_ms=1000,
                 prompt_tokens=3,
+                compile_us=answer.compile_us if request.HasField("response_format") else 0,
             )
         )
         for i in range(answer.num_chunks):
-            yield pb.GenerateResponse(chunk=pb.TokenChunk(token_ids=[10 + i], text=f"t{i}", emitted_at_us=now_us))
+            yield pb.GenerateResponse(chunk=_chunk(request, answer, i, now_us))
         if answer.then_fail is not None:
             await context.abort_with_status(_status(Fail(answer.then_fail)))
         yield pb.GenerateResponse(
             final=pb.Final(
-                finish_reason=pb.FINISH_REASON_LENGTH,
+                finish_reason=answer.finish,
                 timings=pb.Timings(received_at_us=now_us, total_us=500, ttft_us=100, deadline_met=True),
                 usage=pb.Usage(
                     prompt_tokens=3,
@@ -139,7 +156,15 @@ class ScriptedInference(inference_pb2_grpc.InferenceServicer):
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):
         return pb.ListModelsResponse(
             models=[
-                pb.ModelInfo(name="fake", context_length=256, vocab_size=300, max_batch=4, state=pb.WARMUP_STATE_READY)
+                pb.ModelInfo(
+                    name="fake",
+                    context_length=256,
+                    vocab_size=300,
+                    max_batch=4,
+                    state=pb.WARMUP_STATE_READY,
+                    has_chat_template=True,
+                    response_formats=["json_object", "json_schema", "regex", "lark_grammar"],
+                )
             ]
         )
 
@@ -209,3 +234,58 @@ class VirtualTime:
 
     async def async_sleep(self, seconds: float) -> None:
         self.sleep(seconds)
+
+
+@dataclass
+class Outcome:
+    chunks: list[Chunk]
+    result: Result | None
+    error: ZeroQueueError | None
+    report: CallReport
+
+
+def run_call(
+    kind: str,
+    addresses: list[str],
+    vt: VirtualTime,
+    retry: RetryConfig | None = None,
+    rand=random.random,
+    wall_clock=time.time,
+    prompt="def f():",
+    **options,
+) -> Outcome:
+    """One call through the sync or the asyncio client (`kind`), sleeping on `vt`: its chunks, and its result or
+    error, and report. `options` go to generate()."""
+    options.setdefault("deadline_ms", 2_000)
+    options.setdefault("max_tokens", 4)
+    if kind == "sync":
+        with Client(
+            addresses, api_key="key-1", retry=retry, clock=vt.clock, sleep=vt.sleep, rand=rand, wall_clock=wall_clock
+        ) as client:
+            generation, chunks = client.generate(prompt, **options), []
+            try:
+                for chunk in generation:
+                    chunks.append(chunk)
+            except ZeroQueueError as error:
+                return Outcome(chunks, None, error, error.report)
+            return Outcome(chunks, generation.result, None, generation.report)
+
+    async def main() -> Outcome:
+        async with AsyncClient(
+            addresses,
+            api_key="key-1",
+            retry=retry,
+            clock=vt.clock,
+            sleep=vt.async_sleep,
+            rand=rand,
+            wall_clock=wall_clock,
+        ) as client:
+            generation, chunks = client.generate(prompt, **options), []
+            try:
+                async for chunk in generation:
+                    chunks.append(chunk)
+            except ZeroQueueError as error:
+                return Outcome(chunks, None, error, error.report)
+            return Outcome(chunks, generation.result, None, generation.report)
+
+    return asyncio.run(main())

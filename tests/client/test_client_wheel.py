@@ -1,6 +1,7 @@
 """The client distribution on its own: `make client-wheel`'s build of services/client/distribution, installed
 into an empty venv (no system site-packages), imports as `zeroqueue.client` without torch or the server's
-`services` and makes a real call, a refusal retried on its hint, against a fake replica.
+`services` and makes real calls against a fake replica: a refusal retried on its hint, and a chat call with a JSON
+Schema and logprobs.
 
 Offline: the wheel's dependencies (grpcio, protobuf, googleapis-common-protos and theirs) are linked into the
 new venv from this one's installed copies, file by file from their RECORDs, and pip installs the wheel with
@@ -30,19 +31,35 @@ BUILD_DIR = ROOT / "build/zeroqueue-client"  # setup.cfg's build_base
 
 CALL = """
 import importlib.util, json, sys
-from zeroqueue.client import Client, Rejected
+from zeroqueue.client import Client, IncompleteOutput, Message, Rejected
 from zeroqueue.inference.v1 import inference_pb2, inference_pb2_grpc
 from zeroqueue.metering.v1 import metering_pb2, metering_pb2_grpc
 
 with Client([sys.argv[1]], api_key="k") as client:
     (model,) = client.list_models()
     result = client.complete([5, 6, 7], deadline_ms=5_000, max_tokens=2)
+    chat = client.complete(
+        messages=[Message("system", "be brief"), {"role": "user", "content": "hi"}],
+        response_format={"type": "json_schema", "schema": {"type": "object"}},
+        logprobs=True,
+        top_logprobs=1,
+        deadline_ms=5_000,
+        max_tokens=2,
+    )
+try:
+    chat.json()
+    cut_short = False
+except IncompleteOutput:
+    cut_short = True
 print(json.dumps({
     "sdk": Client.__module__,
     "model": model.name,
     "text": result.text,
     "attempts": result.report.num_attempts,
     "rejections": result.report.num_rejections,
+    "chat_logprobs": [[lp.token_id, lp.logprob, [t.token_id for t in lp.top]] for lp in chat.logprobs],
+    "compile_us": chat.admission.compile_us,
+    "cut_short": cut_short,
     "torch_loaded": "torch" in sys.modules,
     "torch_findable": importlib.util.find_spec("torch") is not None,
     "services_findable": importlib.util.find_spec("services") is not None,
@@ -154,10 +171,14 @@ def test_the_client_wheel_installs_and_calls_without_the_server(tmp_path):
         "text": "t0t1",
         "attempts": 2,
         "rejections": 1,
+        "chat_logprobs": [[10, -0.5, [100]], [11, -1.5, [100]]],
+        "compile_us": 1500,
+        "cut_short": True,  # the fake ends with finish_reason length
         "torch_loaded": False,
         "torch_findable": False,
         "services_findable": False,
         "billing_findable": False,
     }
-    assert [c.retry_attempt for c in calls] == [None, "1"]
+    assert [c.retry_attempt for c in calls] == [None, "1", None]
+    assert [m.role for m in calls[2].request.messages] == [1, 2] and calls[2].request.response_format.json_schema
     assert all(c.metadata["authorization"] == "Bearer k" for c in calls)

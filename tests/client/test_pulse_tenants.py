@@ -140,7 +140,8 @@ def test_all_tenants_together_add_up(b_together) -> None:
 
 
 def test_causes_fall_into_kinds() -> None:
-    assert [cause_kind(c) for c in ("slots_full", "step_budget", "deadline", "delays_admitted")] == ["overload"] * 4
+    overload = ("slots_full", "step_budget", "deadline", "delays_admitted", "compiles")
+    assert [cause_kind(c) for c in overload] == ["overload"] * 5
     assert [cause_kind(c) for c in ("over_share", "priority", "quota", "infeasible", "new")] == [
         "share",
         "priority",

@@ -6,19 +6,12 @@ it and without asserting any wall-clock time.
 
 from __future__ import annotations
 
-import asyncio
-import random
 import subprocess
-import time
-from dataclasses import dataclass
 
 import grpc
 import pytest
 
 from services.client import (
-    AsyncClient,
-    CallReport,
-    Chunk,
     Client,
     DeadlineExceeded,
     DeadlineInfeasible,
@@ -27,68 +20,13 @@ from services.client import (
     QuotaExceeded,
     Rejected,
     RequestIdInUse,
-    Result,
     RetryConfig,
     Unauthenticated,
     Unavailable,
-    ZeroQueueError,
 )
-from tests.client.fakes import Fail, FakeReplicas, Reject, Serve, VirtualTime
+from tests.client.fakes import Fail, FakeReplicas, Reject, Serve, VirtualTime, run_call
 
 DEFAULT = RetryConfig()
-
-
-@dataclass
-class Outcome:
-    chunks: list[Chunk]
-    result: Result | None
-    error: ZeroQueueError | None
-    report: CallReport
-
-
-def run_call(
-    kind: str,
-    addresses: list[str],
-    vt: VirtualTime,
-    retry: RetryConfig | None = None,
-    rand=random.random,
-    wall_clock=time.time,
-    prompt="def f():",
-    **options,
-) -> Outcome:
-    options.setdefault("deadline_ms", 2_000)
-    options.setdefault("max_tokens", 4)
-    if kind == "sync":
-        with Client(
-            addresses, api_key="key-1", retry=retry, clock=vt.clock, sleep=vt.sleep, rand=rand, wall_clock=wall_clock
-        ) as client:
-            generation, chunks = client.generate(prompt, **options), []
-            try:
-                for chunk in generation:
-                    chunks.append(chunk)
-            except ZeroQueueError as error:
-                return Outcome(chunks, None, error, error.report)
-            return Outcome(chunks, generation.result, None, generation.report)
-
-    async def main() -> Outcome:
-        async with AsyncClient(
-            addresses,
-            api_key="key-1",
-            retry=retry,
-            clock=vt.clock,
-            sleep=vt.async_sleep,
-            rand=rand,
-            wall_clock=wall_clock,
-        ) as client:
-            generation, chunks = client.generate(prompt, **options), []
-            try:
-                async for chunk in generation:
-                    chunks.append(chunk)
-            except ZeroQueueError as error:
-                return Outcome(chunks, None, error, error.report)
-            return Outcome(chunks, generation.result, None, generation.report)
-
-    return asyncio.run(main())
 
 
 @pytest.fixture(params=["sync", "async"])
