@@ -61,3 +61,22 @@ def test_add_rms_norm_is_the_residual_add_then_the_norm(ops, rows, cols, dtype, 
     normed, total = ops.add_rms_norm(x, residual, weight, 1e-5)
     assert torch.equal(total, x + residual)  # the residual stream, exactly as torch adds it
     assert torch.equal(normed, ops.rms_norm(x + residual, weight, 1e-5))
+
+
+@FEW
+@given(rows=st.integers(1, 9), vocab=st.integers(1, 300), extra_words=st.integers(-2, 2), seed=st.integers(0, 2**16))
+def test_apply_token_bitmask_bans_exactly_the_clear_bits(ops, rows, vocab, extra_words, seed):
+    # a mask of another width than the logits: a tokenizer smaller (words end early: the rest is banned) or larger
+    num_words = max((vocab + 31) // 32 + extra_words, 1)
+    generator = torch.Generator().manual_seed(seed)
+    words = torch.randint(-(2**31), 2**31 - 1, (rows, num_words), dtype=torch.int32, generator=generator)
+    logits = randn(rows, vocab, dtype=torch.float32, seed=seed).round(decimals=1)  # ties: the first one wins
+    expected = logits.clone()
+    for r in range(rows):
+        for token in range(vocab):
+            word = token // 32
+            if word >= num_words or not (int(words[r, word]) >> (token % 32)) & 1:
+                expected[r, token] = float("-inf")
+    argmax = ops.apply_token_bitmask(logits, words)
+    assert torch.equal(logits, expected)
+    assert argmax.tolist() == torch.argmax(expected, dim=1).tolist()  # the first index of the largest, as torch's

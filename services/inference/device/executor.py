@@ -179,7 +179,10 @@ class Executor:
         seqs = [s for s in (*step.decodes, *step.prefills) if s.sample]
         requests = [s.request for s in seqs]
         matchers = [r.matcher for r in requests] if any(r.matcher is not None for r in requests) else None
-        draws = draw_step(logits, [r.sampling for r in requests], [r.num_output_tokens for r in requests], matchers)
+        apply_mask = self.cpu_ops.apply_token_bitmask if self.cpu_ops is not None else None
+        draws = draw_step(
+            logits, [r.sampling for r in requests], [r.num_output_tokens for r in requests], matchers, apply_mask
+        )
         ids = [r.call_id for r in requests]
         return (
             dict(zip(ids, draws.tokens)),

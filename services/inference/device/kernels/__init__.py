@@ -21,7 +21,16 @@ SOURCE_DIR = Path(__file__).parent
 # cpu_ops.cpp holds the schemas; each kernel file registers its implementation. simd.h is shared by them.
 SOURCES = tuple(
     SOURCE_DIR / name
-    for name in ("cpu_ops.cpp", "linear.cpp", "attention.cpp", "elementwise.cpp", "rope.cpp", "layer.cpp", "amx.cpp")
+    for name in (
+        "cpu_ops.cpp",
+        "linear.cpp",
+        "attention.cpp",
+        "elementwise.cpp",
+        "rope.cpp",
+        "layer.cpp",
+        "amx.cpp",
+        "mask.cpp",
+    )
 )
 BUILD_DIR = Path(__file__).with_name("_build")
 EXTENSION_NAME = "zeroqueue_cpu_ops"
@@ -197,6 +206,12 @@ class CpuOps:
             qkv, cos, sin, positions, slots, k_cache, v_cache, heads, kv_heads
         )
 
+    def apply_token_bitmask(self, logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+        """logits fp32 [R, V] on the host, in place: -inf wherever bit j of row r's int32 word w (token 32 w + j) is
+        clear, and past the words' end; words int32 [R, W]. Returns each row's argmax after its mask, int64 [R] (the
+        first index of its largest value). Structured output's mask in one pass (mask.cpp)."""
+        return torch.ops.zeroqueue.apply_token_bitmask.default(logits, words)
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [..., 2I] -> F.silu(gate) * up [..., I] in one op."""
         return torch.ops.zeroqueue.silu_mul.default(gate_up)
@@ -275,6 +290,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("zeroqueue::silu_mul")
     def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+    @torch.library.register_fake("zeroqueue::apply_token_bitmask")
+    def _apply_token_bitmask(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+        return logits.new_empty((logits.shape[0],), dtype=torch.int64)
 
     @torch.library.register_fake("zeroqueue::decode_layers")
     def _decode_layers(x, weights, biases, out_features, *rest) -> tuple[torch.Tensor, torch.Tensor]:

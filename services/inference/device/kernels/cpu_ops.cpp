@@ -27,6 +27,9 @@ TORCH_LIBRARY(zeroqueue, m) {
       "Tensor(b!) v_cache, int heads, int kv_heads) -> Tensor");
   // gate_up [..., 2I] -> silu(gate) * up [..., I].
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  // logits fp32 [R, V] (in place), words int32 [R, W]: every token whose bit is clear becomes -inf; returns each
+  // row's argmax after its mask, int64 [R] (mask.cpp).
+  m.def("apply_token_bitmask(Tensor(a!) logits, Tensor words) -> Tensor");
   // Every decoder layer of a step (layer.cpp): x [T, hidden], 6 weights a layer (input norm, qkv, o,
   // post-attention norm, gate_up, down; linears packed), 4 optional biases a layer, out_features of the
   // 4 linears, caches [layers, S, KVH, L, D], positions/slots int64 [T], lengths = positions + 1
