@@ -142,7 +142,7 @@ def draw_step(
         best.update(zip(missing, found.tolist()))
     # each row divided by its temperature (a greedy row's logits as they are): the distribution it is drawn from
     scaled = host
-    if any(not p.greedy or p.logprobs for p in row_params):
+    if any(p.temperature not in (0.0, 1.0) for p in row_params):  # dividing by 1 changes nothing: no copy
         scaled = host / torch.tensor([[p.temperature or 1.0] for p in row_params])
     for k, (row, p, matcher) in enumerate(zip(rows, row_params, row_matchers)):
         if k in failed:
