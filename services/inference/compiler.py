@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
-from .grammar import Constraint, GrammarLimits, compile_matcher, grammar_tokenizer
+from .grammar import Constraint, GrammarLimits, compile_matcher, grammar_tokenizer, support_error
 
 # realistic schemas of three sizes (a tool call, an order, a catalogue entry): the compile-time line runs through them
 CALIBRATION_SCHEMAS = (
@@ -130,6 +130,10 @@ class GrammarCompiler:
         # GrammarError when it is bad, or generates nothing (its first mask): refused before admission, not mid-call
         compile_matcher(self._tokenizer, constraint, self.limits).check_start()
         return constraint, (time.perf_counter_ns() - started) / 1000
+
+    def support_error(self, tokenizer: Tokenizer) -> str:
+        """Why this model's tokenizer cannot be served under grammars ('' when it can): grammar.support_error."""
+        return support_error(tokenizer, self._tokenizer, self.limits)
 
     def is_cached(self, key: str) -> bool:
         return key in self._compiled

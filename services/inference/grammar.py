@@ -198,6 +198,34 @@ def _first_line(error: str, max_chars: int = 300) -> str:
     return text if len(text) <= max_chars else text[:max_chars] + "…"
 
 
+# a document every tokenizer the engine serves must be able to spell under its grammar (the self-check below)
+_PROBE = (ConstraintKind.JSON_SCHEMA, '{"type": "object", "properties": {"a": {"type": "array"}}}', '{"a": [1, "b"]}')
+
+
+def support_error(tokenizer: Tokenizer, grammar: llguidance.LLTokenizer, limits: GrammarLimits) -> str:
+    """Why this model's tokenizer cannot be served under grammars ('' when it can): the tokenizer's own spelling
+    of a small JSON document must be allowed, token by token, by a matcher of its schema. (A byte-level BPE that
+    adds a prefix space, for one, leads llguidance's masks to allow a token that its matcher then refuses: every
+    constrained call would fail at its first token.)"""
+    kind, schema, document = _PROBE
+    matcher = compile_matcher(grammar, make_constraint(kind, schema, limits), limits)
+    for token in tokenizer.encode(document, add_special_tokens=False).ids:
+        words = bytearray(((matcher.vocab_size + 31) // 32) * 4)
+        view = memoryview(words).cast("I")
+        matcher.fill_mask(_address(words), len(words))
+        if not (view[token // 32] >> (token % 32)) & 1 or not matcher.consume(token):
+            return f"the grammar engine cannot follow this tokenizer: {document!r} spelt by it is refused at {token}"
+    if not matcher.is_stopped:
+        return f"the grammar engine does not see {document!r} as whole under its schema"
+    return ""
+
+
+def _address(buffer: bytearray) -> int:
+    import ctypes
+
+    return ctypes.addressof((ctypes.c_char * len(buffer)).from_buffer(buffer))
+
+
 class MatcherCache:
     """Compiled matchers by constraint key, least recently used first out; `copy` hands out a fresh copy of the
     pristine one. Thread-safe: the engine's compile thread puts while its step thread copies."""

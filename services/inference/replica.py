@@ -281,6 +281,9 @@ class Replica:
         engine.observers.append(self.meter)
         self.engine = engine
         self.servicer.compiler = self._grammar_compiler()
+        if (why := self.servicer.compiler.support_error(self.header.tokenizer)) != "":
+            log.warning("response_formats_off", why=why)  # a call with one is refused, saying why
+            self.servicer.compiler, self.servicer.formats_off = None, why
         header = self.header
         card = ModelCard(
             header.name, ready.max_seq_len, header.dtype, header.args.vocab_size, ready.num_slots, ready.device

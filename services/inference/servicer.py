@@ -74,6 +74,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.chat = chat
         self.chat_stop_token_ids = chat_stop_token_ids  # the template's end of turn ends a chat call
         self.compiler: GrammarCompiler | None = None
+        self.formats_off = "this replica serves no response_format"  # why, while compiler is None
         self.service: InferenceService | None = None
         self._tokenize_pool = ThreadPoolExecutor(self.limits.tokenize_threads, thread_name_prefix="tokenize")
 
@@ -103,7 +104,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     async def constraint(self, kind: ConstraintKind, source: str) -> Constraint:
         if self.compiler is None:
-            raise GrammarError("this replica serves no response_format")
+            raise GrammarError(self.formats_off)
         limits = self.compiler.limits
         if len(source) <= self.limits.inline_tokenize_chars:
             return make_constraint(kind, source, limits)

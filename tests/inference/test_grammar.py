@@ -124,3 +124,19 @@ def test_a_grammar_that_compiles_but_generates_nothing_is_refused_at_its_start(t
     with pytest.raises(GrammarError, match="allows no output"):
         matcher.check_start()
     compiled(tokenizer, ConstraintKind.REGEX, "[0-9]+").check_start()  # one that generates passes
+
+
+def test_a_tokenizer_the_grammar_engine_cannot_follow_is_found_at_start(tokenizer):
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from services.inference.grammar import support_error
+
+    assert support_error(tokenizer[0], tokenizer[1], LIMITS) == ""  # the bundled model's: served
+    # a byte-level BPE that adds a prefix space: llguidance's mask allows a token its matcher then refuses
+    spaced = Tokenizer(models.BPE())
+    spaced.pre_tokenizer, spaced.decoder = pre_tokenizers.ByteLevel(add_prefix_space=True), decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"], initial_alphabet=alphabet)
+    spaced.train_from_iterator(['def f(x):\n    return {"a": [1, "b"]}\n'] * 20, trainer)
+    why = support_error(spaced, grammar_tokenizer(spaced, [0]), LIMITS)
+    assert "cannot follow this tokenizer" in why

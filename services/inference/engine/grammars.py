@@ -15,7 +15,7 @@ from concurrent.futures import wait as wait_futures
 import structlog
 from tokenizers import Tokenizer
 
-from ..grammar import Constraint, GrammarLimits, MatcherCache, compile_matcher, grammar_tokenizer
+from ..grammar import Constraint, GrammarLimits, MatcherCache, compile_matcher, grammar_tokenizer, support_error
 from ..sched.request import Request, RequestStatus
 from ..sched.scheduler import Scheduler, StepUpdate
 
@@ -53,10 +53,18 @@ class GrammarBook:
         self.waiting[request.call_id] = (request, future)
         return False
 
+    def _llg_tokenizer(self):
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = grammar_tokenizer(self._tokenizer, self._stop_ids)
+        return self._grammar_tokenizer
+
+    def support_error(self) -> str:
+        """Why this model's tokenizer cannot be served under grammars ('' when it can): grammar.support_error."""
+        return support_error(self._tokenizer, self._llg_tokenizer(), self.limits)
+
     def _compile(self, constraint: Constraint) -> None:
         try:
-            if self._grammar_tokenizer is None:
-                self._grammar_tokenizer = grammar_tokenizer(self._tokenizer, self._stop_ids)
+            self._llg_tokenizer()
             self.matchers.put(constraint.key, compile_matcher(self._grammar_tokenizer, constraint, self.limits))
         finally:
             with self._lock:
