@@ -51,20 +51,9 @@ class StepDigest(NamedTuple):
     @classmethod
     def from_wire(cls, wire: tuple) -> StepDigest:
         """The digest that `step_wire` shipped, rebuilt in the server process (off the engine's core)."""
-        (
-            began_ns,
-            ended_ns,
-            ran,
-            decode_ids,
-            prefills,
-            context_tokens,
-            ended,
-            num_unfinished,
-            num_free_slots,
-            paced_ns,
-            num_masked_rows,
-            num_logprob_rows,
-        ) = wire
+        # the fields after the ended requests (unfinished, free slots, paced ns, masked and logprob rows) travel as
+        # they are, in the digest's order
+        began_ns, ended_ns, ran, decode_ids, prefills, context_tokens, ended, *counts = wire
         work = tuple([(rid, 1) for rid in decode_ids]) + prefills
         ended = tuple(
             [
@@ -72,19 +61,7 @@ class StepDigest(NamedTuple):
                 for rid, status, prompt, output, first in ended
             ]
         )
-        return cls(
-            began_ns,
-            ended_ns,
-            ran,
-            work,
-            context_tokens,
-            ended,
-            num_unfinished,
-            num_free_slots,
-            paced_ns,
-            num_masked_rows,
-            num_logprob_rows,
-        )
+        return cls(began_ns, ended_ns, ran, work, context_tokens, ended, *counts)
 
 
 def step_wire(report, num_free_slots: int) -> tuple:
