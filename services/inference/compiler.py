@@ -20,7 +20,15 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
-from .grammar import Constraint, GrammarLimits, compile_matcher, grammar_tokenizer, support_error
+from .grammar import (
+    Constraint,
+    ConstraintKind,
+    GrammarLimits,
+    compile_matcher,
+    grammar_tokenizer,
+    make_constraint,
+    support_error,
+)
 
 # realistic schemas of three sizes (a tool call, an order, a catalogue entry): the compile-time line runs through them
 CALIBRATION_SCHEMAS = (
@@ -53,16 +61,6 @@ class CompilesBusy(Exception):
     def __init__(self, retry_after_ms: int) -> None:
         super().__init__(f"the replica is compiling other grammars; retry in {retry_after_ms} ms")
         self.retry_after_ms = retry_after_ms
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """A constraint ready to be admitted with: `compile_ns` is what the engine will spend compiling it before the
-    call's first step (0 when it is cached), `compile_us` what the server spent on it now (0 when cached)."""
-
-    constraint: Constraint
-    compile_ns: int
-    compile_us: int
 
 
 @dataclass
@@ -116,8 +114,6 @@ class GrammarCompiler:
 
     def calibrate(self, schemas: tuple[str, ...] = CALIBRATION_SCHEMAS, repeats: int = 3) -> None:
         """Fits the compile-time line on realistic schemas (at warm-up, off the event loop)."""
-        from .grammar import ConstraintKind, make_constraint
-
         points = []
         for schema in schemas:
             constraint = make_constraint(ConstraintKind.JSON_SCHEMA, schema, self.limits)
@@ -135,17 +131,16 @@ class GrammarCompiler:
         """Why this model's tokenizer cannot be served under grammars ('' when it can): grammar.support_error."""
         return support_error(tokenizer, self._tokenizer, self.limits)
 
-    def is_cached(self, key: str) -> bool:
-        return key in self._compiled
-
-    async def prepare(self, constraint: Constraint, budget_ns: int) -> Prepared:
-        """Compiles `constraint` unless cached, inside `budget_ns`: CompileTooSlow when it is predicted not to fit
+    async def prepare(self, constraint: Constraint, budget_ns: int) -> int:
+        """Compiles `constraint` unless cached, inside `budget_ns`; returns the µs the compile took (0 when cached:
+        then the engine has it too, and the call's first step waits for no compile). CompileTooSlow when it is
+        predicted not to fit
         (nothing is compiled) or does not finish in time (it goes on, and is cached for the next call),
         CompilesBusy when too many others compile, GrammarError when it is malformed or too complex."""
         key = constraint.key
         if key in self._compiled:
             self._compiled.move_to_end(key)
-            return Prepared(constraint, 0, 0)
+            return 0
         predicted_us = self.cost.predict_us(constraint.num_grammar_bytes)
         # the server's compile, then the engine's: both before the call's first step
         if 2 * predicted_us * 1000 >= budget_ns:
@@ -164,7 +159,7 @@ class GrammarCompiler:
             raise CompileTooSlow(
                 math.ceil(2 * (time.monotonic_ns() - started_ns) / 1e6), still_compiling=True
             ) from None
-        return Prepared(constraint, int(compile_us * 1000), int(compile_us))
+        return int(compile_us)
 
     def _done(self, key: str, future: asyncio.Future) -> None:
         """On the event loop, once a compile ends: the next call with `key` finds it cached (a failed one is not)."""

@@ -23,7 +23,7 @@ from services.errors import FieldViolation, clip
 
 from .call import GenerateSpec
 from .chat import ChatMessage, TemplateError
-from .grammar import Constraint, ConstraintKind, GrammarError
+from .grammar import Constraint, ConstraintKind, GrammarError, GrammarLimits
 from .sched.request import SamplingParams
 from .service import ModelCard
 
@@ -89,7 +89,7 @@ class RequestLimits:
     max_stop_chars: int = 64
     max_messages: int = 256
     max_name_chars: int = 64  # a chat message's name
-    max_format_bytes: int = 64 << 10  # a response_format's schema, regex or grammar (grammar.py GrammarLimits)
+    max_format_bytes: int = GrammarLimits.max_source_bytes  # a response_format's schema, regex or grammar
     max_top_logprobs: int = 20
     inline_tokenize_chars: int = 1024  # longer prompts are tokenized on a worker thread (~1 ms/KiB)
     tokenize_threads: int = 2

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import llguidance
+import numpy as np
 from tokenizers import Tokenizer
 
 
@@ -151,6 +152,12 @@ class Matcher:
         """Writes the allowed tokens at `address`: int32 words, bit j of word w allowing token 32 w + j."""
         self._matcher.unsafe_compute_mask_ptr(address, num_bytes)
 
+    def mask_words(self) -> np.ndarray:
+        """The tokens allowed next, as fill_mask writes them (int32 [W]): for checks, not the step's hot path."""
+        words = np.zeros((self.vocab_size + 31) // 32, dtype=np.int32)
+        self.fill_mask(words.ctypes.data, words.nbytes)
+        return words
+
     def consume(self, token: int) -> bool:
         return self._matcher.consume_token(token)
 
@@ -170,11 +177,7 @@ class Matcher:
     def check_start(self) -> None:
         """GrammarError unless the grammar allows some first token: a grammar that compiles may still generate
         nothing (no base case to its recursion, no string its tokens can spell), which only its first mask shows."""
-        import numpy as np
-
-        words = np.zeros((self.vocab_size + 31) // 32, dtype=np.int32)
-        self.fill_mask(words.ctypes.data, words.nbytes)
-        if self.error or not words.any():
+        if not self.mask_words().any() or self.error:
             raise GrammarError("the grammar allows no output (does every rule reach text?)")
 
 
@@ -210,20 +213,12 @@ def support_error(tokenizer: Tokenizer, grammar: llguidance.LLTokenizer, limits:
     kind, schema, document = _PROBE
     matcher = compile_matcher(grammar, make_constraint(kind, schema, limits), limits)
     for token in tokenizer.encode(document, add_special_tokens=False).ids:
-        words = bytearray(((matcher.vocab_size + 31) // 32) * 4)
-        view = memoryview(words).cast("I")
-        matcher.fill_mask(_address(words), len(words))
-        if not (view[token // 32] >> (token % 32)) & 1 or not matcher.consume(token):
+        allowed = (int(matcher.mask_words()[token // 32]) >> (token % 32)) & 1
+        if not allowed or not matcher.consume(token):
             return f"the grammar engine cannot follow this tokenizer: {document!r} spelt by it is refused at {token}"
     if not matcher.is_stopped:
         return f"the grammar engine does not see {document!r} as whole under its schema"
     return ""
-
-
-def _address(buffer: bytearray) -> int:
-    import ctypes
-
-    return ctypes.addressof((ctypes.c_char * len(buffer)).from_buffer(buffer))
 
 
 class MatcherCache:

@@ -262,24 +262,17 @@ class StepStats:
     def _observe_cost(self, digest: StepDigest) -> None:
         cost = self.cost
         if not self.pace_tokens:
-            extra_us = _extra_us(cost, digest)
+            extra_us = cost.host_us(digest.num_masked_rows, digest.num_logprob_rows)
             cost.observe(digest.num_tokens, digest.context_tokens, digest.interval_ns // 1000, extra_us)
             return
         last = self._last
         if last is not None:
             rows = max(last.num_tokens, last.num_seqs + self.pace_tokens)
-            extra_us = _extra_us(cost, last)
+            extra_us = cost.host_us(last.num_masked_rows, last.num_logprob_rows)
             cost.observe(rows, last.context_tokens, (last.interval_ns + digest.paced_ns) // 1000, extra_us)
 
     def on_idle(self, now_ns: int) -> None:
         self.metrics.free_slots.set(self.num_slots)  # idle: nothing holds a slot
-
-
-def _extra_us(cost: CostModel, digest: StepDigest) -> float:
-    """The calibrated host time of a step's masked and log-probability rows (0 for a plain step: no call made)."""
-    if not (digest.num_masked_rows or digest.num_logprob_rows):
-        return 0.0
-    return digest.num_masked_rows * cost.us_per_masked_row + digest.num_logprob_rows * cost.us_per_logprob_row
 
 
 # When recent engine steps began, to tell how many steps an admitted call waited before it first ran.

@@ -23,7 +23,7 @@ from services.status import rpc_errors
 from .admission import RefusalCause
 from .call import BudgetSource, GenerateSpec, Ticket
 from .chat import ChatMessage, ChatTemplate
-from .compiler import CompilesBusy, CompileTooSlow, GrammarCompiler, Prepared
+from .compiler import CompilesBusy, CompileTooSlow, GrammarCompiler
 from .generate_request import RequestLimits, encode, to_spec
 from .grammar import Constraint, ConstraintKind, GrammarError, make_constraint
 from .health.state import DeviceState
@@ -91,32 +91,32 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
         if len(text) <= self.limits.inline_tokenize_chars:
             return tuple(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenize_pool, encode, self.tokenizer, text, add_special_tokens)
+        return await self._off_loop(encode, self.tokenizer, text, add_special_tokens)
 
     async def render(self, messages: list[ChatMessage]) -> str:
         assert self.chat is not None  # to_spec refuses messages without a template
         max_chars = self.limits.prompt_bytes(self._ready_service().card.context_length)
         if sum(len(m.content) for m in messages) <= self.limits.inline_tokenize_chars:
-            return self.chat.render(messages, max_chars=max_chars)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenize_pool, lambda: self.chat.render(messages, max_chars=max_chars))
+            return self.chat.render(messages, True, max_chars)
+        return await self._off_loop(self.chat.render, messages, True, max_chars)
 
     async def constraint(self, kind: ConstraintKind, source: str) -> Constraint:
         if self.compiler is None:
             raise GrammarError(self.formats_off)
-        limits = self.compiler.limits
         if len(source) <= self.limits.inline_tokenize_chars:
-            return make_constraint(kind, source, limits)
-        return await asyncio.get_running_loop().run_in_executor(
-            self._tokenize_pool, make_constraint, kind, source, limits
-        )
+            return make_constraint(kind, source, self.compiler.limits)
+        return await self._off_loop(make_constraint, kind, source, self.compiler.limits)
 
-    async def _compile(self, spec: GenerateSpec, budget_ns: int, tenant: str, klass: str) -> Prepared | None:
-        """The call's constraint compiled (or found cached) inside its budget; the refusal that says why not."""
+    async def _off_loop(self, work, *args):
+        """work(*args) on the tokenize pool: a long prompt's, conversation's or schema's, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, work, *args)
+
+    async def _compile(self, spec: GenerateSpec, budget_ns: int, tenant: str, klass: str) -> int:
+        """The call's constraint compiled (or found cached) inside its budget: the µs its compile took (0: cached,
+        or none); or the refusal that says why not."""
         constraint = spec.sampling.constraint
         if constraint is None or budget_ns <= 0:  # no budget left: submit says DEADLINE_EXPIRED
-            return None
+            return 0
         try:
             return await self.compiler.prepare(constraint, budget_ns)
         except GrammarError as exc:
@@ -166,10 +166,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             klass = STANDARD if budget_ns <= 0 else class_of(policy, spec.service_class, _ms(budget_ns), source)
             # every later line of this call says who and in which class (each call is a task: its own context)
             structlog.contextvars.bind_contextvars(tenant=tenant, service_class=klass.name)
-            compiled = await self._compile(spec, received_ns + budget_ns - time.monotonic_ns(), tenant, klass.name)
-            lead_ns = compiled.compile_ns if compiled is not None else 0
-            ticket = service.submit(spec, tenant, received_ns, budget_ns, source, klass, lead_ns)
-            ticket.compile_us = compiled.compile_us if compiled is not None else 0
+            compile_us = await self._compile(spec, received_ns + budget_ns - time.monotonic_ns(), tenant, klass.name)
+            # the engine compiles its own copy before the call's first step: as long as the server's took
+            ticket = service.submit(spec, tenant, received_ns, budget_ns, source, klass, lead_ns=compile_us * 1000)
+            ticket.compile_us = compile_us
         try:
             await context.send_initial_metadata(
                 (("x-budget-ms", str(ticket.budget_ms)), ("x-budget-source", source.value))
@@ -183,7 +183,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                                 token_ids=output.token_ids,
                                 text=output.text,
                                 emitted_at_us=self.service.clock.epoch_us(output.time_ns),
-                                logprobs=_logprobs(output.token_ids, output.logprobs),
+                                logprobs=_logprobs(output.token_ids, output.logprobs) if output.logprobs else (),
                             )
                         )
                     if output.finish_reason is not None:

@@ -30,7 +30,7 @@ class Commitment:
     expires_ns: int | None = None
     again: bool = False  # the reservation is for a call refused on a retry: its rate of return is its own
     held: bool = False
-    # its row costs more than the calibrated step's every step, on the host (the cost model's extra_row_us): its
+    # its row costs more than the calibrated step's every step, on the host (the cost model's host_us): its
     # grammar's mask (structured output), its log-probabilities
     masked: bool = False
     logprobs: bool = False

@@ -99,9 +99,7 @@ class Predictor:
         cost = self.cost
         steps = _steps_left(c.num_remaining_tokens, c.num_prefill_tokens, self.config.max_num_batched_tokens)
         raw_us = (
-            self._cheapest_step_us()
-            + c.final_context * cost.us_per_context_token
-            + cost.extra_row_us(c.masked, c.logprobs)
+            self._cheapest_step_us() + c.final_context * cost.us_per_context_token + cost.host_us(c.masked, c.logprobs)
         )
         mean_us, var_us2 = steps * raw_us * cost.ratio, steps * (raw_us * cost.deviation) ** 2
         return _finish_ns(now_ns, mean_us, var_us2, cost.num_deviations)

@@ -60,9 +60,10 @@ class CostModel:
             base = self.row_us[lo] + slope * (num_rows - self.rows[lo])
         return max(base, self.row_us[0] * 0.5)
 
-    def extra_row_us(self, masked: bool, logprobs: bool) -> float:
-        """Calibrated host time one row adds to each step it is in: its grammar's mask, its log-probabilities."""
-        return masked * self.us_per_masked_row + logprobs * self.us_per_logprob_row
+    def host_us(self, num_masked_rows: int, num_logprob_rows: int) -> float:
+        """Calibrated host time the rows add to a step beyond its calibrated time: those under a grammar's mask,
+        those reporting log-probabilities (a call's own row: 1 or 0 of each)."""
+        return num_masked_rows * self.us_per_masked_row + num_logprob_rows * self.us_per_logprob_row
 
     def step_us(self, num_rows: int, context_tokens: int = 0) -> float:
         """A cautious prediction of one step: calibrated time × (running ratio + num_deviations × deviation)."""

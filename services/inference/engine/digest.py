@@ -91,8 +91,7 @@ def step_wire(report, num_free_slots: int) -> tuple:
         report.num_unfinished,
         num_free_slots,
         report.paced_ns,
-        report.result.num_masked_rows if report.result is not None else 0,
-        len(report.result.logprobs) if report.result is not None else 0,
+        *report.host_rows,
     )
 
 
@@ -117,6 +116,13 @@ class StepReport:
     @property
     def interval_ns(self) -> int:
         return self.ended_ns - self.began_ns
+
+    @property
+    def host_rows(self) -> tuple[int, int]:
+        """(rows drawn under a grammar's mask, rows that reported log-probabilities): the digest's last two counts."""
+        if self.result is None:
+            return 0, 0
+        return self.result.num_masked_rows, len(self.result.logprobs)
 
 
 class StepObserver(Protocol):
@@ -163,8 +169,7 @@ class Observers:
             report.num_unfinished,
             num_free_slots,
             report.paced_ns,
-            report.result.num_masked_rows if report.result is not None else 0,
-            len(report.result.logprobs) if report.result is not None else 0,
+            *report.host_rows,
         )
         for observer in self.observers:
             observer.on_step(digest)

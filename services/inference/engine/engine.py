@@ -152,7 +152,7 @@ class Engine:
             if result.grammar_errors:  # a failed matcher's token is meaningless: the call ends without it
                 sampled = {k: t for k, t in sampled.items() if k not in result.grammar_errors}
             updates = tuple(self.scheduler.update_from_output(scheduled, sampled))
-            if any(u.request.matcher is not None for u in updates):
+            if result.num_masked_rows:  # a constrained call drew: its output may be whole, or its matcher failed
                 self.grammars.end_outputs(self.scheduler, updates, result.grammar_errors)
             texts = self._detokenize(updates)
         elif self.grammars.waiting and not cancelled:

@@ -64,8 +64,7 @@ class GrammarBook:
 
     def _compile(self, constraint: Constraint) -> None:
         try:
-            self._llg_tokenizer()
-            self.matchers.put(constraint.key, compile_matcher(self._grammar_tokenizer, constraint, self.limits))
+            self.matchers.put(constraint.key, compile_matcher(self._llg_tokenizer(), constraint, self.limits))
         finally:
             with self._lock:
                 self._compiles.pop(constraint.key, None)
