@@ -1,5 +1,6 @@
 """Chargeback: usage, cost and deadline attainment per cost center, team, model, tenant, day, class of
-service or request kind (plain, chat, constrained, chat_constrained), plus device utilisation from the idle records.
+service, request kind (plain, chat, constrained, chat_constrained) or door (grpc, http), plus device utilisation
+from the idle records.
 
 Cost is the billed amount after SLA credits, priced like invoice lines: usage
 is summed per group, model, unit, class and price version (each class at its
@@ -24,7 +25,7 @@ from billing.models import IdleRow, UsageRow
 from billing.period import US_PER_DAY, day_label, parse_period
 from billing.period import now_us as clock_us
 
-GROUPINGS = ("cost_center", "team", "model", "tenant", "day", "service_class", "request_kind")
+GROUPINGS = ("cost_center", "team", "model", "tenant", "day", "service_class", "request_kind", "door")
 NO_LABEL = "(none)"
 
 

@@ -2,18 +2,32 @@
 billing/period.py as the database enforces them, whoever writes.
 
 Migrations freeze their own copy of each expression with the revision that installs it (0003 bounds and periods,
-0004 the rules that cross columns, 0007 request kinds); tests/billing compares the two.
+0004 the rules that cross columns, 0007 request kinds, 0008 doors); tests/billing compares the two.
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
 
-from billing.records import DEVICE_ID_PREFIXES, MAX_TIME_US, UNIT_OF_KIND, Outcome
+from billing.records import DEVICE_ID_PREFIXES, MAX_TIME_US, UNIT_OF_KIND, DeviceKind, Door, Outcome, RequestKind, Unit
 
 
 def one_of(column: str, enum: type[StrEnum]) -> str:
     return f"{column} IN ({', '.join(repr(member.value) for member in enum)})"
+
+
+# usage_records' enumerated columns, by CHECK name (= column): each holds one value of its enum (0001; request_kind
+# 0007, door 0008).
+USAGE_ONE_OF = {
+    column: one_of(column, enum)
+    for column, enum in (
+        ("device_kind", DeviceKind),
+        ("unit", Unit),
+        ("outcome", Outcome),
+        ("request_kind", RequestKind),
+        ("door", Door),
+    )
+}
 
 
 # The bounds of billing/records.py and the ASCII 'YYYY-MM' of billing/period.py (migration 0003: CHECK

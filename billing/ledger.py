@@ -272,4 +272,5 @@ def _to_record(row: UsageRow, tenant: str) -> UsageRecord:
         request_id=row.request_id,
         service_class=row.service_class,
         request_kind=row.request_kind,
+        door=row.door,
     )

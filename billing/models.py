@@ -33,6 +33,7 @@ from billing.checks import (
     PERIOD_FORMAT,
     UNIT_OF_DEVICE_KIND,
     USAGE_DEVICE_ID_OF_KIND,
+    USAGE_ONE_OF,
     USAGE_TIMES,
     one_of,
 )
@@ -43,8 +44,7 @@ from billing.records import (
     MAX_RECORD_WALL_US,
     MAX_TIME_US,
     MAX_TOKENS,
-    DeviceKind,
-    Outcome,
+    Door,
     RequestKind,
     Unit,
 )
@@ -125,10 +125,7 @@ class UsageRow(Base):
 
     __tablename__ = "usage_records"
     __table_args__ = (
-        CheckConstraint(one_of("device_kind", DeviceKind), name="device_kind"),
-        CheckConstraint(one_of("unit", Unit), name="unit"),
-        CheckConstraint(one_of("outcome", Outcome), name="outcome"),
-        CheckConstraint(one_of("request_kind", RequestKind), name="request_kind"),  # migration 0007
+        *(CheckConstraint(sql, name=column) for column, sql in USAGE_ONE_OF.items()),  # request_kind 0007, door 0008
         CheckConstraint("num_units > 0", name="num_units_positive"),
         CheckConstraint("unit_us >= 0 AND prompt_tokens >= 0 AND completion_tokens >= 0", name="non_negative"),
         CheckConstraint("finished_at_us >= received_at_us", name="finished_after_received"),
@@ -171,6 +168,7 @@ class UsageRow(Base):
     ingested_at_us: Mapped[int]
     service_class: Mapped[str] = mapped_column(String(32), server_default=DEFAULT_CLASS)
     request_kind: Mapped[str] = mapped_column(String(32), server_default=RequestKind.PLAIN.value)  # rows before: plain
+    door: Mapped[str] = mapped_column(String(16), server_default=Door.GRPC.value)  # migration 0008; rows before: grpc
 
 
 class IdleRow(Base):

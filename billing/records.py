@@ -90,6 +90,16 @@ class RequestKind(StrEnum):
     CHAT_CONSTRAINED = "chat_constrained"  # both
 
 
+class Door(StrEnum):
+    """Which of the replica's doors a call came through (issue 32): the same admission, engine and meter behind
+    both, so a record's device time and price never depend on it: chargeback can group by it, invoices are the same
+    whatever the door. A sender before doors sends '' (grpc), and a grpc record digests as it did before
+    (canonical_digest)."""
+
+    GRPC = "grpc"  # the Inference service's Generate
+    HTTP = "http"  # the OpenAI- and Anthropic-compatible HTTP API (services/http/)
+
+
 def check_text(name: str, value: object, max_chars: int = MAX_ID_CHARS) -> None:
     if not isinstance(value, str):
         raise InvalidRecord(f"{name} must be a string, got {type(value).__name__}", field=name)
@@ -158,6 +168,8 @@ def canonical_digest(kind: str, payload: Mapping[str, object]) -> str:
         del payload["service_class"]
     if payload.get("request_kind") == RequestKind.PLAIN:  # before kinds every call was plain (issue 31)
         del payload["request_kind"]
+    if payload.get("door") == Door.GRPC:  # before doors every call came through gRPC (issue 32)
+        del payload["door"]
     encoded = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(f"{kind}\n{encoded}".encode()).hexdigest()
 
@@ -208,6 +220,7 @@ class UsageRecord:
     request_id: str = ""  # '' on records made before the caller's id was kept
     service_class: str = DEFAULT_CLASS  # '' (a sender before classes) is `standard`
     request_kind: RequestKind = RequestKind.PLAIN  # the enum or its value, stored as the enum; '' (before kinds): plain
+    door: Door = Door.GRPC  # the enum or its value, stored as the enum; '' (a sender before doors): grpc
 
     def __post_init__(self) -> None:
         check_text("call_id", self.call_id)
@@ -230,6 +243,10 @@ class UsageRecord:
             object.__setattr__(self, "request_kind", RequestKind.PLAIN)
         check_enum("request_kind", self.request_kind, RequestKind)
         object.__setattr__(self, "request_kind", RequestKind(self.request_kind))
+        if self.door == "":
+            object.__setattr__(self, "door", Door.GRPC)
+        check_enum("door", self.door, Door)
+        object.__setattr__(self, "door", Door(self.door))
         if not isinstance(self.deadline_met, bool):
             raise InvalidRecord("deadline_met must be a bool", field="deadline_met")
         self._check_deadline()
@@ -279,6 +296,7 @@ class UsageRecord:
         payload["labels"] = dict(self.labels)
         payload["outcome"] = self.outcome.value
         payload["request_kind"] = self.request_kind.value
+        payload["door"] = self.door.value
         return payload
 
     def to_v1_payload(self) -> dict[str, object]:

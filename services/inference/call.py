@@ -9,15 +9,21 @@ from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from billing.records import RequestKind, UsageRecord
+from billing.records import Door, RequestKind, UsageRecord
 
 from .meter import RecordContext
 from .sched.request import FinishReason, Request, SamplingParams
 
 
 class BudgetSource(enum.Enum):
+    """Where a call's budget came from: over gRPC its deadline; over HTTP (services/http/budget.py) the first of
+    an explicit header, the official SDKs' own timeout, Envoy's expected timeout; else the server's default."""
+
     CLIENT_DEADLINE = "client_deadline"
     SERVER_DEFAULT = "server_default"
+    BUDGET_HEADER = "x-budget-ms"
+    SDK_TIMEOUT = "x-stainless-timeout"
+    ENVOY_TIMEOUT = "x-envoy-expected-rq-timeout-ms"
 
 
 @dataclass(frozen=True)
@@ -29,6 +35,7 @@ class GenerateSpec:
     retry_attempt: int = 0
     service_class: str = ""  # the class the request named (its size and characters checked); "": none
     kind: RequestKind = RequestKind.PLAIN  # plain, chat, constrained or both: what the usage record bills
+    door: Door = Door.GRPC  # the door it came through: labels its usage record, nothing else
 
 
 @dataclass

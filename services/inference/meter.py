@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from billing.records import DEFAULT_CLASS, IdleRecord, Outcome, RequestKind, UsageRecord
+from billing.records import DEFAULT_CLASS, Door, IdleRecord, Outcome, RequestKind, UsageRecord
 
 from .device.spec import Device
 from .engine.digest import EndedRequest, StepDigest
@@ -71,6 +71,7 @@ class RecordContext:
     request_id: str = ""  # the caller's (the record's own id, call_id, is the call's)
     service_class: str = DEFAULT_CLASS  # the class the call runs and is billed in
     request_kind: RequestKind = RequestKind.PLAIN  # plain, chat, constrained or both: labels the record's device time
+    door: Door = Door.GRPC  # the door the call came through (gRPC or HTTP): labels it, prices nothing
 
 
 @dataclass
@@ -241,4 +242,5 @@ class Meter:
             request_id=ctx.request_id,
             service_class=ctx.service_class,
             request_kind=ctx.request_kind,
+            door=ctx.door,
         )

@@ -217,7 +217,7 @@ class InferenceService:
         )
         sink = LoopSink(asyncio.get_running_loop())
         context = RecordContext(
-            tenant, spec.labels, received_ns, decided_ns, deadline_ns, spec.request_id, klass, spec.kind
+            tenant, spec.labels, received_ns, decided_ns, deadline_ns, spec.request_id, klass, spec.kind, spec.door
         )
         ticket = Ticket(
             spec,

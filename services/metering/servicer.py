@@ -78,6 +78,7 @@ def usage_from_pb(message: pb.UsageRecord) -> UsageRecord:
         request_id=message.request_id,
         service_class=message.service_class,  # '' (a sender before classes): standard
         request_kind=message.request_kind,  # '' (a sender before kinds): plain; an unknown one is refused, named
+        door=message.door,  # '' (a sender before doors): grpc; an unknown one is refused, named
     )
 
 

@@ -22,7 +22,8 @@ GPU_WALL = 132 * US_PER_MINUTE
 
 @pytest.fixture
 def month(ledger: Ledger) -> Ledger:
-    """Four requests, one missed, of three request kinds; the idle records leave exactly the billed time busy."""
+    """Four requests, one missed, of three request kinds, two through the HTTP door; the idle records leave exactly
+    the billed time busy."""
     with unit_of_work(ledger.sessions) as session:
         create_tenant(session, "acme")
         create_tenant(session, "globex")
@@ -31,7 +32,7 @@ def month(ledger: Ledger) -> Ledger:
         ingest_usage(
             session,
             [
-                usage("a1", finished_at_us=DAY_1, unit_us=2_000_000),
+                usage("a1", finished_at_us=DAY_1, unit_us=2_000_000, door="http"),
                 missed(
                     "a2",
                     finished_at_us=DAY_2,
@@ -49,6 +50,7 @@ def month(ledger: Ledger) -> Ledger:
                     unit_us=1_000_000,
                     labels={"cost_center": "cc-2", "team": "search"},
                     request_kind="chat",
+                    door="http",
                 ),
             ],
         )
@@ -138,6 +140,23 @@ def rows(ledger: Ledger, by: list[str]) -> list[tuple]:
                 ("globex", "chat", "core_us", 1, 1, 1_000_000, 1_000, "100.00%"),
             ],
         ),
+        (
+            ["door"],
+            [
+                ("grpc", "core_us", 1, 0, 3_000_000, 0, "0.00%"),  # a2's miss credited: 3000 − 3000
+                ("grpc", "sm_us", 1, 1, 50_000_000, 100, "100.00%"),
+                ("http", "core_us", 2, 2, 3_000_000, 3_000, "100.00%"),
+            ],
+        ),
+        (
+            ["request_kind", "door"],
+            [
+                ("chat", "grpc", "core_us", 1, 0, 3_000_000, 0, "0.00%"),
+                ("chat", "http", "core_us", 1, 1, 1_000_000, 1_000, "100.00%"),
+                ("constrained", "grpc", "sm_us", 1, 1, 50_000_000, 100, "100.00%"),
+                ("plain", "http", "core_us", 1, 1, 2_000_000, 2_000, "100.00%"),
+            ],
+        ),
         ([], [("core_us", 3, 2, 6_000_000, 3_000, "66.67%"), ("sm_us", 1, 1, 50_000_000, 100, "100.00%")]),
     ],
     ids=lambda value: ",".join(value) if isinstance(value, list) and all(isinstance(v, str) for v in value) else None,
@@ -146,11 +165,14 @@ def test_groupings_match_the_hand_computed_answers(month: Ledger, by: list[str],
     assert rows(month, by) == expected
 
 
+@pytest.mark.parametrize("split", ["request_kind", "door"])
 @pytest.mark.parametrize("within", [[], ["tenant"], ["model", "day"]], ids=lambda by: ",".join(by) or "nothing")
-def test_grouping_by_request_kind_splits_usage_exactly(ledger: Ledger, within: list[str]) -> None:
-    """Each row grouped further by kind sums back to the row it splits: requests, deadlines met, unit·µs and tokens
-    exactly. Cost is priced per kind (rounded once per kind), so with prices that leave no fraction it sums too."""
+def test_grouping_by_request_kind_or_door_splits_usage_exactly(ledger: Ledger, within: list[str], split: str) -> None:
+    """Each row grouped further by kind or door sums back to the row it splits: requests, deadlines met, unit·µs and
+    tokens exactly. Cost is priced per group (rounded once per group), so with prices that leave no fraction it sums
+    too."""
     kinds = ["plain", "chat", "constrained", "chat_constrained"]
+    doors = ["grpc", "http"]
     with unit_of_work(ledger.sessions) as session:
         create_tenant(session, "acme")
         create_tenant(session, "globex")
@@ -169,17 +191,19 @@ def test_grouping_by_request_kind_splits_usage_exactly(ledger: Ledger, within: l
                     prompt_tokens=i,
                     completion_tokens=2 * i + 1,
                     request_kind=kinds[i % 4 if i < 36 else 0],
+                    door=doors[i % 7 % 2],
                 )
             )
         ingest_usage(session, records)
     with ledger.sessions() as session:
         whole = chargeback_report(session, PERIOD, within)
-        split = chargeback_report(session, PERIOD, [*within, "request_kind"])
-    assert {value for row in split.rows for name, value in row.group if name == "request_kind"} == set(kinds)
-    assert len(split.rows) > len(whole.rows)
+        parts = chargeback_report(session, PERIOD, [*within, split])
+    values = {"request_kind": set(kinds), "door": set(doors)}[split]
+    assert {value for row in parts.rows for name, value in row.group if name == split} == values
+    assert len(parts.rows) > len(whole.rows)
     sums: dict[tuple, list[int]] = {}
-    for row in split.rows:
-        key = (tuple(pair for pair in row.group if pair[0] != "request_kind"), row.unit, row.currency)
+    for row in parts.rows:
+        key = (tuple(pair for pair in row.group if pair[0] != split), row.unit, row.currency)
         values = (row.num_requests, row.num_deadline_met, row.unit_us, row.prompt_tokens, row.completion_tokens)
         sums[key] = [a + b for a, b in zip(sums.get(key, [0] * 6), (*values, row.cost_micros), strict=True)]
     assert sums == {
@@ -228,6 +252,8 @@ def test_bad_groupings_and_periods_name_the_field(month: Ledger) -> None:
             chargeback_report(session, PERIOD, ["team", "team"])
         with pytest.raises(InvalidArgument):
             chargeback_report(session, PERIOD, ["request_type"])
+        with pytest.raises(InvalidArgument):
+            chargeback_report(session, PERIOD, ["door", "door"])
         with pytest.raises(InvalidPeriod) as period:
             chargeback_report(session, "2026-13", ["team"])
         assert period.value.field == "period"

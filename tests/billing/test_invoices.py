@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import threading
@@ -31,11 +32,11 @@ from billing.invoices import (
     list_invoices,
     void_invoice,
 )
-from billing.ledger import ingest_usage
+from billing.ledger import ingest_usage, query_usage
 from billing.models import Invoice, InvoiceStatus, LineKind
 from billing.period import parse_period
 from billing.pricing import add_price, cost_micros
-from billing.records import RequestKind
+from billing.records import Door, RequestKind
 from billing.render import render_invoice
 from billing.tenants import create_tenant
 from tests.billing.conftest import Ledger
@@ -209,6 +210,29 @@ def test_the_invoice_shows_its_kinds_and_its_csv_splits_lines_by_kind_only_when_
 
     page = render_invoice(invoice, "html")
     assert "Usage by request kind" in page and "<td>chat_constrained</td>" in page
+
+
+def test_an_invoice_is_the_same_whatever_door_its_calls_came_through(billed: Ledger) -> None:
+    """Two more tenants make acme's calls again, one through alternating doors, one all over HTTP: the door labels
+    the usage and prices nothing, so their invoices have acme's lines, kinds and total, to the micro-unit."""
+    period = parse_period(PERIOD)
+    with unit_of_work(billed.sessions) as session:
+        calls = query_usage(session, tenant="acme", start_us=period.start_us, end_us=period.end_us).records
+        assert {call.door for call in calls} == {Door.GRPC} and len(calls) == 6
+        for tenant, door_of in (("initech", lambda i: list(Door)[i % 2]), ("hooli", lambda i: Door.HTTP)):
+            create_tenant(session, tenant)
+            again = [
+                dataclasses.replace(call, call_id=f"{tenant}-{call.call_id}", tenant=tenant, door=door_of(i))
+                for i, call in enumerate(calls)
+            ]
+            assert [r.status.value for r in ingest_usage(session, again)] == ["accepted"] * len(calls)
+    acme = draft(billed)
+    for tenant, doors in (("initech", set(Door)), ("hooli", {Door.HTTP})):
+        with billed.sessions() as session:
+            stored = query_usage(session, tenant=tenant, start_us=period.start_us, end_us=period.end_us).records
+        assert {call.door for call in stored} == doors
+        invoice = draft(billed, tenant)
+        assert invoice.lines == acme.lines and invoice.total_micros == acme.total_micros == 6_570
 
 
 def test_generating_a_draft_again_refreshes_the_same_invoice(billed: Ledger) -> None:

@@ -18,7 +18,7 @@ from billing.errors import InvalidArgument, InvalidPageToken, UnknownTenant
 from billing.ledger import IngestStatus, ingest_idle, ingest_usage, query_usage
 from billing.models import IdleRow, UsageConflict, UsageRow
 from billing.period import parse_period
-from billing.records import MAX_RECORD_WALL_US, MAX_TOKENS, RequestKind
+from billing.records import MAX_RECORD_WALL_US, MAX_TOKENS, Door, RequestKind
 from billing.tenants import create_tenant
 from tests.billing.conftest import Ledger
 from tests.billing.factories import PERIOD, START_US, idle, usage
@@ -115,6 +115,44 @@ def test_the_same_call_with_another_request_kind_is_a_conflict(acme: Ledger) -> 
         rejected = [c.rejected_payload["request_kind"] for c in session.scalars(select(UsageConflict))]
     assert stored == {"r-chat": "chat", "r-plain": "plain"}  # never overwritten
     assert sorted(rejected) == ["chat_constrained", "constrained", "plain"]
+
+
+def test_the_same_call_through_another_door_is_a_conflict(acme: Ledger) -> None:
+    http = usage("r-http", door=Door.HTTP, request_kind=RequestKind.CHAT)
+    grpc = usage("r-grpc", request_kind=RequestKind.CHAT)
+    with unit_of_work(acme.sessions) as session:
+        assert [r.status for r in ingest_usage(session, [http, grpc])] == [IngestStatus.ACCEPTED] * 2
+    with unit_of_work(acme.sessions) as session:
+        replays = ingest_usage(
+            session,
+            [
+                http,
+                dataclasses.replace(http, door=Door.GRPC),
+                dataclasses.replace(grpc, door=""),  # a sender before doors: grpc, the same record
+                dataclasses.replace(grpc, door=Door.HTTP),
+            ],
+        )
+    assert [r.status for r in replays] == [
+        IngestStatus.DUPLICATE,
+        IngestStatus.CONFLICT,
+        IngestStatus.DUPLICATE,
+        IngestStatus.CONFLICT,
+    ]
+    with acme.sessions() as session:
+        stored = dict(session.execute(select(UsageRow.call_id, UsageRow.door)).all())
+        rejected = {c.record_id: c.rejected_payload["door"] for c in session.scalars(select(UsageConflict))}
+    assert stored == {"r-http": "http", "r-grpc": "grpc"}  # never overwritten
+    assert rejected == {"r-http": "grpc", "r-grpc": "http"}
+
+
+def test_a_record_per_door_reads_back_with_its_door(acme: Ledger) -> None:
+    records = [usage(f"r-{door.value}", door=door, finished_at_us=START_US + i) for i, door in enumerate(Door)]
+    with unit_of_work(acme.sessions) as session:
+        ingest_usage(session, records)
+    with acme.sessions() as session:
+        page = query_usage(session, start_us=START_US, end_us=START_US + len(records))
+    assert page.records == records
+    assert [record.door for record in page.records] == list(Door)
 
 
 def test_unknown_tenant_is_typed_and_writes_nothing(acme: Ledger) -> None:
@@ -271,12 +309,16 @@ def test_page_tokens_are_checked(acme: Ledger) -> None:
     ),
     streamed=st.booleans(),
     kind=st.sampled_from(RequestKind),
+    door=st.sampled_from(Door),
 )
-def test_stored_records_read_back_identical(acme: Ledger, unit_us, tokens, label, call_id, streamed, kind) -> None:
+def test_stored_records_read_back_identical(
+    acme: Ledger, unit_us, tokens, label, call_id, streamed, kind, door
+) -> None:
     record = usage(
         call_id,
         request_id=call_id[::-1],  # the caller's, beside the call's own
         request_kind=kind,
+        door=door,
         unit_us=unit_us,
         prompt_tokens=tokens,
         labels={"team": label, "note": label},

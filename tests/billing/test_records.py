@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from billing.errors import InvalidRecord
-from billing.records import MAX_RECORD_WALL_US, MAX_TOKENS, IdleRecord, Outcome, RequestKind, UsageRecord
+from billing.records import MAX_RECORD_WALL_US, MAX_TOKENS, Door, IdleRecord, Outcome, RequestKind, UsageRecord
 from tests.billing.factories import START_US, US_PER_HOUR, gpu_usage, idle, missed, usage
 
 
@@ -38,6 +38,9 @@ from tests.billing.factories import START_US, US_PER_HOUR, gpu_usage, idle, miss
         ({"request_kind": "voice"}, "request_kind"),
         ({"request_kind": "Chat"}, "request_kind"),  # the values are lower case, as they are stored
         ({"request_kind": None}, "request_kind"),
+        ({"door": "websocket"}, "door"),
+        ({"door": "HTTP"}, "door"),  # the values are lower case, as they are stored
+        ({"door": None}, "door"),
         ({"deadline_met": 1}, "deadline_met"),
         ({"first_token_at_us": START_US}, "first_token_at_us"),  # before dispatch
         ({"dispatched_at_us": START_US + 10**12}, "first_token_at_us"),
@@ -105,6 +108,7 @@ DIGEST_CHANGES = [
     {"request_kind": "chat"},
     {"request_kind": "constrained"},
     {"request_kind": "chat_constrained"},
+    {"door": "http"},
     {"tenant": "other"},
     {"labels": {"team": "x"}},
     {"model": "m2"},
@@ -189,6 +193,40 @@ def test_a_record_holds_its_request_kind_as_the_enum_and_empty_means_plain() -> 
     v1 = usage("r-1").to_v1_payload()
     del v1["request_kind"]  # queued or stored before kinds
     assert UsageRecord.from_v1_payload(v1).request_kind is RequestKind.PLAIN
+
+
+# Issue 32 added door: a grpc record (every record before it) keeps the digest it had, however its door is spelled,
+# whatever its kind, so a record stored or queued before doors replays as a DUPLICATE. An http record digests
+# differently (the same call_id through another door is a CONFLICT); those digests are frozen from here on too.
+DIGESTS_OF_DOORS = [
+    *((fields | {"door": door}, digest) for fields, digest in DIGESTS_OF_REQUEST_KINDS for door in ("", "grpc")),
+    ({"door": Door.GRPC}, DIGESTS_BEFORE_THE_RENAME[0][1]),
+    ({"door": "http"}, "57b8852efa18368f5056843b9f6cfe70ca305363fce60b3dca65c1c319d70746"),
+    ({"door": "http", "request_kind": "chat"}, "ff636182aa3cd8b9a93fb752a6df58f749cdc298b63977b8e4aeba2d7c635cf3"),
+    (
+        {"door": "http", "request_id": "caller-7", "service_class": "batch"},
+        "13d027ce1a97c38671222828bfe75f0ae43708b41edc7129f8c1d384ce732d74",
+    ),
+]
+
+
+@pytest.mark.parametrize(("fields", "digest"), DIGESTS_OF_DOORS)
+def test_a_grpc_record_digests_as_before_doors_and_an_http_one_differently(fields: dict, digest: str) -> None:
+    assert usage("call-1", **fields).payload_digest() == digest
+
+
+def test_a_record_holds_its_door_as_the_enum_and_empty_means_grpc() -> None:
+    assert usage("r-1").door is Door.GRPC
+    assert usage("r-1", door="").door is Door.GRPC  # a sender before doors
+    for door in Door:
+        record = usage("r-1", door=door.value)
+        assert record.door is door
+        payload = record.to_payload()
+        assert type(payload["door"]) is str and payload["door"] == door.value
+        assert UsageRecord(**payload) == record == UsageRecord.from_v1_payload(record.to_v1_payload())
+    v1 = usage("r-1", request_kind="chat").to_v1_payload()
+    del v1["door"]  # queued or stored before doors
+    assert UsageRecord.from_v1_payload(v1) == usage("r-1", request_kind="chat", door=Door.GRPC)
 
 
 def test_an_idle_record_digests_as_it_did_before_the_digest_took_payloads() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from billing.records import RequestKind
+from billing.records import Door, RequestKind
 from services.inference.device.spec import Device
 from services.inference.engine.digest import StepDigest, ended_request
 from services.inference.meter import US_PER_MINUTE, Meter, RecordContext, split_exact
@@ -85,6 +85,19 @@ def test_the_record_carries_its_calls_request_kind_and_a_call_of_no_kind_is_plai
     meter.on_step(report([a, b], [], 1_000_000, 2_000_000, ended=[a, b], unfinished=0))
     assert {r.call_id: r.request_kind for r in rec.usage} == {"a": RequestKind.CHAT_CONSTRAINED, "b": RequestKind.PLAIN}
     assert {r.call_id: r.unit_us for r in rec.usage} == {"a": 2000, "b": 2000}  # the kind prices nothing
+
+
+def test_the_record_carries_its_calls_door_and_a_call_of_no_door_is_grpc():
+    rec = Recorder()
+    meter = make_meter(rec)
+    a, b = req("a"), req("b")
+    meter.register("a", RecordContext("acme", {}, 0, 0, 10**12, request_kind=RequestKind.CHAT, door=Door.HTTP))
+    meter.register("b", RecordContext("acme", {}, 0, 0, 10**12, request_kind=RequestKind.CHAT))
+    meter.on_step(report([a, b], [], 0, 1_000_000))
+    a.status = b.status = RequestStatus.FINISHED_LENGTH
+    meter.on_step(report([a, b], [], 1_000_000, 2_000_000, ended=[a, b], unfinished=0))
+    assert {r.call_id: r.door for r in rec.usage} == {"a": Door.HTTP, "b": Door.GRPC}
+    assert {r.call_id: r.unit_us for r in rec.usage} == {"a": 2000, "b": 2000}  # the door prices nothing
 
 
 def test_time_between_busy_steps_is_billed_and_time_with_no_request_is_idle():

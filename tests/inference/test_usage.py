@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import MappingProxyType
 
 import grpc
 import pytest
@@ -19,9 +20,12 @@ from zeroqueue.inference.v1 import inference_pb2 as pb
 from zeroqueue.inference.v1 import inference_pb2_grpc
 
 from billing import commands
+from billing.records import Door
 from services.client.auth import authorized_channel
+from services.inference.call import BudgetSource, GenerateSpec
 from services.inference.device.executor import ExecutorConfig
 from services.inference.replica import ServeConfig
+from services.inference.sched.request import SamplingParams
 from tests.inference.harness import ServerThread
 from tests.inference.test_overload import fill, start_slow_server, wait_until
 from tests.metering.harness import MeteringThread
@@ -89,6 +93,34 @@ def test_served_run_bills_every_call_once_and_conserves_wall_time(llama_dir, tmp
     (billed,) = ledger_rows(url, "SELECT SUM(unit_us) FROM usage_records")[0]
     idle, wall = ledger_rows(url, "SELECT SUM(idle_unit_us), SUM(wall_unit_us) FROM idle_records")[0]
     assert billed + idle == wall  # Σ billed + idle = wall time × cores
+
+
+def test_each_call_is_billed_once_with_the_door_it_came_through(llama_dir):
+    """The service bills the door its call's spec names and nothing else: a call over gRPC says grpc; one admitted
+    with a spec that says http (as the HTTP door builds it) says http. One row each, the same device time rules."""
+    server = start_slow_server(llama_dir)
+    try:
+        ((grpc_call, _),) = finals(server.stub(), 1, request_id="over-grpc")
+        service = server.replica.service
+        spec = GenerateSpec("over-http", (1, 2, 3), SamplingParams(max_tokens=3), MappingProxyType({}), door=Door.HTTP)
+
+        async def through_http() -> str:
+            ticket = service.submit(spec, "acme", time.monotonic_ns(), 10**10, BudgetSource.CLIENT_DEADLINE)
+            try:
+                async for _ in service.stream(ticket):  # its usage is on disk once the last output is
+                    pass
+            finally:
+                service.close(ticket)
+            return ticket.call_id
+
+        http_call = server.run(through_http())
+    finally:
+        server.stop()  # the outbox drains into the ledger
+    rows = ledger_rows(server.config.ledger_url, "SELECT call_id, request_id, door, unit_us FROM usage_records")
+    assert sorted((call_id, request_id, door) for call_id, request_id, door, _ in rows) == sorted(
+        [(grpc_call, "over-grpc", "grpc"), (http_call, "over-http", "http")]
+    )
+    assert all(unit_us > 0 for *_, unit_us in rows)
 
 
 def test_usage_survives_a_metering_outage(llama_dir, tmp_path):

@@ -120,6 +120,15 @@ def test_ledger_commands_end_to_end(home: Path, tmp_path: Path) -> None:
         ("chat_constrained", "1", "2000000", "3000"),
         ("plain", "2", "2000001", "1500"),
     ]
+    # two of the calls came through the HTTP door: the invoice above is what it was, chargeback tells them apart
+    table = list(csv.DictReader(io.StringIO(zeroqueue(home, "chargeback", "--period", PAST, "--by", "door").stdout)))
+    by_door = [("grpc", "1", "1000000", "1500"), ("http", "2", "3000001", "3000")]  # r3's miss credited
+    assert [(r["door"], r["num_requests"], r["unit_us"], r["cost_micros"]) for r in table] == by_door
+    report = json.loads(zeroqueue(home, "chargeback", "--period", PAST, "--by", "door", "--format", "json").stdout)
+    assert report["group_by"] == ["door"]
+    assert [(r["door"], str(r["num_requests"]), str(r["unit_us"]), str(r["cost_micros"])) for r in report["rows"]] == (
+        by_door
+    )
     html_file = tmp_path / "chargeback.html"
     zeroqueue(home, "chargeback", "--period", PAST, "--by", "model", "--format", "html", "--output", str(html_file))
     assert "<img" in html_file.read_text()
@@ -145,8 +154,9 @@ def with_usage(home: Path, admin: str) -> None:
                 unit_us=2_000_000,
                 labels={"cost_center": "cc-2"},
                 request_kind="chat_constrained",
+                door="http",
             ),
-            missed("r3", finished_at_us=PAST_START_US + 30, unit_us=1_000_001),
+            missed("r3", finished_at_us=PAST_START_US + 30, unit_us=1_000_001, door="http"),
         ]
         with grpc.insecure_channel(address) as channel:
             reply = metering_pb2_grpc.MeteringStub(channel).RecordUsage(

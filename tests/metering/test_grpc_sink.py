@@ -9,7 +9,7 @@ import grpc
 import pytest
 from zeroqueue.metering.v1 import metering_pb2 as pb
 
-from billing.records import RequestKind
+from billing.records import Door, RequestKind
 from services.metering.shipper import Delivery, GrpcSink, SinkUnavailable
 from tests.metering.test_outbox import builder
 
@@ -21,11 +21,13 @@ class FakeStub:
         self.poison, self.code = poison, code
         self.batches: list[list[str]] = []
         self.kinds: dict[str, str] = {}
+        self.doors: dict[str, str] = {}
 
     async def RecordUsage(self, request, metadata, timeout):  # noqa: N802 - the stub's method
         ids = [r.call_id for r in request.records]
         self.batches.append(ids)
         self.kinds.update((r.call_id, r.request_kind) for r in request.records)
+        self.doors.update((r.call_id, r.door) for r in request.records)
         if self.poison & set(ids):
             raise grpc.aio.AioRpcError(
                 self.code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="records[0].unit_us is out of range"
@@ -74,3 +76,11 @@ def test_each_record_goes_with_its_request_kind():
     acks = asyncio.run(sink_with(stub).deliver(records, []))
     assert {a.delivery for a in acks} == {Delivery.DELIVERED}
     assert stub.kinds == {f"r-{kind.value}": kind.value for kind in RequestKind}
+
+
+def test_each_record_goes_with_its_door():
+    stub = FakeStub(set())
+    records = [builder(f"r-{door.value}")(door=door) for door in Door]
+    acks = asyncio.run(sink_with(stub).deliver(records, []))
+    assert {a.delivery for a in acks} == {Delivery.DELIVERED}
+    assert stub.doors == {f"r-{door.value}": door.value for door in Door}

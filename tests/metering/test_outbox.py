@@ -12,7 +12,7 @@ from sqlalchemy import select
 
 from billing.db import unit_of_work
 from billing.models import UsageRow
-from billing.records import RequestKind, UsageRecord
+from billing.records import Door, RequestKind, UsageRecord
 from billing.tenants import create_tenant
 from services.metering.outbox import Outbox, OutboxConflict
 from services.metering.shipper import LedgerSink, Shipper
@@ -116,6 +116,7 @@ def test_a_row_an_older_replica_wrote_still_reads_back_and_the_same_record_appen
         assert row.record == builder("r-old")(request_id="caller-7")
         assert row.record.call_id == "r-old" and row.record.request_id == "caller-7"
         assert row.record.request_kind is RequestKind.PLAIN  # written before kinds: plain
+        assert row.record.door is Door.GRPC  # written before doors: grpc, the only door there was
         again = outbox.expect("r-old")
         outbox.append([functools.partial(builder("r-old"), request_id="caller-7")], [])
         assert again.result(timeout=10).call_id == "r-old"  # held with the very same payload: not a conflict
@@ -159,3 +160,59 @@ def test_the_shipper_delivers_each_records_kind_to_the_ledger(tmp_path, ledger: 
     with ledger.sessions() as session:
         stored = dict(session.execute(select(UsageRow.call_id, UsageRow.request_kind)).all())
     assert stored == {call_id: kind.value for call_id, kind in kinds.items()}
+
+
+def test_a_record_keeps_its_door_on_disk_and_another_door_under_its_id_is_a_conflict(tmp_path):
+    outbox = Outbox(tmp_path / "outbox.db")
+    try:
+        http = outbox.expect("r-http")
+        outbox.append([functools.partial(builder("r-http"), door="http")], [])
+        assert http.result(timeout=10).door is Door.HTTP
+        with sqlite3.connect(tmp_path / "outbox.db") as conn:
+            (payload,) = conn.execute("SELECT payload FROM outbox WHERE record_id = 'r-http'").fetchone()
+        assert json.loads(payload)["door"] == "http"
+        assert [row.record.door for row in outbox.pending(10)] == [Door.HTTP]
+        again = outbox.expect("r-http")
+        outbox.append([functools.partial(builder("r-http"), door="grpc")], [])
+        with pytest.raises(OutboxConflict, match="r-http"):
+            again.result(timeout=10)
+        assert outbox.counts() == {"pending": 1, "delivered": 0, "dead": 0, "conflicts": 1}
+    finally:
+        outbox.close()
+
+
+def test_a_row_a_replica_before_doors_wrote_reads_as_grpc_and_the_same_record_again_is_no_conflict(tmp_path):
+    outbox = Outbox(tmp_path / "outbox.db")
+    before_doors = builder("r-chat")(request_kind="chat").to_v1_payload()
+    del before_doors["door"]
+    try:
+        with sqlite3.connect(tmp_path / "outbox.db") as conn:
+            conn.execute(
+                "INSERT INTO outbox (kind, record_id, payload, created_at_us) VALUES ('usage', 'r-chat', ?, 1)",
+                (json.dumps(before_doors),),
+            )
+        (row,) = outbox.pending(10)
+        assert row.record == builder("r-chat")(request_kind="chat", door=Door.GRPC)
+        again = outbox.expect("r-chat")
+        outbox.append([functools.partial(builder("r-chat"), request_kind="chat", door="grpc")], [])
+        assert again.result(timeout=10).door is Door.GRPC  # the record held, by digest: not a conflict
+        assert outbox.counts() == {"pending": 1, "delivered": 0, "dead": 0, "conflicts": 0}
+    finally:
+        outbox.close()
+
+
+def test_the_shipper_delivers_each_records_door_to_the_ledger(tmp_path, ledger: Ledger) -> None:
+    with unit_of_work(ledger.sessions) as session:
+        create_tenant(session, "acme")
+    outbox = Outbox(tmp_path / "outbox.db")
+    try:
+        doors = {f"r-{door.value}": door for door in Door}
+        outbox.append([functools.partial(builder(call_id), door=door) for call_id, door in doors.items()], [])
+        assert outbox.flush()
+        assert asyncio.run(Shipper(outbox, LedgerSink(ledger.sessions)).ship_once()) == len(doors)
+        assert outbox.counts()["delivered"] == len(doors)
+    finally:
+        outbox.close()
+    with ledger.sessions() as session:
+        stored = dict(session.execute(select(UsageRow.call_id, UsageRow.door)).all())
+    assert stored == {call_id: door.value for call_id, door in doors.items()}
