@@ -46,7 +46,7 @@ check-protos: $(VENV)/.installed-dev
 # First run: creates the embedded SQLite ledger and a demo tenant, and prints the tenant's API key once.
 serve: install
 	$(VENV)/bin/zeroqueue migrate
-	$(VENV)/bin/zeroqueue serve $(if $(MODEL),--model $(MODEL)) --demo-tenant demo --metrics-port 9464
+	$(VENV)/bin/zeroqueue serve $(if $(MODEL),--model $(MODEL)) --demo-tenant demo --metrics-port 9464 --http-port 8000
 
 # ruff: the linter and the formatter (pyproject.toml [tool.ruff]); `make format` applies the formatter
 lint: $(VENV)/.installed-dev

@@ -128,6 +128,13 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         help="also serve gRPC health in plaintext on this port (for kubelet probes under TLS)",
     )
     p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="also serve the OpenAI- and Anthropic-compatible HTTP API on this port (/v1/chat/completions, "
+        "/v1/completions, /v1/messages, /v1/models), over TLS with --tls-cert",
+    )
+    p.add_argument(
         "--demo-tenant",
         metavar="NAME",
         default=None,
@@ -247,6 +254,7 @@ def serve_config(args: argparse.Namespace):
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         health_port=args.health_port,
+        http_port=args.http_port,
         engine_process=not args.engine_thread,
         pin_cpus=args.pin_cpus,
         json_logs=args.json_logs,

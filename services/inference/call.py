@@ -16,7 +16,7 @@ from .sched.request import FinishReason, Request, SamplingParams
 
 
 class BudgetSource(enum.Enum):
-    """Where a call's budget came from: over gRPC its deadline; over HTTP (services/http/budget.py) the first of
+    """Where a call's budget came from: over gRPC its deadline; over HTTP (services/http/calls.py) the first of
     an explicit header, the official SDKs' own timeout, Envoy's expected timeout; else the server's default."""
 
     CLIENT_DEADLINE = "client_deadline"

@@ -21,6 +21,7 @@ from zeroqueue.inference.v1 import inference_pb2
 
 from billing.db import data_dir
 from billing.policy import ServingPolicy
+from services.http.door import HttpDoor
 from services.metering.link import MeteringLink
 from services.metering.server import MAX_MESSAGE_BYTES as METERING_MAX_MESSAGE_BYTES
 from services.metering.server import server_credentials
@@ -98,6 +99,7 @@ class ServeConfig:
     tls_cert: str | None = None  # serve over TLS with this certificate chain and key (PEM)
     tls_key: str | None = None
     health_port: int | None = None  # plaintext gRPC health only (kubelet probes cannot speak TLS)
+    http_port: int | None = None  # the OpenAI/Anthropic-compatible HTTP door (services/http/), TLS as gRPC's; None: off
     limits: RequestLimits = RequestLimits()  # what one Generate request may hold (servicer.py)
     watchdog: WatchdogConfig | None = WatchdogConfig()  # the device's watchdog (health/watchdog.py); None: off
     device_recovery_s: float = 60.0  # a device failed this long takes liveness down too, so the pod restarts
@@ -163,6 +165,8 @@ class Replica:
         self.cost: CostModel | None = None
         self.reaction: DeviceReaction | None = None  # to the device's state (health/reaction.py), once warm
         self.port = 0
+        self.http: HttpDoor | None = None
+        self.http_port = 0
 
     @property
     def service(self) -> InferenceService | None:
@@ -204,6 +208,10 @@ class Replica:
             await self.health_server.start()
         self.link.start()
         self.book.start()
+        if self.config.http_port is not None:  # answers 503 while warming, as gRPC says UNAVAILABLE
+            self.http = HttpDoor(self.servicer, self.metrics.registry)
+            tls = (self.config.tls_cert, self.config.tls_key) if self.credentials is not None else None
+            self.http_port = await self.http.start(self.config.host, self.config.http_port, tls)
         if self.config.metrics_port is not None:
             start_http_server(self.config.metrics_port, addr=self.config.host, registry=self.metrics.registry)
         log.info("listening", address=f"{self.config.host}:{self.port}", state="warming_up")
@@ -357,6 +365,8 @@ class Replica:
                 log.warning("drain_timeout", in_flight=len(service.in_flight))
         if self.server is not None:
             await self.server.stop(grace=1.0)
+        if self.http is not None:
+            await self.http.stop()
         if self.health_server is not None:
             await self.health_server.stop(grace=0)
         if self.engine is not None:

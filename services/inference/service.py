@@ -133,11 +133,12 @@ class InferenceService:
     def deadline_mode(self) -> bool:
         return self.admission.predicts
 
-    def budget(self, time_remaining_s: float | None) -> tuple[int, BudgetSource]:
-        """The call's budget in ns: its gRPC deadline, or the server default when it has none."""
+    def budget(self, time_remaining_s: float | None, source: BudgetSource) -> tuple[int, BudgetSource]:
+        """The call's budget in ns: what its caller allows (a gRPC deadline, an HTTP door's header: `source`),
+        or the server default when it says nothing."""
         if time_remaining_s is None:
             return self.default_budget_ms * 1_000_000, BudgetSource.SERVER_DEFAULT
-        return int(time_remaining_s * 1e9), BudgetSource.CLIENT_DEADLINE
+        return int(time_remaining_s * 1e9), source
 
     def submit(
         self,

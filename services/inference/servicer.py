@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import grpc
 import structlog
@@ -15,6 +16,7 @@ from zeroqueue.inference.v1 import inference_pb2_grpc
 
 from billing.errors import PermissionDenied
 from billing.policy import STANDARD, ServingPolicy
+from billing.records import Door
 from services import errors, parsing
 from services.auth import Authenticator, bearer_key
 from services.errors import clip
@@ -134,9 +136,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 exc.retry_after_ms, exc.retry_after_ms, _ms(budget_ns), cause=RefusalCause.COMPILES
             ) from None
 
-    async def _tenant(self, context: grpc.aio.ServicerContext) -> str:
+    async def _tenant(self, metadata: tuple) -> str:
         """The tenant billed for the call: the API key's, never a request field."""
-        principal = await self.authenticator.authenticate(bearer_key(context.invocation_metadata()))
+        principal = await self.authenticator.authenticate(bearer_key(metadata))
         if principal.tenant is None:
             raise PermissionDenied(
                 "Generate needs a tenant's API key: usage is billed to the key's tenant, and an admin key has none",
@@ -149,6 +151,33 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             raise errors.NotServing("replica is warming up; try another replica", {"state": "warming_up"})
         return self.service
 
+    async def admit(
+        self,
+        request: pb.GenerateRequest,
+        metadata: tuple,
+        budget_s: float | None,
+        source: BudgetSource,
+        received_ns: int,
+        door: Door = Door.GRPC,
+    ) -> Ticket:
+        """One call through either door: authenticated, validated, classed, compiled and admitted, or the domain
+        error that says why not. `budget_s`: what the caller allows (None: the server's default) and `source`
+        where that came from. The caller streams the ticket (`self.service.stream`, then `check_finished`)
+        and closes it (`self.service.close`) however its call ends."""
+        tenant = await self._tenant(metadata)
+        service = self._ready_service()
+        spec = replace(await to_spec(request, service.card, self.limits, metadata, self), door=door)
+        budget_ns, source = service.budget(budget_s, source)
+        policy = self.book.policy  # an expired budget has no class: submit says DEADLINE_EXPIRED
+        klass = STANDARD if budget_ns <= 0 else class_of(policy, spec.service_class, _ms(budget_ns), source)
+        # every later line of this call says who and in which class (each call is a task: its own context)
+        structlog.contextvars.bind_contextvars(tenant=tenant, service_class=klass.name)
+        compile_us = await self._compile(spec, received_ns + budget_ns - time.monotonic_ns(), tenant, klass.name)
+        # the engine compiles its own copy before the call's first step: as long as the server's took
+        ticket = service.submit(spec, tenant, received_ns, budget_ns, source, klass, lead_ns=compile_us * 1000)
+        ticket.compile_us = compile_us
+        return ticket
+
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         received_ns = time.monotonic_ns()
         ticket = None
@@ -158,24 +187,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 self.service.metrics.refusal_reply_time.observe((time.monotonic_ns() - received_ns) / 1e9)
 
         async with rpc_errors(context, "Generate", clip(request.request_id, 128), before_abort=time_refusal):
-            tenant = await self._tenant(context)
-            service = self._ready_service()
-            spec = await to_spec(request, service.card, self.limits, context.invocation_metadata(), self)
-            budget_ns, source = service.budget(context.time_remaining())
-            policy = self.book.policy  # an expired budget has no class: submit says DEADLINE_EXPIRED
-            klass = STANDARD if budget_ns <= 0 else class_of(policy, spec.service_class, _ms(budget_ns), source)
-            # every later line of this call says who and in which class (each call is a task: its own context)
-            structlog.contextvars.bind_contextvars(tenant=tenant, service_class=klass.name)
-            compile_us = await self._compile(spec, received_ns + budget_ns - time.monotonic_ns(), tenant, klass.name)
-            # the engine compiles its own copy before the call's first step: as long as the server's took
-            ticket = service.submit(spec, tenant, received_ns, budget_ns, source, klass, lead_ns=compile_us * 1000)
-            ticket.compile_us = compile_us
+            metadata, budget_s = context.invocation_metadata(), context.time_remaining()
+            ticket = await self.admit(request, metadata, budget_s, BudgetSource.CLIENT_DEADLINE, received_ns)
         try:
             await context.send_initial_metadata(
-                (("x-budget-ms", str(ticket.budget_ms)), ("x-budget-source", source.value))
+                (("x-budget-ms", str(ticket.budget_ms)), ("x-budget-source", ticket.budget_source.value))
             )
             yield pb.GenerateResponse(admission=self._admission(ticket))
-            async with rpc_errors(context, "Generate", spec.request_id):
+            async with rpc_errors(context, "Generate", ticket.spec.request_id):
                 async for output in self.service.stream(ticket):
                     if output.token_ids or output.text:
                         yield pb.GenerateResponse(
@@ -187,13 +206,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                             )
                         )
                     if output.finish_reason is not None:
-                        self._raise_if_failed(ticket)
+                        self.check_finished(ticket)
                         yield pb.GenerateResponse(final=self._final(ticket))
         finally:
             if ticket is not None:
                 self.service.close(ticket)
 
-    def _raise_if_failed(self, ticket: Ticket) -> None:
+    def check_finished(self, ticket: Ticket) -> None:
+        """Raises the domain error of a call whose stream ended other than by stop or length."""
         if ticket.device_failure is not None:
             raise errors.DeviceFailed(
                 f"this replica's device stopped answering while running the request ({ticket.device_failure}); "
