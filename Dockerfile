@@ -72,8 +72,9 @@ ENV PATH="/opt/venv/bin:$PATH" \
 VOLUME ["/var/lib/zeroqueue"]
 WORKDIR /var/lib/zeroqueue
 USER 10001:10001
-# 50051 inference gRPC (with health), 9464 Prometheus /metrics, 50052 metering gRPC (`zeroqueue metering`).
-EXPOSE 50051 9464 50052
+# 50051 inference gRPC (with health), 8000 its OpenAI- and Anthropic-compatible HTTP API (--http-port), 9464
+# Prometheus /metrics, 50052 metering gRPC (`zeroqueue metering`).
+EXPOSE 50051 8000 9464 50052
 # Warm-up and calibration answer NOT_SERVING (exit 1); the start period covers them (docs/OPERATIONS.md).
 # Each check is a Python process (about 0.6 s of CPU), so only every 30 s once started: the engine's cores
 # are the latency the admission controller predicts.
@@ -82,7 +83,7 @@ HEALTHCHECK --interval=30s --timeout=10s --start-period=180s --start-interval=5s
 ENTRYPOINT ["zeroqueue"]
 # Migrations are their own command: `docker run ... IMAGE migrate --ledger URL` before the first serve.
 CMD ["serve", "--model", "/opt/zeroqueue/models/zq-python-tiny", "--host", "0.0.0.0", "--port", "50051", \
-     "--metrics-port", "9464"]
+     "--http-port", "8000", "--metrics-port", "9464"]
 
 FROM runtime-base AS runtime-cpu
 

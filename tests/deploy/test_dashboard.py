@@ -1,7 +1,8 @@
 """deploy/grafana: every query parses as PromQL and asks only for metrics (and labels) that a replica exports.
 
 The exported names come from the service's own registry (services/inference/metrics.py), with a GPU's telemetry
-read from a fake NVML (services/inference/device/telemetry.py), so renaming a metric there without updating the
+read from a fake NVML (services/inference/device/telemetry.py) and the HTTP door's metrics (services/http/door.py)
+on the same registry, as a replica serving --http-port has them, so renaming a metric there without updating the
 dashboard fails here.
 """
 
@@ -17,6 +18,7 @@ import promql_parser as promql
 import pytest
 from prometheus_client.metrics import MetricWrapperBase
 
+from services.http.door import HttpMetrics
 from services.inference.device.spec import Device
 from services.inference.metrics import ServiceMetrics
 from tests.inference.fake_nvml import A100, FakeNvml, mig_host
@@ -36,13 +38,14 @@ SUFFIXES = {
 def exported() -> dict[str, set[str]]:
     """Sample name -> its label names, for every metric a replica's ServiceMetrics registers, a GPU's included."""
     metrics = ServiceMetrics()
+    http = HttpMetrics(metrics.registry)  # the HTTP door's, on the replica's registry (replica.py)
     gpus = mig_host()
     gpus[1].xids.append(79)  # so that the XID counter has a sample, and its label is seen
     with mock.patch.dict(sys.modules, {"pynvml": FakeNvml(gpus)}):
         metrics.watch_device(Device("cuda", "NVIDIA A100-SXM4-40GB", A100, 108, "sm_us"))
     labels = {
         m._name: set(m._labelnames)
-        for m in vars(metrics).values()  # noqa: SLF001 - no public accessor
+        for m in [*vars(metrics).values(), *vars(http).values()]  # noqa: SLF001 - no public accessor
         if isinstance(m, MetricWrapperBase)
     }
     names: dict[str, set[str]] = {}
@@ -163,6 +166,9 @@ def test_panels_cover_the_board(dashboard: dict) -> None:
         "zeroqueue_gpu_ecc_errors_total",
         "zeroqueue_cost_model_ratio",
         "zeroqueue_host_steal_seconds_total",
+        "zeroqueue_http_responses_total",
+        "zeroqueue_http_refusal_reply_seconds_bucket",
+        "zeroqueue_refusal_reply_seconds_bucket",
     ):
         assert metric in text, metric
     assert re.search(r'attempt="1",result="admitted"', text), "first-retry success"

@@ -184,4 +184,5 @@ def test_exposed_ports_are_the_ones_served(commands) -> None:
     exposed = {int(p) for c in commands if c.cmd == "EXPOSE" for p in c.value}
     serve = serve_args(commands)
     metering = build_parser().parse_args(["metering"])
-    assert exposed == {serve.port, serve.metrics_port, metering.port}
+    assert serve.http_port is not None, "the image serves the HTTP door too"
+    assert exposed == {serve.port, serve.http_port, serve.metrics_port, metering.port}
