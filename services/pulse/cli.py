@@ -8,9 +8,13 @@
         --capacity-json out/capacity/capacity.json --duration 30   # tenants side by side, B also alone
     zeroqueue pulse --compare --qps 8 --templates plain=2,chat=1,json=1   # chat and constrained calls too
     zeroqueue pulse --compare --qps 8 --request-file calls.jsonl        # your own (templates.py says the fields)
+    zeroqueue pulse --http --compare --qps 4 --duration 5                # through the replicas' HTTP door
+    zeroqueue pulse --doors grpc,http --compare --qps 4 --duration 5     # both doors, a row per door and mode
+    zeroqueue pulse --endpoint 127.0.0.1:50051 --http-endpoint http://127.0.0.1:8080 --http --api-key KEY --qps 4
 
 A compare run replays one schedule (same seed) against each mode in turn, one replica at a time, so the
-two never share the machine's cores.
+two never share the machine's cores. With several doors, each replica gets the schedule through each door in turn,
+in the order --doors gives, a few seconds apart. Tables go to stdout, progress and notes to stderr.
 """
 
 from __future__ import annotations
@@ -26,8 +30,11 @@ from pathlib import Path
 from services.client.retry import RetryConfig
 
 from .schedule import ARRIVALS
+from .targets import DOORS, doors_of
 from .templates import BUILT_INS, describe_mix, parse_templates, read_request_file, templates_of
 from .tenants import parse_tenant
+
+SETTLE_S = 3.0  # between two doors' runs on one replica: the last calls' metrics settle, the replica goes idle
 
 
 def _positive_int(text: str) -> int:
@@ -35,6 +42,29 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
     return value
+
+
+def _doors(text: str) -> tuple[str, ...]:
+    doors = tuple(d.strip() for d in text.split(",") if d.strip())
+    unknown = [d for d in doors if d not in DOORS]
+    if not doors or unknown or len(set(doors)) != len(doors):
+        raise argparse.ArgumentTypeError(f"a list of distinct doors out of {', '.join(DOORS)}, got {text!r}")
+    return doors
+
+
+def _add_doors(p: argparse.ArgumentParser) -> None:
+    d = p.add_argument_group("doors (gRPC, through the SDK; or HTTP, OpenAI's POST /v1/completions)")
+    d.add_argument("--http", action="store_true", help="send the schedule through the HTTP door (--doors http)")
+    d.add_argument(
+        "--doors",
+        type=_doors,
+        default=None,
+        metavar="grpc,http",
+        help="the same schedule through each door in turn, against each replica; one table, a row per door and mode",
+    )
+    d.add_argument("--http-endpoint", action="append", default=[], metavar="URL", help="HTTP door base URL; repeat")
+    d.add_argument("--deadline-http-endpoint", action="append", default=[], metavar="URL", help="with --compare")
+    d.add_argument("--fifo-http-endpoint", action="append", default=[], metavar="URL", help="with --compare")
 
 
 def add_pulse(sub: argparse._SubParsersAction) -> None:
@@ -57,6 +87,7 @@ def add_pulse(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--admission", choices=("deadline", "fifo"), default="deadline", help="mode of a started replica")
     t.add_argument("--model", default=None, help="checkpoint for started replicas (default: the bundled model)")
     t.add_argument("--serve-args", default="", help="extra `zeroqueue serve` arguments, e.g. '--max-batch 16'")
+    _add_doors(p)
     g = p.add_argument_group("load")
     g.add_argument("--qps", type=float, default=None, help="base arrival rate")
     g.add_argument("--load", type=float, default=None, help="base rate as a multiple of --capacity-json's capacity")
@@ -166,16 +197,27 @@ def _load_qps(args: argparse.Namespace) -> float:
     return args.qps
 
 
+def _check_doors(args: argparse.Namespace, doors: tuple[str, ...]) -> None:
+    """What the doors cannot carry is refused before any replica starts."""
+    if len(doors) > 1 and (args.tenant or args.capacity):
+        raise SystemExit("zeroqueue pulse: error: --doors with several doors is for a run or a compare")
+    if "http" in doors:
+        refused = [t.name for t in templates_of(args) if t.messages or t.response_format is not None or t.logprobs]
+        if refused:
+            raise SystemExit(
+                "zeroqueue pulse: error: the HTTP door's /v1/completions takes a prompt: no conversation, "
+                f"response_format or logprobs ({', '.join(refused)})"
+            )
+
+
 def run_pulse(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .report import plot, print_table, write_json, write_traces
-    from .schedule import LoadSpec
-    from .targets import opened, pulse_one, targets_from
-
-    console = Console()
+    console, log = Console(), Console(stderr=True)  # the tables; progress and what happens
     if not console.is_terminal:
         console = Console(width=120)  # a table that stays readable in a log file
+    doors = doors_of(args)
+    _check_doors(args, doors)
     out_dir = Path(args.out or f"pulse-results/{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # replicas' ledgers and keys go in it: ours alone
     shape_args = dict(
@@ -194,32 +236,50 @@ def run_pulse(args: argparse.Namespace) -> int:
         if templates_of(args):
             raise SystemExit("zeroqueue pulse: error: --capacity measures plain calls: no --templates/--request-file")
         return run_capacity(args, shape_args, out_dir, run_id, console)
+    return _run_schedule(args, doors, shape_args, out_dir, run_id, console, log)
+
+
+def _title(args: argparse.Namespace, load, doors: tuple[str, ...]) -> str:
+    return (
+        f"pulse: {load.arrival} {load.qps:.2f} qps for {load.duration_s:.0f} s"
+        + (f", bursts {load.pulse_factor}× for {load.pulse_s} s every {load.pulse_every_s} s" if load.pulse_s else "")
+        + f", shape {args.shape} {args.prompt_tokens}+{args.max_tokens}, "
+        f"deadline {args.deadline_ms:.0f} ms"
+        + describe_mix(templates_of(args))
+        + ("" if doors == ("grpc",) else f", through {' then '.join(doors)}")
+    )
+
+
+def _run_schedule(args, doors, shape_args: dict, out_dir: Path, run_id: str, console, log) -> int:
+    """A run or a compare: the seeded schedule against each target, through each door in turn."""
+    from .report import plot, print_door_table, print_table, write_json, write_traces
+    from .schedule import LoadSpec
+    from .targets import opened, pulse_one, targets_from
+
     load = LoadSpec(
         _load_qps(args), args.duration, args.arrival, args.pulse_factor, args.pulse_seconds, args.pulse_every, args.seed
     )
     runs = []
     for target in targets_from(args):
-        with opened(target, args, out_dir, console) as live:
-            runs.append(pulse_one(live, args, load, shape_args, run_id, console))
-    title = (
-        f"pulse: {load.arrival} {load.qps:.2f} qps for {load.duration_s:.0f} s"
-        + (f", bursts {load.pulse_factor}× for {load.pulse_s} s every {load.pulse_every_s} s" if load.pulse_s else "")
-        + f", shape {args.shape} {args.prompt_tokens}+{args.max_tokens}, "
-        f"deadline {args.deadline_ms:.0f} ms" + describe_mix(templates_of(args))
-    )
-    print_table(runs, title, console)
+        with opened(target, args, out_dir, log) as live:
+            for i, door in enumerate(doors):
+                if i:
+                    time.sleep(SETTLE_S)
+                runs.append(pulse_one(live.through(door), args, load, shape_args, run_id, log))
+    print_table(runs, _title(args, load, doors), console)
+    if len(doors) > 1:
+        print_door_table(runs, "doors: the same schedule through each, a row per door and mode", console)
     config = {
         "load": asdict(load),
         "shape": shape_args,
         "deadline_ms": args.deadline_ms,
         "deadline_per_token_ms": args.deadline_per_token_ms,
         "templates": [t.describe() for t in templates_of(args)],
+        "doors": list(doors),
         "run_id": run_id,
     }
     write_json(out_dir / "pulse.json", runs, config)
     write_traces(out_dir, runs)
     written = [] if args.no_plots else plot(out_dir, runs)
-    console.print(
-        f"wrote {out_dir / 'pulse.json'}, traces" + "".join(f", {p.name}" for p in written) + f" in {out_dir}"
-    )
+    log.print(f"wrote {out_dir / 'pulse.json'}, traces" + "".join(f", {p.name}" for p in written) + f" in {out_dir}")
     return 0

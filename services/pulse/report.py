@@ -1,5 +1,6 @@
 """A pulse run's outputs: the rich table (runs side by side; with several kinds of call, a second one with each kind
-of each run side by side), the JSON file, per-request traces, PNG plots."""
+of each run side by side; with several doors, one with a row per door and mode), the JSON file, per-request traces,
+PNG plots."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ class RunReport:
     server: dict | None = None  # scrape.server_view, when /metrics was reachable
     notes: list[str] = field(default_factory=list)
     by_kind: dict[str, Summary] = field(default_factory=dict)  # stats.summarize_by_kind of the traces
+    door: str = "grpc"  # what the calls went through: grpc (the SDK) or http (the replica's HTTP door)
+    mode: str = ""  # the target's label without the door (e.g. deadline), for the doors' table
 
 
 def number(value, fmt: str = "{:.1f}") -> str:
@@ -119,6 +122,53 @@ def print_kind_table(runs: Sequence[RunReport], console: Console) -> None:
     console.print(table)
 
 
+def _pct(value) -> str:
+    return number(None if value is None else value * 100, "{:.1f}%")
+
+
+def _pair(a, b, fmt: str = "{:.0f}") -> str:
+    return f"{number(a, fmt)} / {number(b, fmt)}"
+
+
+def door_row(run: RunReport) -> list[tuple[str, str]]:
+    """One run's figures in the doors' table, (column header, value): what to set beside the other door's."""
+    s, server = run.summary, run.server or {}
+    queue, step = server.get("queue_time", {}), server.get("step_time", {})
+    attainment = None if s.admitted_miss_rate is None else 1 - s.admitted_miss_rate
+    return [
+        ("mode", run.mode or run.label),
+        ("door", run.door),
+        ("goodput\nreq/s", number(s.goodput_rps, "{:.2f}")),
+        ("attain-\nment", _pct(attainment)),
+        ("refused", _pct(s.rejection_rate)),
+        ("retries/\nrefused", number(s.avg_retries_per_rejected, "{:.2f}")),
+        ("1st retry\nadmitted", _pct(s.first_retry_success_rate)),
+        ("admitted\nP50 / P99", _pair(s.admitted_latency_ms.p50, s.admitted_latency_ms.p99)),
+        ("replica\nP50 / P99", _pair(s.server_latency_ms.p50, s.server_latency_ms.p99)),
+        ("queue mean\n/ P99 ≤", _pair(queue.get("mean_ms"), queue.get("p99_at_most_ms"), "{:.1f}")),
+        ("step\nmean", number(step.get("mean_ms"), "{:.1f}")),
+    ]
+
+
+DOOR_CAPTION = (
+    "goodput: calls done in their deadline per second; attainment: the share of admitted calls done in their deadline; "
+    "refused: the share of calls whose first attempt was; retries per refused call and the first retry's success as "
+    "the SDK made them; latencies in ms, of admitted calls from their admitted attempt; replica: its own latency "
+    "(gRPC's Final.timings); queue and step: the replica's mean times (/metrics)"
+)
+
+
+def print_door_table(runs: Sequence[RunReport], title: str, console: Console) -> None:
+    """The runs as rows, a row per door and mode: the same schedule through gRPC and through HTTP, side by side."""
+    table = Table(title=title, caption=DOOR_CAPTION, show_edge=False)
+    cells = [door_row(run) for run in runs]
+    for name, _ in cells[0]:
+        table.add_column(name, justify="left" if name in ("mode", "door") else "right", no_wrap=True)
+    for row in cells:
+        table.add_row(*(value for _, value in row))
+    console.print(table)
+
+
 def print_table(runs: Sequence[RunReport], title: str, console: Console | None = None) -> None:
     console = console or Console()
     table = Table(title=title)
@@ -141,6 +191,7 @@ def write_json(path: Path, runs: Sequence[RunReport], config: dict) -> None:
         "config": config,
         "runs": {
             run.label: {
+                "door": run.door,
                 "endpoints": run.endpoints,
                 "summary": run.summary.to_dict(),
                 "by_kind": {kind: s.to_dict() for kind, s in run.by_kind.items()},

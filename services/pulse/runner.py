@@ -1,7 +1,8 @@
 """Open-loop load: every planned request is sent at its planned time, whatever the server is doing.
 
 One asyncio task per request (no pool that a slow server could exhaust and so slow the arrivals down);
-each goes through the SDK, so refusals are retried as a real client would retry them.
+each goes through the SDK, so refusals are retried as a real client would retry them. The client is the SDK's
+AsyncClient (the gRPC door) or http_client.HttpClient (the HTTP door): the same calls, results and errors.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ async def _one(
                 trace.first_token_s = time.monotonic() - t0
         trace.finished_s = time.monotonic() - t0
         result = generation.result
-        trace.final_lag_us = time.time_ns() // 1000 - result.timings.finished_at_us
+        finished_at_us = result.timings.finished_at_us  # None: the door did not say (http_client.py)
+        trace.final_lag_us = None if finished_at_us is None else time.time_ns() // 1000 - finished_at_us
         trace.outcome, trace.completion_tokens = TraceOutcome.OK, result.usage.completion_tokens
         trace.device_us = result.usage.device_us
         trace.server_deadline_met, trace.server_queue_us = result.timings.deadline_met, result.timings.queue_us
