@@ -29,7 +29,7 @@ from services.inference.servicer import InferenceServicer
 from . import bodies
 from .calls import Api, Call, call_of
 from .exchange import Exchange
-from .limits import HttpLimits, check_depth, check_headers, read_body
+from .limits import ClientGone, HttpLimits, check_depth, check_headers, read_body
 from .refusals import refusal, server_time
 from .wire import BoundedHead
 
@@ -132,6 +132,8 @@ class HttpDoor:
             ticket = await self.servicer.admit(
                 call.request, call.metadata, call.budget_s, call.source, received_ns, Door.HTTP
             )
+        except ClientGone:
+            return Response(status_code=499)  # uvicorn drops what is sent to a closed connection
         except Exception as error:  # noqa: BLE001 - every refusal in the API's shape; a bug is logged as one
             return self._refuse(error, call, api, received_ns)
         self.metrics.responses.labels(api.value, "200").inc()

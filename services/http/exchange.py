@@ -57,11 +57,14 @@ class Exchange:
         self.servicer, self.call, self.ticket, self.token_text = servicer, call, ticket, token_text
         self.service = servicer.service
         self.outputs: asyncio.Queue = asyncio.Queue()  # bounded by the call's max_tokens: one entry per step at most
+        self.failure: Exception | None = None  # what ended the pump other than the call's end (its usage not durable)
 
     async def _pump(self) -> None:
         try:
             async for output in self.service.stream(self.ticket):
                 self.outputs.put_nowait(output)
+        except Exception as error:  # noqa: BLE001 - the writer tells the caller, in the API's shape
+            self.failure = error
         finally:
             self.service.close(self.ticket)  # unfinished (the client left): cancelled in the engine, billed once
             self.outputs.put_nowait(_END)
@@ -86,6 +89,12 @@ class Exchange:
             if write.done() and not write.cancelled() and write.exception() is not None:
                 raise write.exception()
 
+    def _check_finished(self) -> None:
+        """Raises the domain error of a call that did not end well (or whose relay failed)."""
+        if self.failure is not None:
+            raise self.failure
+        self.servicer.check_finished(self.ticket)
+
     async def _write(self, send: Send) -> None:
         headers = admitted_headers(self.ticket)
         if self.call.stream:
@@ -95,11 +104,16 @@ class Exchange:
         while (output := await self.outputs.get()) is not _END:
             got.add(output)
         try:
-            self.servicer.check_finished(self.ticket)
+            self._check_finished()
         except Exception as error:  # noqa: BLE001 - a domain error (or a bug) in the API's error shape
             await self._send_error(send, error, headers)
             return
+        clock = self.service.clock
         headers["x-deadline-met"] = str(self.ticket.deadline_met).lower()
+        # the replica's own view of the call, on its epoch clock: a client tells its network time from these
+        headers["x-received-at-us"] = str(clock.epoch_us(self.ticket.received_ns))
+        headers["x-finished-at-us"] = str(clock.epoch_us(self.ticket.finished_ns))
+        headers["x-server-time"] = server_time()  # now, as the reply goes out
         card = self.service.card
         body = replies.body(self.call.api, self.ticket, got, card.name, card.device.unit, self.token_text)
         await send(_start(200, headers, "application/json"))
@@ -107,6 +121,8 @@ class Exchange:
 
     async def _send_error(self, send: Send, error: Exception, headers: dict[str, str]) -> None:
         status, more, body = refusal(error, self.call, self.call.api.anthropic)
+        if status == 500:
+            log.error("http_call_failed", call_id=self.ticket.call_id, exc_info=error)
         await send(_start(status, headers | more, "application/json"))
         await send({"type": "http.response.body", "body": replies.dumps(body)})
 
@@ -117,12 +133,13 @@ class Exchange:
         )
         await send(_start(200, headers, "text/event-stream"))
         await self._body(send, events.start())
-        while (output := await self.outputs.get()) is not _END:
-            await self._body(send, events.chunk(output))
-            if output.finish_reason is None:
-                continue
+        while (output := await self.outputs.get()) is not _END or self.failure is not None:
+            if output is not _END:
+                await self._body(send, events.chunk(output))
+                if output.finish_reason is None:
+                    continue
             try:
-                self.servicer.check_finished(self.ticket)
+                self._check_finished()
             except Exception as error:  # noqa: BLE001 - told as the API's error event, after what was sent
                 _, _, body = refusal(error, self.call, self.call.api.anthropic)
                 await self._body(send, replies.sse(body, "error" if self.call.api.anthropic else None))

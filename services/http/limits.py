@@ -39,6 +39,10 @@ class HttpLimits:
         return max_request_bytes * self.body_per_request_byte
 
 
+class ClientGone(Exception):
+    """The client closed its connection before its body arrived: an ordinary departure, not an error."""
+
+
 class BodyTooLarge(errors.RequestTooLarge):
     """HTTP 413: the body is larger than any valid one (its Content-Length said so, or its bytes did)."""
 
@@ -81,7 +85,7 @@ async def read_body(
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
-                    raise asyncio.CancelledError  # the client left: nothing to answer
+                    raise ClientGone  # nothing was admitted: nothing to answer, nothing to bill
                 chunk = message.get("body", b"")
                 size += len(chunk)
                 if size > max_bytes:

@@ -101,3 +101,14 @@ def test_a_wrong_method_or_path_is_answered_in_the_apis_error_shape(bundled, met
     assert reply.status_code == 405 and reply.json()["error"]["code"] == "METHOD_NOT_ALLOWED"
     missing = httpx.post(base_url(bundled) + "/v1/messages/nope", headers={"anthropic-version": "2023-06-01"})
     assert missing.status_code == 404 and missing.json()["type"] == "error"
+
+
+def test_a_client_that_leaves_before_its_body_is_in_costs_nothing(bundled):
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {bundled.key}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", bundled.replica.http_port)) as s:
+        s.sendall(head + b'{"prompt":')
+    reply = post(bundled, "/v1/completions", {"prompt": "x", "max_tokens": 1})  # the door serves on
+    assert reply.status_code == 200

@@ -39,6 +39,8 @@ def test_chat_completions_streamed_and_not_say_the_same_and_bill_device_time(bun
     assert whole.choices[0].finish_reason in ("stop", "length") and whole.choices[0].message.role == "assistant"
     assert whole.id == "chatcmpl-" + raw.headers["x-call-id"]
     assert int(raw.headers["x-request-dispatch-time"]) >= 0 and raw.headers["x-deadline-met"] == "true"
+    received, finished = int(raw.headers["x-received-at-us"]), int(raw.headers["x-finished-at-us"])
+    assert received < finished <= int(raw.headers["x-server-time"])
     device = whole.usage.model_extra["device_time"]
     assert device["unit"] == "core_us" and device["amount"] > 0
     chunks = list(
