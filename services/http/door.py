@@ -203,6 +203,7 @@ class HttpDoor:
             card = service.card
             entry |= {
                 "context_length": card.context_length,
+                "vocab_size": card.vocab_size,
                 "max_batch": card.max_batch,
                 "device": {"kind": card.device.kind, "name": card.device.name, "unit": card.device.unit},
                 "state": service.state.value,
