@@ -112,3 +112,11 @@ def test_a_client_that_leaves_before_its_body_is_in_costs_nothing(bundled):
         s.sendall(head + b'{"prompt":')
     reply = post(bundled, "/v1/completions", {"prompt": "x", "max_tokens": 1})  # the door serves on
     assert reply.status_code == 200
+
+
+def test_bytes_the_http_parser_refuses_get_a_400_in_the_apis_shape_not_plain_text(bundled):
+    status, body = status_and_body(raw(bundled, b"FOO /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n"))
+    assert status == 400 and body["error"]["code"] == "MALFORMED_HTTP"
+    head = b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * (20 << 10)
+    status, body = status_and_body(raw(bundled, head))  # never ends its head: refused at the bound
+    assert status == 431 and body["type"] == "error" and body["error"]["code"] == "HEADERS_TOO_LARGE"
