@@ -32,11 +32,12 @@ from types import MappingProxyType
 import grpc
 import httpx
 
+from services.client.aio import AsyncGeneration
 from services.client.call import Attempt, CallDriver
 from services.client.errors import ZeroQueueError, error_for
 from services.client.failure import Failure
 from services.client.request import build_request
-from services.client.results import Admission, CallReport, Chunk, Result, Timings, Usage
+from services.client.results import Admission, Chunk, Result, Timings, Usage
 from services.client.retry import Retrier, RetryConfig
 
 from .http_pools import HttpPools
@@ -193,39 +194,13 @@ class HttpCallDriver(CallDriver):
         return Result(self.request_id, text, (), finish, used, timings, self.admission, self.report())
 
 
-class HttpGeneration(AsyncIterator[Chunk]):
-    """As AsyncGeneration: async-iterates the call's chunks (one, the whole text: the door answers whole); `result`
-    holds the Result once it ends, `report` its attempts."""
+class HttpGeneration(AsyncGeneration):
+    """As AsyncGeneration (its chunks, `result`, `report`, `admission`), over the HTTP door: one chunk, the whole
+    text, since the door answers whole."""
 
     def __init__(self, client: HttpClient, request, body: dict, deadline_ms: float) -> None:
-        self._client, self._request, self._body, self._deadline_ms = client, request, body, deadline_ms
-        self._driver: HttpCallDriver | None = None
-        self._stream = self._run()
-        self.result: Result | None = None
-
-    @property
-    def request_id(self) -> str:
-        return self._request.request_id
-
-    @property
-    def report(self) -> CallReport | None:
-        return self._driver.report() if self._driver is not None else None
-
-    @property
-    def admission(self) -> Admission | None:
-        return self._driver.admission if self._driver is not None else None
-
-    async def __anext__(self) -> Chunk:
-        return await self._stream.__anext__()
-
-    async def aclose(self) -> None:
-        await self._stream.aclose()
-
-    async def collect(self) -> Result:
-        async for _ in self:
-            pass
-        assert self.result is not None
-        return self.result
+        self._body = body
+        super().__init__(client, request, deadline_ms)
 
     async def _run(self) -> AsyncIterator[Chunk]:
         driver = self._driver = HttpCallDriver(
