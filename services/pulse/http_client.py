@@ -14,10 +14,9 @@ gRPC status the same refusal has there (429 RESOURCE_EXHAUSTED, 400 DEADLINE_INF
 DEADLINE_MISSED DEADLINE_EXCEEDED after admission, 503 UNAVAILABLE, 401 UNAUTHENTICATED, ...), so the caller gets the
 SDK's exceptions (Rejected, DeadlineInfeasible, ...) and attempt records.
 
-What the door does not say is None in the Result: token ids, TTFT, the replica's receipt, first-step, finish and
-total times, the compile time and the device's kind. Its x-request-dispatch-time (receipt -> dispatch) stands for the
-queue time; its x-server-time is read only as the SDK reads it on a refusal, to check the hint against our clock (on
-a 200 the door does not say when it stamped it, so it is not taken for the finish).
+What the door does not say is None in the Result: token ids, TTFT, the first step's time, the compile time and the
+device's kind. The replica's receipt and finish come from x-received-at-us and x-finished-at-us (its total time is
+their difference); its x-request-dispatch-time (receipt -> dispatch) stands for the queue time.
 """
 
 from __future__ import annotations
@@ -156,10 +155,11 @@ class HttpCallDriver(CallDriver):
         choice, usage = body["choices"][0], body["usage"]
         device = usage.get("device_time") or {}
         met = headers.get("x-deadline-met")
+        received_us, finished_us = _int(headers.get("x-received-at-us")), _int(headers.get("x-finished-at-us"))
         self.admission = Admission(
             headers.get("x-request-id") or self.request_id,
             self.endpoints[attempt.endpoint],
-            None,  # received_at_us: not said
+            received_us,
             None,  # dispatched_at_us
             None,  # predicted_finish_at_us
             None,  # deadline_at_us
@@ -171,13 +171,13 @@ class HttpCallDriver(CallDriver):
             None,  # compile_us
         )
         timings = Timings(
+            received_us,
             None,
             None,
-            None,
-            None,  # finished_at_us: not said
+            finished_us,
             _int(headers.get("x-request-dispatch-time")),  # receipt -> dispatch
             None,
-            None,
+            None if received_us is None or finished_us is None else finished_us - received_us,
             None if met is None else met.lower() == "true",
         )
         used = Usage(

@@ -21,8 +21,8 @@ from .stats import LAG_WARNING_MS
 
 DOORS = ("grpc", "http")
 HTTP_NOTE = (
-    "the HTTP door answers whole (stream false) and says no receipt or finish time: no TTFT, no latency at the "
-    "replica, no finish → read"
+    "the HTTP door answers whole (stream false): no TTFT; the latency at the replica and finish → read come from its "
+    "x-received-at-us and x-finished-at-us"
 )
 
 if TYPE_CHECKING:
