@@ -81,7 +81,10 @@ class HttpDoor:
     async def start(self, host: str, port: int, tls: tuple[str, str] | None = None) -> int:
         """Serves on host:port (0: any free port), over TLS with `tls` (certificate chain, key: PEM files);
         returns the port once listening."""
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted connections only then, and without it a reply
+        # written as head then body waits for the client's delayed ACK (~40 ms a reply, every 429 included)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         cert, key = tls if tls is not None else (None, None)

@@ -120,3 +120,13 @@ def test_bytes_the_http_parser_refuses_get_a_400_in_the_apis_shape_not_plain_tex
     head = b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * (20 << 10)
     status, body = status_and_body(raw(bundled, head))  # never ends its head: refused at the bound
     assert status == 431 and body["type"] == "error" and body["error"]["code"] == "HEADERS_TOO_LARGE"
+
+
+def test_every_connection_the_door_accepts_sends_without_waiting_for_acks(bundled):
+    """TCP_NODELAY on accepted sockets: a reply goes out as head then body, and with Nagle on the body would wait
+    for the client's delayed ACK."""
+    with httpx.Client(base_url=base_url(bundled)) as client:
+        assert client.get("/health").status_code == 200
+        connections = bundled.replica.http._server.server_state.connections
+        sockets = [c.transport.get_extra_info("socket") for c in connections]
+        assert sockets and all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in sockets)
