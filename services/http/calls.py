@@ -9,9 +9,9 @@ import enum
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from starlette.datastructures import Headers
 from zeroqueue.inference.v1 import inference_pb2 as pb
 
 from billing.models import MAX_CLASS_BUDGET_MS
@@ -33,6 +33,9 @@ _ROLES = {
     "assistant": pb.CHAT_ROLE_ASSISTANT,
     "tool": pb.CHAT_ROLE_TOOL,
 }
+
+
+Headers = Mapping[str, str]  # a request's headers by lower-case name (door.py reads each header once)
 
 
 class Api(enum.StrEnum):

@@ -52,6 +52,12 @@ class HttpMetrics:
         )
 
 
+def _headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """The request's headers by name (uvicorn lower-cases them), decoded once: Starlette's Headers scans them all
+    on every lookup, and a call reads about ten."""
+    return {name.decode("latin-1"): value.decode("latin-1") for name, value in raw}
+
+
 class _Server(uvicorn.Server):
     """uvicorn inside the replica: the replica's own signal handling drains both doors, so uvicorn takes none."""
 
@@ -134,7 +140,7 @@ class HttpDoor:
             raw = await read_body(request.receive, request.headers.get("content-length"), self._max_body(), self.limits)
             read_ns = time.monotonic_ns()  # a refusal's reply time runs from here, as gRPC's from a whole message
             body = await self._parse(api, raw)
-            call = call_of(api, body, request.headers)
+            call = call_of(api, body, _headers(request.scope["headers"]))
             ticket = await self.servicer.admit(
                 call.request, call.metadata, call.budget_s, call.source, received_ns, Door.HTTP
             )
