@@ -108,7 +108,7 @@ def budget_of(headers: Headers, v: _Found) -> tuple[float | None, BudgetSource]:
     return (envoy, BudgetSource.ENVOY_TIMEOUT) if envoy is not None else (None, BudgetSource.SERVER_DEFAULT)
 
 
-def _key_metadata(headers: Headers) -> list[tuple[str, str]]:
+def key_metadata(headers: Headers) -> list[tuple[str, str]]:
     """The API key as gRPC metadata: `Authorization: Bearer` (OpenAI), else Anthropic's `x-api-key`."""
     if (auth := headers.get("authorization")) is not None:
         return [("authorization", auth)]
@@ -288,7 +288,7 @@ def call_of(api: Api, body, headers: Headers) -> Call:
     request.service_class = _class(headers, body.service_tier, v, renames)
     if v.items:
         raise errors.InvalidArgument(v.items)
-    metadata = _key_metadata(headers)
+    metadata = key_metadata(headers)
     if (attempt := headers.get("x-stainless-retry-count")) is not None:
         metadata.append(("x-stainless-retry-count", attempt))
     include_usage = api is not Api.MESSAGES and body.stream_options is not None and body.stream_options.include_usage

@@ -28,7 +28,7 @@ from services.inference.metrics import ADMISSION_BUCKETS_S
 from services.inference.servicer import InferenceServicer
 
 from . import bodies
-from .calls import Api, Call, call_of
+from .calls import Api, Call, call_of, key_metadata
 from .exchange import Exchange
 from .limits import ClientGone, HttpLimits, check_depth, check_headers, read_body
 from .refusals import refusal, server_time
@@ -195,9 +195,7 @@ class HttpDoor:
     async def _models(self, request: Request) -> JSONResponse:
         anthropic = "anthropic-version" in request.headers or "x-api-key" in request.headers
         try:
-            key = bearer_key([("authorization", request.headers.get("authorization", ""))])
-            if key is None and "x-api-key" in request.headers:
-                key = request.headers["x-api-key"]
+            key = bearer_key(key_metadata(_headers(request.scope["headers"])))
             await self.servicer.authenticator.authenticate(key)
         except Exception as error:  # noqa: BLE001 - in the API's error shape
             status, headers, body = refusal(error, None, anthropic)

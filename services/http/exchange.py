@@ -133,17 +133,14 @@ class Exchange:
         )
         await send(_start(200, headers, "text/event-stream"))
         await self._body(send, events.start())
-        while (output := await self.outputs.get()) is not _END or self.failure is not None:
-            if output is not _END:
-                await self._body(send, events.chunk(output))
-                if output.finish_reason is None:
-                    continue
-            try:
-                self._check_finished()
-            except Exception as error:  # noqa: BLE001 - told as the API's error event, after what was sent
-                _, _, body = refusal(error, self.call, self.call.api.anthropic)
-                await self._body(send, replies.sse(body, "error" if self.call.api.anthropic else None))
-                break
+        while (output := await self.outputs.get()) is not _END:
+            await self._body(send, events.chunk(output))
+        try:
+            self._check_finished()
+        except Exception as error:  # noqa: BLE001 - told as the API's error event, after what was sent
+            _, _, body = refusal(error, self.call, self.call.api.anthropic)
+            await self._body(send, replies.sse(body, "error" if self.call.api.anthropic else None))
+        else:
             await self._body(send, events.end())
         await send({"type": "http.response.body", "body": b""})
 
