@@ -3,6 +3,7 @@ its arrival time; and a reader that does not read holds no slot."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 
@@ -81,18 +82,36 @@ def test_a_body_that_trickles_past_the_timeout_is_408(bundled):
 
 
 def test_a_reader_that_never_reads_holds_no_slot(bundled):
+    """The door's app driven as its server would, with a reader whose window never opens: sending the reply's first
+    body bytes blocks for good (a socket's buffers would hide that for a short reply). The call still ends when its
+    engine ends it, and its slot is free."""
     body = json.dumps({"prompt": "def f(x):", "max_tokens": 30, "stream": True}).encode()
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {bundled.key}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-    ).encode()
+    headers = [(b"authorization", f"Bearer {bundled.key}".encode()), (b"content-length", str(len(body)).encode())]
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+        "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+        "headers": headers, "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80), "state": {},
+    }  # fmt: skip
+
+    async def start() -> asyncio.Task:
+        never, requests = asyncio.Event(), [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict:
+            return requests.pop() if requests else await never.wait()  # nor does the client leave
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.body":
+                await never.wait()
+
+        return asyncio.create_task(bundled.replica.http.app(scope, receive, send))
+
     service = bundled.replica.service
-    with socket.create_connection(("127.0.0.1", bundled.replica.http_port)) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        s.sendall(head + body)
+    reply = bundled.run(start())
+    try:
         wait_until(lambda: service.in_flight, timeout=10)
-        # its slot is free once its engine ends it, while the reader still sits on every byte
         wait_until(lambda: not service.in_flight, timeout=30)
+    finally:
+        bundled.loop.call_soon_threadsafe(reply.cancel)
 
 
 @pytest.mark.parametrize("method", ["GET", "PUT", "DELETE"])
