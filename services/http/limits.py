@@ -67,6 +67,16 @@ class HeadersTooLarge(errors.InvalidArgument):
         self.metadata = {"size_bytes": str(size_bytes), "max_bytes": str(max_bytes)}
 
 
+class MalformedHttp(errors.InvalidArgument):
+    """HTTP 400 from the protocol: bytes the HTTP parser refuses (not HTTP/1.1, an unknown method, broken framing)."""
+
+    reason = "MALFORMED_HTTP"
+
+    def __init__(self, why: str) -> None:
+        super().__init__([])
+        self.message = f"not an HTTP/1.1 request this door can read: {why}"
+
+
 def check_headers(headers: list[tuple[bytes, bytes]], limits: HttpLimits) -> None:
     size = sum(len(k) + len(v) for k, v in headers)
     if size > limits.max_header_bytes:

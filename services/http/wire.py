@@ -6,29 +6,22 @@ error shape of the path it names, and the connection closed, at most one read pa
 from __future__ import annotations
 
 import json
+from http import HTTPStatus
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from services.errors import DOMAIN
+from .limits import HeadersTooLarge, MalformedHttp
+from .refusals import refusal
 
-from .refusals import server_time
 
-
-def _refusal(status: str, kind: str, reason: str, message: str, metadata: dict, anthropic: bool) -> bytes:
-    """A reply written before any route sees the request: its API's error body (by the path, when it arrived)."""
-    error = {
-        "message": message,
-        "type": kind,
-        "param": "headers" if reason == "HEADERS_TOO_LARGE" else None,
-        "code": reason,
-        "error_info": {"reason": reason, "domain": DOMAIN, "metadata": metadata},
-    }
-    body = json.dumps({"type": "error", "error": error} if anthropic else {"error": error}).encode()
-    head = (
-        f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-        f"x-server-time: {server_time()}\r\nx-should-retry: false\r\nconnection: close\r\n\r\n"
-    )
-    return head.encode() + body
+def _reply(error: Exception, anthropic: bool) -> bytes:
+    """A refusal written before any route sees the request, through the door's one map (refusals.py): its API's
+    error body (by the path, when it arrived), and no retry invited (the same bytes fail the same way)."""
+    status, headers, body = refusal(error, None, anthropic)
+    data = json.dumps(body).encode()
+    headers |= {"content-type": "application/json", "content-length": str(len(data)), "x-should-retry": "false"}
+    head = f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    return (head + "connection: close\r\n\r\n").encode() + data
 
 
 class BoundedHead(HttpToolsProtocol):
@@ -55,17 +48,7 @@ class BoundedHead(HttpToolsProtocol):
         super().data_received(data)
         if not self._in_body and self._head_bytes > self.max_header_bytes and not self.transport.is_closing():
             # the request line has arrived by now (it is far shorter than the bound): answer in its API's shape
-            limit = self.max_header_bytes
-            message = f"the request's line and headers exceed {limit} bytes"
-            metadata = {"max_bytes": str(limit)}
-            reply = _refusal(
-                "431 Request Header Fields Too Large",
-                "request_too_large",
-                "HEADERS_TOO_LARGE",
-                message,
-                metadata,
-                self._anthropic(),
-            )
+            reply = _reply(HeadersTooLarge(self._head_bytes, self.max_header_bytes), self._anthropic())
             self.transport.write(reply)
             self.transport.close()
 
@@ -74,6 +57,6 @@ class BoundedHead(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         """Bytes the HTTP parser refuses (not HTTP/1.1, an unknown method, broken framing): 400 in the API's shape."""
-        reply = _refusal("400 Bad Request", "invalid_request_error", "MALFORMED_HTTP", msg, {}, self._anthropic())
+        reply = _reply(MalformedHttp(msg), self._anthropic())
         self.transport.write(reply)
         self.transport.close()
