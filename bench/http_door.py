@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
+from http_door_report import DOORS, REFUSAL_HISTOGRAM, histogram, print_tables, summarize_cpu, summarize_refusals  # noqa: E402
 from soak_checks import cpu_s, host_info  # noqa: E402  (bench/soak_checks.py)
 
 from services.client import Client, RetryConfig, ZeroQueueError  # noqa: E402
@@ -47,7 +47,8 @@ from services.inference.bundled_model import BUNDLED_MODEL  # noqa: E402
 from services.inference.device.cpus import pin  # noqa: E402
 from services.logs import configure_logging  # noqa: E402
 from services.pulse.replicas import start_replica  # noqa: E402
-from services.pulse.scrape import delta, quantile_upper_bound, scrape  # noqa: E402
+from services.pulse.scrape import delta, scrape  # noqa: E402
+from services.pulse.stats import percentile  # noqa: E402
 
 PROMPT = '''def parse_args(argv):
     """Parse --name=value pairs from argv into a dict of strings."""
@@ -55,10 +56,7 @@ PROMPT = '''def parse_args(argv):
     for item in argv:
         if item.startswith("--"):
 '''
-DOORS = ("grpc", "http", "grpc-chat", "http-chat-sse")
-PAIRS = {"http": "grpc", "http-chat-sse": "grpc-chat"}  # each HTTP row against the gRPC call that asks the same
 CHAT = [{"role": "user", "content": PROMPT}]
-REFUSAL_HISTOGRAM = {"grpc": "zeroqueue_refusal_reply_seconds", "http": "zeroqueue_http_refusal_reply_seconds"}
 BUDGET_MS = 30_000
 
 
@@ -95,11 +93,6 @@ def own_cpu_s() -> float:
     """This process's CPU and its reaped children's (the replica and its engine, the loaders), seconds."""
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    ordered = sorted(values)
-    return ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else None
 
 
 class Doors:
@@ -177,35 +170,7 @@ def cpu_round(doors: Doors, replica, door: str, calls: int, callers: int) -> dic
         "server_us_per_call": round(server_us, 1),
         "engine_us_per_call": round(tree_us - server_us, 1),
         "device_us_per_call": round(dev / n, 1),
-        "client_p50_ms": round(percentile(latencies, 0.5) * 1000, 2),
-    }
-
-
-def histogram(samples, name: str) -> dict:
-    """A histogram delta's count, interpolated P50/P99 (as histogram_quantile), the bucket bounds holding them, and the
-    share of observations at most 2 ms."""
-    buckets = sorted((float(dict(labels)["le"]), v) for (n, labels), v in samples.items() if n == f"{name}_bucket")
-    total = buckets[-1][1] if buckets else 0.0
-
-    def interpolated(q: float) -> float | None:
-        if not total:
-            return None
-        rank, prev_le, prev = q * total, 0.0, 0.0
-        for le, cum in buckets:
-            if cum >= rank:
-                return (prev_le + (le - prev_le) * (rank - prev) / max(cum - prev, 1e-9)) * 1000
-            prev_le, prev = le, cum
-        return None
-
-    at_2ms = next((cum for le, cum in buckets if le >= 0.002 - 1e-12), 0.0)
-    return {
-        "count": int(total),
-        "p50_ms": interpolated(0.5),
-        "p99_ms": interpolated(0.99),
-        "p50_bucket_le_ms": (quantile_upper_bound(buckets, 0.5) or 0) * 1000,
-        "p99_bucket_le_ms": (quantile_upper_bound(buckets, 0.99) or 0) * 1000,
-        "share_le_2ms": at_2ms / total if total else None,
-        "buckets": buckets,
+        "client_p50_ms": round(percentile(latencies, 50) * 1000, 2),
     }
 
 
@@ -285,79 +250,6 @@ def phase_refusals(doors: Doors, replica, args) -> tuple[list[dict], dict]:
     finally:
         out, _ = loaders.communicate("", timeout=60)
     return rounds, json.loads(out or "{}")
-
-
-_RANGED = ("tree_us_per_call", "server_us_per_call")
-
-
-def summarize_cpu(rounds: list[dict]) -> dict:
-    keys = ("tree_us_per_call", "server_us_per_call", "engine_us_per_call", "device_us_per_call")
-    keys += ("client_p50_ms", "wall_s")
-    out = {}
-    for door in DOORS:
-        mine = [r for r in rounds if r.get("door") == door]
-        out[door] = {k: round(statistics.median(r[k] for r in mine), 2) for k in keys} | {"rounds": len(mine)}
-        out[door] |= {f"{k}_range": (min(r[k] for r in mine), max(r[k] for r in mine)) for k in _RANGED}
-    for door, pair in PAIRS.items():
-        for k in ("tree_us_per_call", "server_us_per_call"):
-            g, h = out[pair][k], out[door][k]
-            out[door][f"{k}_minus_grpc"] = round(h - g, 1)
-            out[door][f"{k}_vs_grpc_pct"] = round((h / g - 1) * 100, 1)
-    return out
-
-
-def summarize_refusals(rounds: list[dict]) -> dict:
-    out = {}
-    for door, name in REFUSAL_HISTOGRAM.items():
-        mine = [r for r in rounds if r["door"] == door]
-        server: dict = {}
-        for r in mine:
-            for key, value in r["server"].items():
-                server[key] = server.get(key, 0.0) + value
-        client = [ms for r in mine for ms in r["client_ms"]]
-        out[door] = {
-            "refused": len(client),
-            "admitted": sum(r["admitted"] for r in mine),
-            "server": histogram(server, name),
-            "client_p50_ms": round(percentile(client, 0.5), 3) if client else None,
-            "client_p99_ms": round(percentile(client, 0.99), 3) if client else None,
-        }
-    return out
-
-
-def fmt(value, spec: str = ".2f") -> str:
-    return "–" if value is None else format(value, spec)
-
-
-def print_tables(cpu: dict, refusals: dict) -> None:
-    print(
-        "| door | replica tree µs/call (range) | server process µs/call (range) | engine process µs/call "
-        "| billed device µs/call | Δ tree vs gRPC pair | Δ server process vs gRPC pair | client P50 ms | round s |"
-    )
-    print("|---|" + "---:|" * 8)
-    for door, s in cpu.items():
-        deltas = [
-            f"{s[f'{k}_minus_grpc']:+.0f} µs ({s[f'{k}_vs_grpc_pct']:+.1f} %)" if door in PAIRS else "–"
-            for k in ("tree_us_per_call", "server_us_per_call")
-        ]
-        tree, server = (f"{s[k]:.0f} ({s[k + '_range'][0]:.0f}–{s[k + '_range'][1]:.0f})" for k in _RANGED)
-        print(
-            f"| {door} | {tree} | {server} | {s['engine_us_per_call']:.0f} | {s['device_us_per_call']:.0f} "
-            f"| {' | '.join(deltas)} | {s['client_p50_ms']:.2f} | {s['wall_s']:.2f} |"
-        )
-    print(
-        "\n| door | refused / admitted | server histogram count | server P50 / P99 ms (interpolated) "
-        "| bucket holding P50 / P99 (≤ ms) | share ≤ 2 ms | client P50 / P99 ms |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for door, s in refusals.items():
-        h = s["server"]
-        print(
-            f"| {door} | {s['refused']} / {s['admitted']} | {h['count']} | {fmt(h['p50_ms'], '.3f')} / "
-            f"{fmt(h['p99_ms'], '.3f')} | {fmt(h['p50_bucket_le_ms'], '.2f')} / {fmt(h['p99_bucket_le_ms'], '.2f')} "
-            f"| {fmt(h['share_le_2ms'] and h['share_le_2ms'] * 100, '.2f')} % "
-            f"| {fmt(s['client_p50_ms'])} / {fmt(s['client_p99_ms'])} |"
-        )
 
 
 def main() -> int:
