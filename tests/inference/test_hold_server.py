@@ -26,7 +26,9 @@ def test_a_call_with_room_for_a_later_start_is_admitted_for_it_and_served_in_tim
     running = fill(server, max_tokens=40)  # both slots busy for ~0.8 s
     refused_before = metric(server, "zeroqueue_rejections_total", reason="overloaded")
     t0 = time.monotonic()
-    messages = list(server.stub().Generate(pb.GenerateRequest(prompt="x = 1", max_tokens=10), timeout=5))
+    messages = list(
+        server.stub().Generate(pb.GenerateRequest(prompt="x = 1", max_tokens=10, temperature=0.0), timeout=5)
+    )
     admission, final = messages[0].admission, messages[-1].final
     for call in running:
         call.join()
