@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 from zeroqueue.inference.v1 import inference_pb2 as pb
 
 from billing.errors import InvalidRecord
-from billing.records import MAX_LABEL_KEY_CHARS, MAX_LABEL_VALUE_CHARS, MAX_LABELS, RequestKind, freeze_labels
+from billing.records import MAX_LABEL_KEY_CHARS, MAX_LABEL_VALUE_CHARS, MAX_LABELS, Door, RequestKind, freeze_labels
 from services import errors
 from services.errors import FieldViolation, clip
 
@@ -311,7 +311,12 @@ def _check_length(tokens: tuple[int, ...], field: str, max_tokens: int, context:
 
 
 async def to_spec(
-    msg: pb.GenerateRequest, card: ModelCard, limits: RequestLimits, metadata: tuple, prepare: Preparer
+    msg: pb.GenerateRequest,
+    card: ModelCard,
+    limits: RequestLimits,
+    metadata: tuple,
+    prepare: Preparer,
+    door: Door = Door.GRPC,
 ) -> GenerateSpec:
     """Validates a GenerateRequest. Every field first, by cheap checks that bound sizes before anything costs,
     all problems found reported together, each naming its field; only a request with none is prepared (its
@@ -363,6 +368,7 @@ async def to_spec(
         attempt,
         service_class,
         _KINDS[chat is not None, constraint is not None],
+        door,
     )
 
 

@@ -5,6 +5,7 @@ shutdown."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 import uuid
 from collections.abc import Callable
@@ -228,6 +229,10 @@ class Replica:
         self.servicer.service = service
         for name in ("", INFERENCE_SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        # what start-up made (the tokenizer, the protobuf and SQLAlchemy machinery, the cost model) lives as long as
+        # the replica: out of the collector's reach, a full collection no longer walks it, and a refusal, the
+        # common answer under overload, no longer pays for those walks (bench/refusal_cost.py)
+        gc.freeze()
         log.info("serving", address=f"{self.config.host}:{self.port}", admission=self.config.admission)
         return self.port
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 
 import grpc
 import structlog
@@ -166,7 +165,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         and closes it (`self.service.close`) however its call ends."""
         tenant = await self._tenant(metadata)
         service = self._ready_service()
-        spec = replace(await to_spec(request, service.card, self.limits, metadata, self), door=door)
+        spec = await to_spec(request, service.card, self.limits, metadata, self, door)
         budget_ns, source = service.budget(budget_s, source)
         policy = self.book.policy  # an expired budget has no class: submit says DEADLINE_EXPIRED
         klass = STANDARD if budget_ns <= 0 else class_of(policy, spec.service_class, _ms(budget_ns), source)
