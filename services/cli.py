@@ -62,6 +62,14 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         "for it, instead of refusing it at once with a reserved retry (the default, which measured better at "
         "capacity: BENCHMARKS.md, 'Holding calls in their slack')",
     )
+    p.add_argument(
+        "--elsewhere",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="other replicas serve the same model behind the same address or balancer, so a saturated replica "
+        "points retries at them; off (the default): the replica is alone, and while saturated still reserves "
+        "a slot for a refused call's retry inside its budget",
+    )
     p.add_argument("--default-deadline-ms", type=int, default=30_000, help="budget of calls without a deadline")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
     p.add_argument("--max-batch", type=int, default=32, help="KV slots: the most calls running at once")
@@ -232,6 +240,7 @@ def serve_config(args: argparse.Namespace):
         admission=args.admission,
         fair_share=args.fair_share,
         hold=args.hold,
+        elsewhere=args.elsewhere,
         default_deadline_ms=args.default_deadline_ms,
         metrics_port=args.metrics_port,
         dtype=args.dtype,

@@ -91,8 +91,9 @@ class RequestTooLarge(InvalidArgument):
 
 class Overloaded(ServiceError):
     """Admission does not take the call now; capacity for it frees after retry_after_ms. `cause` says why not
-    now (admission's Reject.reason) and `reserved` whether a slot, or its turn, is held for a retry then: the
-    message and the ErrorInfo say the same."""
+    now (admission's Reject.reason) and `reserved` whether a slot, or its turn, is held for a retry then;
+    `elsewhere` whether other replicas serve the same model (`zeroqueue serve --elsewhere`), so that a refusal
+    inviting no retry here points at them, or says there is none: the message and the ErrorInfo say the same."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
     reason = "OVERLOADED"
@@ -106,10 +107,12 @@ class Overloaded(ServiceError):
         cause: RefusalCause = RefusalCause.DEADLINE,
         reserved: bool = False,
         saturated: bool = False,
+        elsewhere: bool = True,
     ) -> None:
         # a hint at or past the call's remaining time is for another replica or a fresh call, never this one
         self.within_budget = within_budget and retry_after_ms < budget_ms and not saturated
         self.saturated = saturated
+        self.elsewhere = elsewhere
         self.reserved = reserved and self.within_budget
         self.retry_after_ms = retry_after_ms
         why = _WHY.get(cause, _WHY[RefusalCause.DEADLINE]).format(finish=predicted_finish_ms, budget=budget_ms)
@@ -123,21 +126,25 @@ class Overloaded(ServiceError):
                 "cause": str(cause),
                 "retry_reserved": str(self.reserved).lower(),
                 "saturated": str(saturated).lower(),
+                "elsewhere": str(elsewhere).lower(),
             },
         )
 
     def _next_step(self, for_turn: bool, holds_nothing: bool) -> str:
         hint, held = self.retry_after_ms, "its turn is held" if for_turn else "a slot is reserved for it"
-        if self.saturated:
+        go = "try another replica" if self.elsewhere else "there is no other replica to try"
+        if self.saturated and self.elsewhere:
             return (
                 f"this replica has been refusing most new calls: a retry here would only take another call's place;"
-                f" a slot frees in {hint} ms (try another replica)"
+                f" a slot frees in {hint} ms ({go})"
+            )
+        if self.saturated:
+            return (
+                f"this replica has been refusing most new calls and can promise a retry no slot inside this budget;"
+                f" a slot frees in {hint} ms ({go})"
             )
         if not self.within_budget:
-            return (
-                f"no retry fits inside this budget with room to spare; this replica frees up in {hint} ms"
-                " (try another replica)"
-            )
+            return f"no retry fits inside this budget with room to spare; this replica frees up in {hint} ms ({go})"
         if self.reserved:
             return f"retry in {hint} ms: {held} from then"
         if holds_nothing:

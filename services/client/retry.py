@@ -15,6 +15,9 @@ The rules, in order:
     With a fallback model, a call that finds no replica up switches to it.
   - Go to another endpoint that is neither busy nor down, at once; otherwise wait for the endpoint that
     frees first. Never wait past the call's deadline: give up instead, at once.
+  - Whether there is another replica is the client's own endpoint list, not the refusal's `elsewhere` (what the
+    replica knows of its peers): with one endpoint, a refusal is retried at its hint only where the replica invites
+    it (`retry_within_budget`, as a replica alone does when it reserved the retry a slot), else given up at once.
 """
 
 from __future__ import annotations

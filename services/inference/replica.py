@@ -79,6 +79,7 @@ class ServeConfig:
     admission: str = "deadline"  # deadline | fifo
     fair_share: bool = True  # deadline mode: fair share between tenants and class priority; False: first come
     hold: bool = False  # deadline mode: a call that fits later inside its slack is held for its slot; False: refused
+    elsewhere: bool = False  # other replicas serve the same model: saturated, point retries at them; False: alone
     default_deadline_ms: int = 30_000
     metrics_port: int | None = None
     dtype: str = "auto"
@@ -106,6 +107,15 @@ class ServeConfig:
     device_recovery_s: float = 60.0  # a device failed this long takes liveness down too, so the pod restarts
     fault: Fault | None = None  # a fault injected on purpose, for tests and drills (health/faults.py)
     policy_refresh_s: float = DEFAULT_REFRESH_S  # how often the serving policy (classes, quotas) is read again
+
+    def admission_settings(self) -> AdmissionSettings:
+        """Deadline admission's settings as the serve flags choose them (the rest are AdmissionSettings' own)."""
+        return AdmissionSettings(
+            max_reservations=self.max_reservations,
+            fair=self.fair_share,
+            hold_in_slack=self.hold,
+            elsewhere=self.elsewhere,
+        )
 
 
 def receive_limit(limits: RequestLimits, context_length: int, hosts_metering: bool) -> int:
@@ -156,6 +166,7 @@ class Replica:
             self.book,
             self.chat,
             chat_stops,
+            config.elsewhere,
         )
         self.meter: Meter | None = None
         self.telemetry: GpuTelemetry | None = None
@@ -273,8 +284,7 @@ class Replica:
         if self.config.admission == "fifo":
             admission, observed_cost = FifoAdmission(), None
         else:
-            c = self.config
-            settings = AdmissionSettings(max_reservations=c.max_reservations, fair=c.fair_share, hold_in_slack=c.hold)
+            settings = self.config.admission_settings()
             admission, observed_cost = AdmissionController(cost, admission_config, settings), cost
             self.metrics.watch_reservations(admission.events)
             engine.set_expiry_guard(int(cost.step_us(ready.num_slots) * 1000))

@@ -205,6 +205,7 @@ class InferenceService:
                 decision.reason,
                 decision.reserved,
                 decision.saturated,
+                decision.elsewhere,
             )
         assert isinstance(decision, Admit)
         self._count_decision(attempt, "admitted")

@@ -66,6 +66,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         book: PolicyBook | None = None,
         chat: ChatTemplate | None = None,
         chat_stop_token_ids: frozenset[int] = frozenset(),
+        elsewhere: bool = False,
     ) -> None:
         self.name = name
         self.book = book or PolicyBook()
@@ -74,6 +75,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.limits = limits or RequestLimits()
         self.chat = chat
         self.chat_stop_token_ids = chat_stop_token_ids  # the template's end of turn ends a chat call
+        self.elsewhere = elsewhere  # other replicas serve this model (serve --elsewhere): a refusal may point there
         self.compiler: GrammarCompiler | None = None
         self.formats_off = "this replica serves no response_format"  # why, while compiler is None
         self.service: InferenceService | None = None
@@ -132,7 +134,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         except CompilesBusy as exc:
             self.service.metrics.count_refusal(RefusalCause.COMPILES, tenant, klass)
             raise errors.Overloaded(
-                exc.retry_after_ms, exc.retry_after_ms, _ms(budget_ns), cause=RefusalCause.COMPILES
+                exc.retry_after_ms,
+                exc.retry_after_ms,
+                _ms(budget_ns),
+                cause=RefusalCause.COMPILES,
+                elsewhere=self.elsewhere,
             ) from None
 
     async def _tenant(self, metadata: tuple) -> str:

@@ -16,8 +16,9 @@ from google.rpc import error_details_pb2
 from zeroqueue.inference.v1 import inference_pb2 as pb
 from zeroqueue.inference.v1 import inference_pb2_grpc
 
+from services import errors
 from services.client import AsyncClient, CallReport, Chunk, Client, Result, RetryConfig, ZeroQueueError
-from services.status import RpcStatus, to_grpc_status
+from services.status import RpcStatus, status_for, to_grpc_status
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,13 @@ class Reject:
 
     hint_ms: int
     skew_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """The real replica's refusal for load (`errors.Overloaded`), on the wire as its status map sends it."""
+
+    error: errors.Overloaded
 
 
 @dataclass(frozen=True)
@@ -70,7 +78,9 @@ class SeenCall:
         return self.metadata.get("x-retry-attempt")
 
 
-def _status(answer: Reject | Fail) -> grpc.Status:
+def _status(answer: Reject | Refuse | Fail) -> grpc.Status:
+    if isinstance(answer, Refuse):
+        return to_grpc_status(status_for(answer.error))
     if isinstance(answer, Reject):
         delay = duration_pb2.Duration()
         delay.FromMilliseconds(answer.hint_ms)

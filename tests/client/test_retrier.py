@@ -149,6 +149,25 @@ def test_no_room_within_the_budget_fails_over_or_gives_up_at_once():
     assert decision == Retry(1, 0.0, "failover")
 
 
+@pytest.mark.parametrize("within_budget", [True, False])
+def test_one_endpoint_that_says_there_is_no_other_is_retried_at_its_hint_or_given_up_on(within_budget):
+    """One endpoint: a replica alone (`elsewhere=false`) is never answered by another endpoint; the hint is followed
+    when it is invited (`retry_within_budget`), else the call gives up at once. Two: another, as for any refusal."""
+    alone = Failure(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "busy",
+        "OVERLOADED",
+        retry_after_ms=400,
+        error_metadata={"retry_within_budget": str(within_budget).lower(), "elsewhere": "false"},
+        server_time_us=int(NOW_WALL_S * 1e6),
+    )
+    p, _ = retrier(num_endpoints=1)
+    decision = attempt(p, p.start(deadline_ms=5_000, model=""), 0, alone)
+    assert decision == (Retry(0, 0.4, "hint") if within_budget else GiveUp("no_room_within_deadline"))
+    p2, _ = retrier(num_endpoints=2)
+    assert attempt(p2, p2.start(deadline_ms=5_000, model=""), 0, alone) == Retry(1, 0.0, "failover")
+
+
 def test_a_resource_exhausted_from_grpc_itself_is_no_overload_and_is_not_retried():
     p, _ = retrier(num_endpoints=2)
     state = p.start(1_000, "")

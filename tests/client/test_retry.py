@@ -11,6 +11,7 @@ import subprocess
 import grpc
 import pytest
 
+from services import errors
 from services.client import (
     Client,
     DeadlineExceeded,
@@ -24,7 +25,7 @@ from services.client import (
     Unauthenticated,
     Unavailable,
 )
-from tests.client.fakes import Fail, FakeReplicas, Reject, Serve, VirtualTime, run_call
+from tests.client.fakes import Fail, FakeReplicas, Refuse, Reject, Serve, VirtualTime, run_call
 
 DEFAULT = RetryConfig()
 
@@ -298,3 +299,34 @@ def test_the_call_names_its_class_of_service_on_every_attempt(kind, vt):
     with FakeReplicas([[Serve()]]) as fakes:
         run_call(kind, fakes.addresses, vt)
     assert fakes[0].calls[0].request.service_class == ""  # none named: the replica picks by the deadline
+
+
+# --- is there an elsewhere? (issue 35): a replica alone, or a saturated one with others beside it ----------------
+
+
+def test_with_one_endpoint_a_replica_alone_is_retried_at_its_hint(kind, vt):
+    backed = errors.Overloaded(300, 120, 2_000, cause="slots_full", reserved=True, elsewhere=False)
+    with FakeReplicas([[Refuse(backed), Serve()]]) as fakes:
+        out = run_call(kind, fakes.addresses, vt, rand=lambda: 0.0)
+    assert out.result is not None and vt.sleeps == [pytest.approx(0.3)] and len(fakes[0].calls) == 2
+    assert [a.wait_reason for a in out.report.attempts] == ["", "hint"]
+    assert out.report.attempts[0].retry_after_ms == 300
+
+
+def test_with_one_endpoint_a_replica_alone_that_invites_no_retry_is_given_up_on_at_once(kind, vt):
+    full = errors.Overloaded(300, 120, 2_000, cause="slots_full", saturated=True, elsewhere=False)
+    with FakeReplicas([[Refuse(full), Serve()]]) as fakes:
+        out = run_call(kind, fakes.addresses, vt)
+    assert isinstance(out.error, Rejected) and out.error.retry_after_ms == 300
+    assert vt.sleeps == [] and len(fakes[0].calls) == 1 and out.report.gave_up == "no_room_within_deadline"
+    assert out.error.failure.error_metadata["elsewhere"] == "false"
+    assert "there is no other replica to try" in out.error.failure.message
+
+
+def test_with_two_endpoints_a_saturated_replica_with_others_is_left_for_the_other_at_once(kind, vt):
+    saturated = errors.Overloaded(300, 120, 2_000, cause="slots_full", saturated=True, elsewhere=True)
+    with FakeReplicas([[Refuse(saturated)], [Serve()]]) as fakes:
+        out = run_call(kind, fakes.addresses, vt)
+    assert out.result is not None and vt.sleeps == []
+    assert [a.endpoint for a in out.report.attempts] == fakes.addresses
+    assert out.report.attempts[1].wait_reason == "failover"

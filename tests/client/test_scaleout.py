@@ -89,6 +89,7 @@ def serve_args(model: Path, port: int, data_dir: Path, metering: str, admin_key:
         "256",
         "--threads",
         "1",
+        "--elsewhere",  # two replicas behind one client: a saturated one points retries at the other
     ]
 
 

@@ -120,6 +120,13 @@ def test_kustomizations_take_every_manifest_once() -> None:
     )
 
 
+@pytest.mark.parametrize("docs", [BASE, GPU], ids=["base", "gpu"])
+def test_the_replicas_behind_the_service_know_they_have_others_beside_them(docs: list[dict]) -> None:
+    """Several replicas behind one Service: a saturated one points retries at the others (`--elsewhere`)."""
+    deployment = named(docs, "Deployment", "zeroqueue-inference")
+    assert deployment["spec"]["replicas"] > 1 and parse_args(container(deployment)).elsewhere
+
+
 def test_gpu_overlay_asks_for_a_gpu_and_the_cuda_image() -> None:
     inference = container(named(GPU, "Deployment", "zeroqueue-inference"))
     assert inference["resources"]["limits"]["nvidia.com/gpu"] == "1"

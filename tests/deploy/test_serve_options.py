@@ -42,6 +42,16 @@ def test_the_options_reach_the_config():
     assert config("--watchdog-period-ms", "0").watchdog is None
 
 
+def test_a_replica_is_alone_unless_told_it_has_others_beside_it():
+    """`--elsewhere` (several replicas behind one address or balancer) reaches admission's settings, as `--hold`
+    does; without it the replica is alone, and saturation never points its callers at a replica that is not there."""
+    alone, with_others = config(), config("--elsewhere", "--hold")
+    assert not alone.elsewhere and not alone.admission_settings().elsewhere
+    assert with_others.elsewhere and with_others.admission_settings().elsewhere
+    assert with_others.admission_settings().hold_in_slack and not alone.admission_settings().hold_in_slack
+    assert not config("--elsewhere", "--no-elsewhere").admission_settings().elsewhere
+
+
 @pytest.mark.parametrize(
     ("option", "says"),
     [

@@ -22,13 +22,13 @@ from tests.inference.steady_device import run
 from tests.inference.test_admission import MS, commit, flat_cost
 from tests.inference.test_retry_invitations import CAPACITY_PER_S, ROW_US, ROWS, replica
 
-HOLDING = AdmissionSettings(hold_in_slack=True)  # `zeroqueue serve --hold`
 
-
-def holding(slots: int = 1) -> AdmissionController:
-    """Every step 10 ms, no margin, no spread: a call of 10 tokens runs 100 ms."""
+def holding(slots: int = 1, elsewhere: bool = False) -> AdmissionController:
+    """Every step 10 ms, no margin, no spread: a call of 10 tokens runs 100 ms. `elsewhere`: other replicas serve
+    the same model (`zeroqueue serve --elsewhere`); else the replica is alone (the default)."""
     config = AdmissionConfig(slots, 256, margin_ms=0, margin_fraction=0)
-    return AdmissionController(flat_cost(10.0), config, HOLDING)
+    settings = AdmissionSettings(hold_in_slack=True, elsewhere=elsewhere)
+    return AdmissionController(flat_cost(10.0), config, settings)
 
 
 def test_a_call_that_fits_later_in_its_slack_is_admitted_for_the_slot_that_frees():
@@ -92,12 +92,20 @@ def test_without_hold_the_same_call_is_refused_with_a_reserved_retry():
     assert c.due(60 * MS) == [] and c.events["held"] == 0
 
 
-def test_a_saturated_tenant_is_refused_not_held():
-    c = holding()
+def test_a_saturated_tenant_is_refused_not_held_where_another_replica_can_serve_it():
+    c = holding(elsewhere=True)  # `zeroqueue serve --hold --elsewhere`
     c.decide(Commitment("t/a", 4, 10, 1000 * MS, tenant="t"), 0)
     c.promises.saturation("t").saturated = True  # it has been refusing most of what came
     refused = c.decide(Commitment("t/b", 4, 10, 1000 * MS, tenant="t"), 0)
     assert isinstance(refused, Reject) and refused.saturated and c.events["held"] == 0
+
+
+def test_a_replica_alone_holds_a_saturated_tenants_call_for_the_slot_it_would_reserve():
+    c = holding()  # `zeroqueue serve --hold`: alone, there is no other replica for the call to go to
+    c.decide(Commitment("t/a", 4, 10, 1000 * MS, tenant="t"), 0)
+    c.promises.saturation("t").saturated = True
+    held = c.decide(Commitment("t/b", 4, 10, 1000 * MS, tenant="t"), 0)
+    assert isinstance(held, Admit) and held.start_ns == 100 * MS and c.events["held"] == 1
 
 
 # --- the traffic: Poisson on the SmolLM2-135M shape's virtual replica (64 + 32 tokens, ~0.6 s a run at load) ------

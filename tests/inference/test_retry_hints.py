@@ -23,6 +23,8 @@ def overloaded(decision: Reject, now_ns: int, budget_ms: int) -> errors.Overload
         decision.within_budget,
         decision.reason,
         decision.reserved,
+        decision.saturated,
+        decision.elsewhere,
     )
 
 
@@ -160,13 +162,16 @@ def test_pushing_an_admitted_call_late_is_its_own_reason():
     assert_agrees(error, refused)
 
 
-def test_no_room_inside_the_budget_keeps_its_reason_and_says_try_another_replica():
-    c = controller(slots=1, step_ms=1.0)
+@pytest.mark.parametrize("elsewhere", [False, True])
+def test_no_room_inside_the_budget_keeps_its_reason_and_names_another_replica_only_where_there_is_one(elsewhere):
+    c = controller(slots=1, step_ms=1.0, settings=AdmissionSettings(hold_in_slack=False, elsewhere=elsewhere))
     c.decide(commit("long", max_tokens=500, deadline_ms=10_000), 0)
     refused = c.decide(commit("short", max_tokens=10, deadline_ms=100), 0)
     assert not refused.within_budget and not refused.reserved and refused.reason == RefusalCause.SLOTS_FULL
     error = overloaded(refused, 0, 100)
-    assert error.pushback_ms == -1 and "try another replica" in error.message
+    assert error.pushback_ms == -1 and error.metadata["elsewhere"] == str(elsewhere).lower()
+    assert ("try another replica" in error.message) == elsewhere
+    assert ("there is no other replica to try" in error.message) == (not elsewhere)
     assert_agrees(error, refused)
 
 

@@ -27,11 +27,13 @@ ROW_US = [8519.0, 9380.2, 10413.9, 12375.3, 18219.6, 29966.7, 40262.7, 73194.9, 
 CAPACITY_PER_S = 17  # what this device finishes at saturation (see the no-retry runs below)
 
 
-def replica(max_reservations: int | None = None, hold: bool = False) -> AdmissionController:
+def replica(max_reservations: int | None = None, hold: bool = False, elsewhere: bool = True) -> AdmissionController:
     """The SmolLM2-135M shape's replica; `hold`: calls that fit later inside their slack are held (`zeroqueue
-    serve --hold`), else refused with a reserved retry (the default)."""
+    serve --hold`), else refused with a reserved retry (the default); `elsewhere`: other replicas serve the same
+    model (`zeroqueue serve --elsewhere`), so a saturated one invites no retry to itself, the verdict these tests
+    judge (test_elsewhere.py judges a replica alone, `serve`'s default)."""
     cost = CostModel(list(ROWS), list(ROW_US), 1.975)
-    settings = AdmissionSettings(max_reservations=max_reservations, hold_in_slack=hold)
+    settings = AdmissionSettings(max_reservations=max_reservations, hold_in_slack=hold, elsewhere=elsewhere)
     return AdmissionController(cost, AdmissionConfig(32, 256), settings)
 
 
@@ -43,14 +45,17 @@ def goodput(controller: AdmissionController, rate: float, attempts: int, seed: i
 
 @pytest.mark.parametrize("load", [1.0, 2.0, 4.0])
 @pytest.mark.parametrize("seed", [1, 2])
-def test_retries_that_honour_the_hint_cost_no_goodput(load, seed):
+@pytest.mark.parametrize("elsewhere", [True, False])
+def test_retries_that_honour_the_hint_cost_no_goodput(load, seed, elsewhere):
+    """With others beside it, a saturated replica invites no retry; alone, only those that leave room to spare
+    (`saturated_retry_slack_runs`)."""
     rate = load * CAPACITY_PER_S
-    alone, _, _ = goodput(replica(), rate, 1, seed)
+    no_retries, _, _ = goodput(replica(elsewhere=elsewhere), rate, 1, seed)
     for attempts in (2, 8):
-        with_retries, misses, admitted = goodput(replica(), rate, attempts, seed)
+        with_retries, misses, admitted = goodput(replica(elsewhere=elsewhere), rate, attempts, seed)
         # within 2 %: at saturation a retry can only take another call's place, so the two are equal but for the
         # moments the verdict changes
-        assert with_retries >= 0.98 * alone, (load, attempts, with_retries, alone)
+        assert with_retries >= 0.98 * no_retries, (load, attempts, with_retries, no_retries)
         assert misses <= 0.005 * admitted
 
 
@@ -60,10 +65,10 @@ def test_before_saturation_retries_raise_goodput_and_find_their_slots():
     rate = 0.9 * CAPACITY_PER_S
     kept = broken = 0
     for seed in (1, 2, 3):
-        alone, _, _ = goodput(replica(hold=False), rate, 1, seed)
+        no_retries, _, _ = goodput(replica(hold=False), rate, 1, seed)
         controller = replica(hold=False)
         tally = run(controller, rate, 30.0, seed=seed, max_attempts=2)
-        assert tally.goodput(30.0) > alone
+        assert tally.goodput(30.0) > no_retries
         # a retry that came for its reserved slot, or its held turn, on time
         kept += tally.outcomes["retry_on_time_admit"]
         broken += tally.outcomes["retry_on_time_reject"]
@@ -71,10 +76,11 @@ def test_before_saturation_retries_raise_goodput_and_find_their_slots():
 
 
 @pytest.mark.parametrize("hold", [True, False])
-def test_a_saturated_replica_invites_no_retry_and_holds_nothing(hold):
-    """A sustained 4x overload: while the verdict stands, no refusal invites a retry or reserves for one, and no
-    call is held for a later slot (a held call would take a fresher one's place just as a retry would)."""
-    controller, while_saturated = replica(hold=hold), []
+def test_a_saturated_replica_with_others_beside_it_invites_no_retry_and_holds_nothing(hold):
+    """A sustained 4x overload of a replica with others beside it (`--elsewhere`): while the verdict stands, no
+    refusal invites a retry or reserves for one, and no call is held for a later slot (a held call would take a
+    fresher one's place just as a retry would). A replica alone: test_elsewhere.py."""
+    controller, while_saturated = replica(hold=hold, elsewhere=True), []
     decide = controller.decide
 
     def judged(new, now_ns):
@@ -89,7 +95,7 @@ def test_a_saturated_replica_invites_no_retry_and_holds_nothing(hold):
     refusals = [d for d in while_saturated if isinstance(d, Reject)]
     # refused either as saturated or with no time inside the budget at all: never a hint to come back here
     assert len(refusals) > 500 and all(not d.within_budget and not d.reserved for d in refusals)
-    assert sum(d.saturated for d in refusals) > 100
+    assert sum(d.saturated for d in refusals) > 100 and all(d.elsewhere for d in refusals)
     assert not any(isinstance(d, Admit) and d.start_ns is not None for d in while_saturated)
     assert controller.num_reserved == 0 and not controller.turns
     # the run has drained: the verdict went with its cause (issue 35), and the next burst is judged afresh
@@ -146,7 +152,9 @@ def test_a_few_refusals_at_a_low_rate_are_no_saturation():
 
 
 def test_a_saturated_refusal_says_so_and_tells_grpc_clients_not_to_retry_here():
-    err = errors.Overloaded(120, 900, 2000, within_budget=True, cause="slots_full", reserved=False, saturated=True)
+    err = errors.Overloaded(
+        120, 900, 2000, within_budget=True, cause="slots_full", reserved=False, saturated=True, elsewhere=True
+    )
     assert not err.within_budget and err.pushback_ms == -1
     assert err.metadata["saturated"] == "true" and err.metadata["retry_within_budget"] == "false"
     assert "try another replica" in str(err) and "120 ms" in str(err)

@@ -109,6 +109,8 @@ class Reject:
     # False: a best guess, every reservation was taken
     saturated: bool = False  # the replica has been refusing most new calls: no retry is invited here (within_budget
     # is False), the hint says when a slot frees, for another replica's sake
+    elsewhere: bool = False  # other replicas serve the same model (AdmissionSettings.elsewhere): "try another one"
+    # is advice only then
 
 
 @dataclass(frozen=True)

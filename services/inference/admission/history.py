@@ -60,8 +60,9 @@ class Saturation:
     A burst refuses a few calls and their retries find the slots reserved for them; a saturated replica has no
     slot to spare for anyone. There a retry can only take the place of another call, and a worse one: it comes
     with less of its budget left, so it is admitted with less slack and holds back the prompts of those admitted
-    after it. So a saturated replica does not invite retries to itself (it points them at other replicas), which
-    keeps its goodput what it is without them.
+    after it. So a saturated replica with others beside it does not invite retries to itself (it points them at
+    the other replicas), which keeps its goodput what it is without them; a replica alone invites only the retries
+    it can promise a slot with room to spare (`AdmissionSettings.elsewhere`, refusals.py).
 
     A verdict must not outlive its cause: once the replica has drained (its last admitted call released), what
     the burst before taught says nothing of the next one, which is judged afresh (`relieve`)."""

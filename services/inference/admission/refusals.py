@@ -5,8 +5,13 @@ the retry finds room. No torch.
 Every refusal of admission is built here, each with its cause (RefusalCause): the checks decide the cause, these
 decide what is promised with it. A promise is a reservation of a slot from the hinted time (SLOTS_FULL, DEADLINE,
 DELAYS_ADMITTED) or a held turn in the step's token budget (STEP_BUDGET); a refusal for headroom kept for others
-(OVER_SHARE, PRIORITY) promises nothing, since its retry would take that headroom. No retry is invited where its
-tenant is saturated or its retries have not been coming back (`Saturation`, `FollowThrough`: history.py)."""
+(OVER_SHARE, PRIORITY) promises nothing, since its retry would take that headroom. No reservation is made for a
+tenant whose retries have not been coming back (`FollowThrough`: history.py).
+
+Where its tenant is saturated (`Saturation`), a replica with others beside it (`AdmissionSettings.elsewhere`)
+invites no retry to itself and points it at them. A replica alone is its callers' only one: there saturation
+invites the retry only with a promise (a reservation, a held turn or, with holds, a held call), and where none can
+be made it invites none, saying that there is no other replica to try."""
 
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ class Promises:
         self.commitments: dict[str, Commitment] = {}  # admission key -> its admitted call or reserved retry
         self.turns: dict[str, int] = {}  # refused for the step budget: admission key -> when its turn lapses
         self.events: Counter[str] = Counter()
+        self.elsewhere = settings.elsewhere  # other replicas serve the same model: saturation points at them
         s = settings
         self.follow = FollowThrough(s.follow_alpha, s.follow_threshold_share, s.follow_explore_every, s.max_tenants)
         # per tenant: a flood saturates its sender, not the modest tenant beside it (`Saturation` in history.py)
@@ -84,12 +90,18 @@ class Promises:
         hold_ns = max(self.retry_hold_ns, full_step_ns)
         turn = call.has_turn and wait_ns <= hold_ns and finish_ns + wait_ns <= limit(self.by.predictor, new, now_ns)
         if wait_ns and not (turn or self._holds_for_prompts(new, now_ns, wait_ns, finish_ns)):
-            if self.saturated_for(new.tenant, now_ns):
+            held_turn = len(self.turns) < self.max_reservations
+            # saturated: alone, only a turn held with room to spare is invited; with others beside it, none
+            if self.saturated_for(new.tenant, now_ns) and (
+                self.elsewhere or not (held_turn and self._spares_runs(new, now_ns, wait_ns, finish_ns))
+            ):
                 return self._saturated(wait_ns, finish_ns, RefusalCause.STEP_BUDGET)
-            if held_turn := len(self.turns) < self.max_reservations:
+            if held_turn:
                 self.turns[new.key] = now_ns + wait_ns + self._grace_ns(wait_ns)
             self.events["turn_held" if held_turn else "unbacked"] += 1
-            return Reject(_ms(wait_ns), finish_ns, reason=RefusalCause.STEP_BUDGET, reserved=held_turn)
+            return Reject(
+                _ms(wait_ns), finish_ns, reason=RefusalCause.STEP_BUDGET, reserved=held_turn, elsewhere=self.elsewhere
+            )
         self.commitments[new.key] = new
         if wait_ns and not turn:
             self.events["held_for_prompts"] += 1
@@ -100,16 +112,19 @@ class Promises:
     ) -> Decision:
         """`call` does not fit now (`why`): a refusal with the hint of its earliest `retry` (its time and its
         predicted finish from then; None: none inside its budget), and a reservation for it when one is due; or,
-        for a retry come for its reservation whose slot frees a little late, admission."""
+        for a retry come for its reservation whose slot frees a little late, admission. Saturated, a replica alone
+        invites the retry only with its reservation (or holds the call), one with others beside it never."""
         new, now_ns = call.new, call.now_ns
         if retry is None:
-            return Reject(self._frees_ms(finishes, now_ns), finish_ns, within_budget=False, reason=why)
+            frees_ms = self._frees_ms(finishes, now_ns)
+            return Reject(frees_ms, finish_ns, within_budget=False, reason=why, elsewhere=self.elsewhere)
         at_ns, retry_finish_ns = retry
         if call.on_time and at_ns - now_ns <= self.retry_hold_ns:  # its slot frees a little late: held for it
             self.commitments[new.key] = new
             self.events["retry_held"] += 1
             return Admit(retry_finish_ns)
-        if self.saturated_for(new.tenant, now_ns):
+        saturated = self.saturated_for(new.tenant, now_ns)
+        if saturated and self.elsewhere:
             return self._saturated(at_ns - now_ns, finish_ns, why)
         if self.settings.hold_in_slack:  # `retry` left the held calls' slack (slack_runs): hold it for that slot
             return self.hold(new, at_ns, retry_finish_ns)
@@ -122,8 +137,10 @@ class Promises:
             new.expires_ns = at_ns + self._grace_ns(at_ns - now_ns)
             new.again = again
             self.commitments[new.key] = new
+        elif saturated:  # alone, and no slot can be promised: the capacity is not free, so no retry is invited
+            return self._saturated(at_ns - now_ns, finish_ns, why)
         self.events["reserved" if reserved else "unbacked"] += 1
-        return Reject(_ms(at_ns - now_ns), finish_ns, reason=why, reserved=reserved)
+        return Reject(_ms(at_ns - now_ns), finish_ns, reason=why, reserved=reserved, elsewhere=self.elsewhere)
 
     def hold(self, new: Commitment, at_ns: int, finish_ns: int) -> Admit:
         """`new` admitted, held for the slot predicted to free at `at_ns` (inside its slack, as `earliest_retry`
@@ -139,19 +156,34 @@ class Promises:
     def slack_runs(self, tenant: str, now_ns: int) -> float:
         """How many runs again a later start must leave spare in a call's budget: `retry_slack_runs` for a client's
         retry (none for a tenant whose slots others have borrowed: its retry takes back what was lent); with holds,
-        never less than `hold_slack_runs`, since the start is the replica's own plan."""
-        runs = 0.0 if self.by.lent(tenant, now_ns) else self.settings.retry_slack_runs
-        return max(runs, self.settings.hold_slack_runs) if self.settings.hold_in_slack else runs
+        never less than `hold_slack_runs`, since the start is the replica's own plan; saturated and alone, never less
+        than `saturated_retry_slack_runs`, since there runs take longer than predicted."""
+        s = self.settings
+        runs = 0.0 if self.by.lent(tenant, now_ns) else s.retry_slack_runs
+        runs = max(runs, s.hold_slack_runs) if s.hold_in_slack else runs
+        alone_and_saturated = not self.elsewhere and self.saturated_for(tenant, now_ns)
+        return max(runs, s.saturated_retry_slack_runs) if alone_and_saturated else runs
+
+    def _spares_runs(self, new: Commitment, now_ns: int, wait_ns: int, finish_ns: int) -> bool:
+        """Saturated and alone: whether `new`'s run from its turn, `wait_ns` from now, leaves
+        `saturated_retry_slack_runs` of itself spare in its budget."""
+        end_ns = finish_ns + wait_ns + self.settings.saturated_retry_slack_runs * (finish_ns - now_ns)
+        return end_ns <= limit(self.by.predictor, new, now_ns)
 
     def _holds_for_prompts(self, new: Commitment, now_ns: int, wait_ns: int, finish_ns: int) -> bool:
         """With holds, a call whose prompt waits `wait_ns` for room in the step budget is admitted now if its run
         from then leaves `hold_slack_runs` of itself spare (a start planned ahead is predicted without the calls
-        that join beside it meanwhile); not on a saturated replica, where the steps it would wait are every
-        admitted call's (each prompt ahead of it is a call that came first)."""
-        if not self.settings.hold_in_slack or self.saturated_for(new.tenant, now_ns):
+        that join beside it meanwhile); not on a saturated replica with others beside it, where the steps it would
+        wait are every admitted call's (each prompt ahead of it is a call that came first) and the call has
+        another replica to go to; on one alone, only if it leaves `saturated_retry_slack_runs` spare."""
+        if not self.settings.hold_in_slack:
             return False
+        saturated = self.saturated_for(new.tenant, now_ns)
+        if saturated and self.elsewhere:
+            return False
+        runs = self.settings.saturated_retry_slack_runs if saturated else self.settings.hold_slack_runs
         start_ns, end_ns = now_ns + wait_ns, finish_ns + wait_ns
-        return end_ns + self.settings.hold_slack_runs * (end_ns - start_ns) <= limit(self.by.predictor, new, start_ns)
+        return end_ns + runs * (end_ns - start_ns) <= limit(self.by.predictor, new, start_ns)
 
     def keep_waiting_in_time(self, now_ns: int) -> None:
         """A held call past its start that has not begun waits for a slot that frees late (the device ran slower
@@ -178,13 +210,15 @@ class Promises:
     ) -> Reject:
         """Refused for headroom kept for others: no reservation (its retry would take that headroom). OVER_SHARE
         invites no retry here; PRIORITY hints when a slot frees, inside the call's budget if its run still fits
-        then and its tenant is not saturated (a saturated replica invites no retry, `Saturation`)."""
+        then and its tenant is not saturated (a saturated replica invites no retry it cannot promise a slot, and
+        this one is headroom kept for others, alone or not: `Saturation`)."""
         new, now_ns = call.new, call.now_ns
         frees_ms = self._frees_ms(finishes, now_ns)
         if cause == RefusalCause.PRIORITY and self.saturated_for(new.tenant, now_ns):
             return self._saturated(frees_ms * NS_PER_MS, finish_ns, cause)
         fits_then = finish_ns + frees_ms * NS_PER_MS <= limit(self.by.predictor, new, now_ns)
-        return Reject(frees_ms, finish_ns, within_budget=cause == RefusalCause.PRIORITY and fits_then, reason=cause)
+        within_budget = cause == RefusalCause.PRIORITY and fits_then
+        return Reject(frees_ms, finish_ns, within_budget=within_budget, reason=cause, elsewhere=self.elsewhere)
 
     def saturation(self, tenant: str) -> Saturation:
         saturation = self.saturations.pop(tenant, None) or self.new_saturation()
@@ -194,15 +228,18 @@ class Promises:
         return saturation
 
     def saturated_for(self, tenant: str, now_ns: int) -> bool:
-        """No retry is invited here for `tenant`: it has been refused most of the time lately, and it is not a
-        tenant under its share whose slots others have borrowed (for it, a retry takes back what was lent)."""
+        """No retry is invited here for `tenant` without a promise (none at all with `elsewhere`): it has been
+        refused most of the time lately, and it is not a tenant under its share whose slots others have borrowed
+        (for it, a retry takes back what was lent)."""
         return self.saturation(tenant).saturated and not self.by.lent(tenant, now_ns)
 
     def _saturated(self, wait_ns: int, finish_ns: int, why: RefusalCause) -> Reject:
         """A refusal that invites no retry here: on a saturated replica a retry would only take another call's
-        place (`Saturation` in history.py). The hint still says when room frees, for a client with other replicas."""
+        place (`Saturation` in history.py). The hint still says when room frees, for a client with other replicas
+        (`elsewhere`: whether there are any)."""
         self.events["saturated"] += 1
-        return Reject(_ms(wait_ns), finish_ns, within_budget=False, reason=why, saturated=True)
+        ms, elsewhere = _ms(wait_ns), self.elsewhere
+        return Reject(ms, finish_ns, within_budget=False, reason=why, saturated=True, elsewhere=elsewhere)
 
     def _frees_ms(self, finishes: dict[str, int], now_ns: int) -> int:
         """When the first slot frees, as slots really free (later than predicted): a hint for a fresh call."""
