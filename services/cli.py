@@ -63,6 +63,13 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         "capacity: BENCHMARKS.md, 'Holding calls in their slack')",
     )
     p.add_argument(
+        "--hold-prompts",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="deadline admission admits a call whose prompt waits a few steps for room in the step's token budget "
+        "(a burst's prompts), when it still finishes in time, instead of refusing it with a held turn",
+    )
+    p.add_argument(
         "--elsewhere",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -240,6 +247,7 @@ def serve_config(args: argparse.Namespace):
         admission=args.admission,
         fair_share=args.fair_share,
         hold=args.hold,
+        hold_prompts=args.hold_prompts,
         elsewhere=args.elsewhere,
         default_deadline_ms=args.default_deadline_ms,
         metrics_port=args.metrics_port,

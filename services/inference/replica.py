@@ -79,6 +79,7 @@ class ServeConfig:
     admission: str = "deadline"  # deadline | fifo
     fair_share: bool = True  # deadline mode: fair share between tenants and class priority; False: first come
     hold: bool = False  # deadline mode: a call that fits later inside its slack is held for its slot; False: refused
+    hold_prompts: bool = False  # deadline mode: a prompt that waits a few steps for the step budget is admitted
     elsewhere: bool = False  # other replicas serve the same model: saturated, point retries at them; False: alone
     default_deadline_ms: int = 30_000
     metrics_port: int | None = None
@@ -114,6 +115,7 @@ class ServeConfig:
             max_reservations=self.max_reservations,
             fair=self.fair_share,
             hold_in_slack=self.hold,
+            hold_for_prompts=self.hold_prompts,
             elsewhere=self.elsewhere,
         )
 

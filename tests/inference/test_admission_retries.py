@@ -81,6 +81,20 @@ def test_a_prompt_that_would_not_join_the_very_next_step_is_refused_for_whole_st
     assert isinstance(c.decide(commit("e", prompt=80), 10 * MS), Admit)
 
 
+def test_with_hold_prompts_a_burst_s_prompt_is_admitted_behind_those_ahead_when_it_still_finishes_in_time():
+    """`serve --hold-prompts`: the prompt that would wait a step for the step budget is admitted now, its finish
+    predicted that step later, where the default refuses it for whole steps (above); not where the wait leaves it
+    no room in its budget."""
+    c = controller(slots=8, settings=AdmissionSettings(hold_in_slack=False, hold_for_prompts=True))
+    for rid in "abcd":  # four 80-token prompts not yet begun: 320 tokens, one step ahead of a fifth
+        assert isinstance(c.decide(commit(rid, prompt=80), 0), Admit)
+    held = c.decide(commit("e", prompt=80), 0)
+    assert isinstance(held, Admit) and c.events["held_for_prompts"] == 1 and c.num_admitted == 5
+    unheld = c.decide(commit("f", prompt=80, max_tokens=5), 0)
+    tight = c.decide(commit("g", prompt=80, max_tokens=5, deadline_ms=int(unheld.predicted_finish_ns / MS) - 1), 0)
+    assert isinstance(tight, Reject) and c.events["held_for_prompts"] == 2
+
+
 def test_a_call_refused_for_the_step_budget_keeps_its_turn_but_no_slot():
     c = controller(slots=8)  # step budget 256 tokens, 10 ms steps, 50 ms hold
     for rid in "abcd":  # four 80-token prompts not yet begun: 320 tokens

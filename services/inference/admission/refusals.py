@@ -171,12 +171,13 @@ class Promises:
         return end_ns <= limit(self.by.predictor, new, now_ns)
 
     def _holds_for_prompts(self, new: Commitment, now_ns: int, wait_ns: int, finish_ns: int) -> bool:
-        """With holds, a call whose prompt waits `wait_ns` for room in the step budget is admitted now if its run
+        """A call whose prompt waits `wait_ns` for room in the step budget is admitted now if its run
         from then leaves `hold_slack_runs` of itself spare (a start planned ahead is predicted without the calls
         that join beside it meanwhile); not on a saturated replica with others beside it, where the steps it would
         wait are every admitted call's (each prompt ahead of it is a call that came first) and the call has
-        another replica to go to; on one alone, only if it leaves `saturated_retry_slack_runs` spare."""
-        if not self.settings.hold_in_slack:
+        another replica to go to; on one alone, only if it leaves `saturated_retry_slack_runs` spare. Done with
+        `hold_for_prompts` (the default) or `hold_in_slack`."""
+        if not (self.settings.hold_for_prompts or self.settings.hold_in_slack):
             return False
         saturated = self.saturated_for(new.tenant, now_ns)
         if saturated and self.elsewhere:

@@ -40,6 +40,14 @@ class AdmissionSettings:
     # a held call's predicted run from its start must leave this many runs again spare in its budget, whoever
     # lent it slots: its start is planned without the calls that will join beside it before then
     hold_slack_runs: float = 0.5
+    # a call that fits beside the running calls but whose prompt must wait a few steps for room in the step's token
+    # budget (a burst's prompts start a few per step) is admitted now, its prefill behind those ahead of it, if its
+    # run from then leaves hold_slack_runs spare, rather than refused for the step budget with a held turn. The wait
+    # is a few steps, bounded by the call's own deadline, and the engine's scheduler chunks prompts in arrival
+    # order anyway. Off by default: on the virtual SmolLM2-135M replica at 2x with retries it let 4 of 452 admitted
+    # calls miss (a start planned a few steps ahead is predicted without the calls that join meanwhile);
+    # BENCHMARKS.md, "The rejection board", measures it on bursts
+    hold_for_prompts: bool = False
     # tenants whose saturation and follow-through are remembered: bounded, the least recently seen go first
     max_tenants: int = 1024
     # other replicas serve the same model behind the same address or balancer (`zeroqueue serve --elsewhere`): a
