@@ -10,10 +10,9 @@ import pytest
 from services import errors
 from services.inference.admission import AdmissionSettings, Admit, RefusalCause, Reject
 from services.status import status_for
-from tests.inference.steady_device import run
 from tests.inference.test_admission import MS, commit, controller
 from tests.inference.test_retry_hints import overloaded
-from tests.inference.test_retry_invitations import CAPACITY_PER_S, replica
+from tests.inference.test_retry_invitations import overload_while_saturated, replica
 
 ALONE = AdmissionSettings(hold_in_slack=False, elsewhere=False, max_reservations=1)  # `zeroqueue serve`
 WITH_OTHERS = AdmissionSettings(hold_in_slack=False, elsewhere=True, max_reservations=1)  # `serve --elsewhere`
@@ -81,18 +80,8 @@ def test_alone_and_saturated_a_call_refused_for_the_step_budget_keeps_its_turn()
 def saturated_run(elsewhere: bool) -> tuple:
     """A sustained 4x overload, 4-s budgets (six runs or so), at most 4 reservations: the run, the controller, and
     the decisions made while the tenant was saturated."""
-    controller, while_saturated = replica(max_reservations=4, elsewhere=elsewhere), []
-    decide = controller.decide
-
-    def judged(new, now_ns):
-        saturated = controller.promises.saturation("t").saturated
-        decision = decide(new, now_ns)
-        if saturated:
-            while_saturated.append(decision)
-        return decision
-
-    controller.decide = judged
-    tally = run(controller, 4 * CAPACITY_PER_S, 10.0, seed=1, max_attempts=8, budget_ms=4000)
+    controller = replica(max_reservations=4, elsewhere=elsewhere)
+    tally, while_saturated = overload_while_saturated(controller, budget_ms=4000)
     return tally, controller, while_saturated
 
 

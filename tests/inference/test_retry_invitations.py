@@ -75,13 +75,10 @@ def test_before_saturation_retries_raise_goodput_and_find_their_slots():
     assert kept >= 60 and broken <= 0.1 * (kept + broken)
 
 
-@pytest.mark.parametrize("hold", [True, False])
-def test_a_saturated_replica_with_others_beside_it_invites_no_retry_and_holds_nothing(hold):
-    """A sustained 4x overload of a replica with others beside it (`--elsewhere`): while the verdict stands, no
-    refusal invites a retry or reserves for one, and no call is held for a later slot (a held call would take a
-    fresher one's place just as a retry would). A replica alone: test_elsewhere.py."""
-    controller, while_saturated = replica(hold=hold, elsewhere=True), []
-    decide = controller.decide
+def overload_while_saturated(controller: AdmissionController, **run_args) -> tuple:
+    """A sustained 4x overload of `controller`'s replica, the SDK retrying up to 8 times: the run's tally, and the
+    decisions made while its tenant was saturated."""
+    decide, while_saturated = controller.decide, []
 
     def judged(new, now_ns):
         saturated = controller.promises.saturation("t").saturated
@@ -91,7 +88,17 @@ def test_a_saturated_replica_with_others_beside_it_invites_no_retry_and_holds_no
         return decision
 
     controller.decide = judged
-    run(controller, 4 * CAPACITY_PER_S, 10.0, seed=1, max_attempts=8)
+    tally = run(controller, 4 * CAPACITY_PER_S, 10.0, seed=1, max_attempts=8, **run_args)
+    return tally, while_saturated
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_a_saturated_replica_with_others_beside_it_invites_no_retry_and_holds_nothing(hold):
+    """A sustained 4x overload of a replica with others beside it (`--elsewhere`): while the verdict stands, no
+    refusal invites a retry or reserves for one, and no call is held for a later slot (a held call would take a
+    fresher one's place just as a retry would). A replica alone: test_elsewhere.py."""
+    controller = replica(hold=hold, elsewhere=True)
+    _, while_saturated = overload_while_saturated(controller)
     refusals = [d for d in while_saturated if isinstance(d, Reject)]
     # refused either as saturated or with no time inside the budget at all: never a hint to come back here
     assert len(refusals) > 500 and all(not d.within_budget and not d.reserved for d in refusals)
