@@ -221,7 +221,7 @@ class rpc_errors:  # noqa: N801 - used as `async with rpc_errors(...)`, as the f
         return None
 
     async def __aexit__(self, kind, error, traceback) -> bool:
-        if error is None or isinstance(error, (grpc.aio.AbortError, asyncio.CancelledError)):
+        if error is None or isinstance(error, grpc.aio.AbortError):
             return False
         if isinstance(error, (ServiceError, billing.BillingError)):
             status = status_for(error)
@@ -239,9 +239,10 @@ class rpc_errors:  # noqa: N801 - used as `async with rpc_errors(...)`, as the f
                         code=status.code.name, reason=error.reason,
                     )
                 )  # fmt: skip
-            await self.context.abort_with_status(grpc_status)
+            await self.context.abort_with_status(grpc_status)  # raises AbortError: the status is the answer
+            return True
         if not isinstance(error, Exception):
-            return False  # KeyboardInterrupt, SystemExit, GeneratorExit: not an RPC's failure
+            return False  # CancelledError, KeyboardInterrupt, SystemExit, GeneratorExit: not an RPC's failure
         # last resort: a bug, answered INTERNAL with an ErrorInfo
         log.error("rpc_unexpected_error", method=self.method, request_id=self.request_id, exc_info=error)
         await self.context.abort_with_status(to_grpc_status(status_for(error)))

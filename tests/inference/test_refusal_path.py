@@ -10,7 +10,6 @@ cached, the prompt short), and the statuses it builds: exactly one, the one it r
 from __future__ import annotations
 
 import sys
-import time
 from collections import Counter
 
 import grpc
@@ -125,4 +124,3 @@ def test_the_counted_refusals_are_real_ones_and_leave_no_trace(full_replica):
         metadata = dict(status.trailing_metadata)
         assert int(metadata["retry-after-ms"]) >= 1 and "x-server-time" in metadata
     assert len(service.in_flight) == before
-    time.sleep(0.01)

@@ -158,10 +158,11 @@ class Promises:
         retry (none for a tenant whose slots others have borrowed: its retry takes back what was lent); with holds,
         never less than `hold_slack_runs`, since the start is the replica's own plan; saturated and alone, never less
         than `saturated_retry_slack_runs`, since there runs take longer than predicted."""
-        s = self.settings
-        runs = 0.0 if self.by.lent(tenant, now_ns) else s.retry_slack_runs
+        s, lent = self.settings, self.by.lent(tenant, now_ns)
+        runs = 0.0 if lent else s.retry_slack_runs
         runs = max(runs, s.hold_slack_runs) if s.hold_in_slack else runs
-        alone_and_saturated = not self.elsewhere and self.saturated_for(tenant, now_ns)
+        # saturated_for, without asking again whether the tenant's slots are lent: a refusal's hot path
+        alone_and_saturated = not self.elsewhere and not lent and self.saturation(tenant).saturated
         return max(runs, s.saturated_retry_slack_runs) if alone_and_saturated else runs
 
     def _spares_runs(self, new: Commitment, now_ns: int, wait_ns: int, finish_ns: int) -> bool:

@@ -46,7 +46,7 @@ class AdmissionSettings:
     # is a few steps, bounded by the call's own deadline, and the engine's scheduler chunks prompts in arrival
     # order anyway. Off by default: on the virtual SmolLM2-135M replica at 2x with retries it let 4 of 452 admitted
     # calls miss (a start planned a few steps ahead is predicted without the calls that join meanwhile);
-    # BENCHMARKS.md, "The rejection board", measures it on bursts
+    # and on bursts at capacity it won nothing back (BENCHMARKS.md, "Holding prompts, or calls, in bursts")
     hold_for_prompts: bool = False
     # tenants whose saturation and follow-through are remembered: bounded, the least recently seen go first
     max_tenants: int = 1024
