@@ -39,9 +39,11 @@ def configure_logging(json_logs: bool = False, level: int = logging.INFO) -> Non
     )
 
 
-def stderr_logger(*_names: Any) -> structlog.PrintLogger:
-    """A logger writing to the sys.stderr of the moment (a test's capture, or a redirect made after set-up)."""
-    return structlog.PrintLogger(sys.stderr)
+def stderr_logger(*_names: Any) -> structlog.WriteLogger:
+    """A logger writing to the sys.stderr of the moment (a test's capture, or a redirect made after set-up). Each line
+    goes out in one write, newline included: PrintLogger's print() writes the line and its newline apart, so with
+    stderr unbuffered the engine child's line and the server's could meet on one line of a shared log."""
+    return structlog.WriteLogger(sys.stderr)
 
 
 Processor = Callable[[Any, str, MutableMapping[str, Any]], MutableMapping[str, Any]]

@@ -153,3 +153,29 @@ def test_logs_go_to_the_stderr_of_the_moment_and_an_identical_warning_prints_onc
         structlog.reset_defaults()
     assert out == ""
     assert (err.count("path=/a"), err.count("path=/b"), err.count("step")) == (1, 1, 2), err
+
+
+class Writes(io.StringIO):
+    """A stderr that keeps each write call apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.calls.append(text)
+        return super().write(text)
+
+
+def test_each_log_line_is_one_write_with_its_newline(monkeypatch) -> None:
+    # two processes sharing a stream (the engine child and the server) must never split a line between them:
+    # a line and its newline written apart let another process's line land in between
+    stderr = Writes()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    configure_logging(json_logs=True)
+    try:
+        structlog.get_logger("test").info("step_done", n=1)
+    finally:
+        structlog.reset_defaults()
+    (line,) = stderr.calls
+    assert line.endswith("\n") and json.loads(line)["event"] == "step_done"
