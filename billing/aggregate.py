@@ -50,6 +50,8 @@ from billing.records import DEFAULT_CLASS, MAX_INT64
 
 log = structlog.get_logger(__name__)
 SPLIT = 1 << 29
+# the usage columns summed per aggregate, each also over the missed requests alone (missed_<name>)
+SUMMED = ("unit_us", "prompt_tokens", "completion_tokens", "cached_prompt_tokens")
 
 
 @dataclass(slots=True)
@@ -76,6 +78,8 @@ class UsageAggregate:
     missed_unit_us: int = 0
     missed_prompt_tokens: int = 0
     missed_completion_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of prompt_tokens, those the prefix cache served: shown, never priced
+    missed_cached_prompt_tokens: int = 0
 
     @property
     def charge_micros(self) -> int:
@@ -206,13 +210,9 @@ def _piece_query(
             UsageRow.unit,
             UsageRow.service_class,
             func.count().label("num_requests"),
-            *exact_sum(UsageRow.unit_us),
-            *exact_sum(UsageRow.prompt_tokens),
-            *exact_sum(UsageRow.completion_tokens),
+            *(half for name in SUMMED for half in exact_sum(getattr(UsageRow, name))),
             _sum(case((UsageRow.deadline_met, 0), else_=1)),
-            *_missed(UsageRow.unit_us),
-            *_missed(UsageRow.prompt_tokens),
-            *_missed(UsageRow.completion_tokens),
+            *(half for name in SUMMED for half in _missed(getattr(UsageRow, name))),
         )
         .where(UsageRow.finished_at_us >= start_us, UsageRow.finished_at_us < end_us)
         .group_by(*groups, UsageRow.model, UsageRow.unit, UsageRow.service_class)
@@ -225,13 +225,13 @@ def _piece_query(
 
 
 def _accumulate(aggregate: UsageAggregate, sums: Sequence[int]) -> None:
-    num_requests, *usage, num_missed = sums[:8]
-    missed = sums[8:]
-    aggregate.num_requests += num_requests
-    aggregate.unit_us += joined(usage[0], usage[1])
-    aggregate.prompt_tokens += joined(usage[2], usage[3])
-    aggregate.completion_tokens += joined(usage[4], usage[5])
+    """Adds one row of _piece_query: the request count, each SUMMED column's two halves, the missed count, and each
+    SUMMED column's two halves over the missed requests."""
+    halves = 2 * len(SUMMED)
+    usage, num_missed, missed = sums[1 : 1 + halves], sums[1 + halves], sums[2 + halves :]
+    aggregate.num_requests += sums[0]
     aggregate.num_missed += num_missed
-    aggregate.missed_unit_us += joined(missed[0], missed[1])
-    aggregate.missed_prompt_tokens += joined(missed[2], missed[3])
-    aggregate.missed_completion_tokens += joined(missed[4], missed[5])
+    for index, name in enumerate(SUMMED):
+        setattr(aggregate, name, getattr(aggregate, name) + joined(*usage[2 * index : 2 * index + 2]))
+        missed_name = f"missed_{name}"
+        setattr(aggregate, missed_name, getattr(aggregate, missed_name) + joined(*missed[2 * index : 2 * index + 2]))

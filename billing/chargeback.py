@@ -2,6 +2,9 @@
 service, request kind (plain, chat, constrained, chat_constrained) or door (grpc, http), plus device utilisation
 from the idle records.
 
+Each row also shows, of its prompt tokens, those the prefix cache served (cached_prompt_tokens): a call that hit the
+cache measured less device time and costs less by that alone; the count prices nothing.
+
 Cost is the billed amount after SLA credits, priced like invoice lines: usage
 is summed per group, model, unit, class and price version (each class at its
 own price and credit rule) and rounded once there, then summed per row.  Grouping finer than invoices (e.g. by day) can
@@ -53,6 +56,7 @@ class ChargebackRow:
     num_deadline_met: int
     unit_us: int
     prompt_tokens: int
+    cached_prompt_tokens: int  # of prompt_tokens, those the prefix cache served
     completion_tokens: int
     cost_micros: int
 
@@ -145,22 +149,22 @@ def chargeback_report(
             agg.unit,
             agg.price.currency,
         )
-        sums = totals.setdefault(key, [0] * 6)
+        sums = totals.setdefault(key, [0] * 7)
         for index, value in enumerate(
             (
                 agg.num_requests,
                 agg.num_requests - agg.num_missed,
                 agg.unit_us,
                 agg.prompt_tokens,
+                agg.cached_prompt_tokens,
                 agg.completion_tokens,
                 agg.net_micros,
             )
         ):
             sums[index] += value
+    names = ("requests", "requests", "unit·µs", "prompt tokens", "cached prompt tokens", "completion tokens", "cost")
     for key, sums in totals.items():
-        for name, value in zip(
-            ("requests", "requests", "unit·µs", "prompt tokens", "completion tokens", "cost"), sums, strict=True
-        ):
+        for name, value in zip(names, sums, strict=True):
             check_int64(name, value, f"{' / '.join(map(str, key[:-1]))} in {bounds.name}")
     rows = tuple(
         ChargebackRow(tuple(zip(group_by, key[: len(group_by)], strict=True)), key[-2], key[-1], *sums)  # type: ignore[arg-type]

@@ -2,7 +2,8 @@
 billing/period.py as the database enforces them, whoever writes.
 
 Migrations freeze their own copy of each expression with the revision that installs it (0003 bounds and periods,
-0004 the rules that cross columns, 0007 request kinds, 0008 doors); tests/billing compares the two.
+0004 the rules that cross columns, 0007 request kinds, 0008 doors, 0009 cached prompt tokens); tests/billing compares
+the two.
 """
 
 from __future__ import annotations
@@ -66,3 +67,18 @@ IDLE_DEVICE_ID_OF_UNIT = " OR ".join(
 DEADLINE_MET_ON_TIME = "NOT deadline_met OR finished_at_us <= deadline_at_us"
 DEADLINE_EXCEEDED_NOT_MET = f"outcome <> '{Outcome.DEADLINE_EXCEEDED}' OR NOT deadline_met"
 OK_DEADLINE_MET_IS_ON_TIME = f"outcome <> '{Outcome.OK}' OR deadline_met = (finished_at_us <= deadline_at_us)"
+# The prompt tokens the prefix cache served are some of the prompt's (0009): on usage_records, where the record says
+# so, and on invoice_lines and invoice_line_request_kinds, which sum them; CHECK name (= column) cached_prompt_tokens.
+CACHED_PROMPT_TOKENS = "cached_prompt_tokens >= 0 AND cached_prompt_tokens <= prompt_tokens"
+
+# usage_records' CHECKs of the expressions above, by CHECK name: its times (0003), the rules that cross columns (0004)
+# and the prompt tokens the prefix cache served (0009).
+USAGE_RULES = {
+    "times_range": USAGE_TIMES,
+    "unit_of_device_kind": UNIT_OF_DEVICE_KIND,
+    "device_id_of_kind": USAGE_DEVICE_ID_OF_KIND,
+    "deadline_met_on_time": DEADLINE_MET_ON_TIME,
+    "deadline_exceeded_not_met": DEADLINE_EXCEEDED_NOT_MET,
+    "ok_deadline_met_is_on_time": OK_DEADLINE_MET_IS_ON_TIME,
+    "cached_prompt_tokens": CACHED_PROMPT_TOKENS,
+}

@@ -121,6 +121,7 @@ CONSTRAINT_FIELDS = {
     "ck_usage_records_ok_deadline_met_is_on_time": "deadline_met",
     "ck_usage_records_request_kind": "request_kind",
     "ck_usage_records_door": "door",
+    "ck_usage_records_cached_prompt_tokens": "cached_prompt_tokens",
     "ck_idle_records_num_units_range": "num_units",
     "ck_idle_records_minute_range": "minute_start_us",
     "ck_idle_records_wall_range": "wall_unit_us",

@@ -2,21 +2,22 @@
 
 A line is still priced once over all its usage (billing/invoices.py), so the invoice's lines and total are what
 they were before kinds. Each line then lists its kinds (table ``invoice_line_request_kinds``, frozen with the
-invoice): requests, unit·µs and tokens summed per kind, which add up to the line exactly, and the line's amount
-split over its kinds in proportion to their unit·µs, in integers, by largest remainder (ties to the earlier kind
-in :class:`RequestKind` order), so the kinds' amounts add up to the line's amount exactly. Every kind of a line
-is at the line's price: device time stays the measured truth, the kind only labels it.
+invoice): requests, unit·µs and tokens (the prompt tokens the prefix cache served too) summed per kind, which add up
+to the line exactly, and the line's amount split over its kinds in proportion to their unit·µs, in integers, by
+largest remainder (ties to the earlier kind in :class:`RequestKind` order), so the kinds' amounts add up to the
+line's amount exactly. Every kind of a line is at the line's price: device time stays the measured truth, the kind
+only labels it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from billing.aggregate import UsageAggregate
+from billing.aggregate import SUMMED, UsageAggregate
 from billing.models import InvoiceLineRequestKind, LineKind
 from billing.records import RequestKind
 
@@ -30,6 +31,8 @@ _SUMMED = (
     "missed_unit_us",
     "missed_prompt_tokens",
     "missed_completion_tokens",
+    "cached_prompt_tokens",
+    "missed_cached_prompt_tokens",
 )
 
 
@@ -43,6 +46,7 @@ class RequestKindUsage:
     prompt_tokens: int
     completion_tokens: int
     amount_micros: int  # the kind's share of the line's amount; negative on a credit line
+    cached_prompt_tokens: int = 0  # of prompt_tokens, those the prefix cache served (issue 33)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,21 +89,22 @@ def by_line(aggregates: Iterable[UsageAggregate]) -> list[KindedAggregate]:
 def kind_rows(position: int, kind: LineKind, amount_micros: int, kinds: Sequence[UsageAggregate]) -> list[dict]:
     """The rows of ``invoice_line_request_kinds`` for the line at ``position``: its usage or, for an SLA credit
     line, its missed usage, per kind that has any; the line's amount split by their unit·µs."""
-    if kind is LineKind.SLA_CREDIT:
-        usage = [
-            (agg.key[0], agg.num_missed, agg.missed_unit_us, agg.missed_prompt_tokens, agg.missed_completion_tokens)
-            for agg in kinds
-            if agg.num_missed
-        ]
-    else:
-        usage = [(agg.key[0], agg.num_requests, agg.unit_us, agg.prompt_tokens, agg.completion_tokens) for agg in kinds]
-    weights = [unit_us for _, _, unit_us, _, _ in usage]
+    missed = kind is LineKind.SLA_CREDIT
+    usage = [
+        {
+            "request_kind": agg.key[0],
+            "num_requests": agg.num_missed if missed else agg.num_requests,
+            **{name: getattr(agg, f"missed_{name}" if missed else name) for name in SUMMED},
+        }
+        for agg in kinds
+        if agg.num_missed or not missed
+    ]
+    weights = [row["unit_us"] for row in usage]
     if not any(weights):  # no device time at all: the amount is 0, split by requests
-        weights = [num_requests for _, num_requests, _, _, _ in usage]
-    names = [f.name for f in fields(RequestKindUsage)]
+        weights = [row["num_requests"] for row in usage]
     return [
-        dict(zip(names, (*values, amount), strict=True), position=position)
-        for values, amount in zip(usage, allocate(amount_micros, weights), strict=True)
+        dict(row, amount_micros=amount, position=position)
+        for row, amount in zip(usage, allocate(amount_micros, weights), strict=True)
     ]
 
 
@@ -116,6 +121,7 @@ def read_kinds(session: Session, invoice_id: int) -> dict[int, tuple[RequestKind
                 row.prompt_tokens,
                 row.completion_tokens,
                 row.amount_micros,
+                row.cached_prompt_tokens,
             )
         )
     return {position: tuple(sorted(kinds, key=lambda k: _ORDER[k.request_kind])) for position, kinds in found.items()}

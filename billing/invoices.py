@@ -13,7 +13,10 @@ deadline (``deadline_met`` false) are credited their class's share of their
 cost (credit_ppm; the class `standard`: all of it) on a separate negative
 ``sla_credit`` line, rounded once (see :mod:`billing.aggregate`).  Each line
 lists its usage per request kind, its amount split over them exactly
-(:mod:`billing.invoice_kinds`); the kinds change no line and no total.
+(:mod:`billing.invoice_kinds`); the kinds change no line and no total.  Each
+line and kind shows, beside its prompt tokens, those the prefix cache served
+(``cached_prompt_tokens``, frozen with the line): a call that hit the cache
+measured less device time, which is all that prices it; the count prices nothing.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class InvoiceLineView:
     amount_micros: int
     service_class: str = DEFAULT_CLASS
     request_kinds: tuple[RequestKindUsage, ...] = ()  # the line per kind: they sum to it, amount included
+    cached_prompt_tokens: int = 0  # of prompt_tokens, those the prefix cache served (issue 33)
 
     @property
     def description(self) -> str:
@@ -107,7 +111,7 @@ class InvoiceView:
         return self.total_micros - self.credited_micros
 
 
-_STORED = ("num_requests", "unit_us", "prompt_tokens", "completion_tokens", "amount_micros")
+_STORED = ("num_requests", "unit_us", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "amount_micros")
 
 
 def _line_rows(lines: list[KindedAggregate], period: str) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
@@ -132,6 +136,7 @@ def _line_rows(lines: list[KindedAggregate], period: str) -> tuple[list[dict[str
                 num_requests=agg.num_requests,
                 unit_us=agg.unit_us,
                 prompt_tokens=agg.prompt_tokens,
+                cached_prompt_tokens=agg.cached_prompt_tokens,
                 completion_tokens=agg.completion_tokens,
                 amount_micros=agg.charge_micros,
             )
@@ -145,6 +150,7 @@ def _line_rows(lines: list[KindedAggregate], period: str) -> tuple[list[dict[str
                     num_requests=agg.num_missed,
                     unit_us=agg.missed_unit_us,
                     prompt_tokens=agg.missed_prompt_tokens,
+                    cached_prompt_tokens=agg.missed_cached_prompt_tokens,
                     completion_tokens=agg.missed_completion_tokens,
                     amount_micros=-agg.sla_credit_micros,
                 )
@@ -367,6 +373,7 @@ def _view(session: Session, invoice: Invoice, tenant: str) -> InvoiceView:
                 line.amount_micros,
                 line.service_class,
                 kinds.get(line.position, ()),
+                line.cached_prompt_tokens,
             )
             for line in lines
         ),

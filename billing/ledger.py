@@ -273,4 +273,5 @@ def _to_record(row: UsageRow, tenant: str) -> UsageRecord:
         service_class=row.service_class,
         request_kind=row.request_kind,
         door=row.door,
+        cached_prompt_tokens=row.cached_prompt_tokens,
     )

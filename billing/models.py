@@ -26,15 +26,11 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from billing.checks import (
-    DEADLINE_EXCEEDED_NOT_MET,
-    DEADLINE_MET_ON_TIME,
+    CACHED_PROMPT_TOKENS,
     IDLE_DEVICE_ID_OF_UNIT,
-    OK_DEADLINE_MET_IS_ON_TIME,
     PERIOD_FORMAT,
-    UNIT_OF_DEVICE_KIND,
-    USAGE_DEVICE_ID_OF_KIND,
     USAGE_ONE_OF,
-    USAGE_TIMES,
+    USAGE_RULES,
     one_of,
 )
 from billing.period import US_PER_MINUTE
@@ -132,12 +128,7 @@ class UsageRow(Base):
         CheckConstraint(f"num_units <= {MAX_NUM_UNITS}", name="num_units_range"),
         CheckConstraint(f"unit_us <= num_units * {MAX_RECORD_WALL_US}", name="unit_us_range"),
         CheckConstraint(f"prompt_tokens <= {MAX_TOKENS} AND completion_tokens <= {MAX_TOKENS}", name="tokens_range"),
-        CheckConstraint(USAGE_TIMES, name="times_range"),
-        CheckConstraint(UNIT_OF_DEVICE_KIND, name="unit_of_device_kind"),
-        CheckConstraint(USAGE_DEVICE_ID_OF_KIND, name="device_id_of_kind"),
-        CheckConstraint(DEADLINE_MET_ON_TIME, name="deadline_met_on_time"),
-        CheckConstraint(DEADLINE_EXCEEDED_NOT_MET, name="deadline_exceeded_not_met"),
-        CheckConstraint(OK_DEADLINE_MET_IS_ON_TIME, name="ok_deadline_met_is_on_time"),
+        *(CheckConstraint(sql, name=name) for name, sql in USAGE_RULES.items()),  # times 0003, rules 0004, cache 0009
         Index(None, "tenant_id", "finished_at_us", "id"),
         Index(None, "finished_at_us", "id"),
     )
@@ -169,6 +160,7 @@ class UsageRow(Base):
     service_class: Mapped[str] = mapped_column(String(32), server_default=DEFAULT_CLASS)
     request_kind: Mapped[str] = mapped_column(String(32), server_default=RequestKind.PLAIN.value)  # rows before: plain
     door: Mapped[str] = mapped_column(String(16), server_default=Door.GRPC.value)  # migration 0008; rows before: grpc
+    cached_prompt_tokens: Mapped[int] = mapped_column(server_default="0")  # migration 0009; rows before: none served
 
 
 class IdleRow(Base):
@@ -323,6 +315,7 @@ class InvoiceLine(Base):
             name="amount_sign",
         ),
         UniqueConstraint("invoice_id", "position"),
+        CheckConstraint(CACHED_PROMPT_TOKENS, name="cached_prompt_tokens"),  # migration 0009
     )
 
     id: Mapped[int] = mapped_column(BigIntPK, primary_key=True)
@@ -341,6 +334,7 @@ class InvoiceLine(Base):
     prompt_tokens: Mapped[int]
     completion_tokens: Mapped[int]
     amount_micros: Mapped[int]
+    cached_prompt_tokens: Mapped[int] = mapped_column(server_default="0")  # migration 0009; of prompt_tokens
 
 
 class InvoiceLineRequestKind(Base):
@@ -357,6 +351,7 @@ class InvoiceLineRequestKind(Base):
             ["invoice_id", "position"], ["invoice_lines.invoice_id", "invoice_lines.position"], ondelete="CASCADE"
         ),
         UniqueConstraint("invoice_id", "position", "request_kind"),
+        CheckConstraint(CACHED_PROMPT_TOKENS, name="cached_prompt_tokens"),  # migration 0009
     )
 
     id: Mapped[int] = mapped_column(BigIntPK, primary_key=True)
@@ -368,6 +363,7 @@ class InvoiceLineRequestKind(Base):
     prompt_tokens: Mapped[int]
     completion_tokens: Mapped[int]
     amount_micros: Mapped[int]
+    cached_prompt_tokens: Mapped[int] = mapped_column(server_default="0")  # migration 0009; of prompt_tokens
 
 
 class CreditNote(Base):

@@ -170,6 +170,8 @@ def canonical_digest(kind: str, payload: Mapping[str, object]) -> str:
         del payload["request_kind"]
     if payload.get("door") == Door.GRPC:  # before doors every call came through gRPC (issue 32)
         del payload["door"]
+    if payload.get("cached_prompt_tokens") == 0:  # before the prefix cache no prompt token was served (issue 33)
+        del payload["cached_prompt_tokens"]
     encoded = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(f"{kind}\n{encoded}".encode()).hexdigest()
 
@@ -221,6 +223,9 @@ class UsageRecord:
     service_class: str = DEFAULT_CLASS  # '' (a sender before classes) is `standard`
     request_kind: RequestKind = RequestKind.PLAIN  # the enum or its value, stored as the enum; '' (before kinds): plain
     door: Door = Door.GRPC  # the enum or its value, stored as the enum; '' (a sender before doors): grpc
+    # the leading prompt tokens the prefix cache served, whose prefill this call skipped (issue 33): they label the
+    # measured device time, never price it; 0 when nothing hit (and on records made before the cache)
+    cached_prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
         check_text("call_id", self.call_id)
@@ -236,6 +241,7 @@ class UsageRecord:
         check_int("unit_us", self.unit_us, maximum=self.num_units * MAX_RECORD_WALL_US, why=" (num_units × 31 days)")
         for name in ("prompt_tokens", "completion_tokens"):
             check_int(name, getattr(self, name), maximum=MAX_TOKENS)
+        check_int("cached_prompt_tokens", self.cached_prompt_tokens, maximum=self.prompt_tokens, why=" (prompt_tokens)")
         self._check_times()
         check_enum("outcome", self.outcome, Outcome)
         object.__setattr__(self, "outcome", Outcome(self.outcome))

@@ -28,6 +28,8 @@ from billing.markup import (
 from billing.period import us_to_datetime
 from billing.render_kinds import KIND_CSV_COLUMN, kind_dicts, kinds_csv_rows, kinds_html
 
+TOKEN_HEADERS = ("Tokens in", "Cached tokens in", "Tokens out")  # the HTML tables' token columns
+
 
 class Format(StrEnum):
     JSON = "json"
@@ -79,6 +81,7 @@ def invoice_dict(invoice: InvoiceView) -> dict[str, object]:
                 "num_requests": line.num_requests,
                 "unit_us": line.unit_us,
                 "prompt_tokens": line.prompt_tokens,
+                "cached_prompt_tokens": line.cached_prompt_tokens,
                 "completion_tokens": line.completion_tokens,
                 "amount_micros": line.amount_micros,
                 "amount": format_micros(line.amount_micros),
@@ -124,7 +127,8 @@ INVOICE_CSV_COLUMNS = (
 
 def invoice_csv(invoice: InvoiceView, *, by_request_kind: bool = False) -> str:
     """One row per line, then the total and any credit notes; ``by_request_kind``: one row per line and request
-    kind instead, with the column `request_kind` at the end (billing/render_kinds.py)."""
+    kind instead, with the column `request_kind` at the end (billing/render_kinds.py). The columns are those scripts
+    already parse, so the prompt tokens the prefix cache served are in JSON and HTML only."""
     head = (invoice.id, invoice.tenant, invoice.period, invoice.status.value, invoice.currency)
     rows: list[Sequence[object]] = []
     for line in invoice.lines:
@@ -149,16 +153,7 @@ def invoice_html(invoice: InvoiceView) -> str:
         f"<p>Status: <b>{invoice.status.value}</b>. Total: <b>{format_micros(invoice.total_micros)} "
         f"{invoice.currency}</b>. Balance after credit notes: {format_micros(invoice.balance_micros)}.</p>",
         html_table(
-            (
-                "#",
-                "Description",
-                "Class",
-                "Requests",
-                "Unit·µs",
-                "Tokens in",
-                "Tokens out",
-                f"Amount ({invoice.currency})",
-            ),
+            ("#", "Description", "Class", "Requests", "Unit·µs", *TOKEN_HEADERS, f"Amount ({invoice.currency})"),
             [
                 (
                     line.position,
@@ -167,6 +162,7 @@ def invoice_html(invoice: InvoiceView) -> str:
                     line.num_requests,
                     line.unit_us,
                     line.prompt_tokens,
+                    line.cached_prompt_tokens,
                     line.completion_tokens,
                     format_micros(line.amount_micros),
                 )
@@ -210,6 +206,7 @@ def chargeback_dict(report: ChargebackReport) -> dict[str, object]:
                 "attainment": row.attainment,
                 "unit_us": row.unit_us,
                 "prompt_tokens": row.prompt_tokens,
+                "cached_prompt_tokens": row.cached_prompt_tokens,
                 "completion_tokens": row.completion_tokens,
                 "cost_micros": row.cost_micros,
                 "cost": format_micros(row.cost_micros),
@@ -254,6 +251,7 @@ def chargeback_csv(report: ChargebackReport) -> str:
         "attainment",
         "unit_us",
         "prompt_tokens",
+        "cached_prompt_tokens",
         "completion_tokens",
         "cost_micros",
         "cost",
@@ -268,6 +266,7 @@ def chargeback_csv(report: ChargebackReport) -> str:
             row.attainment,
             row.unit_us,
             row.prompt_tokens,
+            row.cached_prompt_tokens,
             row.completion_tokens,
             row.cost_micros,
             format_micros(row.cost_micros),
@@ -282,7 +281,7 @@ def chargeback_html(report: ChargebackReport) -> str:
     body = [
         f"<h1>Chargeback {report.period}, by {html.escape(grouping)}</h1>",
         html_table(
-            (*report.group_by, "Unit", "Requests", "Deadline attainment", "Unit·µs", "Tokens in", "Tokens out", "Cost"),
+            (*report.group_by, "Unit", "Requests", "Deadline attainment", "Unit·µs", *TOKEN_HEADERS, "Cost"),
             [
                 (
                     *(v for _, v in row.group),
@@ -291,6 +290,7 @@ def chargeback_html(report: ChargebackReport) -> str:
                     row.attainment,
                     row.unit_us,
                     row.prompt_tokens,
+                    row.cached_prompt_tokens,
                     row.completion_tokens,
                     f"{format_micros(row.cost_micros)} {row.currency}",
                 )

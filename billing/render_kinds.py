@@ -24,6 +24,7 @@ def kind_dicts(line: InvoiceLineView) -> list[dict[str, object]]:
             "num_requests": kind.num_requests,
             "unit_us": kind.unit_us,
             "prompt_tokens": kind.prompt_tokens,
+            "cached_prompt_tokens": kind.cached_prompt_tokens,
             "completion_tokens": kind.completion_tokens,
             "amount_micros": kind.amount_micros,
             "amount": format_micros(kind.amount_micros),
@@ -51,6 +52,7 @@ def kinds_html(invoice: InvoiceView) -> str:
             kind.num_requests,
             kind.unit_us,
             kind.prompt_tokens,
+            kind.cached_prompt_tokens,
             kind.completion_tokens,
             format_micros(kind.amount_micros),
         )
@@ -59,7 +61,7 @@ def kinds_html(invoice: InvoiceView) -> str:
     ]
     if not rows:
         return ""
-    header = ("#", "Line", "Request kind", "Requests", "Unit·µs", "Tokens in", "Tokens out")
+    header = ("#", "Line", "Request kind", "Requests", "Unit·µs", "Tokens in", "Cached tokens in", "Tokens out")
     return (
         "<h2>Usage by request kind</h2>"
         + html_table((*header, f"Amount ({invoice.currency})"), rows)

@@ -77,6 +77,7 @@ def chargeback_to_pb(report: ChargebackReport) -> pb.ChargebackReport:
                 unit=row.unit,
                 requests=row.num_requests,
                 prompt_tokens=row.prompt_tokens,
+                cached_prompt_tokens=row.cached_prompt_tokens,
                 completion_tokens=row.completion_tokens,
                 cost_micros=row.cost_micros,
                 deadline_met=row.num_deadline_met,

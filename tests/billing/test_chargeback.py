@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from billing.chargeback import chargeback_report, percent_text, ratio_ppm
+from billing.chargeback import ChargebackRow, chargeback_report, percent_text, ratio_ppm
 from billing.db import unit_of_work
 from billing.errors import InvalidArgument, InvalidPeriod
-from billing.ledger import ingest_idle, ingest_usage
+from billing.ledger import ingest_idle, ingest_usage, query_usage
 from billing.period import US_PER_DAY, US_PER_MINUTE
 from billing.pricing import add_price
 from billing.tenants import create_tenant
@@ -22,8 +24,8 @@ GPU_WALL = 132 * US_PER_MINUTE
 
 @pytest.fixture
 def month(ledger: Ledger) -> Ledger:
-    """Four requests, one missed, of three request kinds, two through the HTTP door; the idle records leave exactly
-    the billed time busy."""
+    """Four requests, one missed, of three request kinds, two through the HTTP door, three served some of their 10
+    prompt tokens by the prefix cache; the idle records leave exactly the billed time busy."""
     with unit_of_work(ledger.sessions) as session:
         create_tenant(session, "acme")
         create_tenant(session, "globex")
@@ -32,13 +34,14 @@ def month(ledger: Ledger) -> Ledger:
         ingest_usage(
             session,
             [
-                usage("a1", finished_at_us=DAY_1, unit_us=2_000_000, door="http"),
+                usage("a1", finished_at_us=DAY_1, unit_us=2_000_000, door="http", cached_prompt_tokens=4),
                 missed(
                     "a2",
                     finished_at_us=DAY_2,
                     unit_us=3_000_000,
                     labels={"cost_center": "cc-1", "team": "ads"},
                     request_kind="chat",
+                    cached_prompt_tokens=10,
                 ),
                 gpu_usage(
                     "a3", model="big", finished_at_us=DAY_2, unit_us=50_000_000, labels={}, request_kind="constrained"
@@ -51,6 +54,7 @@ def month(ledger: Ledger) -> Ledger:
                     labels={"cost_center": "cc-2", "team": "search"},
                     request_kind="chat",
                     door="http",
+                    cached_prompt_tokens=6,
                 ),
             ],
         )
@@ -192,6 +196,7 @@ def test_grouping_by_request_kind_or_door_splits_usage_exactly(ledger: Ledger, w
                     completion_tokens=2 * i + 1,
                     request_kind=kinds[i % 4 if i < 36 else 0],
                     door=doors[i % 7 % 2],
+                    cached_prompt_tokens=i * (i % 3) // 2,  # none, half or all of the prompt
                 )
             )
         ingest_usage(session, records)
@@ -204,19 +209,75 @@ def test_grouping_by_request_kind_or_door_splits_usage_exactly(ledger: Ledger, w
     sums: dict[tuple, list[int]] = {}
     for row in parts.rows:
         key = (tuple(pair for pair in row.group if pair[0] != split), row.unit, row.currency)
-        values = (row.num_requests, row.num_deadline_met, row.unit_us, row.prompt_tokens, row.completion_tokens)
-        sums[key] = [a + b for a, b in zip(sums.get(key, [0] * 6), (*values, row.cost_micros), strict=True)]
+        values = (row.num_requests, row.num_deadline_met, row.unit_us, row.prompt_tokens, row.cached_prompt_tokens)
+        values += (row.completion_tokens, row.cost_micros)
+        sums[key] = [a + b for a, b in zip(sums.get(key, [0] * 7), values, strict=True)]
     assert sums == {
         (row.group, row.unit, row.currency): [
             row.num_requests,
             row.num_deadline_met,
             row.unit_us,
             row.prompt_tokens,
+            row.cached_prompt_tokens,
             row.completion_tokens,
             row.cost_micros,
         ]
         for row in whole.rows
     }
+
+
+@pytest.mark.parametrize(
+    ("by", "expected"),
+    [
+        (["tenant"], [("acme", "core_us", 20, 14), ("acme", "sm_us", 10, 0), ("globex", "core_us", 10, 6)]),
+        (["door"], [("grpc", "core_us", 10, 10), ("grpc", "sm_us", 10, 0), ("http", "core_us", 20, 10)]),
+        ([], [("core_us", 30, 20), ("sm_us", 10, 0)]),
+    ],
+    ids=lambda value: ",".join(value) if isinstance(value, list) and all(isinstance(v, str) for v in value) else None,
+)
+def test_each_group_shows_the_prompt_tokens_the_cache_served(month: Ledger, by: list[str], expected: list) -> None:
+    """Beside each group's prompt tokens, how many of them the prefix cache served; the costs above
+    (test_groupings_match_the_hand_computed_answers, on the same month) are the device time's alone."""
+    with month.sessions() as session:
+        report = chargeback_report(session, PERIOD, by)
+    assert [
+        (*(v for _, v in r.group), r.unit, r.prompt_tokens, r.cached_prompt_tokens) for r in report.rows
+    ] == expected
+
+
+def test_the_prompt_tokens_the_cache_served_change_no_cost(month: Ledger) -> None:
+    """Another tenant makes the month's calls again with nothing served by the cache: its rows have the same requests,
+    device time, tokens and cost; only the cached count differs. Device time alone prices a call."""
+    with month.sessions() as session:
+        calls = query_usage(session, start_us=START_US, end_us=START_US + 2 * US_PER_DAY).records
+        cached = chargeback_report(session, PERIOD, ["door"])
+    with unit_of_work(month.sessions) as session:
+        create_tenant(session, "initech")
+        ingest_usage(
+            session,
+            [
+                dataclasses.replace(call, call_id=f"x-{call.call_id}", tenant="initech", cached_prompt_tokens=0)
+                for call in calls
+            ],
+        )
+    with month.sessions() as session:
+        uncached = chargeback_report(session, PERIOD, ["door"], tenant="initech")
+    assert [r.cached_prompt_tokens for r in cached.rows] == [10, 0, 10]
+    assert [r.cached_prompt_tokens for r in uncached.rows] == [0, 0, 0]
+    assert [_usage_and_cost(r) for r in uncached.rows] == [_usage_and_cost(r) for r in cached.rows]
+
+
+def _usage_and_cost(row: ChargebackRow) -> tuple:
+    return (
+        row.group,
+        row.unit,
+        row.num_requests,
+        row.num_deadline_met,
+        row.unit_us,
+        row.prompt_tokens,
+        row.completion_tokens,
+        row.cost_micros,
+    )
 
 
 def test_device_utilisation_and_conservation(month: Ledger) -> None:

@@ -21,7 +21,7 @@ from billing.period import parse_period
 from billing.records import MAX_RECORD_WALL_US, MAX_TOKENS, Door, RequestKind
 from billing.tenants import create_tenant
 from tests.billing.conftest import Ledger
-from tests.billing.factories import PERIOD, START_US, idle, usage
+from tests.billing.factories import PERIOD, START_US, US_PER_HOUR, idle, usage
 
 PERIOD_BOUNDS = parse_period(PERIOD)
 
@@ -153,6 +153,38 @@ def test_a_record_per_door_reads_back_with_its_door(acme: Ledger) -> None:
         page = query_usage(session, start_us=START_US, end_us=START_US + len(records))
     assert page.records == records
     assert [record.door for record in page.records] == list(Door)
+
+
+def test_the_same_call_with_another_cached_prompt_token_count_is_a_conflict(acme: Ledger) -> None:
+    hit = usage("r-hit", cached_prompt_tokens=8)  # 8 of its 10 prompt tokens served by the prefix cache
+    miss = usage("r-miss")
+    with unit_of_work(acme.sessions) as session:
+        assert [r.status for r in ingest_usage(session, [hit, miss])] == [IngestStatus.ACCEPTED] * 2
+    with unit_of_work(acme.sessions) as session:
+        replays = ingest_usage(
+            session,
+            [
+                hit,
+                dataclasses.replace(hit, cached_prompt_tokens=0),
+                dataclasses.replace(miss, cached_prompt_tokens=0),  # a sender before the cache: 0, the same record
+                dataclasses.replace(miss, cached_prompt_tokens=10),
+            ],
+        )
+    assert [r.status for r in replays] == [
+        IngestStatus.DUPLICATE,
+        IngestStatus.CONFLICT,
+        IngestStatus.DUPLICATE,
+        IngestStatus.CONFLICT,
+    ]
+    with acme.sessions() as session:
+        stored = dict(session.execute(select(UsageRow.call_id, UsageRow.cached_prompt_tokens)).all())
+        rejected = {
+            c.record_id: c.rejected_payload.get("cached_prompt_tokens") for c in session.scalars(select(UsageConflict))
+        }
+        page = query_usage(session, start_us=START_US, end_us=START_US + 2 * US_PER_HOUR)
+    assert stored == {"r-hit": 8, "r-miss": 0}  # never overwritten
+    assert rejected == {"r-hit": 0, "r-miss": 10}
+    assert sorted(page.records, key=lambda r: r.call_id) == [hit, miss]
 
 
 def test_unknown_tenant_is_typed_and_writes_nothing(acme: Ledger) -> None:
@@ -310,9 +342,10 @@ def test_page_tokens_are_checked(acme: Ledger) -> None:
     streamed=st.booleans(),
     kind=st.sampled_from(RequestKind),
     door=st.sampled_from(Door),
+    cached_share=st.sampled_from([0, 1, 2]),  # none, half, all of the prompt from the prefix cache
 )
 def test_stored_records_read_back_identical(
-    acme: Ledger, unit_us, tokens, label, call_id, streamed, kind, door
+    acme: Ledger, unit_us, tokens, label, call_id, streamed, kind, door, cached_share
 ) -> None:
     record = usage(
         call_id,
@@ -321,6 +354,7 @@ def test_stored_records_read_back_identical(
         door=door,
         unit_us=unit_us,
         prompt_tokens=tokens,
+        cached_prompt_tokens=tokens * cached_share // 2,
         labels={"team": label, "note": label},
         first_token_at_us=START_US + 3_600_000_000 - 3_000 if streamed else None,
     )

@@ -36,7 +36,7 @@ def row_before_0006(record: UsageRecord, digest: str) -> dict[str, Any]:
     """``record`` as a ledger before 0006 stored it: the call's id in request_id, the caller's in client_request_id."""
     row = _usage_row(record, 1, digest, 0)
     row["request_id"], row["client_request_id"] = row.pop("call_id"), row.pop("request_id")
-    del row["request_kind"], row["door"]  # no such columns before 0007 and 0008
+    del row["request_kind"], row["door"], row["cached_prompt_tokens"]  # no such columns before 0007, 0008 and 0009
     return row
 
 
@@ -78,7 +78,8 @@ def assert_usage_guarded(engine: Engine, call_id_column: str) -> None:
     for sql in ("UPDATE usage_records SET unit_us = 0", "DELETE FROM usage_records"):
         with pytest.raises(IntegrityError, match="append-only"), engine.begin() as connection:
             connection.execute(text(sql))
-    # the columns named: at head the table has columns 0006 did not know (request_kind 0007, door 0008: defaults)
+    # the columns named: at head the table has columns 0006 did not know (request_kind 0007, door 0008,
+    # cached_prompt_tokens 0009: defaults)
     columns = (
         "id, {call_id}, tenant_id, labels, cost_center, team, model, device_kind, device_id, unit, num_units, unit_us, "
         "prompt_tokens, completion_tokens, received_at_us, dispatched_at_us, first_token_at_us, finished_at_us, "

@@ -69,7 +69,7 @@ def _filled(url: str) -> Iterator[str]:
     migrations.upgrade(url, "0007")
     engine = make_engine(url)
     row = _usage_row(OLD, 1, OLD.payload_digest(), 0)
-    del row["door"]  # no such column before 0008
+    del row["door"], row["cached_prompt_tokens"]  # no such columns before 0008 (and 0009)
     try:
         with engine.begin() as connection:
             connection.execute(text(_TENANT))

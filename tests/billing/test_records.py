@@ -41,6 +41,12 @@ from tests.billing.factories import START_US, US_PER_HOUR, gpu_usage, idle, miss
         ({"door": "websocket"}, "door"),
         ({"door": "HTTP"}, "door"),  # the values are lower case, as they are stored
         ({"door": None}, "door"),
+        ({"cached_prompt_tokens": -1}, "cached_prompt_tokens"),
+        ({"cached_prompt_tokens": 11}, "cached_prompt_tokens"),  # more than the prompt's 10 tokens
+        ({"prompt_tokens": 0, "cached_prompt_tokens": 1}, "cached_prompt_tokens"),
+        ({"cached_prompt_tokens": 1.5}, "cached_prompt_tokens"),
+        ({"cached_prompt_tokens": True}, "cached_prompt_tokens"),
+        ({"cached_prompt_tokens": None}, "cached_prompt_tokens"),
         ({"deadline_met": 1}, "deadline_met"),
         ({"first_token_at_us": START_US}, "first_token_at_us"),  # before dispatch
         ({"dispatched_at_us": START_US + 10**12}, "first_token_at_us"),
@@ -109,6 +115,8 @@ DIGEST_CHANGES = [
     {"request_kind": "constrained"},
     {"request_kind": "chat_constrained"},
     {"door": "http"},
+    {"cached_prompt_tokens": 1},
+    {"cached_prompt_tokens": 10},
     {"tenant": "other"},
     {"labels": {"team": "x"}},
     {"model": "m2"},
@@ -227,6 +235,40 @@ def test_a_record_holds_its_door_as_the_enum_and_empty_means_grpc() -> None:
     v1 = usage("r-1", request_kind="chat").to_v1_payload()
     del v1["door"]  # queued or stored before doors
     assert UsageRecord.from_v1_payload(v1) == usage("r-1", request_kind="chat", door=Door.GRPC)
+
+
+# Issue 33 added cached_prompt_tokens: a record the prefix cache served nothing (every record before it) keeps the
+# digest it had, whatever its kind and door, so a record stored or queued before the cache replays as a DUPLICATE.
+# Any other count digests differently (the same call_id with another count is a CONFLICT); frozen from here on too.
+DIGESTS_OF_CACHED_PROMPT_TOKENS = [
+    *((fields | {"cached_prompt_tokens": 0}, digest) for fields, digest in DIGESTS_OF_DOORS),
+    ({"cached_prompt_tokens": 4}, "8528d986f7c23a879497619addd35bc798f5f9c7033b9326babfb77cce78aae1"),
+    ({"cached_prompt_tokens": 10}, "0263706aa4a9f3d174fa0c9772ac6949655f2e7f3f38041a11bd047ffa7010e0"),
+    (
+        {"cached_prompt_tokens": 4, "door": "http", "request_kind": "chat"},
+        "eebf4586850046351a31d4b659846c82bb902aaa8ad8d2fd352df9c5b4777609",
+    ),
+]
+
+
+@pytest.mark.parametrize(("fields", "digest"), DIGESTS_OF_CACHED_PROMPT_TOKENS)
+def test_a_record_without_cached_tokens_digests_as_before_the_cache_and_one_with_them_differently(
+    fields: dict, digest: str
+) -> None:
+    assert usage("call-1", **fields).payload_digest() == digest
+
+
+def test_cached_prompt_tokens_default_to_0_read_back_and_are_bounded_by_the_prompt() -> None:
+    assert usage("r-1").cached_prompt_tokens == 0
+    for cached in (0, 1, 10):  # the factory's prompt is 10 tokens: all of them may come from the cache
+        record = usage("r-1", cached_prompt_tokens=cached)
+        assert record.to_payload()["cached_prompt_tokens"] == cached
+        assert UsageRecord(**record.to_payload()) == record == UsageRecord.from_v1_payload(record.to_v1_payload())
+    v1 = usage("r-1", door="http").to_v1_payload()
+    del v1["cached_prompt_tokens"]  # queued or stored before the cache
+    assert UsageRecord.from_v1_payload(v1) == usage("r-1", door="http", cached_prompt_tokens=0)
+    with pytest.raises(InvalidRecord, match=r"cached_prompt_tokens must be in \[0, 10 \(prompt_tokens\)\], got 11"):
+        usage("r-1", cached_prompt_tokens=11)
 
 
 def test_an_idle_record_digests_as_it_did_before_the_digest_took_payloads() -> None:

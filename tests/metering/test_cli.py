@@ -86,6 +86,8 @@ def test_ledger_commands_end_to_end(home: Path, tmp_path: Path) -> None:
         [("plain", 3_000), ("chat_constrained", 3_000)],
         [("plain", -1_500)],
     ]
+    # the prefix cache served 6 of r2's prompt tokens and all 10 of r3's: shown beside them, priced nowhere
+    assert [(line["prompt_tokens"], line["cached_prompt_tokens"]) for line in invoice["lines"]] == [(30, 16), (10, 10)]
     out = tmp_path / "invoice.csv"
     zeroqueue(
         home, "invoice", "--tenant", "acme", "--period", PAST, "--finalize", "--format", "csv", "--output", str(out)
@@ -129,6 +131,17 @@ def test_ledger_commands_end_to_end(home: Path, tmp_path: Path) -> None:
     assert [(r["door"], str(r["num_requests"]), str(r["unit_us"]), str(r["cost_micros"])) for r in report["rows"]] == (
         by_door
     )
+    # beside each group's prompt tokens, those the prefix cache served
+    assert [(r["door"], r["prompt_tokens"], r["cached_prompt_tokens"]) for r in table] == [
+        ("grpc", "10", "0"),
+        ("http", "20", "16"),
+    ]
+    assert [(r["door"], r["prompt_tokens"], r["cached_prompt_tokens"]) for r in report["rows"]] == [
+        ("grpc", 10, 0),
+        ("http", 20, 16),
+    ]
+    header = zeroqueue(home, "chargeback", "--period", PAST, "--by", "door").stdout.splitlines()[0].split(",")
+    assert header[header.index("prompt_tokens") + 1] == "cached_prompt_tokens"
     html_file = tmp_path / "chargeback.html"
     zeroqueue(home, "chargeback", "--period", PAST, "--by", "model", "--format", "html", "--output", str(html_file))
     assert "<img" in html_file.read_text()
@@ -155,8 +168,9 @@ def with_usage(home: Path, admin: str) -> None:
                 labels={"cost_center": "cc-2"},
                 request_kind="chat_constrained",
                 door="http",
+                cached_prompt_tokens=6,
             ),
-            missed("r3", finished_at_us=PAST_START_US + 30, unit_us=1_000_001, door="http"),
+            missed("r3", finished_at_us=PAST_START_US + 30, unit_us=1_000_001, door="http", cached_prompt_tokens=10),
         ]
         with grpc.insecure_channel(address) as channel:
             reply = metering_pb2_grpc.MeteringStub(channel).RecordUsage(

@@ -22,12 +22,14 @@ class FakeStub:
         self.batches: list[list[str]] = []
         self.kinds: dict[str, str] = {}
         self.doors: dict[str, str] = {}
+        self.cached: dict[str, int] = {}
 
     async def RecordUsage(self, request, metadata, timeout):  # noqa: N802 - the stub's method
         ids = [r.call_id for r in request.records]
         self.batches.append(ids)
         self.kinds.update((r.call_id, r.request_kind) for r in request.records)
         self.doors.update((r.call_id, r.door) for r in request.records)
+        self.cached.update((r.call_id, r.cached_prompt_tokens) for r in request.records)
         if self.poison & set(ids):
             raise grpc.aio.AioRpcError(
                 self.code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="records[0].unit_us is out of range"
@@ -84,3 +86,11 @@ def test_each_record_goes_with_its_door():
     acks = asyncio.run(sink_with(stub).deliver(records, []))
     assert {a.delivery for a in acks} == {Delivery.DELIVERED}
     assert stub.doors == {f"r-{door.value}": door.value for door in Door}
+
+
+def test_each_record_goes_with_its_cached_prompt_tokens():
+    stub = FakeStub(set())
+    records = [builder(f"r-{cached}")(cached_prompt_tokens=cached) for cached in range(4)]  # of 3 prompt tokens
+    acks = asyncio.run(sink_with(stub).deliver(records, []))
+    assert {a.delivery for a in acks} == {Delivery.DELIVERED}
+    assert stub.cached == {f"r-{cached}": cached for cached in range(4)}

@@ -216,3 +216,59 @@ def test_the_shipper_delivers_each_records_door_to_the_ledger(tmp_path, ledger: 
     with ledger.sessions() as session:
         stored = dict(session.execute(select(UsageRow.call_id, UsageRow.door)).all())
     assert stored == {call_id: door.value for call_id, door in doors.items()}
+
+
+def test_a_record_keeps_its_cached_prompt_tokens_on_disk_and_another_count_under_its_id_is_a_conflict(tmp_path):
+    outbox = Outbox(tmp_path / "outbox.db")
+    try:
+        hit = outbox.expect("r-hit")
+        outbox.append([functools.partial(builder("r-hit"), cached_prompt_tokens=2)], [])  # 2 of its 3 prompt tokens
+        assert hit.result(timeout=10).cached_prompt_tokens == 2
+        with sqlite3.connect(tmp_path / "outbox.db") as conn:
+            (payload,) = conn.execute("SELECT payload FROM outbox WHERE record_id = 'r-hit'").fetchone()
+        assert json.loads(payload)["cached_prompt_tokens"] == 2
+        assert [row.record.cached_prompt_tokens for row in outbox.pending(10)] == [2]
+        again = outbox.expect("r-hit")
+        outbox.append([functools.partial(builder("r-hit"), cached_prompt_tokens=0)], [])
+        with pytest.raises(OutboxConflict, match="r-hit"):
+            again.result(timeout=10)
+        assert outbox.counts() == {"pending": 1, "delivered": 0, "dead": 0, "conflicts": 1}
+    finally:
+        outbox.close()
+
+
+def test_a_row_a_replica_before_the_cache_wrote_reads_as_0_and_the_same_record_again_is_no_conflict(tmp_path):
+    outbox = Outbox(tmp_path / "outbox.db")
+    before_the_cache = builder("r-http")(door="http").to_v1_payload()
+    del before_the_cache["cached_prompt_tokens"]
+    try:
+        with sqlite3.connect(tmp_path / "outbox.db") as conn:
+            conn.execute(
+                "INSERT INTO outbox (kind, record_id, payload, created_at_us) VALUES ('usage', 'r-http', ?, 1)",
+                (json.dumps(before_the_cache),),
+            )
+        (row,) = outbox.pending(10)
+        assert row.record == builder("r-http")(door="http", cached_prompt_tokens=0)
+        again = outbox.expect("r-http")
+        outbox.append([functools.partial(builder("r-http"), door="http", cached_prompt_tokens=0)], [])
+        assert again.result(timeout=10).cached_prompt_tokens == 0  # the record held, by digest: not a conflict
+        assert outbox.counts() == {"pending": 1, "delivered": 0, "dead": 0, "conflicts": 0}
+    finally:
+        outbox.close()
+
+
+def test_the_shipper_delivers_each_records_cached_prompt_tokens_to_the_ledger(tmp_path, ledger: Ledger) -> None:
+    with unit_of_work(ledger.sessions) as session:
+        create_tenant(session, "acme")
+    outbox = Outbox(tmp_path / "outbox.db")
+    try:
+        counts = {f"r-{cached}": cached for cached in range(4)}  # none to all of the 3 prompt tokens
+        outbox.append([functools.partial(builder(c), cached_prompt_tokens=n) for c, n in counts.items()], [])
+        assert outbox.flush()
+        assert asyncio.run(Shipper(outbox, LedgerSink(ledger.sessions)).ship_once()) == len(counts)
+        assert outbox.counts()["delivered"] == len(counts)
+    finally:
+        outbox.close()
+    with ledger.sessions() as session:
+        stored = dict(session.execute(select(UsageRow.call_id, UsageRow.cached_prompt_tokens)).all())
+    assert stored == counts

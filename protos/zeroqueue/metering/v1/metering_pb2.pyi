@@ -32,7 +32,7 @@ INVOICE_STATUS_FINALIZED: InvoiceStatus
 INVOICE_STATUS_VOID: InvoiceStatus
 
 class UsageRecord(_message.Message):
-    __slots__ = ("call_id", "tenant", "labels", "model", "device_kind", "device_id", "unit", "num_units", "unit_us", "prompt_tokens", "completion_tokens", "received_at_us", "dispatched_at_us", "first_token_at_us", "finished_at_us", "deadline_at_us", "deadline_met", "outcome", "request_id", "service_class", "request_kind", "door")
+    __slots__ = ("call_id", "tenant", "labels", "model", "device_kind", "device_id", "unit", "num_units", "unit_us", "prompt_tokens", "completion_tokens", "received_at_us", "dispatched_at_us", "first_token_at_us", "finished_at_us", "deadline_at_us", "deadline_met", "outcome", "request_id", "service_class", "request_kind", "door", "cached_prompt_tokens")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class UsageRecord(_message.Message):
     SERVICE_CLASS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_KIND_FIELD_NUMBER: _ClassVar[int]
     DOOR_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     call_id: str
     tenant: str
     labels: _containers.ScalarMap[str, str]
@@ -84,7 +85,8 @@ class UsageRecord(_message.Message):
     service_class: str
     request_kind: str
     door: str
-    def __init__(self, call_id: _Optional[str] = ..., tenant: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., model: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_id: _Optional[str] = ..., unit: _Optional[str] = ..., num_units: _Optional[int] = ..., unit_us: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., received_at_us: _Optional[int] = ..., dispatched_at_us: _Optional[int] = ..., first_token_at_us: _Optional[int] = ..., finished_at_us: _Optional[int] = ..., deadline_at_us: _Optional[int] = ..., deadline_met: _Optional[bool] = ..., outcome: _Optional[str] = ..., request_id: _Optional[str] = ..., service_class: _Optional[str] = ..., request_kind: _Optional[str] = ..., door: _Optional[str] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, call_id: _Optional[str] = ..., tenant: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., model: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_id: _Optional[str] = ..., unit: _Optional[str] = ..., num_units: _Optional[int] = ..., unit_us: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., received_at_us: _Optional[int] = ..., dispatched_at_us: _Optional[int] = ..., first_token_at_us: _Optional[int] = ..., finished_at_us: _Optional[int] = ..., deadline_at_us: _Optional[int] = ..., deadline_met: _Optional[bool] = ..., outcome: _Optional[str] = ..., request_id: _Optional[str] = ..., service_class: _Optional[str] = ..., request_kind: _Optional[str] = ..., door: _Optional[str] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class IdleRecord(_message.Message):
     __slots__ = ("record_id", "device_id", "unit", "num_units", "minute_start_us", "idle_unit_us", "wall_unit_us")
@@ -280,7 +282,7 @@ class GetChargebackReportRequest(_message.Message):
     def __init__(self, period: _Optional[str] = ..., group_by: _Optional[_Iterable[str]] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class ChargebackRow(_message.Message):
-    __slots__ = ("group", "unit_us", "unit", "requests", "prompt_tokens", "completion_tokens", "cost_micros", "deadline_met", "admitted")
+    __slots__ = ("group", "unit_us", "unit", "requests", "prompt_tokens", "completion_tokens", "cost_micros", "deadline_met", "admitted", "cached_prompt_tokens")
     class GroupEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -297,6 +299,7 @@ class ChargebackRow(_message.Message):
     COST_MICROS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MET_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     group: _containers.ScalarMap[str, str]
     unit_us: int
     unit: str
@@ -306,7 +309,8 @@ class ChargebackRow(_message.Message):
     cost_micros: int
     deadline_met: int
     admitted: int
-    def __init__(self, group: _Optional[_Mapping[str, str]] = ..., unit_us: _Optional[int] = ..., unit: _Optional[str] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cost_micros: _Optional[int] = ..., deadline_met: _Optional[int] = ..., admitted: _Optional[int] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, group: _Optional[_Mapping[str, str]] = ..., unit_us: _Optional[int] = ..., unit: _Optional[str] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cost_micros: _Optional[int] = ..., deadline_met: _Optional[int] = ..., admitted: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class DeviceUtilisation(_message.Message):
     __slots__ = ("device_id", "unit", "wall_unit_us", "idle_unit_us", "billed_unit_us")
