@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from services.inference.device.attention import AttentionMetadata, PrefillChunk
+from services.inference.device.attention import AttentionMetadata
 from services.inference.device.cuda_graphs import GraphRunner, attention_kernels
 from services.inference.device.executor import Executor, ExecutorConfig
 from services.inference.device.loader import Checkpoint
@@ -158,19 +158,10 @@ def sampling_vs_cpu(out: dict, device: str, vocab: int, rows: int = 32) -> None:
 
 @torch.inference_mode()
 def first_logits(executor: Executor, prompt: tuple[int, ...]) -> torch.Tensor:
-    """fp32 logits [vocab] at the prompt's last position, from one prefill into slot 0 (eager, as serving)."""
-    n, dev = len(prompt), executor.device
-    positions = torch.arange(n, device=dev)
-    empty = torch.empty(0, dtype=torch.int64, device=dev)
-    meta = AttentionMetadata(
-        slot_ids=torch.zeros(n, dtype=torch.int64, device=dev),
-        positions=positions,
-        num_decode=0,
-        decode_slots=empty,
-        decode_lens=empty,
-        max_decode_len=0,
-        prefills=(PrefillChunk(0, n, 0, 0),),
-    )
+    """fp32 logits [vocab] at the prompt's last position, from one prefill into the first blocks (eager, as serving)."""
+    n, dev, bs = len(prompt), executor.device, executor.kv_cache.block_size
+    meta = AttentionMetadata.prefill(torch.arange(-(-n // bs), device=dev), bs, 0, n)
+    positions = meta.positions
     with attention_kernels(dev):
         logits = executor.model(
             torch.tensor(prompt, device=dev), positions, torch.tensor([n - 1], device=dev), executor.backend, meta

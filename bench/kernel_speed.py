@@ -6,12 +6,13 @@ both sides alike:
   - a full decode-step weight stream: 30 layers with distinct weights (269 MB in bf16, so the caches do not
     flatter it) plus lm_head, at M = 1, 8, 32, as ms/step and tokens/s, against a read-bandwidth probe
     that takes turns with it (% of roofline = probe time for those bytes / our time, medians);
-  - decode attention vs a masked SDPA over the gathered cache rows;
+  - decode attention on a paged cache (blocks of 16 and 32 rows) vs a masked SDPA over the gathered blocks;
   - the fused rms_norm / silu_mul vs the torch ops they replace, per call and per decode step;
   - the machine's read bandwidth: best of several full passes over a 512 MB buffer;
   - first, the bf16 weight stream on each linear path this CPU runs (widen, dot, amx), at M = 1 to 128.
 
     python bench/kernel_speed.py [--dtypes bfloat16,float32] [--reps 9] [--skip-ops] [--paths-only]
+                                 [--attention-only]
 """
 
 from __future__ import annotations
@@ -145,43 +146,54 @@ def bench_stream(ops: kernels.CpuOps, dtype: torch.dtype, reps: int, probe: Band
         )
 
 
-def sdpa_decode(q, k_cache, v_cache, slots, lengths, scale):
-    """The torch path: gather each sequence's cache rows, mask past its length, SDPA with GQA."""
-    max_len = int(lengths.max())
-    k = k_cache[slots, :, :max_len]
-    v = v_cache[slots, :, :max_len]
-    mask = torch.arange(max_len)[None, :] < lengths[:, None]
+def sdpa_decode(q, k_cache, v_cache, block_tables, lengths, scale):
+    """The torch path: gather each sequence's blocks into its rows, mask past its length, SDPA with GQA."""
+    batch, width = block_tables.shape
+    _, kv_heads, block_size, head_dim = k_cache.shape
+    k = k_cache[block_tables].transpose(1, 2).reshape(batch, kv_heads, width * block_size, head_dim)
+    v = v_cache[block_tables].transpose(1, 2).reshape(batch, kv_heads, width * block_size, head_dim)
+    mask = torch.arange(width * block_size)[None, :] < lengths[:, None]
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
     )
     return out.squeeze(2)
 
 
+def paged_cache(batch: int, context: int, block_size: int, dtype: torch.dtype, gen: torch.Generator):
+    """k/v caches [N, KVH, BS, D] with one spare block, each sequence's blocks scattered at random among them (as a
+    server's free list leaves them after a while), and the block tables [batch, context / BS]."""
+    width = context // block_size
+    num_blocks = batch * width + 1
+    k_cache = torch.randn(num_blocks, KV_HEADS, block_size, HEAD_DIM, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, KV_HEADS, block_size, HEAD_DIM, generator=gen).to(dtype)
+    block_tables = torch.randperm(num_blocks, generator=gen)[: batch * width].view(batch, width)
+    return k_cache, v_cache, block_tables
+
+
 def bench_attention(ops: kernels.CpuOps, dtype: torch.dtype, reps: int) -> None:
     print(
         f"\n### decode attention, {str(dtype).removeprefix('torch.')}: one layer, H={HEADS}, KVH={KV_HEADS}, "
-        f"D={HEAD_DIM}; µs median (min)\n"
+        f"D={HEAD_DIM}, paged cache with shuffled blocks of BS rows; µs median (min)\n"
     )
-    print("| B | context | masked SDPA | zeroqueue.decode_attention | speedup |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| B | context | BS | masked SDPA | zeroqueue.decode_attention | speedup |")
+    print("|---:|---:|---:|---:|---:|---:|")
     gen = torch.Generator().manual_seed(2)
-    for batch, context in ((1, 512), (1, 2048), (32, 512), (32, 2048)):
-        slots_total = batch + 1
-        k_cache = torch.randn(slots_total, KV_HEADS, context, HEAD_DIM, generator=gen).to(dtype)
-        v_cache = torch.randn(slots_total, KV_HEADS, context, HEAD_DIM, generator=gen).to(dtype)
-        q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).to(dtype)
-        slots = torch.arange(batch)
-        lengths = torch.full((batch,), context)
-        scale = 1 / math.sqrt(HEAD_DIM)
-        ref, ours = time_pair(
-            lambda: sdpa_decode(q, k_cache, v_cache, slots, lengths, scale),
-            lambda: ops.decode_attention(q, k_cache, v_cache, slots, lengths, scale),
-            reps,
-        )
-        print(
-            f"| {batch} | {context} | {fmt_us(ref)} | {fmt_us(ours)} | "
-            f"{statistics.median(ref) / statistics.median(ours):.2f}× |"
-        )
+    for batch in (1, 8, 32):
+        for context in (512, 2048):
+            for block_size in (16, 32):
+                k_cache, v_cache, block_tables = paged_cache(batch, context, block_size, dtype, gen)
+                q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).to(dtype)
+                lengths = torch.full((batch,), context)
+                scale = 1 / math.sqrt(HEAD_DIM)
+                ref, ours = time_pair(
+                    lambda: sdpa_decode(q, k_cache, v_cache, block_tables, lengths, scale),
+                    lambda: ops.decode_attention(q, k_cache, v_cache, block_tables, lengths, scale),
+                    reps,
+                )
+                print(
+                    f"| {batch} | {context} | {block_size} | {fmt_us(ref)} | {fmt_us(ours)} | "
+                    f"{statistics.median(ref) / statistics.median(ours):.2f}× |"
+                )
 
 
 def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -259,6 +271,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--skip-ops", action="store_true", help="only the weight stream and attention")
     parser.add_argument("--paths-only", action="store_true", help="only the bf16 linear paths side by side")
+    parser.add_argument("--attention-only", action="store_true", help="only decode attention")
     args = parser.parse_args()
     ops = kernels.load_cpu_ops()
     if ops is None:
@@ -268,6 +281,10 @@ def main() -> None:
         f"{now}; {machine()}; {ops.isa} kernels; {torch.get_num_threads()} threads; load average "
         f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}"
     )
+    if args.attention_only:
+        for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
+            bench_attention(ops, dtype, args.reps)
+        return
     probe = BandwidthProbe()
     best = max(probe.gbs(t) for t in time_interleaved([probe], 8)[0])
     print(f"read bandwidth: best {best:.1f} GB/s over 8 full passes of a 512 MB buffer (torch.sum, torch.mv)")

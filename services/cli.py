@@ -5,36 +5,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
 import signal
 import sys
 from pathlib import Path
 
 from services.cli_billing import add_billing_commands
 from services.cli_ledger import fails_cleanly
+from services.cli_types import block_size, non_negative_int, parse_bytes, positive_float
 from services.inference.bundled_model import BUNDLED_MODEL
 from services.logs import configure_logging
 from services.pulse.cli import add_pulse
-
-UNITS = {
-    "": 1,
-    "k": 1 << 10,
-    "kib": 1 << 10,
-    "m": 1 << 20,
-    "mib": 1 << 20,
-    "g": 1 << 30,
-    "gib": 1 << 30,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-}
-
-
-def parse_bytes(text: str) -> int:
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text, re.ASCII)
-    if not match or match.group(2).lower() not in UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GiB)")
-    return int(float(match.group(1)) * UNITS[match.group(2).lower()])
 
 
 def add_serve(sub: argparse._SubParsersAction) -> None:
@@ -79,13 +59,29 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--default-deadline-ms", type=int, default=30_000, help="budget of calls without a deadline")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
-    p.add_argument("--max-batch", type=int, default=32, help="KV slots: the most calls running at once")
-    p.add_argument("--max-seq-len", type=int, default=1024, help="tokens per KV slot (prompt + output)")
-    p.add_argument("--kv-memory", type=parse_bytes, default=parse_bytes("2GiB"), help="KV cache budget")
+    p.add_argument("--max-batch", type=int, default=32, help="slots: the most calls running at once")
+    p.add_argument("--max-seq-len", type=int, default=1024, help="tokens one call may hold (prompt + output)")
+    p.add_argument("--kv-memory", type=parse_bytes, default=parse_bytes("2GiB"), help="KV cache budget, e.g. 512MiB")
+    p.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt whole (for comparison)")
+    p.add_argument(
+        "--shared-prefix-cache",
+        type=lambda text: frozenset(filter(None, text.split(","))),
+        default=frozenset(),
+        metavar="TENANT,class:NAME,...",
+        help="tenants and classes whose calls share one prefix cache; each other tenant has its own, since a "
+        "shared cache lets a tenant time what another's prompts start with",
+    )
+    p.add_argument(
+        "--kv-block-size",
+        type=block_size,
+        default=16,
+        metavar="TOKENS",
+        help="tokens per KV block, a multiple of 16: the unit the cache is reserved and shared in",
+    )
     p.add_argument("--max-batched-tokens", type=int, default=256, help="tokens per engine step")
     p.add_argument(
         "--pace-tokens",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=0,
         metavar="N",
         help="paced steps: each step lasts at least as long as it would with N more prompt tokens, so "
@@ -94,7 +90,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--stream-interval-ms",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=0,
         metavar="MS",
         help="least time between a call's token messages after its first: tokens in between go in the "
@@ -108,7 +104,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--safety-margin-pct", type=float, default=5.0)
     p.add_argument(
         "--max-reservations",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=None,
         help="refused calls whose hinted retry may hold a KV slot at once (default: one per slot; 0: none)",
     )
@@ -128,7 +124,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metering-ca", metavar="PEM", default=None, help="CA certificates to reach --metering over TLS")
     p.add_argument(
         "--policy-refresh-s",
-        type=_positive_float,
+        type=positive_float,
         default=2.0,
         metavar="S",
         help="how often the serving policy (classes of service, prices, tenants' weights and quotas) is read again "
@@ -175,13 +171,13 @@ def add_device_options(p: argparse.ArgumentParser) -> None:
     """The device's watchdog (services/inference/health/watchdog.py) and faults injected for drills."""
     p.add_argument(
         "--watchdog-period-ms",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=100,
         help="how often the watchdog judges the device, and probes it while idle; 0: no watchdog",
     )
     p.add_argument(
         "--device-hang-ms",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=1000,
         help="a device operation running this long (or 8x its calibrated time, if longer) for 3 watchdog periods "
         "fails the device: calls in flight end UNAVAILABLE, billed, and readiness goes NOT_SERVING",
@@ -221,23 +217,10 @@ def device_config(args: argparse.Namespace) -> dict:
     return {"watchdog": watchdog, "device_recovery_s": args.device_recovery_s, "fault": args.inject_fault}
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
 def serve_config(args: argparse.Namespace):
     """The replica's ServeConfig from `zeroqueue serve`'s options."""
     from services.inference.device.spec import ExecutorConfig
+    from services.inference.policy.gate import PrefixCachePolicy
     from services.inference.replica import ServeConfig
 
     return ServeConfig(
@@ -257,9 +240,11 @@ def serve_config(args: argparse.Namespace):
             max_batch=args.max_batch,
             max_seq_len=args.max_seq_len,
             kv_memory_bytes=args.kv_memory,
+            kv_block_size=args.kv_block_size,
             num_threads=args.threads,
         ),
         max_num_batched_tokens=args.max_batched_tokens,
+        prefix_cache=PrefixCachePolicy(not args.no_prefix_cache, args.shared_prefix_cache),
         margin_ms=args.safety_margin_ms,
         margin_fraction=args.safety_margin_pct / 100,
         max_reservations=args.max_reservations,

@@ -34,13 +34,22 @@ def device_time(ticket: Ticket, unit: str) -> dict:
 
 
 def usage(api: Api, ticket: Ticket, unit: str) -> dict:
+    """Each API's usage in its own words: Anthropic counts the prompt tokens its cache read apart from input_tokens,
+    OpenAI counts them within prompt_tokens and says how many in prompt_tokens_details."""
     prompt, output = len(ticket.spec.prompt_token_ids), ticket.num_output_tokens
+    cached = ticket.usage.cached_prompt_tokens if ticket.usage is not None else 0
     if api.anthropic:
-        return {"input_tokens": prompt, "output_tokens": output, "device_time": device_time(ticket, unit)}
+        return {
+            "input_tokens": prompt - cached,
+            "cache_read_input_tokens": cached,
+            "output_tokens": output,
+            "device_time": device_time(ticket, unit),
+        }
     return {
         "prompt_tokens": prompt,
         "completion_tokens": output,
         "total_tokens": prompt + output,
+        "prompt_tokens_details": {"cached_tokens": cached},
         "device_time": device_time(ticket, unit),
     }
 

@@ -243,4 +243,5 @@ class Meter:
             service_class=ctx.service_class,
             request_kind=ctx.request_kind,
             door=ctx.door,
+            cached_prompt_tokens=request.num_cached_tokens,
         )

@@ -51,6 +51,7 @@ from .health.watchdog import WatchdogConfig
 from .meter import Meter
 from .metrics import ServiceMetrics, StepLog, StepStats
 from .policy import DEFAULT_REFRESH_S, PolicyBook, QuotaGate, ledger_reader, remote_reader, weights_of
+from .policy.gate import PrefixCachePolicy
 from .service import InferenceService, ModelCard, WarmupState
 from .servicer import InferenceServicer
 
@@ -108,6 +109,7 @@ class ServeConfig:
     device_recovery_s: float = 60.0  # a device failed this long takes liveness down too, so the pod restarts
     fault: Fault | None = None  # a fault injected on purpose, for tests and drills (health/faults.py)
     policy_refresh_s: float = DEFAULT_REFRESH_S  # how often the serving policy (classes, quotas) is read again
+    prefix_cache: PrefixCachePolicy = PrefixCachePolicy()  # whose cached prompt blocks a call may share
 
     def admission_settings(self) -> AdmissionSettings:
         """Deadline admission's settings as the serve flags choose them (the rest are AdmissionSettings' own)."""
@@ -291,7 +293,9 @@ class Replica:
             self.metrics.watch_reservations(admission.events)
             engine.set_expiry_guard(int(cost.step_us(ready.num_slots) * 1000))
         steps = StepLog()
-        engine.observers.append(StepStats(observed_cost, self.metrics, ready.num_slots, steps, self.config.pace_tokens))
+        pace_tokens = self.config.pace_tokens
+        stats = StepStats(observed_cost, self.metrics, ready.num_slots, steps, pace_tokens, ready.num_kv_blocks)
+        engine.observers.append(stats)
         self.meter = Meter(
             ready.device,
             self.header.name,
@@ -310,8 +314,9 @@ class Replica:
             log.warning("response_formats_off", why=why)  # a call with one is refused, saying why
             self.servicer.compiler, self.servicer.formats_off = None, why
         header = self.header
+        pool = (ready.num_kv_blocks, ready.kv_block_size, self.config.prefix_cache.enabled)
         card = ModelCard(
-            header.name, ready.max_seq_len, header.dtype, header.args.vocab_size, ready.num_slots, ready.device
+            header.name, ready.max_seq_len, header.dtype, header.args.vocab_size, ready.num_slots, ready.device, *pool
         )
         return InferenceService(
             engine,
@@ -325,6 +330,7 @@ class Replica:
             self.config.default_deadline_ms,
             self.config.stream_interval_ms,
             QuotaGate(self.book),
+            self.config.prefix_cache,
         )
 
     def _grammar_compiler(self) -> GrammarCompiler:

@@ -30,7 +30,7 @@ from .engine.handle import EngineHandle
 from .health.state import DeviceState
 from .meter import OUTCOMES, Meter, RecordContext
 from .metrics import ServiceMetrics, StepLog
-from .policy import QuotaGate
+from .policy import PrefixCachePolicy, QuotaGate
 from .sched.request import FinishReason, Request, RequestStatus
 
 log = structlog.get_logger(__name__)
@@ -61,6 +61,9 @@ class ModelCard:
     vocab_size: int
     max_batch: int
     device: Device
+    kv_blocks: int = 0  # the paged KV cache: blocks of kv_block_size tokens, and whether prompts share them
+    kv_block_size: int = 0
+    prefix_cache: bool = False
 
 
 @dataclass
@@ -109,8 +112,10 @@ class InferenceService:
         default_budget_ms: int = 30_000,
         stream_interval_ms: int = 0,
         quotas: QuotaGate | None = None,
+        prefix_cache: PrefixCachePolicy | None = None,
     ) -> None:
         self.engine = engine
+        self.prefix_cache = prefix_cache or PrefixCachePolicy()  # per tenant unless shared (policy/gate.py)
         self.quotas = quotas  # tenants' caps (policy/gate.py); None: none enforced
         self.meter = meter
         self.outbox = outbox
@@ -216,6 +221,7 @@ class InferenceService:
             spec.sampling,
             arrival_ns=received_ns,
             deadline_ns=deadline_ns if self.deadline_mode else None,
+            cache_salt=self.prefix_cache.salt(tenant, klass),
         )
         sink = LoopSink(asyncio.get_running_loop())
         context = RecordContext(

@@ -281,6 +281,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             device_kind=device.kind,
             device_id=device.device_id,
             num_compute_units=device.num_units,
+            cached_prompt_tokens=t.usage.cached_prompt_tokens,
         )
         return pb.Final(finish_reason=_FINISH[t.finish_reason], timings=timings, usage=usage)
 
@@ -307,6 +308,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                         classes=_offers(self.book.policy, card.name, card.device.unit),
                         has_chat_template=self.chat is not None,
                         response_formats=list(ConstraintKind) if self.compiler is not None else [],
+                        kv_blocks=card.kv_blocks,
+                        kv_block_size=card.kv_block_size,
+                        prefix_cache=card.prefix_cache,
                     )
                 ]
             )

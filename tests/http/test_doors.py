@@ -57,3 +57,19 @@ def test_one_call_through_each_door_is_one_row_each_told_apart_only_by_its_door(
     # each row is priced on its own total (rounded once), so the split rows' costs may sum to 1 more or less
     assert team.cost_micros == cost_micros(team.unit_us, 1_000) > 0
     assert all(r.cost_micros == cost_micros(r.unit_us, 1_000) for r in search.values())
+
+
+def test_each_api_says_how_many_prompt_tokens_the_prefix_cache_served(bundled):
+    # a tenant's second call with the same long prompt reuses its first call's full KV blocks (16 tokens each)
+    prompt = "def route_refund(order, amount):\n    return ledger.post(order.id, -amount)\n" * 6
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+    first, again = (post(bundled, "/v1/completions", body).json()["usage"] for _ in range(2))
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    cached = again["prompt_tokens_details"]["cached_tokens"]
+    assert cached == (again["prompt_tokens"] - 1) // 16 * 16 > 0  # OpenAI: within prompt_tokens
+    model = bundled.replica.service.card.name
+    message = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": prompt + "# once more\n"}]}
+    first, again = (post(bundled, "/v1/messages", message).json()["usage"] for _ in range(2))
+    assert first["cache_read_input_tokens"] == 0 < again["cache_read_input_tokens"]
+    # Anthropic counts what the cache read apart from input_tokens
+    assert again["input_tokens"] + again["cache_read_input_tokens"] == first["input_tokens"]

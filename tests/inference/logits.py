@@ -4,29 +4,23 @@ from __future__ import annotations
 
 import torch
 
-from services.inference.device.attention import AttentionMetadata, PrefillChunk
+from services.inference.device.attention import AttentionMetadata
 from services.inference.device.executor import Executor
 
 
 @torch.inference_mode()
-def prompt_logits(executor: Executor, tokens: list[int], chunk_size: int | None = None, slot: int = 0) -> torch.Tensor:
-    """tokens [T] -> logits [T, vocab], prefilling `chunk_size` tokens at a time into `slot`."""
+def prompt_logits(
+    executor: Executor, tokens: list[int], chunk_size: int | None = None, first_block: int = 0
+) -> torch.Tensor:
+    """tokens [T] -> logits [T, vocab], prefilling `chunk_size` tokens at a time into consecutive blocks from
+    `first_block` on."""
     chunk_size = chunk_size or len(tokens)
-    empty = torch.empty(0, dtype=torch.int64)
+    bs = executor.kv_cache.block_size
+    table = torch.arange(first_block, first_block + -(-len(tokens) // bs))
     out = []
     for start in range(0, len(tokens), chunk_size):
         n = min(chunk_size, len(tokens) - start)
-        positions = torch.arange(start, start + n)
-        meta = AttentionMetadata(
-            slot_ids=torch.full((n,), slot),
-            positions=positions,
-            num_decode=0,
-            decode_slots=empty,
-            decode_lens=empty,
-            max_decode_len=0,
-            prefills=(PrefillChunk(0, n, slot, start),),
-        )
-        out.append(
-            executor.model(torch.tensor(tokens[start : start + n]), positions, torch.arange(n), executor.backend, meta)
-        )
+        meta = AttentionMetadata.prefill(table, bs, start, n)
+        tokens_in = torch.tensor(tokens[start : start + n])
+        out.append(executor.model(tokens_in, meta.positions, torch.arange(n), executor.backend, meta))
     return torch.cat(out)

@@ -1,5 +1,5 @@
 """Every step's layers in one op (zeroqueue::decode_layers): a decode-only step bit-identical to the
-layer-by-layer path, a prompt (each row attending over its slot's cache from its own position) equal to it
+layer-by-layer path, a prompt (each row attending over its blocks of the cache from its own position) equal to it
 within rounding and bit-identical however it is chunked, and greedy tokens equal to transformers'.
 
 The shared test checkpoints have head_dim 16, which the decode-attention kernel is not built for (so they run
@@ -130,7 +130,7 @@ def test_a_chunked_prompt_is_bit_identical_to_one_shot_on_the_fused_path(wide_he
     tokens = engine.tokenizer.encode(PROMPT * 3).ids
     one_shot = prompt_logits(engine.executor, tokens)
     for chunk in (1, 7, 16):
-        assert torch.equal(prompt_logits(engine.executor, tokens, chunk_size=chunk, slot=2), one_shot), chunk
+        assert torch.equal(prompt_logits(engine.executor, tokens, chunk_size=chunk, first_block=5), one_shot), chunk
 
 
 def test_prompt_logits_on_the_fused_path_match_transformers(wide_heads_dir):
@@ -187,6 +187,7 @@ def test_decode_layers_names_a_wrong_weight_count(wide_heads_dir):
             rotary.sin,
             ints,
             ints,
+            ints[:, None],
             ints + 1,
             cache.k,
             cache.v,

@@ -79,7 +79,7 @@ def test_chunked_prefill_gives_the_same_logits_as_one_shot(engine):
     one_shot = prompt_logits(engine.executor, tokens)
     for chunk in (1, 7, 16):
         torch.testing.assert_close(
-            prompt_logits(engine.executor, tokens, chunk_size=chunk, slot=1), one_shot, atol=1e-5, rtol=1e-5
+            prompt_logits(engine.executor, tokens, chunk_size=chunk, first_block=3), one_shot, atol=1e-5, rtol=1e-5
         )
 
 
@@ -143,24 +143,25 @@ def test_outputs_carry_increasing_timestamps(engine):
     assert times == sorted(times) and times[0] >= before
 
 
-def test_kv_slots_are_all_free_after_1000_requests_that_finish_cancel_or_expire(llama_dir):
+def test_slots_and_kv_blocks_are_all_free_after_1000_requests_that_finish_cancel_or_expire(llama_dir):
     engine = make_engine(llama_dir, max_batch=6)
     rng = random.Random(7)
     sink = Collector()
     now = time.monotonic_ns()
     ended_while_running = {"cancelled": 0, "deadline_exceeded": 0}
+    # shared prefixes of 0-3 full blocks under three salts (and none), so calls hit, miss and evict cached blocks
+    prefixes = [[rng.randrange(1, 300) for _ in range(16 * n)] for n in range(4)]
     for i in range(1000):
         fate = rng.choice(["finish", "cancel", "expire"])
         deadline = now + 10**12 if fate != "expire" else time.monotonic_ns() + rng.randint(1, 4) * 2_000_000
-        engine.add_request(
-            request(
-                f"q{i}",
-                [rng.randrange(1, 300) for _ in range(rng.randint(1, 12))],
-                deadline_ns=deadline,
-                max_tokens=rng.randint(1, 12),
-            ),
-            sink,
+        call = request(
+            f"q{i}",
+            rng.choice(prefixes) + [rng.randrange(1, 300) for _ in range(rng.randint(1, 12))],
+            deadline_ns=deadline,
+            max_tokens=rng.randint(1, 12),
         )
+        call.cache_salt = rng.choice([None, b"a", b"b", b"c"])
+        engine.add_request(call, sink)
         for _ in range(rng.randint(0, 3)):
             engine.step()
         if fate == "cancel":
@@ -168,6 +169,9 @@ def test_kv_slots_are_all_free_after_1000_requests_that_finish_cancel_or_expire(
         assert engine.scheduler.num_free_slots + len(engine.scheduler.running) == engine.executor.num_slots
     run_to_completion(engine)
     assert engine.scheduler.num_free_slots == engine.executor.num_slots
+    pool = engine.scheduler.blocks
+    assert pool.num_used == 0 and pool.num_free == engine.executor.num_blocks, "a KV block leaked"
+    assert pool.num_hit_calls > 50 and pool.num_cached > 0  # the cache was exercised, not bypassed
     assert not engine.scheduler.requests and not engine._streams
     reasons = [sink.finish_reason(f"q{i}") for i in range(1000)]
     assert all(r in {"stop", "length", "cancelled", "deadline_exceeded"} for r in reasons)

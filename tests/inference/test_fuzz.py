@@ -131,6 +131,12 @@ def test_fuzzed_calls_beside_a_second_tenant(server):
     while server.replica.service.in_flight and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not server.replica.service.in_flight
+    # the engine child's block pool, as its last step reported it: no call holds a KV block any more
+    sample = server.replica.metrics.registry.get_sample_value
+    assert sample("zeroqueue_kv_blocks", {"state": "used"}) == 0
+    assert sample("zeroqueue_kv_blocks", {"state": "cached"}) + sample("zeroqueue_kv_blocks", {"state": "free"}) == (
+        server.replica.service.card.kv_blocks
+    )
     server.stop()  # the outbox drains into the ledger
     billed = ledger_rows(server.config.ledger_url, "SELECT COUNT(*) FROM usage_records")[0][0]
     assert billed == tally.num_admitted + len(done) + 1  # every admitted call once: fuzzed, steady, alone

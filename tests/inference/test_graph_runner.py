@@ -39,7 +39,8 @@ def test_padded_static_decode_matches_the_eager_step(llama_dir, use_kernels):
     engine = make_engine(llama_dir, max_batch=6, use_kernels=use_kernels)
     assert (engine.executor.cpu_ops is not None) == use_kernels
     step = decode_step(engine, PROMPTS)
-    free = [s for s in range(engine.executor.num_slots) if s not in {d.slot for d in step.decodes}]
+    used = {b for d in step.decodes for b in d.block_ids}
+    free = [b for b in range(engine.executor.num_blocks) if b not in used]
     untouched = engine.executor.kv_cache.k[:, free].clone()
     with torch.inference_mode():
         eager = engine.executor._eager(step)
@@ -47,7 +48,7 @@ def test_padded_static_decode_matches_the_eager_step(llama_dir, use_kernels):
         padded, bucket = runner.replay(step.decodes)
     assert bucket == Bucket(4, 128) and runner.buckets == [1, 2, 4, 6] and runner.context_buckets == [128, 256]
     torch.testing.assert_close(padded, eager, atol=1e-5, rtol=1e-5)
-    assert torch.equal(engine.executor.kv_cache.k[:, free], untouched), "padding wrote outside the scratch slot"
+    assert torch.equal(engine.executor.kv_cache.k[:, free], untouched), "padding wrote outside the scratch block"
 
 
 def test_context_buckets_double_up_to_the_configured_context():

@@ -41,7 +41,12 @@ def test_scheduler_does_not_import_torch():
 TORCH_FREE_ROOMS = {
     "admission": ("services.inference.admission", "services.inference.admission.fifo"),
     "cost": ("services.inference.cost", "services.inference.cost.model"),
-    "sched": ("services.inference.sched", "services.inference.sched.request", "services.inference.sched.scheduler"),
+    "sched": (
+        "services.inference.sched",
+        "services.inference.sched.request",
+        "services.inference.sched.scheduler",
+        "services.inference.sched.blocks",
+    ),
     # the engine at import: the child imports torch only when it builds the executor
     "engine": (
         "services.inference.engine",

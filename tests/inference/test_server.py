@@ -224,7 +224,15 @@ def test_client_cancel_frees_the_slot(server):
     while free() != slots and time.monotonic() < deadline:
         time.sleep(0.005)
     assert free() == slots
+    used = server.replica.metrics.registry.get_sample_value("zeroqueue_kv_blocks", {"state": "used"})
+    assert used == 0, "the cancelled call's KV blocks are still held"
     assert not server.replica.service.in_flight or _wait_empty(server)
+
+
+def test_list_models_reports_the_kv_pool(server):
+    (model,) = server.stub().ListModels(pb.ListModelsRequest(), timeout=5).models
+    # 4 slots of 256 tokens in blocks of 16: the pool holds every slot at its longest
+    assert (model.kv_blocks, model.kv_block_size, model.prefix_cache) == (4 * 256 // 16, 16, True)
 
 
 def _wait_empty(server, timeout=5.0):

@@ -1,8 +1,9 @@
-"""The static KV cache and the attention over it.
+"""The paged KV cache and the attention over it.
 
-Layout: k, v [layers, slots + 1, kv_heads, max_seq_len, head_dim]. One slot holds one sequence; the extra
-last slot is scratch that padded rows of a batch bucket write into, so they never touch a live sequence.
-Both tensors are allocated once and never reallocated while serving.
+Layout: k, v [layers, blocks + 1, kv_heads, block_size, head_dim]. A sequence's position p lives in block
+`table[p // block_size]` at offset `p % block_size`, where `table` is its block table (sched/blocks.py hands
+the blocks out). The extra last block is scratch that padded rows of a batch bucket write into, so they never
+touch a live sequence. Both tensors are allocated once and never reallocated while serving.
 """
 
 from __future__ import annotations
@@ -18,51 +19,71 @@ import torch.nn.functional as F
 class PrefillChunk:
     token_offset: int  # row of the chunk's first token in the flattened step
     num_tokens: int
-    slot: int
     start_pos: int  # tokens [0, start_pos) of this sequence are already in the cache
 
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    slot_ids: torch.Tensor  # [T] int64: cache slot of each token (scratch slot for padding)
+    slot_mapping: torch.Tensor  # [T] int64: block * block_size + offset where each token's k/v is written
     positions: torch.Tensor  # [T] int64
     num_decode: int  # rows [0, num_decode) are decode tokens, one per sequence
-    decode_slots: torch.Tensor  # [num_decode] int64
+    block_tables: torch.Tensor  # [T, M] int64: each row's sequence's block table (rows of a chunk repeat it)
     decode_lens: torch.Tensor  # [num_decode] int64: context length including the new token
     max_decode_len: int  # attend over cache positions [0, max_decode_len) for decode rows
     prefills: tuple[PrefillChunk, ...] = ()
+
+    @property
+    def decode_tables(self) -> torch.Tensor:
+        return self.block_tables[: self.num_decode]  # [num_decode, M]
+
+    @staticmethod
+    def prefill(table: torch.Tensor, block_size: int, start_pos: int, num_tokens: int) -> AttentionMetadata:
+        """One sequence's prompt chunk alone in a step: positions [start_pos, start_pos + num_tokens), its blocks
+        table [M] int64 (on the step's device)."""
+        positions = torch.arange(start_pos, start_pos + num_tokens, device=table.device)
+        empty = torch.empty(0, dtype=torch.int64, device=table.device)
+        return AttentionMetadata(
+            slot_mapping=table[positions // block_size] * block_size + positions % block_size,
+            positions=positions,
+            num_decode=0,
+            block_tables=table.expand(num_tokens, -1),
+            decode_lens=empty,
+            max_decode_len=0,
+            prefills=(PrefillChunk(0, num_tokens, start_pos),),
+        )
 
 
 class KVCache:
     def __init__(
         self,
         num_layers: int,
-        num_slots: int,
+        num_blocks: int,
         num_kv_heads: int,
-        max_seq_len: int,
+        block_size: int,
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (num_layers, num_slots + 1, num_kv_heads, max_seq_len, head_dim)
+        shape = (num_layers, num_blocks + 1, num_kv_heads, block_size, head_dim)
+        # zeros, not empty: a padded or masked read must never meet a NaN (0 x NaN is NaN in the softmax's sum)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.num_slots = num_slots
-        self.max_seq_len = max_seq_len
-        # per-layer views [slots + 1, KVH, max_seq_len, D], made once: selecting a layer costs a dispatch
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # per-layer views [blocks + 1, KVH, block_size, D], made once: selecting a layer costs a dispatch
         self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)
 
     @property
-    def scratch_slot(self) -> int:
-        return self.num_slots
+    def scratch_block(self) -> int:
+        return self.num_blocks
 
     @property
     def num_bytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
     @staticmethod
-    def bytes_per_slot(num_layers: int, num_kv_heads: int, max_seq_len: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * max_seq_len * head_dim * dtype.itemsize
+    def bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * block_size * head_dim * dtype.itemsize
 
 
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -79,9 +100,10 @@ class AttentionBackend:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, meta: AttentionMetadata
     ) -> torch.Tensor:
         # q [T, H, D]; k, v [T, KVH, D] -> out [T, H, D]
-        kc, vc = self.cache.k_layers[layer], self.cache.v_layers[layer]  # [slots + 1, KVH, max_seq_len, D]
-        kc[meta.slot_ids, :, meta.positions] = k
-        vc[meta.slot_ids, :, meta.positions] = v
+        kc, vc = self.cache.k_layers[layer], self.cache.v_layers[layer]  # [blocks + 1, KVH, block_size, D]
+        blocks, offsets = meta.slot_mapping // self.cache.block_size, meta.slot_mapping % self.cache.block_size
+        kc[blocks, :, offsets] = k
+        vc[blocks, :, offsets] = v
         return self.attend(layer, q, scale, meta)
 
     def attend(self, layer: int, q: torch.Tensor, scale: float, meta: AttentionMetadata) -> torch.Tensor:
@@ -94,15 +116,24 @@ class AttentionBackend:
             out[: meta.num_decode] = self._decode(q[: meta.num_decode], kc, vc, scale, meta)
         for chunk in meta.prefills:
             rows = slice(chunk.token_offset, chunk.token_offset + chunk.num_tokens)
-            out[rows] = _prefill(q[rows], kc, vc, chunk, scale)
+            out[rows] = _prefill(q[rows], kc, vc, meta.block_tables[chunk.token_offset], chunk, scale)
         return out
 
     def _decode(
         self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: float, meta: AttentionMetadata
     ) -> torch.Tensor:
         if self.decode_kernel is not None:
-            return self.decode_kernel(q, kc, vc, meta.decode_slots, meta.decode_lens, scale)
+            return self.decode_kernel(q, kc, vc, meta.decode_tables, meta.decode_lens, scale)
         return _decode_sdpa(q, kc, vc, scale, meta)
+
+
+def gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    """cache [blocks + 1, KVH, BS, D], table [..., M] -> [..., KVH, length, D]: positions [0, length) in order."""
+    bs = cache.shape[2]
+    blocks = cache[table[..., : -(-length // bs)]]  # [..., m, KVH, BS, D]
+    kv_heads, d = cache.shape[1], cache.shape[3]
+    rows = blocks.transpose(-4, -3).reshape(*table.shape[:-1], kv_heads, -1, d)  # [..., KVH, m * BS, D]
+    return rows[..., :length, :]
 
 
 def _decode_sdpa(
@@ -110,8 +141,7 @@ def _decode_sdpa(
 ) -> torch.Tensor:
     # q [B, H, D]; gathers [B, KVH, L, D] with L = max_decode_len and masks each row past its length.
     n = meta.max_decode_len
-    k = kc[meta.decode_slots, :, :n]
-    v = vc[meta.decode_slots, :, :n]
+    k, v = gather(kc, meta.decode_tables, n), gather(vc, meta.decode_tables, n)
     mask = torch.arange(n, device=q.device)[None, :] < meta.decode_lens[:, None]  # [B, L]
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
@@ -119,11 +149,12 @@ def _decode_sdpa(
     return out.squeeze(2)
 
 
-def _prefill(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, chunk: PrefillChunk, scale: float) -> torch.Tensor:
-    # q [n, H, D] attends causally to cache positions [0, start_pos + n) of its slot.
+def _prefill(
+    q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor, chunk: PrefillChunk, scale: float
+) -> torch.Tensor:
+    # q [n, H, D] attends causally to cache positions [0, start_pos + n) of its sequence (table [M]).
     end = chunk.start_pos + chunk.num_tokens
-    k = kc[chunk.slot, :, :end]  # [KVH, end, D], a view
-    v = vc[chunk.slot, :, :end]
+    k, v = gather(kc, table, end), gather(vc, table, end)  # [KVH, end, D]
     group = q.shape[1] // k.shape[0]
     if group > 1:
         # SDPA's fused CPU kernel takes neither GQA nor 3-d inputs: with enable_gqa it falls back to the

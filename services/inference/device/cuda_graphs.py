@@ -48,7 +48,7 @@ def context_buckets(max_seq_len: int) -> list[int]:
 class GraphRunner:
     """One CUDA graph per bucket, captured over static buffers, for decode-only steps.
 
-    Padded rows write into the scratch slot at position 0 and attend to that one position only. With
+    Padded rows write into the scratch block at offset 0 and attend to that one position only. With
     capture=False the same padded static-buffer forward runs eagerly: how the CPU tests and the GPU
     check's dry run exercise everything here but the capture itself.
     """
@@ -63,16 +63,20 @@ class GraphRunner:
         capture: bool = True,
     ) -> None:
         self.model, self.backend, self.device = model, backend, device
-        self.scratch_slot = backend.cache.scratch_slot
+        cache = backend.cache
+        self.scratch_block, self.block_size = cache.scratch_block, cache.block_size
         self.buckets = [b for b in BATCH_BUCKETS if b < num_slots] + [num_slots]
         self.context_buckets = context_buckets(max_seq_len)
-        n = self.buckets[-1]
+        n, width = self.buckets[-1], -(-max_seq_len // cache.block_size)
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slots = torch.full((n,), self.scratch_slot, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n,), self.scratch_block * self.block_size, dtype=torch.int64, device=device)
         self.lens = torch.ones(n, dtype=torch.int64, device=device)
+        self.tables = torch.full((n, width), self.scratch_block, dtype=torch.int64, device=device)  # [n, M]
         self.rows = torch.arange(n, dtype=torch.int64, device=device)
-        self.host = torch.empty((4, n), dtype=torch.int64, pin_memory=device.type == "cuda")
+        pinned = device.type == "cuda"
+        self.host = torch.empty((4, n), dtype=torch.int64, pin_memory=pinned)
+        self.host_tables = torch.empty((n, width), dtype=torch.int64, pin_memory=pinned)
         self.graphs: dict[Bucket, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if capture:
             self._capture()
@@ -89,10 +93,10 @@ class GraphRunner:
         """The bucket's forward over the static buffers, run eagerly: logits [batch, vocab]."""
         bs = bucket.batch
         meta = AttentionMetadata(
-            slot_ids=self.slots[:bs],
+            slot_mapping=self.slot_mapping[:bs],
             positions=self.positions[:bs],
             num_decode=bs,
-            decode_slots=self.slots[:bs],
+            block_tables=self.tables[:bs, : -(-bucket.context // self.block_size)],
             decode_lens=self.lens[:bs],
             max_decode_len=bucket.context,
         )
@@ -122,17 +126,23 @@ class GraphRunner:
     def prepare(self, decodes: Sequence[ScheduledSeq]) -> Bucket:
         """Copies the step's inputs into the static buffers, padded to its bucket; returns the bucket."""
         n, bucket = len(decodes), self.bucket(decodes)
-        host = self.host[:, : bucket.batch]
+        bs, width = self.block_size, -(-bucket.context // self.block_size)
+        host, tables = self.host[:, : bucket.batch], self.host_tables[: bucket.batch, :width]
         host[0].zero_()
         host[1].zero_()
-        host[2].fill_(self.scratch_slot)
+        host[2].fill_(self.scratch_block * bs)
         host[3].fill_(1)
+        tables.fill_(self.scratch_block)
         host[0, :n] = torch.tensor([s.token_ids[0] for s in decodes])
         host[1, :n] = torch.tensor([s.start_pos for s in decodes])
-        host[2, :n] = torch.tensor([s.slot for s in decodes])
+        host[2, :n] = torch.tensor([s.block_ids[s.start_pos // bs] * bs + s.start_pos % bs for s in decodes])
         host[3, :n] = host[1, :n] + 1
-        for buffer, row in zip((self.input_ids, self.positions, self.slots, self.lens), host):
+        for row, s in enumerate(decodes):
+            used = s.block_ids[:width]
+            tables[row, : len(used)] = torch.tensor(used)
+        for buffer, row in zip((self.input_ids, self.positions, self.slot_mapping, self.lens), host):
             buffer[: bucket.batch].copy_(row, non_blocking=True)
+        self.tables[: bucket.batch, :width].copy_(tables, non_blocking=True)
         return bucket
 
     def replay(self, decodes: Sequence[ScheduledSeq]) -> tuple[torch.Tensor, Bucket]:

@@ -74,16 +74,22 @@ class Executor:
             torch.cuda.set_device(self.device)
         args = checkpoint.args
         self.max_seq_len = min(config.max_seq_len, args.max_position_embeddings)
-        slot_bytes = KVCache.bytes_per_slot(
-            args.num_hidden_layers, args.num_key_value_heads, self.max_seq_len, args.head_dim, checkpoint.dtype
+        self.block_size = config.kv_block_size
+        block_bytes = KVCache.bytes_per_block(
+            args.num_hidden_layers, args.num_key_value_heads, self.block_size, args.head_dim, checkpoint.dtype
         )
-        self.num_slots = max(1, min(config.max_batch, config.kv_memory_bytes // slot_bytes - 1))
+        blocks_per_seq = -(-self.max_seq_len // self.block_size)
+        # the scratch block comes out of the budget too; slots are the calls that may run at once
+        budget_blocks = config.kv_memory_bytes // block_bytes - 1
+        self.num_slots = max(1, min(config.max_batch, budget_blocks // blocks_per_seq))
+        # as many blocks as the slots can fill: more would only hold cached prefixes (and cost their memory)
+        self.num_blocks = self.num_slots * blocks_per_seq
         self.model = self._build_model(checkpoint)
         self.kv_cache = KVCache(
             args.num_hidden_layers,
-            self.num_slots,
+            self.num_blocks,
             args.num_key_value_heads,
-            self.max_seq_len,
+            self.block_size,
             args.head_dim,
             checkpoint.dtype,
             self.device,
@@ -110,6 +116,8 @@ class Executor:
             device=self.info.name,
             slots=self.num_slots,
             max_seq_len=self.max_seq_len,
+            kv_blocks=self.num_blocks,
+            kv_block_size=self.block_size,
             kv_mib=self.kv_cache.num_bytes >> 20,
             kernels=self.cpu_ops is not None,
             kernels_isa=self.cpu_ops.isa if self.cpu_ops is not None else None,
@@ -192,33 +200,41 @@ class Executor:
         )
 
     def _eager(self, step: SchedulerOutput) -> torch.Tensor:
-        tokens, positions, slots, rows, chunks = [], [], [], [], []
-        for seq in step.decodes:
+        tokens, positions, slots, rows, chunks, row_seq = [], [], [], [], [], []
+        bs = self.block_size
+        seqs = (*step.decodes, *step.prefills)
+        for i, seq in enumerate(step.decodes):
             tokens.append(seq.token_ids[0])
             positions.append(seq.start_pos)
-            slots.append(seq.slot)
-            rows.append(len(rows))
-        for seq in step.prefills:
+            slots.append(seq.block_ids[seq.start_pos // bs] * bs + seq.start_pos % bs)
+            rows.append(i)
+            row_seq.append(i)
+        for i, seq in enumerate(step.prefills, start=len(step.decodes)):
             offset = len(tokens)
             tokens.extend(seq.token_ids)
-            positions.extend(range(seq.start_pos, seq.start_pos + seq.num_tokens))
-            slots.extend([seq.slot] * seq.num_tokens)
-            chunks.append(PrefillChunk(offset, seq.num_tokens, seq.slot, seq.start_pos))
+            span = range(seq.start_pos, seq.start_pos + seq.num_tokens)
+            positions.extend(span)
+            slots.extend(seq.block_ids[p // bs] * bs + p % bs for p in span)
+            row_seq.extend([i] * seq.num_tokens)
+            chunks.append(PrefillChunk(offset, seq.num_tokens, seq.start_pos))
             if seq.sample:
                 rows.append(offset + seq.num_tokens - 1)
         num_decode = len(step.decodes)
-        slot_ids, pos = self._ints(slots), self._ints(positions)
-        decode_lens = pos[:num_decode] + 1
+        pos = self._ints(positions)
+        # each sequence's table, cut to the blocks this step reads, padded with the scratch block: [S, M]
+        width = max(-(-(s.start_pos + s.num_tokens) // bs) for s in seqs)
+        scratch = self.kv_cache.scratch_block
+        tables = [[*s.block_ids[:width], *[scratch] * (width - min(width, len(s.block_ids)))] for s in seqs]
         meta = AttentionMetadata(
-            slot_ids=slot_ids,
+            slot_mapping=self._ints(slots),
             positions=pos,
             num_decode=num_decode,
-            decode_slots=slot_ids[:num_decode],
-            decode_lens=decode_lens,
+            block_tables=self._ints(tables)[self._ints(row_seq)],  # [T, M]
+            decode_lens=pos[:num_decode] + 1,
             max_decode_len=max(positions[:num_decode], default=0) + 1,
             prefills=tuple(chunks),
         )
         return self.model(self._ints(tokens), pos, self._ints(rows), self.backend, meta)
 
-    def _ints(self, values: list[int]) -> torch.Tensor:
+    def _ints(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

@@ -1,6 +1,6 @@
 """A Llama-family decoder (Llama, Mistral, Qwen2) in plain PyTorch.
 
-Tokens of a step are flattened: T tokens from several sequences, each with its own position and KV slot.
+Tokens of a step are flattened: T tokens from several sequences, each with its own position and KV blocks.
 The attention backend (attention.py) owns the static KV cache and knows which tokens belong together.
 """
 

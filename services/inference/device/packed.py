@@ -56,7 +56,7 @@ class KernelAttention(nn.Module):
             rotary.cos,
             rotary.sin,
             meta.positions,
-            meta.slot_ids,
+            meta.slot_mapping,
             backend.cache.k_layers[layer],
             backend.cache.v_layers[layer],
             a.num_attention_heads,
@@ -76,7 +76,7 @@ class KernelSiluAndMul(nn.Module):
 
 class KernelDecoderStack(DecoderStack):
     """The decoder layers on the kernels, all of them in one op a step (zeroqueue::decode_layers). Every row
-    attends from its own position over its slot's cache, which the op has just written for all the step's
+    attends from its own position over its sequence's blocks, which the op has just written for all the step's
     rows; a prompt chunk's rows are thus causal, and a decode-only step is bit-identical to running the
     layers one by one. The weights are gathered once: the executor never swaps a tensor of a packed model."""
 
@@ -126,7 +126,8 @@ class KernelDecoderStack(DecoderStack):
             rotary.cos,
             rotary.sin,
             meta.positions,
-            meta.slot_ids,
+            meta.slot_mapping,
+            meta.block_tables,
             lengths,
             backend.cache.k,
             backend.cache.v,

@@ -129,7 +129,12 @@ def build_engine(
 
     warming = make_engine(executor)
     ready = Ready(
-        executor.info, executor.num_slots, executor.max_seq_len, warming.scheduler.config.max_num_batched_tokens
+        executor.info,
+        executor.num_slots,
+        executor.max_seq_len,
+        warming.scheduler.config.max_num_batched_tokens,
+        num_kv_blocks=executor.num_blocks,
+        kv_block_size=executor.block_size,
     )
     cost, pacer = None, None
     if spec.calibrate:

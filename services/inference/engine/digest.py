@@ -21,6 +21,7 @@ class EndedRequest(NamedTuple):
     num_prompt_tokens: int
     num_output_tokens: int
     first_token_ns: int | None
+    num_cached_tokens: int = 0  # leading prompt tokens the prefix cache served (never computed for this call)
 
 
 class StepDigest(NamedTuple):
@@ -35,6 +36,14 @@ class StepDigest(NamedTuple):
     paced_ns: int = 0  # idle on purpose before this step (paced steps): billed to no one
     num_masked_rows: int = 0  # rows drawn under a grammar's mask (structured output)
     num_logprob_rows: int = 0  # rows that reported log-probabilities
+    # the KV block pool after the step (Scheduler.kv_counts): blocks held and cached now, then running totals
+    kv_blocks_used: int = 0
+    kv_blocks_cached: int = 0
+    prefix_hit_tokens: int = 0  # prompt tokens the prefix cache served
+    prefix_queried_tokens: int = 0  # prompt tokens of the calls that looked in it
+    prefix_hit_calls: int = 0
+    prefix_queried_calls: int = 0
+    kv_evicted_blocks: int = 0
 
     @property
     def interval_ns(self) -> int:
@@ -51,14 +60,14 @@ class StepDigest(NamedTuple):
     @classmethod
     def from_wire(cls, wire: tuple) -> StepDigest:
         """The digest that `step_wire` shipped, rebuilt in the server process (off the engine's core)."""
-        # the fields after the ended requests (unfinished, free slots, paced ns, masked and logprob rows) travel as
-        # they are, in the digest's order
+        # the fields after the ended requests (unfinished, free slots, paced ns, masked and logprob rows, the KV
+        # pool's counts) travel as they are, in the digest's order
         began_ns, ended_ns, ran, decode_ids, prefills, context_tokens, ended, *counts = wire
         work = tuple([(rid, 1) for rid in decode_ids]) + prefills
         ended = tuple(
             [
-                EndedRequest(rid, RequestStatus(status), prompt, output, first)
-                for rid, status, prompt, output, first in ended
+                EndedRequest(rid, RequestStatus(status), prompt, output, first, cached)
+                for rid, status, prompt, output, first, cached in ended
             ]
         )
         return cls(began_ns, ended_ns, ran, work, context_tokens, ended, *counts)
@@ -73,7 +82,14 @@ def step_wire(report, num_free_slots: int) -> tuple:
     ended = (
         tuple(
             [
-                (r.call_id, int(r.status), len(r.prompt_token_ids), len(r.output_token_ids), r.first_token_ns)
+                (
+                    r.call_id,
+                    int(r.status),
+                    len(r.prompt_token_ids),
+                    len(r.output_token_ids),
+                    r.first_token_ns,
+                    r.num_cached_tokens,
+                )
                 for r in report.ended
             ]
         )
@@ -92,12 +108,18 @@ def step_wire(report, num_free_slots: int) -> tuple:
         num_free_slots,
         report.paced_ns,
         *report.host_rows,
+        *report.kv_counts,
     )
 
 
 def ended_request(request: Request) -> EndedRequest:
     return EndedRequest(
-        request.call_id, request.status, request.num_prompt_tokens, request.num_output_tokens, request.first_token_ns
+        request.call_id,
+        request.status,
+        request.num_prompt_tokens,
+        request.num_output_tokens,
+        request.first_token_ns,
+        request.num_cached_tokens,
     )
 
 
@@ -112,6 +134,7 @@ class StepReport:
     ended_ns: int
     num_unfinished: int  # requests still in the engine after this step
     paced_ns: int = 0  # the engine idled this long on purpose (paced steps) before this step
+    kv_counts: tuple[int, ...] = ()  # the KV block pool's counts after it (Scheduler.kv_counts); (): none
 
     @property
     def interval_ns(self) -> int:
@@ -170,6 +193,7 @@ class Observers:
             num_free_slots,
             report.paced_ns,
             *report.host_rows,
+            *report.kv_counts,
         )
         for observer in self.observers:
             observer.on_step(digest)

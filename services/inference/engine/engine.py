@@ -70,7 +70,11 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.scheduler = Scheduler(
             SchedulerConfig(
-                executor.num_slots, executor.max_seq_len, max(max_num_batched_tokens, executor.num_slots + 1)
+                executor.num_slots,
+                executor.max_seq_len,
+                max(max_num_batched_tokens, executor.num_slots + 1),
+                executor.block_size,
+                executor.num_blocks,
             )
         )
         self.clock = clock
@@ -175,6 +179,7 @@ class Engine:
             ended_ns,
             self.scheduler.num_unfinished,
             self._paced_ns,
+            self.scheduler.kv_counts,
         )
         self._paced_ns = 0
         if result is not None:

@@ -60,6 +60,8 @@ class Ready:
     cost_us_per_logprob_row: float = 0.0
     engine_cpus: tuple[int, ...] = ()  # with pin_cpus: the engine process's cores, and the server's
     server_cpus: tuple[int, ...] = ()
+    num_kv_blocks: int = 0  # the paged KV cache's pool (device/attention.py), blocks of kv_block_size tokens
+    kv_block_size: int = 0
 
 
 DEVICE_FAULT_EXIT = 3  # the child's exit status after a device fault

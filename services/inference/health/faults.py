@@ -71,7 +71,7 @@ def _seconds(text: str) -> float:
 
 class ExecutorLayer:
     """An executor wrapped by another (a fault beneath, the watchdog's timing above): the engine sizes its
-    scheduler by the executor it runs, so a layer says the slots and the context of the one beneath."""
+    scheduler by the executor it runs, so a layer says the slots, the context and the KV blocks of the one beneath."""
 
     executor: Any
 
@@ -82,6 +82,14 @@ class ExecutorLayer:
     @property
     def max_seq_len(self) -> int:
         return self.executor.max_seq_len
+
+    @property
+    def block_size(self) -> int:
+        return self.executor.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.executor.num_blocks
 
 
 class FaultyExecutor(ExecutorLayer):

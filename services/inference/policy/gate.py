@@ -1,5 +1,6 @@
-"""What the serving policy says of one call at its arrival: the class of service it gets (`class_of`) and whether its
-tenant is within its quotas (`QuotaGate`). Both read only the book's frozen policy: O(1), no I/O, on the event loop.
+"""What the serving policy says of one call at its arrival: the class of service it gets (`class_of`), whether its
+tenant is within its quotas (`QuotaGate`), and whose prefix cache it may share (`PrefixCachePolicy`). All read only
+the book's frozen policy or the replica's flags: O(1), no I/O, on the event loop.
 
 The class of service of a call (billing/policy.py ClassSpec), in domain terms: the name a request asked for
 (checked for its size and characters by generate_request.py) and the call's budget give its class, or the
@@ -11,6 +12,12 @@ Tenants' quotas at admission (billing/policy.py TenantQuota): O(1) per call, no 
 Monthly caps (device time, spend) are judged on the month-to-date use the ledger held at the policy's last read
 (book.py, every few seconds): a tenant at its cap is refused until the month resets. Calls per second are
 a token bucket per tenant on this replica: `calls_per_s` tokens at most, refilled at `calls_per_s` a second.
+
+The prefix cache keys every cached KV block by a salt (sched/blocks.py). A cache shared across tenants is a timing
+side channel: a call that comes back fast has learnt that some other call began with the same tokens, so a tenant
+could probe what another tenant's prompts start with. So each tenant's calls get a salt of their own, and share
+cached blocks only among themselves, unless the operator opts tenants or classes of service into one shared cache
+(`zeroqueue serve --shared-prefix-cache`), accepting that risk among them. `--no-prefix-cache` turns caching off.
 """
 
 from __future__ import annotations
@@ -144,3 +151,21 @@ class QuotaGate:
             bucket.tokens -= 1.0
             return 0
         return max(int((1.0 - bucket.tokens) * NS_PER_S / rate_per_s), 1)
+
+
+CLASS_PREFIX = "class:"  # a --shared-prefix-cache entry naming a class of service, not a tenant
+SHARED_SALT = b"shared"
+
+
+@dataclass(frozen=True)
+class PrefixCachePolicy:
+    enabled: bool = True
+    shared: frozenset[str] = frozenset()  # tenant names, and class names as "class:NAME", in one shared cache
+
+    def salt(self, tenant: str, klass: str) -> bytes | None:
+        """The salt of a call of `tenant` in class `klass`; None: it neither reads nor fills the cache."""
+        if not self.enabled:
+            return None
+        if tenant in self.shared or CLASS_PREFIX + klass in self.shared:
+            return SHARED_SALT
+        return b"tenant:" + tenant.encode()

@@ -88,7 +88,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose k/v are in the cache
-    slot: int | None = None
+    slot: int | None = None  # its place among the calls that run at once
+    block_ids: tuple[int, ...] = ()  # its KV block table, reserved whole when it starts (sched/blocks.py)
+    num_cached_tokens: int = 0  # leading prompt tokens it found in the prefix cache, never computed for it
+    cache_salt: bytes | None = None  # whose prefix cache it may read and add to; None: neither
     first_scheduled_ns: int | None = None  # start of the first step that ran it
     first_token_ns: int | None = None  # end of the step that produced its first token
     # its grammar's matcher (an llguidance.LLMatcher), the engine's own, set when the engine takes a constrained

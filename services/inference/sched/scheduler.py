@@ -2,6 +2,8 @@
 
 Each step runs one decode token for every running request past its prompt, then spends what is left of the
 step's token budget on prompt chunks, oldest request first, so a long prompt never stalls running decodes.
+A request starts only with a slot and every KV block it may need (its prompt plus its max_tokens) reserved,
+less the blocks of its prompt's cached prefix (blocks.py): nothing running is ever preempted.
 """
 
 from __future__ import annotations
@@ -10,26 +12,33 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from .blocks import BlockPool
 from .request import Request, RequestStatus
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    num_slots: int  # KV slots, the most sequences that can be in flight
-    max_seq_len: int  # tokens one slot holds
+    num_slots: int  # the most sequences that can be in flight
+    max_seq_len: int  # tokens one sequence may hold
     max_num_batched_tokens: int = 256  # tokens per step: decodes plus prefill chunks
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int = 0  # KV blocks in the pool; 0: enough for every slot at max_seq_len
 
     def __post_init__(self) -> None:
-        if self.num_slots <= 0 or self.max_seq_len <= 0:
-            raise ValueError("num_slots and max_seq_len must be positive")
+        if self.num_slots <= 0 or self.max_seq_len <= 0 or self.block_size <= 0 or self.num_blocks < 0:
+            raise ValueError("num_slots, max_seq_len and block_size must be positive, num_blocks not negative")
         if self.max_num_batched_tokens < self.num_slots + 1:
             raise ValueError("max_num_batched_tokens must exceed num_slots so prefill always progresses")
+
+    @property
+    def pool_blocks(self) -> int:
+        return self.num_blocks or self.num_slots * -(-self.max_seq_len // self.block_size)
 
 
 @dataclass(frozen=True)
 class ScheduledSeq:
     request: Request
-    slot: int
+    block_ids: tuple[int, ...]  # its KV block table
     start_pos: int  # position of the first token run this step
     token_ids: tuple[int, ...]  # tokens run this step
     sample: bool  # the last token's logits are sampled into a new token
@@ -43,7 +52,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     decodes: tuple[ScheduledSeq, ...]  # one token each
     prefills: tuple[ScheduledSeq, ...]  # prompt chunks
-    expired: tuple[Request, ...]  # ended before this step; their slots are already free
+    expired: tuple[Request, ...]  # ended before this step; their slots and blocks are already free
 
     @property
     def num_tokens(self) -> int:
@@ -75,11 +84,27 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_slots: list[int] = list(range(config.num_slots - 1, -1, -1))
+        self.blocks = BlockPool(config.pool_blocks, config.block_size)
         self.requests: dict[str, Request] = {}
 
     @property
     def num_free_slots(self) -> int:
         return len(self.free_slots)
+
+    @property
+    def kv_counts(self) -> tuple[int, ...]:
+        """(blocks used, blocks cached, prompt tokens the prefix cache served, prompt tokens looked up, calls that
+        hit, calls that looked, blocks evicted): the pool now, then its running totals (StepDigest's last seven)."""
+        b = self.blocks
+        return (
+            b.num_used,
+            b.num_cached,
+            b.num_hit_tokens,
+            b.num_queried_tokens,
+            b.num_hit_calls,
+            b.num_queried_calls,
+            b.num_evicted_blocks,
+        )
 
     @property
     def num_unfinished(self) -> int:
@@ -94,7 +119,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def finish_requests(self, call_ids: Iterable[str], status: RequestStatus) -> list[Request]:
-        """Ends requests (cancelled, stopped by a stop string) and frees their slots at once."""
+        """Ends requests (cancelled, stopped by a stop string) and frees their slots and blocks at once."""
         ended = []
         for call_id in call_ids:
             request = self.requests.get(call_id)
@@ -113,7 +138,7 @@ class Scheduler:
         for request in expired:
             self._finish(request, RequestStatus.FINISHED_EXPIRED)
         decodes = [
-            ScheduledSeq(r, r.slot, r.num_computed_tokens, (r.token_at(r.num_computed_tokens),), True)
+            ScheduledSeq(r, r.block_ids, r.num_computed_tokens, (r.token_at(r.num_computed_tokens),), True)
             for r in self.running
             if not r.is_prefilling
         ]
@@ -124,7 +149,10 @@ class Scheduler:
                 prefills.append(self._chunk(request, budget))
                 budget -= prefills[-1].num_tokens
         while self.waiting and self.free_slots and budget > 0:
-            request = self.waiting.popleft()
+            request = self.waiting[0]
+            if not self._reserve(request):
+                break  # in arrival order: a later, smaller request does not overtake it
+            self.waiting.popleft()
             request.slot = self.free_slots.pop()
             request.status = RequestStatus.RUNNING
             request.first_scheduled_ns = now_ns
@@ -141,6 +169,7 @@ class Scheduler:
             if request.is_finished:  # cancelled while the step ran
                 continue
             request.num_computed_tokens += seq.num_tokens
+            self._keep_full_blocks(request, seq.num_tokens)
             token = sampled.get(request.call_id) if seq.sample else None
             if token is not None:
                 request.output_token_ids.append(token)
@@ -150,11 +179,29 @@ class Scheduler:
             updates.append(StepUpdate(request, token))
         return updates
 
+    def _reserve(self, request: Request) -> bool:
+        """Reserves the request's blocks, its cached prefix's among them; False when the pool lacks them now."""
+        num_tokens = request.num_prompt_tokens + request.sampling.max_tokens
+        allocation = self.blocks.allocate(request.prompt_token_ids, num_tokens, request.cache_salt)
+        if allocation is None:
+            return False
+        request.block_ids = allocation.block_ids
+        request.num_cached_tokens = request.num_computed_tokens = allocation.num_cached_tokens
+        return True
+
+    def _keep_full_blocks(self, request: Request, num_new: int) -> None:
+        """Offers the blocks this step filled to the prefix cache (only when a step crossed a block's end)."""
+        done, bs = request.num_computed_tokens, self.config.block_size
+        if request.cache_salt is None or done // bs == (done - num_new) // bs:
+            return
+        tokens = (*request.prompt_token_ids, *request.output_token_ids)
+        self.blocks.commit(request.block_ids, tokens, request.num_computed_tokens, request.cache_salt)
+
     def _chunk(self, request: Request, budget: int) -> ScheduledSeq:
         start = request.num_computed_tokens
         n = min(budget, request.num_remaining_prompt_tokens)
         tokens = request.prompt_token_ids[start : start + n]
-        return ScheduledSeq(request, request.slot, start, tokens, sample=start + n == request.num_prompt_tokens)
+        return ScheduledSeq(request, request.block_ids, start, tokens, sample=start + n == request.num_prompt_tokens)
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
         if token in request.sampling.stop_token_ids:
@@ -168,6 +215,9 @@ class Scheduler:
         if request.slot is not None:
             self.free_slots.append(request.slot)
             request.slot = None
+        if request.block_ids:
+            self.blocks.free(request.block_ids)
+            request.block_ids = ()
         if request in self.running:
             self.running.remove(request)
         else:

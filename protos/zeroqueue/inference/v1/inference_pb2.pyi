@@ -230,7 +230,7 @@ class Timings(_message.Message):
     def __init__(self, received_at_us: _Optional[int] = ..., first_scheduled_at_us: _Optional[int] = ..., first_token_at_us: _Optional[int] = ..., finished_at_us: _Optional[int] = ..., queue_us: _Optional[int] = ..., ttft_us: _Optional[int] = ..., total_us: _Optional[int] = ..., deadline_met: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "sm_us", "unit", "device_kind", "device_id", "num_compute_units")
+    __slots__ = ("prompt_tokens", "completion_tokens", "sm_us", "unit", "device_kind", "device_id", "num_compute_units", "cached_prompt_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SM_US_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +238,7 @@ class Usage(_message.Message):
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTE_UNITS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     sm_us: int
@@ -245,7 +246,8 @@ class Usage(_message.Message):
     device_kind: str
     device_id: str
     num_compute_units: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., sm_us: _Optional[int] = ..., unit: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_id: _Optional[str] = ..., num_compute_units: _Optional[int] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., sm_us: _Optional[int] = ..., unit: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_id: _Optional[str] = ..., num_compute_units: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
@@ -258,7 +260,7 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "context_length", "dtype", "device_kind", "device_name", "num_compute_units", "unit", "state", "max_batch", "vocab_size", "device_state", "classes", "has_chat_template", "response_formats")
+    __slots__ = ("name", "context_length", "dtype", "device_kind", "device_name", "num_compute_units", "unit", "state", "max_batch", "vocab_size", "device_state", "classes", "has_chat_template", "response_formats", "kv_blocks", "kv_block_size", "prefix_cache")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +275,9 @@ class ModelInfo(_message.Message):
     CLASSES_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FORMATS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     name: str
     context_length: int
     dtype: str
@@ -287,7 +292,10 @@ class ModelInfo(_message.Message):
     classes: _containers.RepeatedCompositeFieldContainer[ClassOffer]
     has_chat_template: bool
     response_formats: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., num_compute_units: _Optional[int] = ..., unit: _Optional[str] = ..., state: _Optional[_Union[WarmupState, str]] = ..., max_batch: _Optional[int] = ..., vocab_size: _Optional[int] = ..., device_state: _Optional[_Union[DeviceState, str]] = ..., classes: _Optional[_Iterable[_Union[ClassOffer, _Mapping]]] = ..., has_chat_template: _Optional[bool] = ..., response_formats: _Optional[_Iterable[str]] = ...) -> None: ...
+    kv_blocks: int
+    kv_block_size: int
+    prefix_cache: bool
+    def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., num_compute_units: _Optional[int] = ..., unit: _Optional[str] = ..., state: _Optional[_Union[WarmupState, str]] = ..., max_batch: _Optional[int] = ..., vocab_size: _Optional[int] = ..., device_state: _Optional[_Union[DeviceState, str]] = ..., classes: _Optional[_Iterable[_Union[ClassOffer, _Mapping]]] = ..., has_chat_template: _Optional[bool] = ..., response_formats: _Optional[_Iterable[str]] = ..., kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., prefix_cache: _Optional[bool] = ...) -> None: ...
 
 class ClassOffer(_message.Message):
     __slots__ = ("name", "min_budget_ms", "max_budget_ms", "priority", "price_micros", "currency", "credit_ppm")

@@ -171,12 +171,15 @@ class CpuOps:
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        slots: torch.Tensor,
+        block_tables: torch.Tensor,
         lengths: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        """q [B, H, D], caches [S, KVH, T, D], slots/lengths int64 [B] -> [B, H, D] in q's dtype."""
-        return torch.ops.zeroqueue.decode_attention.default(q, k_cache, v_cache, slots, lengths, scale)
+        """q [B, H, D] against one layer's paged caches [N, KVH, BS, D] (BS a multiple of 16) -> [B, H, D] in q's
+        dtype. Row b attends to its positions [0, lengths[b]), position p being row p % BS of block
+        block_tables[b, p // BS]; block_tables int64 [B, M] (entries past a row's length are never read),
+        lengths int64 [B], each <= M * BS."""
+        return torch.ops.zeroqueue.decode_attention.default(q, k_cache, v_cache, block_tables, lengths, scale)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [..., C] -> weight * to_dtype(x * rsqrt(mean(x^2) + eps)), the Hugging Face RMSNorm in one op."""
@@ -194,16 +197,17 @@ class CpuOps:
         cos: torch.Tensor,
         sin: torch.Tensor,
         positions: torch.Tensor,
-        slots: torch.Tensor,
+        slot_mapping: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         heads: int,
         kv_heads: int,
     ) -> torch.Tensor:
-        """qkv [T, (H + 2 KVH) D] -> q rotated [T, H, D]; k rotated and v written into one layer's caches
-        [S, KVH, L, D] at [slot, :, position]. cos/sin are the model's tables [>= L, D], sin sign-folded."""
+        """qkv [T, (H + 2 KVH) D] -> q rotated [T, H, D]; k rotated and v written into one layer's paged caches
+        [N, KVH, BS, D] at [slot_mapping // BS, :, slot_mapping % BS] (slot_mapping int64 [T], < N * BS).
+        positions int64 [T] are the rotary positions: rows of cos/sin, the model's tables [L, D], sin sign-folded."""
         return torch.ops.zeroqueue.rope_cache.default(
-            qkv, cos, sin, positions, slots, k_cache, v_cache, heads, kv_heads
+            qkv, cos, sin, positions, slot_mapping, k_cache, v_cache, heads, kv_heads
         )
 
     def apply_token_bitmask(self, logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
@@ -225,7 +229,8 @@ class CpuOps:
         cos: torch.Tensor,
         sin: torch.Tensor,
         positions: torch.Tensor,
-        slots: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
         lengths: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
@@ -234,10 +239,12 @@ class CpuOps:
         eps: float,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every decoder layer of a step in one op, each row attending over its slot's cache up to its own
+        """Every decoder layer of a step in one op, each row attending over its sequence's blocks up to its own
         position: x [T, hidden] -> (the last layer's MLP output, the residual stream before it). Per layer 6
         weights (input norm, qkv, o, post-attention norm, gate_up, down; linears packed) and 4 optional
-        biases; caches [layers, S, KVH, L, D]; positions, slots, lengths (= positions + 1) int64 [T]."""
+        biases; paged caches [layers, N, KVH, BS, D] (BS a multiple of 16); positions, slot_mapping (where each
+        row's k and v go, as rope_cache's), lengths (= positions + 1) int64 [T]; block_tables int64 [T, M], a
+        row per token row (a prompt chunk's rows repeat their sequence's table), as decode_attention's."""
         return torch.ops.zeroqueue.decode_layers.default(
             x,
             weights,
@@ -246,7 +253,8 @@ class CpuOps:
             cos,
             sin,
             positions,
-            slots,
+            slot_mapping,
+            block_tables,
             lengths,
             k_cache,
             v_cache,

@@ -1,7 +1,9 @@
-// zeroqueue::decode_attention: one new query token per sequence against its slot of a static KV cache.
-// q [B, H, D], k_cache/v_cache [S, KVH, T, D], slots/lengths int64 [B] -> out [B, H, D];
-// out[b, h] = softmax(scale * q[b, h] . K[slots[b], h / (H / KVH), :lengths[b]]^T) . V[same], fp32 inside.
-// Each (b, h) is computed alone in a fixed order, so it is bit-identical in any batch.
+// zeroqueue::decode_attention: one new query token per sequence against its blocks of a paged KV cache.
+// q [B, H, D], k_cache/v_cache [N, KVH, BS, D], block_tables int64 [B, M], lengths int64 [B] -> out [B, H, D];
+// position p of sequence b lives in block block_tables[b, p / BS] at row p % BS, and
+// out[b, h] = softmax(scale * q[b, h] . K_b[h / (H / KVH), :lengths[b]]^T) . V_b[same], fp32 inside.
+// Each (b, h) is computed alone in a fixed order over its positions, so it is bit-identical in any batch,
+// whatever the block size and whichever blocks hold its rows.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
@@ -17,7 +19,8 @@
 namespace zq {
 namespace {
 
-constexpr int64_t kPrefetchRows = 64;  // how far ahead of the score loop K rows are prefetched
+constexpr int64_t kPrefetchRows = 64;     // how far ahead of the score loop K rows are prefetched into L1
+constexpr int64_t kPrefetchL2Rows = 128;  // how far ahead K and V rows are prefetched into L2 (L2Stream)
 
 // v[i] <- lower halves of 2S-blocks: x's half-sums, upper halves: y's half-sums (i < S).
 template <int S>
@@ -38,6 +41,92 @@ inline vf sum_lanes16(vf (&v)[kLanes]) {
   return v[0];
 }
 
+// A sequence's positions walked 16 at a time through its block table. The block size is a multiple of 16
+// (checked in decode_attention), so no run of 16 straddles two blocks: one table lookup and one base pointer a
+// run, no division, and the inner loops over the run's rows stay those of a contiguous cache.
+class Cursor {
+ public:
+  Cursor(const int64_t* table, int64_t block_size, int64_t t)
+      : table_(table), block_size_(block_size), block_(t / block_size), row_(t % block_size) {}
+  // The first of this run's rows in a cache whose block 0 starts at base: [16 rows][ld].
+  template <typename T>
+  const T* rows(const T* base, int64_t block_stride, int64_t ld) const {
+    return base + table_[block_] * block_stride + row_ * ld;
+  }
+  void next() {
+    row_ += kLanes;
+    if (row_ == block_size_) {
+      row_ = 0;
+      ++block_;
+    }
+  }
+
+ private:
+  const int64_t* table_;
+  int64_t block_size_, block_, row_;
+};
+
+struct AttentionArgs {
+  int64_t batch, heads, kv_heads, head_dim, max_len, block_size;
+  const int64_t* tables;  // [batch][table_width]
+  int64_t table_width;
+  const int64_t* lengths;
+  float scale;
+};
+
+// K and V rows into L2 kPrefetchL2Rows ahead of the score loop, in the order a thread reads them: through each
+// (sequence, kv head) pair's block table, and on past a pair's last row into the thread's next pairs. On a
+// contiguous cache the hardware's L2 streamer did this (a thread's pairs were one stream in each cache); a paged
+// cache is pieces of BS rows (2 KB at BS 16, D 64, bf16) anywhere, too short for it. Measured at 1-32 sequences x
+// 512-2048 positions, bf16, BS 16 and 32, the cache read from memory as a step's other layers leave it: without
+// this 20-35% more time than the contiguous cache, with it within +-10% of it. Where the cache is still in L2/L3
+// from the call before (a benchmark's loop), the scattered rows cost 15-35% with or without it.
+template <typename T>
+class L2Stream {
+ public:
+  // The thread's pairs [pair, end) of the caches kc, vc (whose data begin at k, v), with a's tables and lengths.
+  L2Stream(const T* k, const T* v, const at::Tensor& kc, const at::Tensor& vc, const AttentionArgs& a, int64_t pair,
+           int64_t end)
+      : k_(k), v_(v), kblock_(kc.stride(0)), khead_(kc.stride(1)), ldk_(kc.stride(2)), vblock_(vc.stride(0)),
+        vhead_(vc.stride(1)), ldv_(vc.stride(2)), a_(a), pair_(pair), end_(end), at_(table(pair), a.block_size, 0) {}
+
+  // The score loop is about to read n more rows: keep kPrefetchL2Rows prefetched past them.
+  void advance(int64_t n) {
+    ahead_ -= n;
+    while (ahead_ < kPrefetchL2Rows && pair_ < end_) {
+      const int64_t len = a_.lengths[pair_ / a_.kv_heads], kvh = pair_ % a_.kv_heads;
+      if (row_ >= len) {  // on to the next pair (the table is read only below each pair's length)
+        if (++pair_ < end_) at_ = Cursor(table(pair_), a_.block_size, 0);
+        row_ = 0;
+        continue;
+      }
+      const int64_t rows = std::min(kLanes, len - row_);
+      prefetch(at_.rows(k_ + kvh * khead_, kblock_, ldk_), rows, ldk_);
+      prefetch(at_.rows(v_ + kvh * vhead_, vblock_, ldv_), rows, ldv_);
+      row_ += kLanes;
+      at_.next();
+      ahead_ += rows;
+    }
+  }
+
+ private:
+  const int64_t* table(int64_t pair) const { return a_.tables + pair / a_.kv_heads * a_.table_width; }
+  void prefetch(const T* first, int64_t rows, int64_t ld) const {
+    for (int64_t i = 0; i < rows; ++i) {
+      const char* row = reinterpret_cast<const char*>(first + i * ld);
+      for (int64_t b = 0; b < a_.head_dim * int64_t(sizeof(T)); b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
+    }
+  }
+
+  const T* k_;
+  const T* v_;
+  int64_t kblock_, khead_, ldk_, vblock_, vhead_, ldv_;  // strides of the caches [N, KVH, BS, D]
+  const AttentionArgs& a_;
+  int64_t pair_, end_;  // the pair whose rows are prefetched next, and the end of the thread's pairs
+  Cursor at_;           // the next run of rows to prefetch: row_ of pair_
+  int64_t row_ = 0, ahead_ = 0;
+};
+
 // One sequence's kv head and its query heads (a GQA group), attended together so that each K and V row
 // is read from memory once for all of them.
 template <typename T>
@@ -45,12 +134,15 @@ struct Group {
   const T* q;             // [heads][D]
   T* out;                 // [heads][D]
   int64_t heads;
-  const T* k;             // [len][ldk]: this sequence's cached keys for this kv head
-  const T* v;             // [len][ldv]
-  int64_t ldk, ldv, len;
+  const T* k;             // this kv head in block 0: block j's row r is at k + j * kblock + r * ldk
+  const T* v;             // the same with vblock, ldv
+  int64_t kblock, vblock, ldk, ldv;
+  const int64_t* table;   // [>= ceil(len / block_size)]: this sequence's block ids
+  int64_t block_size, len;
   float scale;
   float* scores;          // scratch [heads][len]
   float* sums;            // scratch [heads]
+  L2Stream<T>* stream;    // this thread's prefetches into L2
 };
 
 // One query head in registers, as its dot products with cached rows need it: 16 lanes of partial sums.
@@ -88,31 +180,33 @@ struct Query<BFloat16, NV> {  // bf16: VDPBF16PS on the raw pairs, half the inst
 };
 #endif
 
-// Keeps two streams in flight: K rows kPrefetchRows ahead into L1, and this block's V rows into L2 for
-// the V pass after the softmax (measured: -20 to -25% time at 32 sequences x 512 or 2048 positions).
+// K rows kPrefetchRows ahead into L1 (from L2, where the L2Stream has put them): n rows from k_ahead, found
+// through the block table.
 template <typename T, int NV>
-void prefetch_block(const Group<T>& g, int64_t t0) {
+void prefetch_k(const Group<T>& g, const T* k_ahead, int64_t n) {
   constexpr int64_t kRowBytes = NV * kLanes * sizeof(T);
-  for (int64_t t = t0; t < std::min(t0 + kLanes, g.len); ++t) {
-    const char* v = reinterpret_cast<const char*>(g.v + t * g.ldv);
-    for (int64_t b = 0; b < kRowBytes; b += 64) _mm_prefetch(v + b, _MM_HINT_T1);
-    if (t + kPrefetchRows >= g.len) continue;
-    const char* k = reinterpret_cast<const char*>(g.k + (t + kPrefetchRows) * g.ldk);
-    for (int64_t b = 0; b < kRowBytes; b += 64) _mm_prefetch(k + b, _MM_HINT_T0);
+  for (int64_t i = 0; i < n; ++i) {
+    const char* kr = reinterpret_cast<const char*>(k_ahead + i * g.ldk);
+    for (int64_t b = 0; b < kRowBytes; b += 64) _mm_prefetch(kr + b, _MM_HINT_T0);
   }
 }
 
-// scores[h][t] = scale * q[h] . k[t]. Per block of 16 positions, the first head loads the K rows from
-// memory and the others from L1; the 16 positions' 16-lane partial dot products are reduced together.
+// scores[h][t] = scale * q[h] . k[t]. Per run of 16 positions (in one block), the first head loads the K rows
+// from memory and the others from L1; the 16 positions' 16-lane partial dot products are reduced together.
 template <typename T, int NV>
 void group_scores(const Group<T>& g) {
-  for (int64_t t0 = 0; t0 < g.len; t0 += kLanes) {
-    const int64_t n = std::min(kLanes, g.len - t0);
-    prefetch_block<T, NV>(g, t0);
+  static_assert(kPrefetchRows % kLanes == 0, "the prefetch runs must stay within one block, as the runs do");
+  Cursor at(g.table, g.block_size, 0), ahead(g.table, g.block_size, kPrefetchRows);
+  for (int64_t t0 = 0; t0 < g.len; t0 += kLanes, at.next(), ahead.next()) {
+    const int64_t n = std::min(kLanes, g.len - t0), n_ahead = std::min(kLanes, g.len - t0 - kPrefetchRows);
+    g.stream->advance(n);
+    // the table is read only for positions below len: its entries past those may be any id
+    if (n_ahead > 0) prefetch_k<T, NV>(g, ahead.rows(g.k, g.kblock, g.ldk), n_ahead);
+    const T* k = at.rows(g.k, g.kblock, g.ldk);
     for (int64_t h = 0; h < g.heads; ++h) {
       const Query<T, NV> q(g.q + h * NV * kLanes);
       vf part[kLanes];
-      for (int i = 0; i < kLanes; ++i) part[i] = i < n ? q.dot(g.k + (t0 + i) * g.ldk) : vzero();
+      for (int i = 0; i < kLanes; ++i) part[i] = i < n ? q.dot(k + i * g.ldk) : vzero();
       store16(g.scores + h * g.len + t0, vmul(sum_lanes16(part), vset1(g.scale)), first_n(n));
     }
   }
@@ -140,12 +234,16 @@ void group_values(const Group<T>& g, int64_t h0) {
   vf acc[NH][NV];
   for (int h = 0; h < NH; ++h)
     for (int c = 0; c < NV; ++c) acc[h][c] = vzero();
-  for (int64_t t = 0; t < g.len; ++t) {
-    vf vv[NV];
-    for (int c = 0; c < NV; c += 2) load32(g.v + t * g.ldv + c * kLanes, vv + c);
-    for (int h = 0; h < NH; ++h) {
-      const vf p = vset1(g.scores[(h0 + h) * g.len + t]);
-      for (int c = 0; c < NV; ++c) acc[h][c] = vfmadd(p, vv[c], acc[h][c]);
+  Cursor at(g.table, g.block_size, 0);
+  for (int64_t t0 = 0; t0 < g.len; t0 += kLanes, at.next()) {  // positions in order: the same sums as one block
+    const T* v = at.rows(g.v, g.vblock, g.ldv);
+    for (int64_t i = 0, n = std::min(kLanes, g.len - t0); i < n; ++i) {
+      vf vv[NV];
+      for (int c = 0; c < NV; c += 2) load32(v + i * g.ldv + c * kLanes, vv + c);
+      for (int h = 0; h < NH; ++h) {
+        const vf p = vset1(g.scores[(h0 + h) * g.len + t0 + i]);
+        for (int c = 0; c < NV; ++c) acc[h][c] = vfmadd(p, vv[c], acc[h][c]);
+      }
     }
   }
   for (int h = 0; h < NH; ++h) {
@@ -177,13 +275,6 @@ void attend_group(const Group<T>& g) {
   values_from<T, NV, kFused>(g, 0);
 }
 
-struct AttentionArgs {
-  int64_t batch, heads, kv_heads, head_dim, max_len;
-  const int64_t* slots;
-  const int64_t* lengths;
-  float scale;
-};
-
 // Threads split the (sequence, kv head) pairs: each pair's K and V are streamed once.
 template <typename T, int NV>
 void attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, at::Tensor& out,
@@ -197,13 +288,14 @@ void attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor&
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, 2 * a.max_len * d));
   at::parallel_for(0, a.batch * a.kv_heads, grain, [&](int64_t p0, int64_t p1) {
     std::vector<float> scratch(group * (a.max_len + 1));
+    L2Stream<T> stream(kp, vp, kc, vc, a, p0, p1);
     for (int64_t pair = p0; pair < p1; ++pair) {
-      const int64_t b = pair / a.kv_heads, kvh = pair % a.kv_heads, slot = a.slots[b];
+      const int64_t b = pair / a.kv_heads, kvh = pair % a.kv_heads;
       const int64_t first = (b * a.heads + kvh * group) * d;
-      const Group<T> g{qp + first, op + first, group,
-                       kp + slot * kc.stride(0) + kvh * kc.stride(1), vp + slot * vc.stride(0) + kvh * vc.stride(1),
-                       kc.stride(2), vc.stride(2), a.lengths[b], a.scale,
-                       scratch.data(), scratch.data() + group * a.max_len};
+      const Group<T> g{qp + first, op + first, group, kp + kvh * kc.stride(1), vp + kvh * vc.stride(1),
+                       kc.stride(0), vc.stride(0), kc.stride(2), vc.stride(2), a.tables + b * a.table_width,
+                       a.block_size, a.lengths[b], a.scale, scratch.data(), scratch.data() + group * a.max_len,
+                       &stream};
       attend_group<T, NV>(g);
     }
   });
@@ -223,10 +315,10 @@ void dispatch_head_dim(const at::Tensor& q, const at::Tensor& kc, const at::Tens
 }  // namespace
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& slots, const at::Tensor& lengths, double scale) {
+                            const at::Tensor& block_tables, const at::Tensor& lengths, double scale) {
   TORCH_CHECK(q.dim() == 3, "decode_attention: q must be [B, H, D], got ", q.sizes());
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-              "decode_attention: k_cache and v_cache must both be [S, KVH, T, D], got ", k_cache.sizes(), " and ",
+              "decode_attention: k_cache and v_cache must both be [N, KVH, BS, D], got ", k_cache.sizes(), " and ",
               v_cache.sizes());
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
               "decode_attention: q, k_cache and v_cache must share a dtype");
@@ -235,28 +327,41 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "decode_attention: tensors must be on the CPU");
   const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k_cache.size(1);
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == d, "decode_attention: head_dim of q (", d, ") and cache (", k_cache.size(3),
               ") differ");
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "decode_attention: H=", heads, " is not a multiple of KVH=",
               kv_heads);
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "decode_attention: cache rows must be contiguous");
-  for (const at::Tensor* t : {&slots, &lengths})
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->size(0) == batch && t->device().is_cpu(),
-                "decode_attention: slots and lengths must be int64 [", batch, "] on the CPU");
-  const at::Tensor sc = slots.contiguous(), lc = lengths.contiguous();
-  const int64_t* sp = sc.data_ptr<int64_t>();
+  // Whole runs of 16 rows in a block let the loops take one base pointer a run (see Cursor); other sizes would
+  // cost a lookup a row in the hottest loop.
+  TORCH_CHECK(block_size > 0 && block_size % kLanes == 0,
+              "decode_attention: the block size (BS) must be a positive multiple of ", kLanes, ", got ", block_size);
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.size(0) == batch &&
+                  block_tables.device().is_cpu(),
+              "decode_attention: block_tables must be int64 [", batch, ", M] on the CPU, got ",
+              block_tables.scalar_type(), " ", block_tables.sizes());
+  TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.dim() == 1 && lengths.size(0) == batch &&
+                  lengths.device().is_cpu(),
+              "decode_attention: lengths must be int64 [", batch, "] on the CPU");
+  const at::Tensor tc = block_tables.contiguous(), lc = lengths.contiguous();
+  const int64_t width = tc.size(1), capacity = width * block_size;
+  const int64_t* tp = tc.data_ptr<int64_t>();
   const int64_t* lp = lc.data_ptr<int64_t>();
   int64_t max_len = 0;
   for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(sp[b] >= 0 && sp[b] < k_cache.size(0), "decode_attention: slots[", b, "]=", sp[b],
-                " is outside [0, ", k_cache.size(0), ")");
-    TORCH_CHECK(lp[b] >= 0 && lp[b] <= k_cache.size(2), "decode_attention: lengths[", b, "]=", lp[b],
-                " is outside [0, ", k_cache.size(2), "]");
+    TORCH_CHECK(lp[b] >= 0 && lp[b] <= capacity, "decode_attention: lengths[", b, "]=", lp[b], " is outside [0, ",
+                capacity, "]");
+    for (int64_t j = 0; j * block_size < lp[b]; ++j) {  // only the blocks this row reads
+      const int64_t id = tp[b * width + j];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "decode_attention: block_tables[", b, ", ", j, "]=", id,
+                  " is outside [0, ", num_blocks, ")");
+    }
     max_len = std::max(max_len, lp[b]);
   }
   const at::Tensor qc = q.contiguous();
   at::Tensor out = at::empty_like(qc);
-  const AttentionArgs args{batch, heads, kv_heads, d, max_len, sp, lp, static_cast<float>(scale)};
+  const AttentionArgs args{batch, heads, kv_heads, d, max_len, block_size, tp, width, lp, static_cast<float>(scale)};
   if (q.scalar_type() == at::kBFloat16) {
     dispatch_head_dim<BFloat16>(qc, k_cache, v_cache, out, args);
   } else {

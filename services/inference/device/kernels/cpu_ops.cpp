@@ -12,18 +12,22 @@ TORCH_LIBRARY(zeroqueue, m) {
   // kernels/__init__.py chooses).
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, int n, int bf16_path=0) -> Tensor");
   // bf16_dot_rate() -> float and amx_request() -> bool: defined in linear.cpp (no tensor to dispatch on).
-  // q [B, H, D], caches [S, KVH, T, D], slots/lengths int64 [B] -> [B, H, D] (attention.cpp).
+  // The KV cache is paged: one layer's caches are [N, KVH, BS, D] (N blocks of BS rows), and position p of a
+  // sequence is row p % BS of block table[p / BS] of its block table.
+  // q [B, H, D], caches [N, KVH, BS, D] with BS a multiple of 16, block_tables int64 [B, M], lengths int64 [B]
+  // (<= M * BS) -> [B, H, D]; row b attends to its positions [0, lengths[b]) (attention.cpp).
   m.def(
-      "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lengths, float scale) "
-      "-> Tensor");
+      "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor lengths, "
+      "float scale) -> Tensor");
   // x [..., C] -> weight * to_dtype(x * rsqrt(mean(x^2) + eps)) (elementwise.cpp).
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   // x, residual [..., C] -> (rms_norm(x + residual), x + residual), the sum rounded to the dtype.
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
-  // qkv [T, (H + 2 KVH) D], cos/sin tables [L', D], positions/slots int64 [T], one layer's caches
-  // [S, KVH, L, D] -> rotated q [T, H, D]; writes rotated k and v at [slot, :, position] (rope.cpp).
+  // qkv [T, (H + 2 KVH) D], cos/sin tables [L, D], positions (rotary, < L) and slot_mapping (< N * BS) int64
+  // [T], one layer's caches [N, KVH, BS, D] -> rotated q [T, H, D]; writes rotated k and v at
+  // [slot_mapping / BS, :, slot_mapping % BS] (rope.cpp).
   m.def(
-      "rope_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor slots, Tensor(a!) k_cache, "
+      "rope_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor slot_mapping, Tensor(a!) k_cache, "
       "Tensor(b!) v_cache, int heads, int kv_heads) -> Tensor");
   // gate_up [..., 2I] -> silu(gate) * up [..., I].
   m.def("silu_mul(Tensor gate_up) -> Tensor");
@@ -32,10 +36,11 @@ TORCH_LIBRARY(zeroqueue, m) {
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor words) -> Tensor");
   // Every decoder layer of a step (layer.cpp): x [T, hidden], 6 weights a layer (input norm, qkv, o,
   // post-attention norm, gate_up, down; linears packed), 4 optional biases a layer, out_features of the
-  // 4 linears, caches [layers, S, KVH, L, D], positions/slots int64 [T], lengths = positions + 1
+  // 4 linears, caches [layers, N, KVH, BS, D], positions/slot_mapping int64 [T], block_tables int64 [T, M]
+  // (a row per token row: a prompt chunk's rows repeat their sequence's table), lengths = positions + 1
   // -> (the last layer's MLP output, the residual stream before it), each [T, hidden].
   m.def(
       "decode_layers(Tensor x, Tensor[] weights, Tensor?[] biases, int[] out_features, Tensor cos, Tensor sin, "
-      "Tensor positions, Tensor slots, Tensor lengths, Tensor(a!) k_cache, Tensor(b!) v_cache, int heads, "
-      "int kv_heads, float eps, float scale, int bf16_path=0) -> (Tensor, Tensor)");
+      "Tensor positions, Tensor slot_mapping, Tensor block_tables, Tensor lengths, Tensor(a!) k_cache, "
+      "Tensor(b!) v_cache, int heads, int kv_heads, float eps, float scale, int bf16_path=0) -> (Tensor, Tensor)");
 }

@@ -1,8 +1,9 @@
 // zeroqueue::decode_layers: every decoder layer of a step in one op. Each row attends from its own position
-// over its slot's cache, which rope_cache has just written for all of the step's rows: decode rows see their
-// context, a prompt chunk's rows are causal. A decode-only step runs the layer-by-layer path's kernels in its
-// order (packed.py), so it is bit-identical to it; what goes is the per-op cost of Python and the dispatcher
-// (~30 calls a layer), which at batch 1 was a third of the step.
+// over its sequence's blocks of the paged cache (its row of block_tables), which rope_cache has just written at
+// slot_mapping for all of the step's rows: decode rows see their context, a prompt chunk's rows are causal. A
+// decode-only step runs the layer-by-layer path's kernels in its order (packed.py), so it is bit-identical to it;
+// what goes is the per-op cost of Python and the dispatcher (~30 calls a layer), which at batch 1 was a third of
+// the step.
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
@@ -21,9 +22,10 @@ constexpr int64_t kBiasesPerLayer = 4;  // qkv, o, gate_up, down: each optional
 struct LayerArgs {
   const at::Tensor& cos;
   const at::Tensor& sin;
-  const at::Tensor& positions;
-  const at::Tensor& slots;
-  const at::Tensor& lengths;
+  const at::Tensor& positions;     // [T] rotary positions
+  const at::Tensor& slot_mapping;  // [T] where each row's k and v go: block * BS + offset
+  const at::Tensor& block_tables;  // [T, M]
+  const at::Tensor& lengths;       // [T]
   at::IntArrayRef out_features;  // qkv, o, gate_up, down
   int64_t heads, kv_heads;
   double eps, scale;
@@ -42,8 +44,9 @@ std::tuple<at::Tensor, at::Tensor> layer_forward(const at::Tensor& x, const at::
     stream = x;
   }
   const at::Tensor qkv = linear(h, w[1], b[0], a.out_features[0], a.bf16_path);
-  const at::Tensor q = rope_cache(qkv, a.cos, a.sin, a.positions, a.slots, k_cache, v_cache, a.heads, a.kv_heads);
-  const at::Tensor att = decode_attention(q, k_cache, v_cache, a.slots, a.lengths, a.scale);   // [B, H, D]
+  const at::Tensor q =
+      rope_cache(qkv, a.cos, a.sin, a.positions, a.slot_mapping, k_cache, v_cache, a.heads, a.kv_heads);
+  const at::Tensor att = decode_attention(q, k_cache, v_cache, a.block_tables, a.lengths, a.scale);  // [B, H, D]
   const at::Tensor o = linear(att.reshape({att.size(0), -1}), w[2], b[1], a.out_features[1], a.bf16_path);
   std::tie(h, stream) = add_rms_norm(o, stream, w[3], a.eps);
   const at::Tensor act = silu_mul(linear(h, w[4], b[2], a.out_features[2], a.bf16_path));
@@ -54,13 +57,14 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, at::Tensor
                                                  const c10::List<std::optional<at::Tensor>>& biases,
                                                  at::IntArrayRef out_features, const at::Tensor& cos,
                                                  const at::Tensor& sin, const at::Tensor& positions,
-                                                 const at::Tensor& slots, const at::Tensor& lengths,
-                                                 at::Tensor& k_cache, at::Tensor& v_cache, int64_t heads,
-                                                 int64_t kv_heads, double eps, double scale, int64_t bf16_path) {
+                                                 const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                                 const at::Tensor& lengths, at::Tensor& k_cache,
+                                                 at::Tensor& v_cache, int64_t heads, int64_t kv_heads, double eps,
+                                                 double scale, int64_t bf16_path) {
   TORCH_CHECK(x.dim() == 2, "decode_layers: x must be [B, hidden], got ", x.sizes());
   TORCH_CHECK(k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes(),
-              "decode_layers: caches must both be [layers, slots, KVH, max_len, D], got ", k_cache.sizes(), " and ",
-              v_cache.sizes());
+              "decode_layers: caches must both be [layers, blocks, KVH, block_size, D], got ", k_cache.sizes(),
+              " and ", v_cache.sizes());
   const int64_t layers = k_cache.size(0);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == kWeightsPerLayer * layers,
               "decode_layers: expected ", kWeightsPerLayer, " weights for each of ", layers, " layers, got ",
@@ -68,7 +72,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, at::Tensor
   TORCH_CHECK(static_cast<int64_t>(biases.size()) == kBiasesPerLayer * layers, "decode_layers: expected ",
               kBiasesPerLayer, " biases (or None) for each of ", layers, " layers, got ", biases.size());
   TORCH_CHECK(out_features.size() == 4, "decode_layers: out_features must be [qkv, o, gate_up, down]");
-  const LayerArgs args{cos, sin, positions, slots, lengths, out_features, heads, kv_heads, eps, scale, bf16_path};
+  const LayerArgs args{cos, sin, positions, slot_mapping, block_tables, lengths, out_features,
+                       heads, kv_heads, eps, scale, bf16_path};
   std::vector<std::optional<at::Tensor>> b(biases.begin(), biases.end());
   at::Tensor h = x, residual;
   for (int64_t i = 0; i < layers; ++i) {

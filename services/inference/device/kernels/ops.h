@@ -14,13 +14,16 @@ namespace zq {
 constexpr int64_t kBf16Widen = 0, kBf16Dot = 1, kBf16Amx = 2;
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n,
                   int64_t bf16_path);
+// Paged KV cache: one layer's k_cache/v_cache are [N, KVH, BS, D] (N blocks of BS rows; decode_attention needs
+// BS a multiple of 16); position p of a sequence whose block table is `table` is row p % BS of block
+// table[p / BS]. A slot_mapping entry s names row s % BS of block s / BS.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& slots, const at::Tensor& lengths, double scale);
+                            const at::Tensor& block_tables, const at::Tensor& lengths, double scale);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                 const at::Tensor& weight, double eps);
 at::Tensor rope_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                      const at::Tensor& positions, const at::Tensor& slots, at::Tensor& k_cache,
+                      const at::Tensor& positions, const at::Tensor& slot_mapping, at::Tensor& k_cache,
                       at::Tensor& v_cache, int64_t heads, int64_t kv_heads);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 
