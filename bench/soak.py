@@ -289,17 +289,20 @@ async def model_info(address: str, key: str):
 
 
 def settle(replica, data_dir: Path, max_batch: int, timeout_s: float = 60.0) -> dict:
-    """After the last call ended: waits for every slot to be free, nothing in flight, the outbox drained."""
+    """After the last call ended: waits for every slot and KV block to be free, nothing in flight, the outbox
+    drained."""
     t0, state = time.monotonic(), {}
     while time.monotonic() - t0 < timeout_s:
         samples = scrape(replica.metrics_url)
         state = {
             "kv_slots_free": samples.get(("zeroqueue_kv_slots_free", ())),
+            "kv_blocks_used": samples.get(("zeroqueue_kv_blocks", (("state", "used"),))),
             "in_flight": samples.get(("zeroqueue_in_flight", ())),
             "max_batch": max_batch,
             "outbox": outbox_counts(data_dir),
         }
-        if state["kv_slots_free"] == max_batch and state["in_flight"] == 0 and state["outbox"]["pending"] == 0:
+        idle = state["kv_slots_free"] == max_batch and state["kv_blocks_used"] == 0 and state["in_flight"] == 0
+        if idle and state["outbox"]["pending"] == 0:
             break
         time.sleep(0.5)
     return {**state, "settled_after_s": round(time.monotonic() - t0, 2)}

@@ -95,6 +95,7 @@ def judge(s: dict) -> dict[str, bool]:
         "server_rss_growth_lt_5pct": grew["server"] is not None and grew["server"] < RSS_GROWTH_GOAL,
         "engine_rss_growth_lt_5pct": grew["engine"] is not None and grew["engine"] < RSS_GROWTH_GOAL,
         "kv_slots_all_free": end.get("kv_slots_free") == end.get("max_batch") and end.get("in_flight") == 0,
+        "kv_blocks_all_free": end.get("kv_blocks_used") == 0,
         "outbox_empty": box["pending"] == 0 and not box["dead"] and not box["conflicts"],
         "no_lost_or_unbilled": not any(
             ledger[k] for k in ("lost", "duplicated", "unseen_rows", "usage_mismatch", "tenant_mismatch")
