@@ -1,5 +1,5 @@
 """One call as the service holds it: its validated spec (servicer.py makes it from protobuf), and once admitted
-its ticket. No protobuf, no torch."""
+its ticket and the sink its engine outputs land in (`LoopSink`). No protobuf, no torch."""
 
 from __future__ import annotations
 
@@ -7,12 +7,16 @@ import asyncio
 import enum
 from collections.abc import Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from billing.records import Door, RequestKind, UsageRecord
 
 from .meter import RecordContext
 from .sched.request import FinishReason, Request, SamplingParams
+
+if TYPE_CHECKING:
+    from .engine.engine import RequestOutput
 
 
 class BudgetSource(enum.Enum):
@@ -61,6 +65,9 @@ class Ticket:
     usage: UsageRecord | None = None
     device_failure: str | None = None  # why the call was ended when the device stopped answering
     compile_us: int = 0  # the server's compile of its response_format before admission (0: cached, or none)
+    # the KV blocks admission's pool reserved for it (its cached prefix's first), until it ends; () once freed
+    kv_blocks: tuple[int, ...] = ()
+    output_token_ids: list[int] = field(default_factory=list)  # streamed so far: they key its blocks at the end
 
     @property
     def tenant(self) -> str:
@@ -101,3 +108,25 @@ def admission_key(tenant: str, request_id: str) -> str:
     with the same request_id finds its reservation, another tenant's call with that id does not. Tenant
     names have no '/'."""
     return f"{tenant}/{request_id}"
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+@dataclass
+class LoopSink:
+    """Hands engine outputs to the request's queue on the event loop (from the engine's thread, or from the
+    loop itself when the engine runs in its own process)."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def put(self, output: RequestOutput) -> None:
+        if _running_loop() is self.loop:  # the engine process's relay: no wake-up through the self-pipe
+            self.queue.put_nowait(output)
+        else:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, output)

@@ -7,10 +7,10 @@ import bisect
 import threading
 from collections import Counter as Tally
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from billing.records import DEFAULT_CLASS
@@ -157,25 +157,8 @@ class ServiceMetrics:
         )
         self.in_flight = Gauge("zeroqueue_in_flight", "Admitted calls not yet finished", registry=r)
         self.free_slots = Gauge("zeroqueue_kv_slots_free", "Slots free: more calls that may run at once", registry=r)
-        self.kv_blocks = Gauge(
-            "zeroqueue_kv_blocks",
-            "KV cache blocks: used by calls, cached (free to evict) or free",
-            ["state"],
-            registry=r,
-        )
-        self.prefix_tokens = Counter(
-            "zeroqueue_prefix_cache_prompt_tokens",
-            "Prompt tokens of calls that looked in the prefix cache, served by it (hit) or computed (miss)",
-            ["result"],
-            registry=r,
-        )
-        self.prefix_calls = Counter(
-            "zeroqueue_prefix_cache_calls",
-            "Calls that looked in the prefix cache, by whether any block hit",
-            ["result"],
-            registry=r,
-        )
-        self.kv_evictions = Counter("zeroqueue_kv_evicted_blocks", "Cached KV blocks evicted for new calls", registry=r)
+        self.kv_pool = KvPoolMetrics()  # read from the pool when scraped (Replica wires where from)
+        r.register(self.kv_pool)
         self.device_state = Gauge(
             "zeroqueue_device_state",
             "1 for the device's state (healthy, slow, failed), 0 for the others",
@@ -250,28 +233,66 @@ class ReservationEvents(Collector):
         yield family
 
 
+class KvPoolMetrics:
+    """The KV block pool, read when scraped, from whichever pool reserves the blocks: deadline admission's in this
+    process (services/inference/kv_pool.py), or the engine's as its last step reported it (FIFO). Read at scrape
+    time, a block freed after the last step (a call's end) shows at once."""
+
+    def __init__(self) -> None:
+        self.num_blocks = 0
+        self.counts: Callable[[], tuple[int, ...]] = lambda: (0,) * 7  # BlockPool.counts' order
+
+    def watch(self, num_blocks: int, counts: Callable[[], tuple[int, ...]]) -> None:
+        self.num_blocks, self.counts = num_blocks, counts
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        used, cached, hit_tokens, queried_tokens, hit_calls, queried_calls, evicted = self.counts()
+        blocks = GaugeMetricFamily(
+            "zeroqueue_kv_blocks", "KV cache blocks: used by calls, cached (free to evict) or free", labels=["state"]
+        )
+        for state, n in (("used", used), ("cached", cached), ("free", max(0, self.num_blocks - used - cached))):
+            blocks.add_metric([state], n)
+        yield blocks
+        tokens = CounterMetricFamily(
+            "zeroqueue_prefix_cache_prompt_tokens",
+            "Prompt tokens of calls that looked in the prefix cache, served by it (hit) or computed (miss)",
+            labels=["result"],
+        )
+        tokens.add_metric(["hit"], hit_tokens)
+        tokens.add_metric(["miss"], queried_tokens - hit_tokens)
+        yield tokens
+        calls = CounterMetricFamily(
+            "zeroqueue_prefix_cache_calls",
+            "Calls that looked in the prefix cache, by whether any block hit",
+            labels=["result"],
+        )
+        calls.add_metric(["hit"], hit_calls)
+        calls.add_metric(["miss"], queried_calls - hit_calls)
+        yield calls
+        yield CounterMetricFamily(
+            "zeroqueue_kv_evicted_blocks", "Cached KV blocks evicted for new calls", value=evicted
+        )
+
+
 class StepStats:
     """Step observer: feeds every measured step to the cost model and the metrics. Paced (pace_tokens > 0), the
     cost model learns a step's period, its interval plus the idle the engine held after it (which comes with
     the next step), against the step padded with a prompt chunk: that is what admission predicts then."""
 
     def __init__(
-        self,
-        cost: CostModel | None,
-        metrics: ServiceMetrics,
-        num_slots: int,
-        steps: StepLog,
-        pace_tokens: int = 0,
-        num_kv_blocks: int = 0,
+        self, cost: CostModel | None, metrics: ServiceMetrics, num_slots: int, steps: StepLog, pace_tokens: int = 0
     ) -> None:
         self.cost, self.metrics, self.num_slots, self.steps = cost, metrics, num_slots, steps
-        self.pace_tokens, self.num_kv_blocks = pace_tokens, num_kv_blocks
-        self._kv_totals = (0, 0, 0, 0, 0)  # the pool's running totals at the last step
+        self.pace_tokens = pace_tokens
+        self.kv_counts: tuple[int, ...] = (0,) * 7  # the engine's pool as the last step left it (BlockPool.counts)
         self._last: StepDigest | None = None  # the step whose period ends when the next one begins
 
     def on_step(self, digest: StepDigest) -> None:
         self.metrics.free_slots.set(digest.num_free_slots)
-        self._kv_pool(digest)
+        self.kv_counts = digest[-7:]  # the digest's last seven fields are BlockPool.counts
         if not digest.ran:
             return
         self.steps.add(digest.began_ns)
@@ -285,34 +306,6 @@ class StepStats:
         last, self._last = self._last, digest
         if last is not None and last.num_unfinished:
             self.metrics.step_period.observe((digest.began_ns - last.began_ns) / 1e9)
-
-    def _kv_pool(self, d: StepDigest) -> None:
-        m = self.metrics
-        m.kv_blocks.labels("used").set(d.kv_blocks_used)
-        m.kv_blocks.labels("cached").set(d.kv_blocks_cached)
-        m.kv_blocks.labels("free").set(max(0, self.num_kv_blocks - d.kv_blocks_used - d.kv_blocks_cached))
-        totals = (
-            d.prefix_hit_tokens,
-            d.prefix_queried_tokens - d.prefix_hit_tokens,
-            d.prefix_hit_calls,
-            d.prefix_queried_calls - d.prefix_hit_calls,
-            d.kv_evicted_blocks,
-        )
-        # the engine's running totals; lower than last seen only after an engine restart, which starts them at 0
-        moved = [now - last if now >= last else now for now, last in zip(totals, self._kv_totals)]
-        self._kv_totals = totals
-        for counter, amount in zip(
-            (
-                m.prefix_tokens.labels("hit"),
-                m.prefix_tokens.labels("miss"),
-                m.prefix_calls.labels("hit"),
-                m.prefix_calls.labels("miss"),
-                m.kv_evictions,
-            ),
-            moved,
-        ):
-            if amount:
-                counter.inc(amount)
 
     def _observe_cost(self, digest: StepDigest) -> None:
         cost = self.cost

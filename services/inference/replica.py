@@ -40,7 +40,7 @@ from .device.spec import ExecutorConfig
 from .device.telemetry import GpuTelemetry
 from .engine.client import EngineClient
 from .engine.handle import EngineHandle
-from .engine.messages import EngineSpec
+from .engine.messages import EngineSpec, Ready
 from .engine.thread import EngineThread
 from .generate_request import RequestLimits
 from .grammar import GrammarLimits
@@ -48,6 +48,7 @@ from .health.faults import Fault
 from .health.reaction import DeviceReaction
 from .health.state import DeviceState
 from .health.watchdog import WatchdogConfig
+from .kv_pool import KvReservations
 from .meter import Meter
 from .metrics import ServiceMetrics, StepLog, StepStats
 from .policy import DEFAULT_REFRESH_S, PolicyBook, QuotaGate, ledger_reader, remote_reader, weights_of
@@ -270,32 +271,14 @@ class Replica:
         if ready.server_cpus:  # the engine process pinned itself to cores of its own: this process takes the rest
             pin(ready.server_cpus)
             log.info("cpus_pinned", engine=list(ready.engine_cpus), server=list(ready.server_cpus))
-        cost = self.cost = CostModel(
-            list(ready.cost_rows),
-            list(ready.cost_row_us),
-            ready.cost_us_per_context_token,
-            ready.cost_us_per_masked_row,
-            ready.cost_us_per_logprob_row,
-        )
-        admission_config = AdmissionConfig(
-            ready.num_slots,
-            ready.max_num_batched_tokens,
-            self.config.margin_ms,
-            self.config.margin_fraction,
-            pace_tokens=self.config.pace_tokens,
-        )
-        admission: Admission
-        if self.config.admission == "fifo":
-            admission, observed_cost = FifoAdmission(), None
-        else:
-            settings = self.config.admission_settings()
-            admission, observed_cost = AdmissionController(cost, admission_config, settings), cost
-            self.metrics.watch_reservations(admission.events)
-            engine.set_expiry_guard(int(cost.step_us(ready.num_slots) * 1000))
+        cost = self.cost = ready.cost_model()
+        admission, observed_cost, kv = self._admission(ready, cost, engine)
         steps = StepLog()
         pace_tokens = self.config.pace_tokens
-        stats = StepStats(observed_cost, self.metrics, ready.num_slots, steps, pace_tokens, ready.num_kv_blocks)
+        stats = StepStats(observed_cost, self.metrics, ready.num_slots, steps, pace_tokens)
         engine.observers.append(stats)
+        pool = kv.pool if kv is not None else None
+        self.metrics.kv_pool.watch(ready.num_kv_blocks, (lambda: pool.counts) if pool else (lambda: stats.kv_counts))
         self.meter = Meter(
             ready.device,
             self.header.name,
@@ -314,9 +297,10 @@ class Replica:
             log.warning("response_formats_off", why=why)  # a call with one is refused, saying why
             self.servicer.compiler, self.servicer.formats_off = None, why
         header = self.header
-        pool = (ready.num_kv_blocks, ready.kv_block_size, self.config.prefix_cache.enabled)
+        kv_facts = (ready.num_kv_blocks, ready.kv_block_size, self.config.prefix_cache.enabled)
+        args = header.args
         card = ModelCard(
-            header.name, ready.max_seq_len, header.dtype, header.args.vocab_size, ready.num_slots, ready.device, *pool
+            header.name, ready.max_seq_len, header.dtype, args.vocab_size, ready.num_slots, ready.device, *kv_facts
         )
         return InferenceService(
             engine,
@@ -331,7 +315,28 @@ class Replica:
             self.config.stream_interval_ms,
             QuotaGate(self.book),
             self.config.prefix_cache,
+            kv,
         )
+
+    def _admission(
+        self, ready: Ready, cost: CostModel, engine: EngineHandle
+    ) -> tuple[Admission, CostModel | None, KvReservations | None]:
+        """(admission, the cost model the steps teach: None for FIFO, the pool of KV blocks admission reserves: None
+        for FIFO, whose engine reserves them as calls start)."""
+        if self.config.admission == "fifo":
+            return FifoAdmission(), None, None
+        config = self.config
+        admission_config = AdmissionConfig(
+            ready.num_slots,
+            ready.max_num_batched_tokens,
+            config.margin_ms,
+            config.margin_fraction,
+            pace_tokens=config.pace_tokens,
+        )
+        admission = AdmissionController(cost, admission_config, config.admission_settings())
+        self.metrics.watch_reservations(admission.events)
+        engine.set_expiry_guard(int(cost.step_us(ready.num_slots) * 1000))
+        return admission, cost, KvReservations(ready.num_kv_blocks, ready.kv_block_size)
 
     def _grammar_compiler(self) -> GrammarCompiler:
         """The server's grammar compiler, its compile times calibrated (on the warm-up thread)."""

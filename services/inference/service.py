@@ -11,7 +11,7 @@ import asyncio
 import enum
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import structlog
 
@@ -21,26 +21,20 @@ from services import errors
 from services.metering.outbox import Outbox
 
 from .admission import Admission, Admit, Commitment, Infeasible, RefusalCause, Reject
-from .call import BudgetSource, GenerateSpec, Ticket, admission_key
+from .call import BudgetSource, GenerateSpec, LoopSink, Ticket, admission_key
 from .clock import Clock
 from .device.spec import Device
 from .engine.digest import EndedRequest
 from .engine.engine import RequestOutput
 from .engine.handle import EngineHandle
 from .health.state import DeviceState
+from .kv_pool import KvReservations
 from .meter import OUTCOMES, Meter, RecordContext
 from .metrics import ServiceMetrics, StepLog
 from .policy import PrefixCachePolicy, QuotaGate
 from .sched.request import FinishReason, Request, RequestStatus
 
 log = structlog.get_logger(__name__)
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
 
 
 class WarmupState(enum.Enum):
@@ -64,21 +58,6 @@ class ModelCard:
     kv_blocks: int = 0  # the paged KV cache: blocks of kv_block_size tokens, and whether prompts share them
     kv_block_size: int = 0
     prefix_cache: bool = False
-
-
-@dataclass
-class LoopSink:
-    """Hands engine outputs to the request's queue on the event loop (from the engine's thread, or from the
-    loop itself when the engine runs in its own process)."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-
-    def put(self, output: RequestOutput) -> None:
-        if _running_loop() is self.loop:  # the engine process's relay: no wake-up through the self-pipe
-            self.queue.put_nowait(output)
-        else:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, output)
 
 
 def _merged(outputs: list[RequestOutput]) -> RequestOutput:
@@ -113,9 +92,11 @@ class InferenceService:
         stream_interval_ms: int = 0,
         quotas: QuotaGate | None = None,
         prefix_cache: PrefixCachePolicy | None = None,
+        kv: KvReservations | None = None,
     ) -> None:
         self.engine = engine
         self.prefix_cache = prefix_cache or PrefixCachePolicy()  # per tenant unless shared (policy/gate.py)
+        self.kv = kv  # deadline admission reserves each call's KV blocks (kv_pool.py); None: the engine does
         self.quotas = quotas  # tenants' caps (policy/gate.py); None: none enforced
         self.meter = meter
         self.outbox = outbox
@@ -179,6 +160,7 @@ class InferenceService:
                 self.metrics.count_refusal(RefusalCause.QUOTA, tenant, klass)
                 raise
         deadline_ns = received_ns + budget_ns
+        salt = self.prefix_cache.salt(tenant, klass)
         commitment = Commitment(
             admission_key(tenant, spec.request_id),
             len(spec.prompt_token_ids),
@@ -189,6 +171,7 @@ class InferenceService:
             priority=service_class.priority,
             masked=spec.sampling.constraint is not None,
             logprobs=spec.sampling.logprobs,
+            num_cached_tokens=self.kv.cached_tokens(spec.prompt_token_ids, salt) if self.kv is not None else 0,
         )
         now_ns = self.clock.now_ns()
         decision = self.admission.decide(commitment, now_ns)
@@ -213,7 +196,6 @@ class InferenceService:
                 decision.elsewhere,
             )
         assert isinstance(decision, Admit)
-        self._count_decision(attempt, "admitted")
         call_id = uuid.uuid4().hex
         request = Request(
             call_id,
@@ -221,8 +203,15 @@ class InferenceService:
             spec.sampling,
             arrival_ns=received_ns,
             deadline_ns=deadline_ns if self.deadline_mode else None,
-            cache_salt=self.prefix_cache.salt(tenant, klass),
+            cache_salt=salt,
         )
+        if self.kv is not None and not self.kv.reserve(request):  # its predecessors' blocks are not back yet
+            self.admission.release(commitment.key)
+            self._count_decision(attempt, "overloaded")
+            self.metrics.count_refusal(RefusalCause.SLOTS_FULL, tenant, klass)
+            run_ms = max((decision.predicted_finish_ns - now_ns) // 1_000_000, 1)
+            raise errors.Overloaded(run_ms, run_ms, budget_ns // 1_000_000, cause=RefusalCause.SLOTS_FULL)
+        self._count_decision(attempt, "admitted")
         sink = LoopSink(asyncio.get_running_loop())
         context = RecordContext(
             tenant, spec.labels, received_ns, decided_ns, deadline_ns, spec.request_id, klass, spec.kind, spec.door
@@ -237,6 +226,7 @@ class InferenceService:
             source,
             decision.predicted_finish_ns or deadline_ns,
             decision.start_ns,
+            kv_blocks=request.block_ids if self.kv is not None else (),
         )
         self.in_flight[ticket.key] = ticket
         self.metrics.in_flight.set(len(self.in_flight))
@@ -280,6 +270,8 @@ class InferenceService:
         start that a freed slot lets start now goes to the engine."""
         if (held := self.held.pop(ticket.admission_key, None)) is not None:
             held[2].cancel()
+        if self.kv is not None:
+            self.kv.end(ticket)
         self.admission.release(ticket.admission_key)
         for key in self.admission.due(self.clock.now_ns()) if self.held else ():
             self._start_held(key)
@@ -336,8 +328,12 @@ class InferenceService:
         if ticket.first_scheduled_ns is None:
             ticket.first_scheduled_ns = output.first_scheduled_ns
         if output.token_ids:
+            if self.kv is not None:
+                ticket.output_token_ids.extend(output.token_ids)
             if ticket.first_token_ns is None:
                 ticket.first_token_ns = output.time_ns
+                if self.kv is not None:
+                    self.kv.first_token(ticket)
                 self.metrics.ttft.observe((output.time_ns - ticket.received_ns) / 1e9)
                 first_step_ns = ticket.first_scheduled_ns or output.time_ns
                 self.metrics.queue_time.observe((first_step_ns - ticket.received_ns) / 1e9)

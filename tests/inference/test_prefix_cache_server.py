@@ -18,10 +18,9 @@ from tests.inference.test_usage import ledger_rows
 PROMPT = "def handler(event, context):\n    body = event['body']\n    return process(body)\n" * 3
 
 
-def start(llama_dir, prefix_cache: PrefixCachePolicy) -> ServerThread:
-    config = ServeConfig(
-        str(llama_dir), port=0, executor=ExecutorConfig(max_batch=4, max_seq_len=256), prefix_cache=prefix_cache
-    )
+def start(llama_dir, prefix_cache: PrefixCachePolicy, admission: str = "deadline") -> ServerThread:
+    executor = ExecutorConfig(max_batch=4, max_seq_len=256)
+    config = ServeConfig(str(llama_dir), port=0, executor=executor, prefix_cache=prefix_cache, admission=admission)
     server = ServerThread(config).start()
     server.beta_key = commands.create_tenant(server.config.ledger_url, "beta")
     return server
@@ -44,9 +43,14 @@ def hit_tokens(server: ServerThread) -> float:
     return sample("zeroqueue_prefix_cache_prompt_tokens_total", {"result": "hit"}) or 0
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["per-tenant", "shared"])
-def test_a_tenants_second_call_is_served_from_its_first_calls_blocks(llama_dir, shared):
-    server = start(llama_dir, PrefixCachePolicy(shared=frozenset({"acme", "beta"}) if shared else frozenset()))
+@pytest.mark.parametrize(
+    "shared,admission",
+    [(False, "deadline"), (True, "deadline"), (False, "fifo")],
+    ids=["per-tenant", "shared", "fifo"],  # deadline admission reserves the blocks; FIFO leaves them to the engine
+)
+def test_a_tenants_second_call_is_served_from_its_first_calls_blocks(llama_dir, shared, admission):
+    policy = PrefixCachePolicy(shared=frozenset({"acme", "beta"}) if shared else frozenset())
+    server = start(llama_dir, policy, admission)
     try:
         first, first_final = call(server, server.key, "a1")
         again, again_final = call(server, server.key, "a2")

@@ -7,13 +7,13 @@ import asyncio
 from concurrent.futures import Future
 from types import MappingProxyType
 
-from services.inference.call import BudgetSource, GenerateSpec, Ticket
+from services.inference.call import BudgetSource, GenerateSpec, LoopSink, Ticket
 from services.inference.clock import Clock
 from services.inference.engine.engine import RequestOutput
 from services.inference.meter import RecordContext
 from services.inference.metrics import ServiceMetrics, StepLog
 from services.inference.sched.request import SamplingParams
-from services.inference.service import InferenceService, LoopSink
+from services.inference.service import InferenceService
 
 
 class Progress:

@@ -34,6 +34,9 @@ class Commitment:
     # grammar's mask (structured output), its log-probabilities
     masked: bool = False
     logprobs: bool = False
+    # leading prompt tokens the prefix cache holds for it, pinned when it is admitted: never prefilled, though its
+    # attention still reads them (the context is the whole prompt)
+    num_cached_tokens: int = 0
 
     @property
     def is_reservation(self) -> bool:
@@ -47,7 +50,7 @@ class Commitment:
 
     @property
     def num_prefill_tokens(self) -> int:
-        return self.num_prompt_tokens if self.num_generated == 0 else 0
+        return self.num_prompt_tokens - self.num_cached_tokens if self.num_generated == 0 else 0
 
     @property
     def num_remaining_tokens(self) -> int:

@@ -68,9 +68,10 @@ class Predictor:
             generated, prompt, max_tokens = c.num_generated, c.num_prompt_tokens, c.max_tokens
             remaining = max_tokens - generated if max_tokens > generated else 0
             if generated == 0:
-                prefill_tokens += prompt
-                if prompt > budget:
-                    remaining += (prompt - 1) // budget  # chunk steps before the first token
+                prefill = prompt - c.num_cached_tokens  # the cached prefix is read, never computed
+                prefill_tokens += prefill
+                if prefill > budget:
+                    remaining += (prefill - 1) // budget  # chunk steps before the first token
             context_left += prompt + max_tokens
             extra = c.masked * masked_us + c.logprobs * logprob_us  # its row's host work, every step
             extra_left += extra
@@ -150,6 +151,7 @@ def progressed(admitted: list[Commitment], finishes: dict[str, int], now_ns: int
                 generated + remaining * (at_ns - now_ns) // max(finish_ns - now_ns, 1),
                 masked=c.masked,
                 logprobs=c.logprobs,
+                num_cached_tokens=c.num_cached_tokens,
             )
         )
     return later
@@ -172,6 +174,7 @@ def from_their_time(predictor: Predictor, due: list[Commitment], at_ns: int, num
                 r.deadline_ns,
                 masked=r.masked,
                 logprobs=r.logprobs,
+                num_cached_tokens=r.num_cached_tokens,
             )
         )
     return shifted
@@ -183,6 +186,6 @@ def steps_until_room(admitted: list[Commitment], budget: int) -> int:
     each step first; prompts admitted but not yet begun are prefilled in order, in chunks. (A call whose
     prompt runs in the current step counts as pending until its first token comes back: cautious.)"""
     decoding = sum(1 for c in admitted if c.num_generated > 0)
-    pending = sum(c.num_prompt_tokens for c in admitted if c.num_generated == 0)
+    pending = sum(c.num_prefill_tokens for c in admitted if c.num_generated == 0)
     excess = decoding + pending - budget  # tokens ahead of the new call that the next step cannot take
     return 0 if excess < 0 else excess // max(budget - decoding, 1) + 1

@@ -82,8 +82,11 @@ class Executor:
         # the scratch block comes out of the budget too; slots are the calls that may run at once
         budget_blocks = config.kv_memory_bytes // block_bytes - 1
         self.num_slots = max(1, min(config.max_batch, budget_blocks // blocks_per_seq))
-        # as many blocks as the slots can fill: more would only hold cached prefixes (and cost their memory)
-        self.num_blocks = self.num_slots * blocks_per_seq
+        # Twice the blocks the slots can fill, where memory allows: deadline admission reserves a call's blocks
+        # when it admits it, and a call admitted into a slot that frees at the end of the running step needs its
+        # blocks while its predecessor still holds its own (services/inference/kv_pool.py); the rest hold cached
+        # prefixes. Never fewer than the slots can fill.
+        self.num_blocks = max(self.num_slots * blocks_per_seq, min(2 * self.num_slots * blocks_per_seq, budget_blocks))
         self.model = self._build_model(checkpoint)
         self.kv_cache = KVCache(
             args.num_hidden_layers,

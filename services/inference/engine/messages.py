@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..cost.model import CostModel
 from ..device.spec import Device, ExecutorConfig
 from ..health.faults import Fault
 from ..health.state import DeviceState
@@ -62,6 +63,16 @@ class Ready:
     server_cpus: tuple[int, ...] = ()
     num_kv_blocks: int = 0  # the paged KV cache's pool (device/attention.py), blocks of kv_block_size tokens
     kv_block_size: int = 0
+
+    def cost_model(self) -> CostModel:
+        """The calibrated cost model, rebuilt in the server from what crossed the pipe."""
+        return CostModel(
+            list(self.cost_rows),
+            list(self.cost_row_us),
+            self.cost_us_per_context_token,
+            self.cost_us_per_masked_row,
+            self.cost_us_per_logprob_row,
+        )
 
 
 DEVICE_FAULT_EXIT = 3  # the child's exit status after a device fault

@@ -87,9 +87,28 @@ class BlockPool:
         """Registered blocks no call holds: hits for later calls until evicted."""
         return len(self._cached)
 
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """(blocks used, blocks cached, prompt tokens the cache served, prompt tokens looked up, calls that hit,
+        calls that looked, blocks evicted): the pool now, then its running totals (the step digest's last seven)."""
+        return (
+            self.num_used,
+            self.num_cached,
+            self.num_hit_tokens,
+            self.num_queried_tokens,
+            self.num_hit_calls,
+            self.num_queried_calls,
+            self.num_evicted_blocks,
+        )
+
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks that hold `num_tokens` tokens (ceil division)."""
         return -(-num_tokens // self.block_size)
+
+    def cached_tokens(self, token_ids: Sequence[int], salt: bytes | None) -> int:
+        """How many leading prompt tokens `allocate` would find cached now, pinning nothing and counting nothing:
+        what admission predicts with, before the call is admitted and allocated on the same thread."""
+        return len(self._match(token_ids, salt)) * self.block_size
 
     def allocate(self, token_ids: Sequence[int], num_tokens: int, salt: bytes | None) -> Allocation | None:
         """Reserves the blocks of a call that will hold `num_tokens` tokens in all (its prompt `token_ids` plus its

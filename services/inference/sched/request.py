@@ -92,6 +92,9 @@ class Request:
     block_ids: tuple[int, ...] = ()  # its KV block table, reserved whole when it starts (sched/blocks.py)
     num_cached_tokens: int = 0  # leading prompt tokens it found in the prefix cache, never computed for it
     cache_salt: bytes | None = None  # whose prefix cache it may read and add to; None: neither
+    # its blocks came with it, reserved by deadline admission's pool in the server (which frees and caches them);
+    # False: the scheduler's own pool reserves them when it starts (FIFO admission, tests, calibration)
+    blocks_reserved: bool = False
     first_scheduled_ns: int | None = None  # start of the first step that ran it
     first_token_ns: int | None = None  # end of the step that produced its first token
     # its grammar's matcher (an llguidance.LLMatcher), the engine's own, set when the engine takes a constrained

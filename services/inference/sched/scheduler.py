@@ -93,18 +93,8 @@ class Scheduler:
 
     @property
     def kv_counts(self) -> tuple[int, ...]:
-        """(blocks used, blocks cached, prompt tokens the prefix cache served, prompt tokens looked up, calls that
-        hit, calls that looked, blocks evicted): the pool now, then its running totals (StepDigest's last seven)."""
-        b = self.blocks
-        return (
-            b.num_used,
-            b.num_cached,
-            b.num_hit_tokens,
-            b.num_queried_tokens,
-            b.num_hit_calls,
-            b.num_queried_calls,
-            b.num_evicted_blocks,
-        )
+        """The pool's counts (BlockPool.counts), as each step's digest carries them."""
+        return self.blocks.counts
 
     @property
     def num_unfinished(self) -> int:
@@ -181,6 +171,8 @@ class Scheduler:
 
     def _reserve(self, request: Request) -> bool:
         """Reserves the request's blocks, its cached prefix's among them; False when the pool lacks them now."""
+        if request.blocks_reserved:  # admission's pool reserved them (and its cached prefix) when it admitted it
+            return True
         num_tokens = request.num_prompt_tokens + request.sampling.max_tokens
         allocation = self.blocks.allocate(request.prompt_token_ids, num_tokens, request.cache_salt)
         if allocation is None:
@@ -192,7 +184,7 @@ class Scheduler:
     def _keep_full_blocks(self, request: Request, num_new: int) -> None:
         """Offers the blocks this step filled to the prefix cache (only when a step crossed a block's end)."""
         done, bs = request.num_computed_tokens, self.config.block_size
-        if request.cache_salt is None or done // bs == (done - num_new) // bs:
+        if request.cache_salt is None or request.blocks_reserved or done // bs == (done - num_new) // bs:
             return
         tokens = (*request.prompt_token_ids, *request.output_token_ids)
         self.blocks.commit(request.block_ids, tokens, request.num_computed_tokens, request.cache_salt)
@@ -215,7 +207,7 @@ class Scheduler:
         if request.slot is not None:
             self.free_slots.append(request.slot)
             request.slot = None
-        if request.block_ids:
+        if request.block_ids and not request.blocks_reserved:
             self.blocks.free(request.block_ids)
             request.block_ids = ()
         if request in self.running:

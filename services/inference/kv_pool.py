@@ -1,0 +1,59 @@
+"""Deadline admission's KV pool, in the server: the paged cache's blocks (sched/blocks.py), reserved when a call is
+admitted rather than when the engine starts it, so that the cached prefix admission predicted with is pinned at the
+decision and the prediction holds (nothing evicts a pinned block, and the engine never waits for one).
+
+The engine gets each call with its block table (`Request.blocks_reserved`) and leaves the blocks to this pool: it
+keys a call's prompt blocks once its first token shows the prompt computed, its answer's blocks when it finishes
+(a chat's next turn sends the answer back), and frees them when the call ends however it ends. A block is keyed
+only once the engine has computed it, so a block a cancelled call's last step may still write is never shared.
+
+The pool is sized with room for the calls admitted into slots that free at the end of the running step (their
+predecessors still hold blocks until their end arrives): the executor allocates twice the blocks of every slot at
+the longest context where memory allows (device/executor.py), and a call the pool cannot take now is refused with
+the time the next call's blocks come back.
+"""
+
+from __future__ import annotations
+
+from .call import Ticket
+from .sched.blocks import BlockPool
+from .sched.request import FinishReason, Request
+
+
+class KvReservations:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.pool = BlockPool(num_blocks, block_size)
+
+    def cached_tokens(self, prompt: tuple[int, ...], salt: bytes | None) -> int:
+        """What admission predicts with: the prompt's leading tokens cached now (nothing pinned yet)."""
+        return self.pool.cached_tokens(prompt, salt)
+
+    def reserve(self, request: Request) -> bool:
+        """Reserves the admitted call's blocks, its cached prefix pinned; False when the pool lacks them now."""
+        num_tokens = request.num_prompt_tokens + request.sampling.max_tokens
+        allocation = self.pool.allocate(request.prompt_token_ids, num_tokens, request.cache_salt)
+        if allocation is None:
+            return False
+        request.block_ids, request.blocks_reserved = allocation.block_ids, True
+        request.num_cached_tokens = request.num_computed_tokens = allocation.num_cached_tokens
+        return True
+
+    def first_token(self, ticket: Ticket) -> None:
+        """The engine has computed the whole prompt: its full blocks are keyed for later calls."""
+        request = ticket.request
+        if ticket.kv_blocks and request.cache_salt is not None:
+            prompt = request.prompt_token_ids
+            self.pool.commit(ticket.kv_blocks, prompt, len(prompt), request.cache_salt)
+
+    def end(self, ticket: Ticket) -> None:
+        """The call ended: a finished call's answer blocks are keyed (its last token was never computed), then every
+        block goes back, cached ones kept for later hits. Idempotent."""
+        if not ticket.kv_blocks:
+            return
+        request = ticket.request
+        if ticket.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and request.cache_salt is not None:
+            tokens = (*request.prompt_token_ids, *ticket.output_token_ids)
+            computed = min(len(tokens), request.num_prompt_tokens + ticket.num_output_tokens - 1)
+            self.pool.commit(ticket.kv_blocks, tokens, computed, request.cache_salt)
+        self.pool.free(ticket.kv_blocks)
+        ticket.kv_blocks = ()
