@@ -256,22 +256,16 @@ class KvPoolMetrics:
         for state, n in (("used", used), ("cached", cached), ("free", max(0, self.num_blocks - used - cached))):
             blocks.add_metric([state], n)
         yield blocks
-        tokens = CounterMetricFamily(
-            "zeroqueue_prefix_cache_prompt_tokens",
-            "Prompt tokens of calls that looked in the prefix cache, served by it (hit) or computed (miss)",
-            labels=["result"],
-        )
-        tokens.add_metric(["hit"], hit_tokens)
-        tokens.add_metric(["miss"], queried_tokens - hit_tokens)
-        yield tokens
-        calls = CounterMetricFamily(
-            "zeroqueue_prefix_cache_calls",
-            "Calls that looked in the prefix cache, by whether any block hit",
-            labels=["result"],
-        )
-        calls.add_metric(["hit"], hit_calls)
-        calls.add_metric(["miss"], queried_calls - hit_calls)
-        yield calls
+        for name, what, hits, looked in (
+            ("prompt_tokens", "Prompt tokens of calls that looked in the prefix cache", hit_tokens, queried_tokens),
+            ("calls", "Calls that looked in the prefix cache", hit_calls, queried_calls),
+        ):
+            family = CounterMetricFamily(
+                f"zeroqueue_prefix_cache_{name}", f"{what}: served by it (hit) or not (miss)", labels=["result"]
+            )
+            family.add_metric(["hit"], hits)
+            family.add_metric(["miss"], looked - hits)
+            yield family
         yield CounterMetricFamily(
             "zeroqueue_kv_evicted_blocks", "Cached KV blocks evicted for new calls", value=evicted
         )

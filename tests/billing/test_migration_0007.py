@@ -4,13 +4,11 @@ plain row each, frozen with their invoice), both ways, on SQLite and PostgreSQL.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from sqlalchemy import CheckConstraint, Engine, text
+from sqlalchemy import Engine, text
 from sqlalchemy.exc import IntegrityError
 
 import migrations
@@ -19,13 +17,12 @@ from billing.errors import DataRejected
 from billing.invoice_kinds import RequestKindUsage
 from billing.invoices import get_invoice
 from billing.ledger import IngestStatus, _usage_row, ingest_usage
-from billing.models import Base
 from billing.records import RequestKind
 from tests.billing.conftest import BACKENDS, fresh_postgres_schema
 from tests.billing.factories import usage
 from tests.billing.test_migration_0005 import _FINALIZE, _INVOICE, _LINES, _PRICES, _TENANT
 from tests.billing.test_migration_0006 import insert_before_0006
-from tests.billing.test_migrations import drift, tables_and_routines
+from tests.billing.test_migrations import declared_checks, drift, revision, tables_and_routines
 
 OLD = usage("call-old")  # stored before kinds: plain
 _USAGE = text(
@@ -36,25 +33,11 @@ _USAGE = text(
 )
 
 
-def revision_0007() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "revision_0007", migrations.MIGRATIONS_DIR / "versions" / "0007_request_kinds.py"
-    )
-    revision = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(revision)
-    return revision
-
-
 def test_the_models_declare_exactly_the_checks_that_0007_installs() -> None:
-    declared = {
-        str(constraint.name): str(constraint.sqltext)
-        for table in Base.metadata.tables.values()
-        for constraint in table.constraints
-        if isinstance(constraint, CheckConstraint)
-    }
-    installed = {name: expression for _, name, expression in revision_0007().CHECKS}
+    declared = declared_checks()
+    installed = {name: expression for _, name, expression in revision("0007_request_kinds.py").CHECKS}
     assert {name: declared.get(name) for name in installed} == installed
-    assert revision_0007().KINDS == tuple(kind.value for kind in RequestKind)
+    assert revision("0007_request_kinds.py").KINDS == tuple(kind.value for kind in RequestKind)
 
 
 @pytest.fixture(params=BACKENDS)

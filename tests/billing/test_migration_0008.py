@@ -3,26 +3,23 @@ other value than grpc and http), both ways, on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from sqlalchemy import CheckConstraint, Engine, text
+from sqlalchemy import Engine, text
 from sqlalchemy.exc import IntegrityError
 
 import migrations
 from billing.db import ledger_errors, make_engine, session_factory, unit_of_work
 from billing.errors import DataRejected
 from billing.ledger import IngestStatus, _usage_row, ingest_usage
-from billing.models import Base
 from billing.records import Door
 from tests.billing.conftest import BACKENDS, fresh_postgres_schema
 from tests.billing.factories import usage
 from tests.billing.test_migration_0005 import _TENANT
 from tests.billing.test_migration_0006 import insert_before_0006
-from tests.billing.test_migrations import drift, tables_and_routines
+from tests.billing.test_migrations import declared_checks, drift, revision, tables_and_routines
 
 OLD = usage("call-old", request_kind="chat")  # stored before doors: it came through gRPC
 _USAGE = text(
@@ -33,26 +30,12 @@ _USAGE = text(
 )
 
 
-def revision_0008() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "revision_0008", migrations.MIGRATIONS_DIR / "versions" / "0008_doors.py"
-    )
-    revision = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(revision)
-    return revision
-
-
 def test_the_models_declare_exactly_the_check_that_0008_installs() -> None:
-    declared = {
-        str(constraint.name): str(constraint.sqltext)
-        for table in Base.metadata.tables.values()
-        for constraint in table.constraints
-        if isinstance(constraint, CheckConstraint)
-    }
-    installed = {name: expression for _, name, expression in revision_0008().CHECKS}
+    declared = declared_checks()
+    installed = {name: expression for _, name, expression in revision("0008_doors.py").CHECKS}
     assert installed == {"ck_usage_records_door": "door IN ('grpc', 'http')"}
     assert {name: declared.get(name) for name in installed} == installed
-    assert revision_0008().DOORS == tuple(door.value for door in Door)
+    assert revision("0008_doors.py").DOORS == tuple(door.value for door in Door)
 
 
 @pytest.fixture(params=BACKENDS)

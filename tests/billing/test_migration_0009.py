@@ -4,13 +4,11 @@ prompt_tokens]), both ways, on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from sqlalchemy import CheckConstraint, Engine, inspect, text
+from sqlalchemy import Engine, inspect, text
 from sqlalchemy.exc import IntegrityError
 
 import migrations
@@ -18,12 +16,11 @@ from billing.db import ledger_errors, make_engine, session_factory, unit_of_work
 from billing.errors import DataRejected
 from billing.invoices import get_invoice
 from billing.ledger import IngestStatus, _usage_row, ingest_usage
-from billing.models import Base
 from tests.billing.conftest import BACKENDS, fresh_postgres_schema
 from tests.billing.factories import usage
 from tests.billing.test_migration_0005 import _FINALIZE, _INVOICE, _LINES, _PRICES, _TENANT
 from tests.billing.test_migration_0006 import insert_before_0006
-from tests.billing.test_migrations import drift, tables_and_routines
+from tests.billing.test_migrations import declared_checks, drift, revision, tables_and_routines
 
 OLD = usage("call-old", door="http")  # stored before the prefix cache: nothing was served to it (prompt_tokens 10)
 TABLES = ("usage_records", "invoice_lines", "invoice_line_request_kinds")
@@ -49,23 +46,9 @@ _DRAFT_KIND = text(
 )
 
 
-def revision_0009() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "revision_0009", migrations.MIGRATIONS_DIR / "versions" / "0009_cached_prompt_tokens.py"
-    )
-    revision = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(revision)
-    return revision
-
-
 def test_the_models_declare_exactly_the_checks_that_0009_installs() -> None:
-    declared = {
-        str(constraint.name): str(constraint.sqltext)
-        for table in Base.metadata.tables.values()
-        for constraint in table.constraints
-        if isinstance(constraint, CheckConstraint)
-    }
-    installed = {name: expression for _, name, expression in revision_0009().CHECKS}
+    declared = declared_checks()
+    installed = {name: expression for _, name, expression in revision("0009_cached_prompt_tokens.py").CHECKS}
     expression = "cached_prompt_tokens >= 0 AND cached_prompt_tokens <= prompt_tokens"
     assert installed == {f"ck_{table}_cached_prompt_tokens": expression for table in TABLES}
     assert {name: declared.get(name) for name in installed} == installed

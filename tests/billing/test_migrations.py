@@ -29,6 +29,26 @@ def empty_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         yield url
 
 
+def revision(filename: str):
+    """A migration module under migrations/versions/, loaded from its file (revisions are not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        Path(filename).stem, migrations.MIGRATIONS_DIR / "versions" / filename
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def declared_checks() -> dict[str, str]:
+    """Every CHECK the models declare: its name and expression."""
+    return {
+        str(constraint.name): str(constraint.sqltext)
+        for table in Base.metadata.tables.values()
+        for constraint in table.constraints
+        if isinstance(constraint, CheckConstraint)
+    }
+
+
 def drift(url: str) -> list:
     engine = make_engine(url)
     try:
@@ -191,16 +211,7 @@ def test_0003_round_trips_and_will_not_upgrade_over_rows_that_break_its_rules(em
 
 
 def test_the_models_declare_exactly_the_checks_that_0003_installs() -> None:
-    spec = importlib.util.spec_from_file_location(
-        "revision_0003", migrations.MIGRATIONS_DIR / "versions" / "0003_bounds_and_secrets.py"
-    )
-    revision = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(revision)
-    declared = {
-        str(constraint.name): str(constraint.sqltext)
-        for table in Base.metadata.tables.values()
-        for constraint in table.constraints
-        if isinstance(constraint, CheckConstraint)
-    }
-    installed = {name: expression.format(r="") for _, name, expression, _ in revision.CHECKS}
+    declared = declared_checks()
+    checks = revision("0003_bounds_and_secrets.py").CHECKS
+    installed = {name: expression.format(r="") for _, name, expression, _ in checks}
     assert {name: declared.get(name) for name in installed} == installed
