@@ -9,8 +9,8 @@ only once the engine has computed it, so a block a cancelled call's last step ma
 
 The pool is sized with room for the calls admitted into slots that free at the end of the running step (their
 predecessors still hold blocks until their end arrives): the executor allocates twice the blocks of every slot at
-the longest context where memory allows (device/executor.py), and a call the pool cannot take now is refused with
-the time the next call's blocks come back.
+the longest context where memory allows (device/executor.py); a call the pool cannot take now is refused for slots,
+with its own predicted run as the hint (rare at that size; counting blocks in admission's calendar is still to do).
 """
 
 from __future__ import annotations
