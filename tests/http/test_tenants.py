@@ -13,7 +13,7 @@ import pytest
 from billing import commands
 from services.inference.device.spec import ExecutorConfig
 from services.inference.replica import ServeConfig
-from tests.http.conftest import post
+from tests.http.conftest import STEP_S, post
 from tests.inference.harness import ServerThread
 from tests.inference.test_quotas import set_policy
 
@@ -21,7 +21,10 @@ from tests.inference.test_quotas import set_policy
 @pytest.fixture(scope="module")
 def server(llama_dir):
     executor = ExecutorConfig(max_batch=4, max_seq_len=256)
-    s = ServerThread(ServeConfig(str(llama_dir), port=0, http_port=0, executor=executor, policy_refresh_s=0.2))
+    config = ServeConfig(str(llama_dir), port=0, http_port=0, executor=executor, policy_refresh_s=0.2)
+    # a step floor keeps the long call of the request-id test in flight while its twin arrives: the tiny model
+    # ends it at its end-of-sequence after about 20 tokens, which without a floor take under 30 ms
+    s = ServerThread(config, step_floor_s=STEP_S)
     s.other_key = commands.create_tenant(s.config.ledger_url, "other")
     s.admin_key = commands.create_admin_key(s.config.ledger_url)
     s.start()
