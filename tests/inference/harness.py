@@ -6,7 +6,9 @@ For tests and benchmarks that drive a server and look inside it at the same time
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import functools
+import sys
 import tempfile
 import threading
 import time
@@ -79,9 +81,20 @@ class ServerThread:
         if not self.thread.is_alive():  # stopped already
             return
         if self.replica is not None:
-            self.run(self.replica.stop(grace_s), timeout=grace_s + 30)
+            stopping = asyncio.run_coroutine_threadsafe(self.replica.stop(grace_s), self.loop)
+            try:
+                stopping.result(grace_s + 30)
+            except TimeoutError:
+                self._dump_stuck()
+                raise
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+
+    def _dump_stuck(self) -> None:
+        """A stop that hangs says where: every thread's stack and the loop's pending tasks, on stderr."""
+        faulthandler.dump_traceback(sys.stderr, all_threads=True)
+        for task in asyncio.all_tasks(self.loop):
+            task.print_stack(limit=8, file=sys.stderr)
 
     @property
     def address(self) -> str:
