@@ -176,6 +176,8 @@ _WHY = {
     "are kept for tenants under theirs (its run would end in {finish} ms of a {budget} ms budget)",
     RefusalCause.PRIORITY: "what is free on this replica is headroom kept for a higher-priority class of service "
     "that is active (its run would end in {finish} ms of a {budget} ms budget)",
+    RefusalCause.KV_BLOCKS: "the KV cache lacks the blocks for its prompt and max_tokens until running calls end "
+    "(its run would end in {finish} ms of a {budget} ms budget)",
     RefusalCause.COMPILES: "the replica is compiling as many new response_format grammars as it compiles at once "
     "(a {budget} ms budget)",
 }

@@ -9,11 +9,14 @@ only once the engine has computed it, so a block a cancelled call's last step ma
 
 The pool is sized with room for the calls admitted into slots that free at the end of the running step (their
 predecessors still hold blocks until their end arrives): the executor allocates twice the blocks of every slot at
-the longest context where memory allows (device/executor.py); a call the pool cannot take now is refused for slots,
-with its own predicted run as the hint (rare at that size; counting blocks in admission's calendar is still to do).
+the longest context where memory allows (device/executor.py). Where it does not (a long max_seq_len), the slots can
+hold more calls than the pool has blocks for: a call the pool cannot take now is refused for blocks, its hint the
+predicted finish of the running calls whose blocks it needs back (`ready_at_ns`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from .call import Ticket
 from .sched.blocks import BlockPool
@@ -37,6 +40,20 @@ class KvReservations:
         request.block_ids, request.blocks_reserved = allocation.block_ids, True
         request.num_cached_tokens = request.num_computed_tokens = allocation.num_cached_tokens
         return True
+
+    def ready_at_ns(self, request: Request, running: Iterable[Ticket]) -> int | None:
+        """When the pool could give `request` its blocks, counting the blocks each running call gives back at its
+        predicted finish, earliest first: admission's hint for a call it refuses for blocks. None: it could now,
+        or the running calls' ends never free enough (blocks shared with a later call stay held)."""
+        num_tokens = request.num_prompt_tokens + request.sampling.max_tokens
+        missing = self.pool.shortfall(request.prompt_token_ids, num_tokens, request.cache_salt)
+        if missing == 0:
+            return None
+        for ticket in sorted(running, key=lambda t: t.predicted_finish_ns):
+            missing -= self.pool.num_released_by(ticket.kv_blocks)
+            if missing <= 0:
+                return ticket.predicted_finish_ns
+        return None
 
     def first_token(self, ticket: Ticket) -> None:
         """The engine has computed the whole prompt: its full blocks are keyed for later calls."""

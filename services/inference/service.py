@@ -205,12 +205,14 @@ class InferenceService:
             deadline_ns=deadline_ns if self.deadline_mode else None,
             cache_salt=salt,
         )
-        if self.kv is not None and not self.kv.reserve(request):  # its predecessors' blocks are not back yet
+        if self.kv is not None and not self.kv.reserve(request):  # the running calls' blocks are not back yet
             self.admission.release(commitment.key)
             self._count_decision(attempt, "overloaded")
-            self.metrics.count_refusal(RefusalCause.SLOTS_FULL, tenant, klass)
-            run_ms = max((decision.predicted_finish_ns - now_ns) // 1_000_000, 1)
-            raise errors.Overloaded(run_ms, run_ms, budget_ns // 1_000_000, cause=RefusalCause.SLOTS_FULL)
+            self.metrics.count_refusal(RefusalCause.KV_BLOCKS, tenant, klass)
+            ready_ns = self.kv.ready_at_ns(request, self.in_flight.values()) or decision.predicted_finish_ns
+            retry_ms = max(-(-(ready_ns - now_ns) // 1_000_000), 1)
+            run_ms = (decision.predicted_finish_ns - now_ns) // 1_000_000
+            raise errors.Overloaded(retry_ms, run_ms, budget_ns // 1_000_000, cause=RefusalCause.KV_BLOCKS)
         self._count_decision(attempt, "admitted")
         sink = LoopSink(asyncio.get_running_loop())
         context = RecordContext(

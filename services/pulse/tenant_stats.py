@@ -9,7 +9,8 @@ Per tenant (the definitions of stats.py, over that tenant's calls only):
   refused in the end  calls that ended refused, by the cause of their last refusal (the client's view)
   replica refusals    refused attempts, by cause, as the replica counted them (zeroqueue_refusals_total{tenant})
 Causes are grouped by kind: overload (slots_full, step_budget, deadline, delays_admitted: the replica is full;
-compiles: it is compiling as many new response_format grammars as it compiles at once),
+compiles: it is compiling as many new response_format grammars as it compiles at once; kv_blocks: its KV cache
+lacks the blocks until running calls end),
 share (over_share: the tenant holds its fair share), priority (a higher class took the room), quota (a cap on
 the tenant), infeasible (no idle replica could finish in the budget).
 """
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from .stats import RequestTrace, Summary, TraceOutcome, ratio, summarize, summarize_by_kind
 
 CAUSE_KINDS = {
-    "overload": ("slots_full", "step_budget", "deadline", "delays_admitted", "compiles"),
+    "overload": ("slots_full", "step_budget", "deadline", "delays_admitted", "compiles", "kv_blocks"),
     "share": ("over_share",),
     "priority": ("priority",),
     "quota": ("quota",),

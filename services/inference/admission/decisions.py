@@ -99,6 +99,7 @@ class RefusalCause(enum.StrEnum):
     INFEASIBLE = "infeasible"  # no idle replica could finish it inside its budget
     QUOTA = "quota"  # its tenant is at one of its caps
     COMPILES = "compiles"  # too many new response_format grammars are compiling on the replica (compiler.py)
+    KV_BLOCKS = "kv_blocks"  # admitted, but the KV pool lacks its blocks until running calls end (kv_pool.py)
 
 
 @dataclass(frozen=True)

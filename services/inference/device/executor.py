@@ -79,14 +79,23 @@ class Executor:
             args.num_hidden_layers, args.num_key_value_heads, self.block_size, args.head_dim, checkpoint.dtype
         )
         blocks_per_seq = -(-self.max_seq_len // self.block_size)
-        # the scratch block comes out of the budget too; slots are the calls that may run at once
+        # the scratch block comes out of the budget too
         budget_blocks = config.kv_memory_bytes // block_bytes - 1
-        self.num_slots = max(1, min(config.max_batch, budget_blocks // blocks_per_seq))
-        # Twice the blocks the slots can fill, where memory allows: deadline admission reserves a call's blocks
-        # when it admits it, and a call admitted into a slot that frees at the end of the running step needs its
-        # blocks while its predecessor still holds its own (services/inference/kv_pool.py); the rest hold cached
-        # prefixes. Never fewer than the slots can fill.
-        self.num_blocks = max(self.num_slots * blocks_per_seq, min(2 * self.num_slots * blocks_per_seq, budget_blocks))
+        if budget_blocks < blocks_per_seq:
+            need_mib = -(-(blocks_per_seq + 1) * block_bytes // (1 << 20))
+            raise ValueError(
+                f"the KV memory ({config.kv_memory_bytes >> 20} MiB) holds fewer than one call of max_seq_len "
+                f"{self.max_seq_len} tokens: give it at least {need_mib} MiB or a shorter max_seq_len"
+            )
+        # Slots are rows of the batch, not memory: a call holds the blocks of its own prompt and max_tokens, so a
+        # long max_seq_len no longer divides the calls that run at once; where the slots could fill more blocks
+        # than the pool has, admission (or the engine's scheduler) counts the blocks as it counts the slots.
+        self.num_slots = config.max_batch
+        # Up to twice the blocks the slots can fill, where memory allows: deadline admission reserves a call's
+        # blocks when it admits it, and a call admitted into a slot that frees at the end of the running step needs
+        # its blocks while its predecessor still holds its own (services/inference/kv_pool.py); the rest hold
+        # cached prefixes. A pool the size of the whole budget would only cost startup time on a small model.
+        self.num_blocks = min(2 * self.num_slots * blocks_per_seq, budget_blocks)
         self.model = self._build_model(checkpoint)
         self.kv_cache = KVCache(
             args.num_hidden_layers,

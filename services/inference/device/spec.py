@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class ExecutorConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    max_batch: int = 32  # slots: calls that run at once, unless kv_memory_bytes allows fewer
+    max_batch: int = 32  # slots: calls that run at once, each holding only the KV blocks it reserved
     max_seq_len: int = 1024  # tokens one call may hold, capped by the model's context
-    kv_memory_bytes: int = 2 << 30  # budget for the paged KV cache
+    kv_memory_bytes: int = 2 << 30  # the paged KV cache's budget: the pool is at most this, its blocks shared
     # tokens per KV block: a multiple of 16, the kernels' row group (a smaller block shares prefixes finer)
     kv_block_size: int = 16
     num_threads: int = 0  # CPU threads; 0: all cores this process may use but one

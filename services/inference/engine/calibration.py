@@ -57,24 +57,20 @@ def _decode_step_us(
     return statistics.median(times)
 
 
+def _pool_holds(engine: Engine, batch: int, prompt_len: int, num_steps: int) -> bool:
+    """Whether the KV pool holds `batch` of _decode_step_us's calls at once: the slots may hold more calls than
+    the pool has blocks for (a long max_seq_len), and a step of fewer rows than asked would measure nothing."""
+    prefill_steps = -(-batch * prompt_len // engine.scheduler.config.max_num_batched_tokens)
+    pool = engine.scheduler.blocks
+    return batch * pool.blocks_for(prompt_len + prefill_steps + num_steps + 1) <= pool.num_blocks
+
+
 def _prefill_step_us(engine: Engine, num_tokens: int, repeats: int, rng: random.Random) -> float:
     vocab = engine.executor.model.args.vocab_size
     times = []
     for r in range(repeats):
         prompt = tuple(rng.randrange(vocab) for _ in range(num_tokens))
-        engine.add_request(
-            Request(
-                f"calibrate-prefill-{num_tokens}-{r}",
-                prompt,
-                SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
-                engine.clock(),
-            ),
-            _Discard(),
-        )
-        report = engine.step()
-        times.append(report.interval_ns / 1000)
-        while engine.has_work:
-            engine.step()
+        times.append(_first_step_us(engine, f"calibrate-prefill-{num_tokens}-{r}", prompt, None))
     return statistics.median(times)
 
 
@@ -88,14 +84,18 @@ def calibrate(engine: Engine, num_steps: int = 6, repeats: int = 3, seed: int = 
     rows, row_us = [], []
     max_prompt = engine.executor.max_seq_len - 1
     for n in sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 512, slots, budget}):
-        if n <= slots:
+        if n <= slots and _pool_holds(engine, n, 4, num_steps):  # else the cost model extrapolates
             rows.append(n)
             row_us.append(_decode_step_us(engine, n, 4, num_steps, rng))
-        elif n <= min(budget, max_prompt):
+        elif slots < n <= min(budget, max_prompt):
             rows.append(n)
             row_us.append(_prefill_step_us(engine, n, repeats, rng))
     batch = min(8, slots)
+    while batch > 1 and batch not in rows:  # a pool smaller than 8 short calls
+        batch //= 2
     long_ctx = min(engine.executor.max_seq_len // 2, 512)
+    while long_ctx > 16 and not _pool_holds(engine, batch, long_ctx, num_steps):  # a long max_seq_len, a small pool
+        long_ctx //= 2
     short_us = row_us[rows.index(batch)] if batch in rows else _decode_step_us(engine, batch, 4, num_steps, rng)
     long_us = _decode_step_us(engine, batch, long_ctx, num_steps, rng)
     per_ctx = fit_context_cost(batch * 4, short_us, batch * long_ctx, long_us)
@@ -110,6 +110,16 @@ def calibrate(engine: Engine, num_steps: int = 6, repeats: int = 3, seed: int = 
     )
     log.info("cost_model_calibrated", **model.to_dict())
     return model
+
+
+def _first_step_us(engine: Engine, call_id: str, prompt: tuple[int, ...], salt: bytes | None) -> float:
+    """The time of a call's first step (its prompt, whole, less what the cache holds), run to its end alone."""
+    request = Request(call_id, prompt, replace(GREEDY, max_tokens=1), engine.clock(), cache_salt=salt)
+    engine.add_request(request, _Discard())
+    report = engine.step()
+    while engine.has_work:
+        engine.step()
+    return report.interval_ns / 1000
 
 
 def _extra_row_us(

@@ -120,8 +120,7 @@ class BlockPool:
             raise ValueError(f"num_tokens ({num_tokens}) is less than the prompt's {len(token_ids)} tokens")
         hits = self._match(token_ids, salt)
         num_new = self.blocks_for(num_tokens) - len(hits)
-        num_hits_cached = sum(1 for block in hits if block in self._cached)  # pinning them takes them off num_free
-        if num_new > self.num_free - num_hits_cached:
+        if num_new > self._num_takeable(hits):
             return None
         for block in hits:
             self._cached.pop(block, None)
@@ -135,6 +134,16 @@ class BlockPool:
             self.num_hit_calls += bool(hits)
             self.num_hit_tokens += len(hits) * self.block_size
         return Allocation((*hits, *new), len(hits) * self.block_size)
+
+    def shortfall(self, token_ids: Sequence[int], num_tokens: int, salt: bytes | None) -> int:
+        """Blocks `allocate` would lack now for the same call (0: it would succeed); changes nothing."""
+        hits = self._match(token_ids, salt)
+        return max(self.blocks_for(num_tokens) - len(hits) - self._num_takeable(hits), 0)
+
+    def num_released_by(self, block_ids: Sequence[int]) -> int:
+        """Blocks that `free(block_ids)` would make allocatable again: those no other call holds."""
+        counts = Counter(block_ids)
+        return sum(1 for block, count in counts.items() if self._ref_counts[block] == count)
 
     def commit(
         self, block_ids: Sequence[int], token_ids: Sequence[int], num_computed_tokens: int, salt: bytes | None
@@ -196,6 +205,11 @@ class BlockPool:
                 break
             hits.append(block)
         return hits
+
+    def _num_takeable(self, hits: Sequence[int]) -> int:
+        """Blocks a call whose cached prefix is `hits` can take besides them: pinning a cached hit takes it off
+        num_free."""
+        return self.num_free - sum(1 for block in hits if block in self._cached)
 
     def _take(self) -> int:
         """A block for a new call: a free one, else the least recently used cached one, unregistered."""
