@@ -35,3 +35,24 @@ def test_the_prefill_saved_is_predicted_for_the_call_and_its_neighbours():
     saved_ns = 960 * 10_000  # 960 rows at 10 µs
     assert finishes[0][0] - finishes[960][0] == saved_ns
     assert finishes[0][1] - finishes[960][1] == saved_ns
+
+
+def test_a_prefill_after_a_cached_prefix_is_charged_the_prefix_it_reads():
+    """Calibrated: each prefilled row reads the cached prefix, and a later chunk the chunks before it."""
+    finishes = {}
+    for per_read_us in (0.0, 0.01):
+        cost = CostModel(
+            rows=[1, 1001],
+            row_us=[1000, 11000],
+            us_per_context_token=0.0,
+            us_per_prefill_context_token=per_read_us,
+            num_deviations=0.0,
+            deviation=0.0,
+        )
+        c = AdmissionController(cost, AdmissionConfig(4, 256, margin_ms=0.0, margin_fraction=0.0), REFUSING)
+        hit = c.decide(Commitment("hit", 1000, 10, 10_000 * MS, num_cached_tokens=480), 0)
+        assert isinstance(hit, Admit)
+        finishes[per_read_us] = hit.predicted_finish_ns
+    # 520 rows read the 480 cached; in chunks of 256 the second (256 rows) reads the first 256, the third (8) 512
+    reads = 520 * 480 + 256 * 256 + 8 * 512
+    assert finishes[0.01] - finishes[0.0] == round(reads * 0.01 * 1000)

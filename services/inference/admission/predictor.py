@@ -48,6 +48,17 @@ def peak_occupancy(intervals: list[tuple[int, int]], start: int, end: int) -> in
     return peak
 
 
+def _prefill_reads(num_prefill: int, num_cached: int, budget: int) -> int:
+    """Cache positions the rows of a prompt's prefill read beyond those of a cold chunk of its size: every row
+    reads the cached prefix, and a chunk after the first (a prompt longer than the step budget) the chunks before
+    it too. A cold chunk's reads of itself are in the calibrated step."""
+    reads, start = num_prefill * num_cached, budget
+    while start < num_prefill:
+        reads += min(budget, num_prefill - start) * start
+        start += budget
+    return reads
+
+
 class Predictor:
     def __init__(self, cost: CostModel, config: AdmissionConfig, max_batch: int | None = None) -> None:
         self.cost = cost
@@ -62,7 +73,7 @@ class Predictor:
         # Runs on every decision, several times on a refusal: one pass over plain tuples, no properties, no
         # calls per commitment (the step count is _steps_left's, inline); a finish per phase, not per call.
         budget, pace, cost = self.config.max_num_batched_tokens, self.config.pace_tokens, self.cost
-        prefill_tokens, context_left, extra_left, order = 0, 0, 0.0, []
+        prefill_tokens, cached_reads, context_left, extra_left, order = 0, 0, 0, 0.0, []
         masked_us, logprob_us = cost.us_per_masked_row, cost.us_per_logprob_row
         for c in commitments:
             generated, prompt, max_tokens = c.num_generated, c.num_prompt_tokens, c.max_tokens
@@ -70,6 +81,7 @@ class Predictor:
             if generated == 0:
                 prefill = prompt - c.num_cached_tokens  # the cached prefix is read, never computed
                 prefill_tokens += prefill
+                cached_reads += _prefill_reads(prefill, c.num_cached_tokens, budget)
                 if prefill > budget:
                     remaining += (prefill - 1) // budget  # chunk steps before the first token
             context_left += prompt + max_tokens
@@ -80,6 +92,7 @@ class Predictor:
         n = len(order)
         # paced, a step costs at least as much as with `pace` prompt tokens: those come at no extra cost
         mean_us = max(prefill_tokens - pace, 0) * cost.marginal_row_us(n + pace)
+        mean_us += cached_reads * cost.us_per_prefill_context_token * cost.ratio
         finish, var_us2, done_steps, k, steps_us = {}, 0.0, 0, cost.num_deviations, cost.steps_us
         finish_ns = _finish_ns(now_ns, mean_us, var_us2, k)
         for i, (steps, final_context, key, extra) in enumerate(order):

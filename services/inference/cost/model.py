@@ -28,6 +28,8 @@ class CostModel:
     # a row's host work beyond the calibrated (greedy, free) step: its grammar's mask, its log-probabilities
     us_per_masked_row: float = 0.0
     us_per_logprob_row: float = 0.0
+    # a prompt row prefilled after a cached prefix reads that prefix too: µs per (prefilled row × cached position)
+    us_per_prefill_context_token: float = 0.0
     alpha: float = 0.05  # weight of the newest step in the running ratio
     num_deviations: float = 3.0
     ratio: float = 1.0
@@ -111,6 +113,7 @@ class CostModel:
             "us_per_context_token": self.us_per_context_token,
             "us_per_masked_row": round(self.us_per_masked_row, 1),
             "us_per_logprob_row": round(self.us_per_logprob_row, 1),
+            "us_per_prefill_context_token": round(self.us_per_prefill_context_token, 6),
             "ratio": round(self.ratio, 4),
             "deviation": round(self.deviation, 4),
             "num_observed": self.num_observed,
@@ -118,7 +121,7 @@ class CostModel:
 
 
 def fit_context_cost(short_ctx: int, short_us: float, long_ctx: int, long_us: float) -> float:
-    """µs per cached position read by decode attention, from two runs that differ only in context."""
+    """µs per cached position read by attention, from two runs that differ only in the positions read."""
     if long_ctx <= short_ctx:
         return 0.0
     return max((long_us - short_us) / (long_ctx - short_ctx), 0.0)

@@ -23,6 +23,10 @@ class _Discard:
 
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)  # frozen: a shared default is safe
+# the prefix cache's salts are its tenants' (policy/gate.py): no call shares calibration's blocks, and the warming
+# engine that holds them is dropped once calibrated
+CALIBRATION_SALT = b"zeroqueue:calibration"
+PREFILL_ROWS = 64  # prompt tokens prefilled after a cached prefix, in one step
 # What a constrained row costs is calibrated on a realistic schema (objects in an array, strings, integers, an enum):
 # its mask varies with where the output is in the grammar, and a run of steps walks through several places.
 CALIBRATION_SCHEMA = (
@@ -107,9 +111,30 @@ def calibrate(engine: Engine, num_steps: int = 6, repeats: int = 3, seed: int = 
         us_per_context_token=per_ctx,
         us_per_masked_row=masked_us,
         us_per_logprob_row=logprob_us,
+        us_per_prefill_context_token=_prefill_context_us(engine, repeats, rng),
     )
     log.info("cost_model_calibrated", **model.to_dict())
     return model
+
+
+def _prefill_context_us(engine: Engine, repeats: int, rng: random.Random) -> float:
+    """What a prompt row prefilled after a cached prefix adds per cached position it reads (its attention): a step
+    that prefills PREFILL_ROWS prompt tokens after a cached prefix, less the same step cold, per row and position.
+    The prefix is computed by a call of its own first, as a tenant's earlier call computes it."""
+    pool, budget = engine.scheduler.blocks, engine.scheduler.config.max_num_batched_tokens
+    num_rows = min(PREFILL_ROWS, budget)
+    num_cached = min(engine.executor.max_seq_len - num_rows - 1, 512) // pool.block_size * pool.block_size
+    if num_cached <= 0:
+        return 0.0
+    vocab = engine.executor.model.args.vocab_size
+    cold, cached = [], []
+    for r in range(repeats):
+        prefix = tuple(rng.randrange(vocab) for _ in range(num_cached))
+        _first_step_us(engine, f"calibrate-prefix-{r}", (*prefix, 0), CALIBRATION_SALT)  # computes and keys it
+        rows = tuple(rng.randrange(vocab) for _ in range(num_rows))
+        cold.append(_first_step_us(engine, f"calibrate-cold-{r}", rows, None))
+        cached.append(_first_step_us(engine, f"calibrate-cached-{r}", (*prefix, *rows), CALIBRATION_SALT))
+    return fit_context_cost(0, statistics.median(cold), num_rows * num_cached, statistics.median(cached))
 
 
 def _first_step_us(engine: Engine, call_id: str, prompt: tuple[int, ...], salt: bytes | None) -> float:

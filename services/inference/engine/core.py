@@ -146,6 +146,7 @@ def build_engine(
             cost_us_per_context_token=cost.us_per_context_token,
             cost_us_per_masked_row=cost.us_per_masked_row,
             cost_us_per_logprob_row=cost.us_per_logprob_row,
+            cost_us_per_prefill_context_token=cost.us_per_prefill_context_token,
         )
         if spec.pace_tokens:  # a copy of the calibration, which the pacer scales by the steps it measures
             pacer = Pacer(CostModel(list(cost.rows), list(cost.row_us), cost.us_per_context_token), spec.pace_tokens)

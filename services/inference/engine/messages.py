@@ -59,6 +59,7 @@ class Ready:
     cost_us_per_context_token: float = 0.0
     cost_us_per_masked_row: float = 0.0
     cost_us_per_logprob_row: float = 0.0
+    cost_us_per_prefill_context_token: float = 0.0
     engine_cpus: tuple[int, ...] = ()  # with pin_cpus: the engine process's cores, and the server's
     server_cpus: tuple[int, ...] = ()
     num_kv_blocks: int = 0  # the paged KV cache's pool (device/attention.py), blocks of kv_block_size tokens
@@ -72,6 +73,7 @@ class Ready:
             self.cost_us_per_context_token,
             self.cost_us_per_masked_row,
             self.cost_us_per_logprob_row,
+            self.cost_us_per_prefill_context_token,
         )
 
 
