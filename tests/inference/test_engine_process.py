@@ -87,6 +87,8 @@ def test_a_killed_engine_fails_its_calls_bills_them_and_takes_the_replica_out(ll
             list(call)
         assert info.value.code() == grpc.StatusCode.INTERNAL
         assert status_details(info.value)["ErrorInfo"].reason == "ENGINE_FAILURE"
+        pool = server.replica.service.kv.pool  # deadline admission's: the failed call's blocks are back
+        assert pool.num_used == 0 and pool.num_free == pool.num_blocks
         deadline = time.monotonic() + 5
         while _health(server) != health_pb2.HealthCheckResponse.NOT_SERVING and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -6,6 +6,7 @@ Each call's tokens are the same whether it hit or not."""
 from __future__ import annotations
 
 import pytest
+from structlog.testing import capture_logs
 from zeroqueue.inference.v1 import inference_pb2 as pb
 
 from billing import commands
@@ -13,6 +14,7 @@ from services.inference.device.executor import ExecutorConfig
 from services.inference.policy import PrefixCachePolicy
 from services.inference.replica import ServeConfig
 from tests.inference.harness import ServerThread
+from tests.inference.test_overload import wait_until
 from tests.inference.test_usage import ledger_rows
 
 PROMPT = "def handler(event, context):\n    body = event['body']\n    return process(body)\n" * 3
@@ -52,15 +54,21 @@ def test_a_tenants_second_call_is_served_from_its_first_calls_blocks(llama_dir, 
     policy = PrefixCachePolicy(shared=frozenset({"acme", "beta"}) if shared else frozenset())
     server = start(llama_dir, policy, admission)
     try:
-        first, first_final = call(server, server.key, "a1")
-        again, again_final = call(server, server.key, "a2")
-        other, other_final = call(server, server.beta_key, "b1")
+        with capture_logs() as logs:
+            first, first_final = call(server, server.key, "a1")
+            again, again_final = call(server, server.key, "a2")
+            other, other_final = call(server, server.beta_key, "b1")
+            wait_until(lambda: sum(e["event"] == "request_done" for e in logs) == 3)
+        logged = {e["request_id"]: e["cached_prompt_tokens"] for e in logs if e["event"] == "request_done"}
         prompt_tokens = again_final.usage.prompt_tokens
         assert first_final.usage.cached_prompt_tokens == 0
         assert again_final.usage.cached_prompt_tokens == (prompt_tokens - 1) // 16 * 16 > 0
         # tenant beta reads acme's blocks only when the operator shared one cache between them
         assert other_final.usage.cached_prompt_tokens == (again_final.usage.cached_prompt_tokens if shared else 0)
         assert first == again == other
+        assert logged == {
+            r: f.usage.cached_prompt_tokens for r, f in (("a1", first_final), ("a2", again_final), ("b1", other_final))
+        }
         assert hit_tokens(server) == again_final.usage.cached_prompt_tokens * (2 if shared else 1)
     finally:
         server.stop()  # the outbox drains into the ledger
