@@ -45,12 +45,14 @@ def run(
     max_attempts: int = 8,
     streams: dict[str, tuple[str, int, int]] | None = None,
     device: tuple[CostModel, int, int] | None = None,
+    cached_tokens: int = 0,
 ) -> Tally:
     """`rate_per_s`: one tenant's ("t") rate, or each stream's. A stream is a tenant's calls of one class: by
     default its name is its tenant's, of priority 0 and `budget_ms`; `streams` names (tenant, priority, budget_ms)
     for others. The Tally's by_tenant is by stream. `device`: (cost model, slots, step token budget), for a FIFO
     controller, which knows none of them; its calls' clients give up at their deadline (a call waiting or running
-    then leaves the engine, as a cancelled gRPC call does), and each is counted a miss."""
+    then leaves the engine, as a cancelled gRPC call does), and each is counted a miss. `cached_tokens`: each call's
+    leading prompt tokens the prefix cache holds: admission is told, and the device never runs them."""
     streams = streams or {}
     if device is None:
         cost, num_slots, budget = (
@@ -88,7 +90,14 @@ def run(
         stream = rid.split("/")[0]
         tenant, priority, _ = streams.get(stream, (stream, 0, budget_ms))
         commitment = Commitment(
-            rid, prompt_tokens, max_tokens, deadline_ns, tenant=tenant, attempt=attempt, priority=priority
+            rid,
+            prompt_tokens,
+            max_tokens,
+            deadline_ns,
+            tenant=tenant,
+            attempt=attempt,
+            priority=priority,
+            num_cached_tokens=cached_tokens,
         )
         decision = controller.decide(commitment, at_ns)
         kind = "retry_on_time" if held else ("retry" if attempt else "first")
@@ -138,9 +147,9 @@ def run(
             # a prompt begun holds its slot; another needs a free one
             if pending[0] not in prompt_left and len(generated) + len(joining) + len(prompt_left) >= num_slots:
                 break
-            chunk = min(prompt_left.get(pending[0], prompt_tokens), budget - rows)
+            chunk = min(prompt_left.get(pending[0], prompt_tokens - cached_tokens), budget - rows)
             rows += chunk
-            prompt_left[pending[0]] = prompt_left.get(pending[0], prompt_tokens) - chunk
+            prompt_left[pending[0]] = prompt_left.get(pending[0], prompt_tokens - cached_tokens) - chunk
             if prompt_left[pending[0]] == 0:
                 del prompt_left[pending[0]]
                 joining.append(pending.pop(0))
