@@ -102,6 +102,29 @@ class Ticket:
     def admission_key(self) -> str:
         return admission_key(self.tenant, self.spec.request_id)
 
+    def summary(self, outcome: str, now_ns: int) -> dict[str, object]:
+        """The fields of the call's `request_done` log line; times from its arrival, in ms."""
+
+        def since_received_ms(at_ns: int | None) -> int | None:
+            return None if at_ns is None else (at_ns - self.received_ns) // 1_000_000
+
+        return {
+            "request_id": self.spec.request_id,
+            "call_id": self.call_id,
+            "tenant": self.tenant,
+            "service_class": self.service_class,
+            "outcome": outcome,
+            "prompt_tokens": len(self.spec.prompt_token_ids),
+            # the usage record's count (FIFO: the engine's); else what deadline admission's pool found at admission
+            "cached_prompt_tokens": self.usage.cached_prompt_tokens if self.usage else self.request.num_cached_tokens,
+            "completion_tokens": self.num_output_tokens,
+            "budget_ms": self.budget_ms,
+            "predicted_finish_ms": since_received_ms(self.predicted_finish_ns),
+            "actual_finish_ms": since_received_ms(self.finished_ns or now_ns),
+            "ttft_ms": since_received_ms(self.first_token_ns),
+            "deadline_met": self.deadline_met,
+        }
+
 
 def admission_key(tenant: str, request_id: str) -> str:
     """The tenant-scoped key admission holds a call's slot (and a refused call's reservation) under: a retry

@@ -379,26 +379,7 @@ class InferenceService:
             self.metrics.deadline_misses.inc()
         self.metrics.count_outcome(outcome.value, ticket.service_class)
         self._untrack(ticket)
-        # the usage record's count (FIFO: the engine's); else what deadline admission's pool found at admission
-        cached = ticket.usage.cached_prompt_tokens if ticket.usage else ticket.request.num_cached_tokens
-        log.info(
-            "request_done",
-            request_id=ticket.spec.request_id,
-            call_id=ticket.call_id,
-            tenant=ticket.tenant,
-            service_class=ticket.service_class,
-            outcome=outcome.value,
-            prompt_tokens=len(ticket.spec.prompt_token_ids),
-            cached_prompt_tokens=cached,
-            completion_tokens=ticket.num_output_tokens,
-            budget_ms=ticket.budget_ms,
-            predicted_finish_ms=(ticket.predicted_finish_ns - ticket.received_ns) // 1_000_000,
-            actual_finish_ms=((ticket.finished_ns or self.clock.now_ns()) - ticket.received_ns) // 1_000_000,
-            ttft_ms=None
-            if ticket.first_token_ns is None
-            else (ticket.first_token_ns - ticket.received_ns) // 1_000_000,
-            deadline_met=ticket.deadline_met,
-        )
+        log.info("request_done", **ticket.summary(outcome.value, self.clock.now_ns()))
         if self.state is WarmupState.DRAINING and not self.in_flight:
             self.drained.set()
 
