@@ -147,9 +147,10 @@ def run(
             # a prompt begun holds its slot; another needs a free one
             if pending[0] not in prompt_left and len(generated) + len(joining) + len(prompt_left) >= num_slots:
                 break
-            chunk = min(prompt_left.get(pending[0], prompt_tokens - cached_tokens), budget - rows)
+            left = prompt_left.get(pending[0], prompt_tokens - cached_tokens)  # the cached prefix never runs
+            chunk = min(left, budget - rows)
             rows += chunk
-            prompt_left[pending[0]] = prompt_left.get(pending[0], prompt_tokens - cached_tokens) - chunk
+            prompt_left[pending[0]] = left - chunk
             if prompt_left[pending[0]] == 0:
                 del prompt_left[pending[0]]
                 joining.append(pending.pop(0))
