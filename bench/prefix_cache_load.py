@@ -29,7 +29,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from board import host  # noqa: E402
 from decode import make_model  # noqa: E402
-from shared_prefix_calls import document  # noqa: E402
+from shared_prefix_calls import document, request_lines  # noqa: E402
 
 from services.client import Client  # noqa: E402
 from services.pulse.replicas import start_replica  # noqa: E402
@@ -44,21 +44,9 @@ SERVE_ARGS = [
 
 def write_calls(path: Path, prefix_tokens: int, max_tokens: int) -> str:
     """The request file; returns the shared prefix."""
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / "shared_prefix_calls.py"),
-            "--prefix-tokens",
-            str(prefix_tokens),
-            "--max-tokens",
-            str(max_tokens),
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    path.write_text(out)
-    return document(prefix_tokens)
+    prefix = document(prefix_tokens)
+    path.write_text("\n".join(request_lines(prefix, max_tokens)) + "\n")
+    return prefix
 
 
 def pulse(replica, calls: Path, qps: float, duration_s: float, deadline_ms: int, out: Path) -> dict:

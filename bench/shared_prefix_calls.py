@@ -42,14 +42,17 @@ def document(num_tokens: int) -> str:
     return text[: encoding.offsets[num_tokens][0]]
 
 
+def request_lines(prefix: str, max_tokens: int) -> list[str]:
+    """The request file's lines: the shared prefix, then each question."""
+    return [json.dumps({"prompt": f"{prefix}\n# Q: {q}\n# A:", "max_tokens": max_tokens}) for q in QUESTIONS]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prefix-tokens", type=int, default=1000)
     parser.add_argument("--max-tokens", type=int, default=16)
     args = parser.parse_args()
-    prefix = document(args.prefix_tokens)
-    for question in QUESTIONS:
-        print(json.dumps({"prompt": f"{prefix}\n# Q: {question}\n# A:", "max_tokens": args.max_tokens}))
+    print("\n".join(request_lines(document(args.prefix_tokens), args.max_tokens)))
 
 
 if __name__ == "__main__":
