@@ -194,12 +194,19 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         async with rpc_errors(context, "Generate", clip(request.request_id, 128), before_abort=time_refusal):
             metadata, budget_s = context.invocation_metadata(), context.time_remaining()
             ticket = await self.admit(request, metadata, budget_s, BudgetSource.CLIENT_DEADLINE, received_ns)
+
+        def close_first(code: grpc.StatusCode) -> None:
+            # the call's slot and KV blocks are back before its caller hears how it ended, as after a final reply
+            nonlocal ticket
+            self.service.close(ticket)
+            ticket = None
+
         try:
             await context.send_initial_metadata(
                 (("x-budget-ms", str(ticket.budget_ms)), ("x-budget-source", ticket.budget_source.value))
             )
             yield pb.GenerateResponse(admission=self._admission(ticket))
-            async with rpc_errors(context, "Generate", ticket.spec.request_id):
+            async with rpc_errors(context, "Generate", ticket.spec.request_id, before_abort=close_first):
                 async for output in self.service.stream(ticket):
                     if output.token_ids or output.text:
                         yield pb.GenerateResponse(

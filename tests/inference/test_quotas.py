@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from types import SimpleNamespace
 
 import grpc
@@ -199,8 +200,9 @@ def server(llama_dir):
 def set_policy(server, tenant: str, **caps) -> None:
     with ledger(server.config.ledger_url) as session:
         service_classes.set_tenant_policy(session, tenant, **caps)
-    read_at = server.replica.book.policy.read_at_us
-    wait_until(lambda: server.replica.book.policy.read_at_us > read_at, timeout=10)  # read again since
+    # a read that began before the commit may end after it, without the change: wait for one that began after
+    committed_us = time.time_ns() // 1000
+    wait_until(lambda: server.replica.book.policy.read_at_us > committed_us, timeout=10)
 
 
 def generate(stub, timeout=10.0, **fields):
