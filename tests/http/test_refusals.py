@@ -53,9 +53,11 @@ def completion(client: openai.OpenAI, request_id: str, max_tokens: int, **header
 
 
 def occupy(server, n: int, max_tokens: int) -> list[threading.Thread]:
-    """n long calls that hold n slots for a while."""
+    """n long calls that hold n slots for a while: greedy, as the tiny checkpoint's greedy text runs to max_tokens
+    (sampled, it may draw its end-of-sequence token after two, and free a slot the test counts on)."""
+    body = {"prompt": "x", "max_tokens": max_tokens, "temperature": 0}
     threads = [
-        threading.Thread(target=post, args=(server, "/v1/completions", {"prompt": "x", "max_tokens": max_tokens}))
+        threading.Thread(target=post, args=(server, "/v1/completions", body))
         for _ in range(n)
     ]
     for t in threads:
@@ -106,19 +108,21 @@ def test_a_burst_is_retried_by_the_sdk_after_exactly_the_servers_hint(slow):
 
 def test_no_retry_where_the_server_says_not_or_the_budget_is_infeasible(slow):
     running = occupy(slow, 4, max_tokens=60)
-    recorder = Recorder()
-    client = sdk(slow, recorder, max_retries=5)
-    with pytest.raises(openai.RateLimitError) as refused:
-        completion(client, "tight-1", 4, **{"X-Budget-Ms": "400"})
-    assert refused.value.response.headers["x-should-retry"] == "false"
-    assert refused.value.body["error_info"]["metadata"]["retry_within_budget"] == "false"
-    with pytest.raises(openai.BadRequestError) as infeasible:
-        completion(client, "tiny-1", 20, **{"X-Budget-Ms": "5"})
-    assert infeasible.value.body["code"] == "DEADLINE_INFEASIBLE"
-    assert int(infeasible.value.response.headers["x-min-budget-ms"]) > 5
-    assert len(recorder.sent) == 2  # one request each: neither was retried
-    for t in running:
-        t.join()
+    try:
+        recorder = Recorder()
+        client = sdk(slow, recorder, max_retries=5)
+        with pytest.raises(openai.RateLimitError) as refused:
+            completion(client, "tight-1", 4, **{"X-Budget-Ms": "400"})
+        assert refused.value.response.headers["x-should-retry"] == "false"
+        assert refused.value.body["error_info"]["metadata"]["retry_within_budget"] == "false"
+        with pytest.raises(openai.BadRequestError) as infeasible:
+            completion(client, "tiny-1", 20, **{"X-Budget-Ms": "5"})
+        assert infeasible.value.body["code"] == "DEADLINE_INFEASIBLE"
+        assert int(infeasible.value.response.headers["x-min-budget-ms"]) > 5
+        assert len(recorder.sent) == 2  # one request each: neither was retried
+    finally:  # the slots are free again for the module's next test, whatever happened here
+        for t in running:
+            t.join()
 
 
 def curl(server, *args: str) -> dict[str, str]:
