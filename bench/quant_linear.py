@@ -5,6 +5,8 @@ Side by side in one run, taking turns with a read-bandwidth probe (bench/kernel_
 layers of the SmolLM2-135M shape with distinct weights per layer (30 layers, 213 MB in bf16, so no cache flatters
 anyone), at M = 1, 8, 32 rows, ms per pass, median (min):
   - zeroqueue bf16: the packed linear kernel the executor runs today (`zeroqueue.linear`);
+  - zeroqueue int8: `zeroqueue.linear_int8` (kernels/linear_int8.cpp), the same int8 weights in 16-column panels,
+    each weight row widened to fp32 once a step for every row of the tile, the scale applied after the K loop;
   - torch int8: `aten._weight_int8pack_mm`, symmetric int8 per output channel, bf16 activations and scales;
   - torch int4 g32 / g64: `aten._weight_int4pack_mm_for_cpu`, asymmetric int4 per group of 32 / 64 inputs
     (the hidden size, 576, has no group of 128);
@@ -63,7 +65,7 @@ class Layers:
     def __init__(self, ops: kernels.CpuOps, num_layers: int) -> None:
         gen = torch.Generator().manual_seed(1)
         self.ops = ops
-        self.bf16, self.int8, self.int4 = [], [], {32: [], 64: []}
+        self.bf16, self.int8, self.zq_int8, self.int4 = [], [], [], {32: [], 64: []}
         self.bytes = {"bf16": 0, "int8": 0, 32: 0, 64: 0}
         for _ in range(num_layers):
             for _, n, k in LAYER_SHAPES:
@@ -72,6 +74,7 @@ class Layers:
                 self.bytes["bf16"] += 2 * n * k
                 q, s = int8_per_channel(w)
                 self.int8.append((q, s, k))
+                self.zq_int8.append((ops.pack_linear(q), s.float(), n, k))
                 self.bytes["int8"] += n * k + 2 * n
                 for group, out in self.int4.items():
                     packed, sz, _ = int4_grouped(w, group)
@@ -84,6 +87,10 @@ class Layers:
         def bf16() -> None:
             for p, n, k in self.bf16:
                 ops.linear(xs[k], p, None, n)
+
+        def zq_int8() -> None:
+            for p, s, n, k in self.zq_int8:
+                torch.ops.zeroqueue.linear_int8(xs[k], p, s, None, n)
 
         def int8() -> None:
             for q, s, k in self.int8:
@@ -102,6 +109,7 @@ class Layers:
 
         return {
             "zeroqueue bf16": (bf16, self.bytes["bf16"]),
+            "zeroqueue int8": (zq_int8, self.bytes["int8"]),
             "torch int8": (int8, self.bytes["int8"]),
             "torch int4 g32": (int4(32), self.bytes[32]),
             "torch int4 g64": (int4(64), self.bytes[64]),
@@ -120,6 +128,10 @@ def kernel_errors(ops: kernels.CpuOps) -> dict[str, float]:
     wb = w.to(torch.bfloat16)
     pairs = {
         "zeroqueue bf16": (ops.linear(x, ops.pack_linear(wb), None, n), xf @ wb.float().T),
+        "zeroqueue int8": (
+            torch.ops.zeroqueue.linear_int8(x, ops.pack_linear(q), s.float(), None, n),
+            xf @ (q.float() * s.float()[:, None]).T,
+        ),
         "torch int8": (torch.ops.aten._weight_int8pack_mm(x, q, s), xf @ (q.float() * s.float()[:, None]).T),
         "torch int4 g32": (torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, sz), xf @ dequant4.T),
     }

@@ -24,6 +24,7 @@ SOURCES = tuple(
     for name in (
         "cpu_ops.cpp",
         "linear.cpp",
+        "linear_int8.cpp",
         "attention.cpp",
         "elementwise.cpp",
         "rope.cpp",

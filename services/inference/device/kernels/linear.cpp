@@ -224,9 +224,10 @@ at::Tensor pack_linear(const at::Tensor& w_in) {
     at::Tensor padded = at::constant_pad_nd(w, {0, 2 * kp - k, 0, np * kLanes - n});
     return padded.view({np, kLanes, kp, 2}).permute({0, 2, 1, 3}).contiguous();  // [NP][KP][16][2]
   }
-  TORCH_CHECK(w.scalar_type() == at::kFloat, "pack_linear: w must be bfloat16 or float32, got ", w.scalar_type());
+  TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kChar,
+              "pack_linear: w must be bfloat16, float32 or int8, got ", w.scalar_type());
   at::Tensor padded = at::constant_pad_nd(w, {0, 0, 0, np * kLanes - n});
-  return padded.view({np, kLanes, k}).permute({0, 2, 1}).contiguous();  // [NP][K][16]
+  return padded.view({np, kLanes, k}).permute({0, 2, 1}).contiguous();  // [NP][K][16] (int8: linear_int8.cpp)
 }
 
 }  // namespace

@@ -1,0 +1,98 @@
+"""zeroqueue::linear_int8 (kernels/linear_int8.cpp, issue 34) against a plain-torch product of the same int8 weights
+and scales, at every linear shape of the bundled model and the SmolLM2-135M shape and at ragged ones, for ragged
+batches; and its batch invariance. The build this process loaded runs here; every other build this CPU runs is
+checked in a child process that loads it (ZQ_KERNELS_ISA), so the AVX2 build is tested on an AVX-512 host too."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.inference.device import kernels
+from tests.inference.test_kernels import ops  # noqa: F401 - the fixture: the loaded build, or why not
+
+ROOT = Path(__file__).resolve().parents[2]
+# (N, K): the SmolLM2-135M shape's qkv, o, gate_up, down; the bundled model's are among the ragged ones' kind
+SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536), (17, 33), (48, 64), (1, 7), (130, 256))
+ROWS = (1, 2, 7, 8, 9, 32)
+
+
+def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output channel: w [N, K] ≈ q * scale[:, None]."""
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-8)
+    return torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8), scale
+
+
+def check_int8(seed: int = 0) -> int:
+    """Every shape and batch against the reference; raises AssertionError on the first that differs. Returns how
+    many products were checked."""
+    gen, checked = torch.Generator().manual_seed(seed), 0
+    for n, k in SHAPES:
+        q, scale = quantize(torch.randn(n, k, generator=gen) * 0.02)
+        packed = torch.ops.zeroqueue.pack_linear(q)
+        assert packed.dtype == torch.int8 and packed.shape == (-(-n // 16), k, 16)
+        for bias in (None, torch.randn(n, generator=gen)):
+            for m in ROWS:
+                for dtype in (torch.float32, torch.bfloat16):
+                    x = torch.randn(m, k, generator=gen).to(dtype)
+                    y = torch.ops.zeroqueue.linear_int8(x, packed, scale, bias, n)
+                    ref = (x.float() @ q.float().T) * scale + (0 if bias is None else bias)
+                    assert y.dtype == dtype and y.shape == (m, n)
+                    # fp32: the same products summed in another order; bf16: the output's rounding
+                    tol = 1e-5 if dtype == torch.float32 else 8e-3
+                    err = ((y.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
+                    assert err < tol, f"N={n} K={k} M={m} {dtype} bias={bias is not None}: error {err:.2e}"
+                    for r in {0, m - 1}:  # a row alone is the same row in the batch, bit for bit
+                        alone = torch.ops.zeroqueue.linear_int8(x[r : r + 1], packed, scale, bias, n)
+                        assert torch.equal(alone, y[r : r + 1]), f"N={n} K={k} M={m} {dtype}: row {r} moved"
+                    checked += 1
+    return checked
+
+
+def test_int8_linear_matches_the_reference_and_is_batch_invariant(ops):  # noqa: F811
+    assert check_int8() == len(SHAPES) * 2 * len(ROWS) * 2
+
+
+def test_int8_linear_refuses_what_it_was_not_packed_for(ops):  # noqa: F811
+    q, scale = quantize(torch.randn(40, 24))
+    packed = torch.ops.zeroqueue.pack_linear(q)
+    x = torch.randn(3, 24)
+    with pytest.raises(RuntimeError, match="is not pack_linear.s int8 output"):
+        torch.ops.zeroqueue.linear_int8(torch.randn(3, 25), packed, scale, None, 40)
+    with pytest.raises(RuntimeError, match="does not match"):
+        torch.ops.zeroqueue.linear_int8(x, packed, scale, None, 60)
+    with pytest.raises(RuntimeError, match="scales must be"):
+        torch.ops.zeroqueue.linear_int8(x, packed, scale[:-1], None, 40)
+    with pytest.raises(RuntimeError, match="is not pack_linear's int8 output"):
+        torch.ops.zeroqueue.linear_int8(x, torch.ops.zeroqueue.pack_linear(q.float()), scale, None, 40)
+    assert torch.ops.zeroqueue.linear_int8(x[:0], packed, scale, None, 40).shape == (0, 40)
+
+
+def _other_isas() -> list[str]:
+    loaded = kernels.load_cpu_ops()
+    isas, _ = kernels.runnable_isas()
+    return [isa.name for isa in isas if loaded is None or isa.name != loaded.isa]
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_int8_linear_on_every_build_this_cpu_runs(ops, isa):  # noqa: F811
+    if isa == ops.isa:
+        pytest.skip(f"{isa} is the build this process loaded: the tests above ran it")
+    if isa not in _other_isas():
+        pytest.skip(f"this CPU does not run the {isa} build")
+    env = {**os.environ, kernels.ISA_ENV: isa, "PYTHONPATH": str(ROOT)}
+    code = "from tests.inference.test_kernel_int8 import check_int8, loaded_isa; print(loaded_isa(), check_int8())"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [isa, str(len(SHAPES) * 2 * len(ROWS) * 2)]
+
+
+def loaded_isa() -> str:
+    loaded = kernels.load_cpu_ops()
+    assert loaded is not None, kernels.reason_unavailable()
+    return loaded.isa
