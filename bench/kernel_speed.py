@@ -265,6 +265,19 @@ def machine() -> str:
     return f"{model}, {fields.get('CPU(s)', '?').strip()} CPUs, torch {torch.__version__}"
 
 
+def loaded_kernels() -> kernels.CpuOps:
+    """The kernels this CPU runs (or exit saying why not), after printing the run's header: when, where, which."""
+    ops = kernels.load_cpu_ops()
+    if ops is None:
+        sys.exit(f"CPU kernels unavailable: {kernels.reason_unavailable()}")
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    print(
+        f"{now}; {machine()}; {ops.isa} kernels ({ops.bf16_path_name} bf16 path); {torch.get_num_threads()} "
+        f"threads; load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}"
+    )
+    return ops
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", default="bfloat16,float32")
@@ -273,14 +286,7 @@ def main() -> None:
     parser.add_argument("--paths-only", action="store_true", help="only the bf16 linear paths side by side")
     parser.add_argument("--attention-only", action="store_true", help="only decode attention")
     args = parser.parse_args()
-    ops = kernels.load_cpu_ops()
-    if ops is None:
-        sys.exit(f"CPU kernels unavailable: {kernels.reason_unavailable()}")
-    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    print(
-        f"{now}; {machine()}; {ops.isa} kernels; {torch.get_num_threads()} threads; load average "
-        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}"
-    )
+    ops = loaded_kernels()
     if args.attention_only:
         for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
             bench_attention(ops, dtype, args.reps)

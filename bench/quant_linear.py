@@ -21,8 +21,6 @@ quantization's cost in quality is measured on the model, by NLL, not on random w
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -32,7 +30,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.kernel_speed import LAYER_SHAPES, LAYERS, BandwidthProbe, machine, time_interleaved  # noqa: E402
+from bench.kernel_speed import LAYER_SHAPES, LAYERS, BandwidthProbe, loaded_kernels, time_interleaved  # noqa: E402
 from services.inference.device import kernels  # noqa: E402
 from services.logs import configure_logging  # noqa: E402
 
@@ -144,14 +142,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8,32")
     parser.add_argument("--layers", type=int, default=LAYERS)
     args = parser.parse_args()
-    ops = kernels.load_cpu_ops()
-    if ops is None:
-        sys.exit(f"CPU kernels unavailable: {kernels.reason_unavailable()}")
-    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    print(
-        f"{now}; {machine()}; {ops.isa} kernels ({ops.bf16_path_name} bf16 path); {torch.get_num_threads()} "
-        f"threads; load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}"
-    )
+    ops = loaded_kernels()
     layers, probe = Layers(ops, args.layers), BandwidthProbe()
     print("\nkernel error against fp32 with the same weights (max abs / max |ref|): " + ", ".join(
         f"{name} {err:.1e}" for name, err in kernel_errors(ops).items()
