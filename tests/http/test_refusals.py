@@ -56,10 +56,7 @@ def occupy(server, n: int, max_tokens: int) -> list[threading.Thread]:
     """n long calls that hold n slots for a while: greedy, as the tiny checkpoint's greedy text runs to max_tokens
     (sampled, it may draw its end-of-sequence token after two, and free a slot the test counts on)."""
     body = {"prompt": "x", "max_tokens": max_tokens, "temperature": 0}
-    threads = [
-        threading.Thread(target=post, args=(server, "/v1/completions", body))
-        for _ in range(n)
-    ]
+    threads = [threading.Thread(target=post, args=(server, "/v1/completions", body)) for _ in range(n)]
     for t in threads:
         t.start()
     wait_until(lambda: len(server.replica.service.in_flight) >= n)
