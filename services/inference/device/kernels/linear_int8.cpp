@@ -14,7 +14,6 @@
 #include <array>
 #include <optional>
 #include <utility>
-#include <vector>
 
 #include "simd.h"
 
@@ -39,19 +38,21 @@ inline vf widen_int8(const int8_t* p) {
 #endif
 }
 
+// X: how x is read (a broadcast per row and step); T: the dtype of y and the bias (bf16 or fp32)
+template <class X, class T>
 struct Int8Tile {
-  const float* x;  // row 0 of the tile, [rows][k] fp32
+  const X* x;  // row 0 of the tile, [rows][k]
   int64_t k;
   const int8_t* w;        // the tile's first panel
   int64_t panel_stride;   // bytes between panels (k * 16)
-  const float* scale;     // [16 * panels] at column n0, zero-padded
-  const float* bias;      // [16 * panels] at column n0, or nullptr
-  float* y;               // [rows][ldy] fp32 at column n0
+  const float* scale;     // [n] at column n0
+  const T* bias;          // [n] at column n0, or nullptr
+  T* y;                   // [rows][ldy] at column n0
   int64_t ldy, n_left;
 };
 
-template <int MR, int NR>
-void run_tile(const Int8Tile& t) {
+template <class X, class T, int MR, int NR>
+void run_tile(const Int8Tile<X, T>& t) {
   vf acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = vzero();
@@ -63,33 +64,52 @@ void run_tile(const Int8Tile& t) {
       b[j] = widen_int8(ws + j * t.panel_stride);
     }
     for (int i = 0; i < MR; ++i) {
-      const vf a = vset1(t.x[i * t.k + s]);
+      const vf a = vset1(static_cast<float>(t.x[i * t.k + s]));
       for (int j = 0; j < NR; ++j) acc[i][j] = vfmadd(a, b[j], acc[i][j]);
     }
   }
   for (int j = 0; j < NR; ++j) {
     const mask16 m = first_n(t.n_left - j * kLanes);
-    const vf scale = load16(t.scale + j * kLanes), bias = t.bias ? load16(t.bias + j * kLanes) : vzero();
+    const vf scale = load16(t.scale + j * kLanes, m), bias = t.bias ? load16(t.bias + j * kLanes, m) : vzero();
     for (int i = 0; i < MR; ++i) store16(t.y + i * t.ldy + j * kLanes, vfmadd(acc[i][j], scale, bias), m);
   }
 }
 
-using TileFn = void (*)(const Int8Tile&);
-template <int NR, int... Ms>
-constexpr std::array<TileFn, sizeof...(Ms)> rows_for(std::integer_sequence<int, Ms...>) {
-  return {&run_tile<Ms + 1, NR>...};
+template <class X, class T>
+using TileFn = void (*)(const Int8Tile<X, T>&);
+template <class X, class T, int NR, int... Ms>
+constexpr std::array<TileFn<X, T>, sizeof...(Ms)> rows_for(std::integer_sequence<int, Ms...>) {
+  return {&run_tile<X, T, Ms + 1, NR>...};
 }
-template <int... Ns>
+template <class X, class T, int... Ns>
 constexpr auto make_table(std::integer_sequence<int, Ns...>) {
-  return std::array<std::array<TileFn, kRows>, kPanels>{rows_for<Ns + 1>(std::make_integer_sequence<int, kRows>{})...};
+  return std::array<std::array<TileFn<X, T>, kRows>, kPanels>{
+      rows_for<X, T, Ns + 1>(std::make_integer_sequence<int, kRows>{})...};
 }
 
-// zero-padded to whole panels, fp32
-std::vector<float> padded(const at::Tensor& v, int64_t n, int64_t np) {
-  std::vector<float> out(np * kLanes, 0.0f);
-  const at::Tensor f = v.to(at::kFloat).contiguous();
-  std::copy(f.data_ptr<float>(), f.data_ptr<float>() + n, out.begin());
-  return out;
+// x of dtype X (fp32, or bf16 read in place), y and bias of dtype T
+template <class X, class T>
+void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& bias,
+         at::Tensor& y) {
+  static constexpr auto table = make_table<X, T>(std::make_integer_sequence<int, kPanels>{});
+  const int64_t m = x.size(0), k = x.size(1), n = y.size(1), np = packed.size(0), panel_stride = k * kLanes;
+  const X* xp = x.data_ptr<X>();
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const T* bp = bias.defined() ? bias.data_ptr<T>() : nullptr;
+  T* yp = y.data_ptr<T>();
+  // threads split the panels, so each streams its own part of the weights once (as linear.cpp)
+  at::parallel_for(0, np, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; p += kPanels) {
+      const int64_t nr = std::min<int64_t>(kPanels, p1 - p);
+      for (int64_t r = 0; r < m; r += kRows) {
+        const int64_t mr = std::min<int64_t>(kRows, m - r);
+        const Int8Tile<X, T> t{xp + r * k, k, wp + p * panel_stride, panel_stride, sp + p * kLanes,
+                               bp ? bp + p * kLanes : nullptr, yp + r * n + p * kLanes, n, n - p * kLanes};
+        table[nr - 1][mr - 1](t);
+      }
+    }
+  });
 }
 
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
@@ -106,29 +126,15 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) == n, "linear_int8: scales must be [", n, "]");
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == n), "linear_int8: bias must be [", n, "]");
   if (m == 0) return at::empty({0, n}, x.options());
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const std::vector<float> sp = padded(scales, n, np);
-  const std::vector<float> bp = bias.has_value() ? padded(*bias, n, np) : std::vector<float>();
-  at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
-  static constexpr auto table = make_table(std::make_integer_sequence<int, kPanels>{});
-  const float* xp = xf.data_ptr<float>();
-  const int8_t* wp = packed.data_ptr<int8_t>();
-  float* yp = y.data_ptr<float>();
-  const int64_t panel_stride = k * kLanes;
-  // threads split the panels, so each streams its own part of the weights once (as linear.cpp)
-  at::parallel_for(0, np, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; p += kPanels) {
-      const int64_t nr = std::min<int64_t>(kPanels, p1 - p);
-      for (int64_t r = 0; r < m; r += kRows) {
-        const int64_t mr = std::min<int64_t>(kRows, m - r);
-        const Int8Tile t{xp + r * k, k, wp + p * panel_stride, panel_stride, sp.data() + p * kLanes,
-                         bp.empty() ? nullptr : bp.data() + p * kLanes, yp + r * n + p * kLanes, n,
-                         n - p * kLanes};
-        table[nr - 1][mr - 1](t);
-      }
-    }
-  });
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  const at::Tensor xc = x.contiguous(), sc = scales.to(at::kFloat).contiguous();
+  const at::Tensor bc = bias.has_value() ? bias->to(x.scalar_type()).contiguous() : at::Tensor();
+  at::Tensor y = at::empty({m, n}, x.options());
+  // bf16 x: one row is read in place; more rows are widened once (exact), so each row's broadcast is a load,
+  // not a conversion per tile: the same values either way, so a row's result does not depend on its batch
+  if (x.scalar_type() == at::kFloat) run<float, float>(xc, packed, sc, bc, y);
+  else if (m == 1) run<BFloat16, BFloat16>(xc, packed, sc, bc, y);
+  else run<float, BFloat16>(xc.to(at::kFloat), packed, sc, bc, y);
+  return y;
 }
 
 }  // namespace
