@@ -73,17 +73,11 @@ def test_int8_linear_refuses_what_it_was_not_packed_for(ops):  # noqa: F811
     assert torch.ops.zeroqueue.linear_int8(x[:0], packed, scale, None, 40).shape == (0, 40)
 
 
-def _other_isas() -> list[str]:
-    loaded = kernels.load_cpu_ops()
-    isas, _ = kernels.runnable_isas()
-    return [isa.name for isa in isas if loaded is None or isa.name != loaded.isa]
-
-
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
 def test_int8_linear_on_every_build_this_cpu_runs(ops, isa):  # noqa: F811
     if isa == ops.isa:
         pytest.skip(f"{isa} is the build this process loaded: the tests above ran it")
-    if isa not in _other_isas():
+    if isa not in {runnable.name for runnable in kernels.runnable_isas()[0]}:
         pytest.skip(f"this CPU does not run the {isa} build")
     env = {**os.environ, kernels.ISA_ENV: isa, "PYTHONPATH": str(ROOT)}
     code = "from tests.inference.test_kernel_int8 import check_int8, loaded_isa; print(loaded_isa(), check_int8())"
