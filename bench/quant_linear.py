@@ -5,8 +5,9 @@ Side by side in one run, taking turns with a read-bandwidth probe (bench/kernel_
 layers of the SmolLM2-135M shape with distinct weights per layer (30 layers, 213 MB in bf16, so no cache flatters
 anyone), at M = 1, 8, 32 rows, ms per pass, median (min):
   - zeroqueue bf16: the packed linear kernel the executor runs today (`zeroqueue.linear`);
-  - zeroqueue int8: `zeroqueue.linear_int8` (kernels/linear_int8.cpp), the same int8 weights in 16-column panels,
-    each weight row widened to fp32 once a step for every row of the tile, the scale applied after the K loop;
+  - zeroqueue int8: `zeroqueue.linear_int8` (kernels/linear_int8.cpp), the same int8 weights in the bf16 layout's
+    panels, converted to bf16 in registers for one row block and once per call into a cached buffer for more, then
+    multiplied as our bf16 is (VDPBF16PS or widened FMAs), the scale applied after the K loop;
   - torch int8: `aten._weight_int8pack_mm`, symmetric int8 per output channel, bf16 activations and scales;
   - torch int4 g32 / g64: `aten._weight_int4pack_mm_for_cpu`, asymmetric int4 per group of 32 / 64 inputs
     (the hidden size, 576, has no group of 128);
@@ -88,7 +89,7 @@ class Layers:
 
         def zq_int8() -> None:
             for p, s, n, k in self.zq_int8:
-                torch.ops.zeroqueue.linear_int8(xs[k], p, s, None, n)
+                ops.linear_int8(xs[k], p, s, None, n)
 
         def int8() -> None:
             for q, s, k in self.int8:
@@ -127,7 +128,7 @@ def kernel_errors(ops: kernels.CpuOps) -> dict[str, float]:
     pairs = {
         "zeroqueue bf16": (ops.linear(x, ops.pack_linear(wb), None, n), xf @ wb.float().T),
         "zeroqueue int8": (
-            torch.ops.zeroqueue.linear_int8(x, ops.pack_linear(q), s.float(), None, n),
+            ops.linear_int8(x, ops.pack_linear(q), s.float(), None, n),
             xf @ (q.float() * s.float()[:, None]).T,
         ),
         "torch int8": (torch.ops.aten._weight_int8pack_mm(x, q, s), xf @ (q.float() * s.float()[:, None]).T),

@@ -28,34 +28,36 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8), scale
 
 
-def check_int8(seed: int = 0) -> int:
-    """Every shape and batch against the reference; raises AssertionError on the first that differs. Returns how
-    many products were checked."""
+def check_int8(isa: str, seed: int = 0) -> int:
+    """Every shape and batch against the reference, fp32 x and bf16 x on each bf16 path of the build `isa` (amx
+    meaning VDPBF16PS for int8); raises AssertionError on the first that differs. Returns how many products were
+    checked."""
+    cases = [(torch.float32, 0)] + [(torch.bfloat16, path) for path in range(len(kernels.isa_named(isa).bf16_paths))]
     gen, checked = torch.Generator().manual_seed(seed), 0
     for n, k in SHAPES:
         q, scale = quantize(torch.randn(n, k, generator=gen) * 0.02)
         packed = torch.ops.zeroqueue.pack_linear(q)
-        assert packed.dtype == torch.int8 and packed.shape == (-(-n // 16), k, 16)
+        assert packed.dtype == torch.int8 and packed.shape == (-(-n // 16), -(-k // 2), 16, 2)
         for bias in (None, torch.randn(n, generator=gen)):
             for m in ROWS:
-                for dtype in (torch.float32, torch.bfloat16):
+                for dtype, path in cases:
                     x = torch.randn(m, k, generator=gen).to(dtype)
-                    y = torch.ops.zeroqueue.linear_int8(x, packed, scale, bias, n)
+                    y = torch.ops.zeroqueue.linear_int8(x, packed, scale, bias, n, path)
                     ref = (x.float() @ q.float().T) * scale + (0 if bias is None else bias)
                     assert y.dtype == dtype and y.shape == (m, n)
                     # fp32: the same products summed in another order; bf16: the output's rounding
                     tol = 1e-5 if dtype == torch.float32 else 8e-3
                     err = ((y.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
-                    assert err < tol, f"N={n} K={k} M={m} {dtype} bias={bias is not None}: error {err:.2e}"
+                    assert err < tol, f"N={n} K={k} M={m} {dtype} path {path} bias={bias is not None}: error {err:.2e}"
                     for r in {0, m - 1}:  # a row alone is the same row in the batch, bit for bit
-                        alone = torch.ops.zeroqueue.linear_int8(x[r : r + 1], packed, scale, bias, n)
-                        assert torch.equal(alone, y[r : r + 1]), f"N={n} K={k} M={m} {dtype}: row {r} moved"
+                        alone = torch.ops.zeroqueue.linear_int8(x[r : r + 1], packed, scale, bias, n, path)
+                        assert torch.equal(alone, y[r : r + 1]), f"N={n} K={k} M={m} {dtype} {path}: row {r} moved"
                     checked += 1
     return checked
 
 
 def test_int8_linear_matches_the_reference_and_is_batch_invariant(ops):  # noqa: F811
-    assert check_int8() == len(SHAPES) * 2 * len(ROWS) * 2
+    assert check_int8(ops.isa) == len(SHAPES) * 2 * len(ROWS) * (1 + len(ops.bf16_paths))
 
 
 def test_int8_linear_refuses_what_it_was_not_packed_for(ops):  # noqa: F811
@@ -80,10 +82,11 @@ def test_int8_linear_on_every_build_this_cpu_runs(ops, isa):  # noqa: F811
     if isa not in {runnable.name for runnable in kernels.runnable_isas()[0]}:
         pytest.skip(f"this CPU does not run the {isa} build")
     env = {**os.environ, kernels.ISA_ENV: isa, "PYTHONPATH": str(ROOT)}
-    code = "from tests.inference.test_kernel_int8 import check_int8, loaded_isa; print(loaded_isa(), check_int8())"
+    code = "from tests.inference.test_kernel_int8 import check_int8, loaded_isa as l; i = l(); print(i, check_int8(i))"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == [isa, str(len(SHAPES) * 2 * len(ROWS) * 2)]
+    paths = len(kernels.isa_named(isa).bf16_paths)
+    assert done.stdout.split() == [isa, str(len(SHAPES) * 2 * len(ROWS) * (1 + paths))]
 
 
 def loaded_isa() -> str:

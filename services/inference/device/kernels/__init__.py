@@ -157,7 +157,7 @@ class CpuOps:
         return isa_named(self.isa).bf16_paths
 
     def pack_linear(self, w: torch.Tensor) -> torch.Tensor:
-        """w [N, K] -> packed weights (bf16 [ceil(N/16), ceil(K/2), 16, 2]; fp32 [ceil(N/16), K, 16])."""
+        """w [N, K] -> packed weights (bf16 / int8 [ceil(N/16), ceil(K/2), 16, 2]; fp32 [ceil(N/16), K, 16])."""
         return torch.ops.zeroqueue.pack_linear.default(w)
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
@@ -166,6 +166,13 @@ class CpuOps:
             return torch.ops.zeroqueue.linear.default(x, packed, bias, n, self.bf16_path)
         y = torch.ops.zeroqueue.linear.default(x.reshape(-1, x.shape[-1]), packed, bias, n, self.bf16_path)
         return y.reshape(*x.shape[:-1], n)
+
+    def linear_int8(
+        self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, n: int
+    ) -> torch.Tensor:
+        """x [M, K] @ (q * scales[:, None]).T + bias -> [M, n] in x's dtype, for int8 weights q packed by pack_linear
+        with one fp32 scale per output channel; accumulated in fp32, bf16 x as bf16_path says."""
+        return torch.ops.zeroqueue.linear_int8.default(x, packed, scales, bias, n, self.bf16_path)
 
     def decode_attention(
         self,
@@ -274,7 +281,7 @@ def _register_fakes() -> None:
     def _pack_linear(w: torch.Tensor) -> torch.Tensor:
         n, k = w.shape
         panels = -(-n // LANES)
-        if w.dtype == torch.bfloat16:
+        if w.dtype in (torch.bfloat16, torch.int8):
             return w.new_empty((panels, -(-k // 2), LANES, 2))
         return w.new_empty((panels, k, LANES))
 
@@ -282,6 +289,10 @@ def _register_fakes() -> None:
     def _linear(
         x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, bf16_path: int = 0
     ) -> torch.Tensor:
+        return x.new_empty((x.shape[0], n))
+
+    @torch.library.register_fake("zeroqueue::linear_int8")
+    def _linear_int8(x, packed, scales, bias, n: int, bf16_path: int = 0) -> torch.Tensor:
         return x.new_empty((x.shape[0], n))
 
     @torch.library.register_fake("zeroqueue::rms_norm")

@@ -5,15 +5,15 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY(zeroqueue, m) {
-  // w [N, K] -> bf16 [ceil(N/16), ceil(K/2), 16, 2] or fp32 / int8 [ceil(N/16), K, 16], zero-padded (linear.cpp).
+  // w [N, K] -> bf16 / int8 [ceil(N/16), ceil(K/2), 16, 2] or fp32 [ceil(N/16), K, 16], zero-padded (linear.cpp).
   m.def("pack_linear(Tensor w) -> Tensor");
   // x [M, K] . w^T + bias -> [M, n], x and packed of one dtype, fp32 accumulation; bf16_path 0: bf16 widened
   // to fp32 FMAs, 1: VDPBF16PS, 2: AMX tiles where K is a multiple of 32 (which is faster depends on the core:
   // kernels/__init__.py chooses).
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, int n, int bf16_path=0) -> Tensor");
-  // int8 weights (pack_linear of an int8 [N, K]: [ceil(N/16), K, 16]), one fp32 scale per output channel:
-  // (x [M, K] . q^T) * scales [n] + bias -> [M, n] in x's dtype, fp32 accumulation (linear_int8.cpp).
-  m.def("linear_int8(Tensor x, Tensor packed, Tensor scales, Tensor? bias, int n) -> Tensor");
+  // int8 weights (pack_linear of an int8 [N, K]), one fp32 scale per output channel: (x [M, K] . q^T) * scales [n]
+  // + bias -> [M, n] in x's dtype, fp32 accumulation; bf16 x multiplies as bf16_path says (linear_int8.cpp).
+  m.def("linear_int8(Tensor x, Tensor packed, Tensor scales, Tensor? bias, int n, int bf16_path=0) -> Tensor");
   // bf16_dot_rate() -> float and amx_request() -> bool: defined in linear.cpp (no tensor to dispatch on).
   // The KV cache is paged: one layer's caches are [N, KVH, BS, D] (N blocks of BS rows), and position p of a
   // sequence is row p % BS of block table[p / BS] of its block table.

@@ -1,32 +1,31 @@
-// zeroqueue::linear_int8: y[M, N] = (x[M, K] . q[N, K]^T) * scale[N] + bias with int8 weights (symmetric, one
-// fp32 scale per output channel), packed by pack_linear into 16-column panels [NP][K][16], fp32 accumulation.
-// Issue 34's first int8 kernel, measured by bench/quant_linear.py before the executor uses it.
+// zeroqueue::linear_int8: y[M, N] = (x[M, K] . q[N, K]^T) * scale[N] + bias with int8 weights (symmetric, one fp32
+// scale per output channel), packed by pack_linear in the bf16 layout, [NP][KP][16][2], fp32 accumulation.
 //
-// A weight row of a panel (16 int8, 16 bytes) is widened to fp32 once a step and used by every row of the tile;
-// the scale is applied once, after the K loop. Batch invariance as linear.cpp: one accumulator per output sees k
-// in ascending order with the same instructions whatever M, the tile or the thread.
+// Each thread turns one group of panels at a time into bf16 (exact: |q| <= 127 has 7 significant bits, bf16 8) in a
+// buffer of its own that stays in L2, then runs tile.h's bf16 tiles over it for every row block, the scale applied
+// after the K loop. A weight is converted once a call, not once a row tile, so a batch costs about what the bf16
+// kernel costs from cache, and a single row reads half of bf16's bytes from memory. bf16 x: VDPBF16PS or widened
+// FMAs as bf16_path says (AMX hosts take VDPBF16PS: the AMX kernel reads another layout); fp32 x: widened FMAs, the
+// fp32 products exactly. Batch invariant as tile.h: a row meets the same values and instructions whatever M.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <array>
 #include <optional>
 #include <utility>
+#include <vector>
 
+#include "ops.h"
 #include "simd.h"
+#include "tile.h"
 
 namespace zq {
 namespace {
 
-constexpr int kRows = 8;                // rows of a tile (the accumulators: kRows x kPanels vf)
-#ifndef ZQ_AVX2
-constexpr int kPanels = 3;
-#else
-constexpr int kPanels = 1;              // AVX2: a vf is two ymm, and 16 ymm hold 8 x 1 accumulators at most
-#endif
-constexpr int64_t kPrefetchSteps = 64;  // 1 KiB ahead of each panel's stream
+using namespace tile;
+
+constexpr int64_t kPairStep = 2 * kLanes;  // elements of one step of a panel: 16 columns x a k-pair
 
 // 16 int8 -> 16 fp32 lanes (exact)
 inline vf widen_int8(const int8_t* p) {
@@ -38,102 +37,147 @@ inline vf widen_int8(const int8_t* p) {
 #endif
 }
 
-// X: how x is read (a broadcast per row and step); T: the dtype of y and the bias (bf16 or fp32)
-template <class X, class T>
-struct Int8Tile {
-  const X* x;  // row 0 of the tile, [rows][k]
-  int64_t k;
-  const int8_t* w;        // the tile's first panel
-  int64_t panel_stride;   // bytes between panels (k * 16)
-  const float* scale;     // [n] at column n0
-  const T* bias;          // [n] at column n0, or nullptr
-  T* y;                   // [rows][ldy] at column n0
-  int64_t ldy, n_left;
-};
+#ifndef ZQ_AVX2
+// One step of an int8 panel (32 bytes) -> the same 32 values as bf16, in place (cvtne2ps puts its second operand
+// in the low half)
+inline __m512bh to_bf16_pairs(const int8_t* p) { return _mm512_cvtne2ps_pbh(widen_int8(p + kLanes), widen_int8(p)); }
+#endif
 
-template <class X, class T, int MR, int NR>
-void run_tile(const Int8Tile<X, T>& t) {
-  vf acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = vzero();
-  for (int64_t s = 0; s < t.k; ++s) {
-    const int8_t* ws = t.w + s * kLanes;
-    vf b[NR];
-    for (int j = 0; j < NR; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(ws + j * t.panel_stride + kPrefetchSteps * kLanes), _MM_HINT_T0);
-      b[j] = widen_int8(ws + j * t.panel_stride);
-    }
-    for (int i = 0; i < MR; ++i) {
-      const vf a = vset1(static_cast<float>(t.x[i * t.k + s]));
-      for (int j = 0; j < NR; ++j) acc[i][j] = vfmadd(a, b[j], acc[i][j]);
-    }
-  }
-  for (int j = 0; j < NR; ++j) {
-    const mask16 m = first_n(t.n_left - j * kLanes);
-    const vf scale = load16(t.scale + j * kLanes, m), bias = t.bias ? load16(t.bias + j * kLanes, m) : vzero();
-    for (int i = 0; i < MR; ++i) store16(t.y + i * t.ldy + j * kLanes, vfmadd(acc[i][j], scale, bias), m);
-  }
+// One step of an int8 panel, 16 columns x a k-pair (32 bytes, lane j's pair at bytes 2j, 2j + 1) -> the first (u0)
+// and second (u1) element of each pair as fp32, exact.
+inline void int8_pairs(const int8_t* p, vf& u0, vf& u1) {
+#ifndef ZQ_AVX2
+  const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));  // 32-bit lanes
+  u0 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 16), 16));
+  u1 = _mm512_cvtepi32_ps(_mm512_srai_epi32(w, 16));
+#else
+  const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kLanes)));
+  u0 = {_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(lo, 16), 16)),
+        _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(hi, 16), 16))};
+  u1 = {_mm256_cvtepi32_ps(_mm256_srai_epi32(lo, 16)), _mm256_cvtepi32_ps(_mm256_srai_epi32(hi, 16))};
+#endif
 }
 
-template <class X, class T>
-using TileFn = void (*)(const Int8Tile<X, T>&);
-template <class X, class T, int NR, int... Ms>
-constexpr std::array<TileFn<X, T>, sizeof...(Ms)> rows_for(std::integer_sequence<int, Ms...>) {
-  return {&run_tile<X, T, Ms + 1, NR>...};
-}
-template <class X, class T, int... Ns>
-constexpr auto make_table(std::integer_sequence<int, Ns...>) {
-  return std::array<std::array<TileFn<X, T>, kRows>, kPanels>{
-      rows_for<X, T, Ns + 1>(std::make_integer_sequence<int, kRows>{})...};
-}
-
-// x of dtype X (fp32, or bf16 read in place), y and bias of dtype T
-template <class X, class T>
-void run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& bias,
-         at::Tensor& y) {
-  static constexpr auto table = make_table<X, T>(std::make_integer_sequence<int, kPanels>{});
-  const int64_t m = x.size(0), k = x.size(1), n = y.size(1), np = packed.size(0), panel_stride = k * kLanes;
-  const X* xp = x.data_ptr<X>();
-  const int8_t* wp = packed.data_ptr<int8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const T* bp = bias.defined() ? bias.data_ptr<T>() : nullptr;
-  T* yp = y.data_ptr<T>();
-  // threads split the panels, so each streams its own part of the weights once (as linear.cpp)
-  at::parallel_for(0, np, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; p += kPanels) {
-      const int64_t nr = std::min<int64_t>(kPanels, p1 - p);
-      for (int64_t r = 0; r < m; r += kRows) {
-        const int64_t mr = std::min<int64_t>(kRows, m - r);
-        const Int8Tile<X, T> t{xp + r * k, k, wp + p * panel_stride, panel_stride, sp + p * kLanes,
-                               bp ? bp + p * kLanes : nullptr, yp + r * n + p * kLanes, n, n - p * kLanes};
-        table[nr - 1][mr - 1](t);
+// The tile kernels that read int8 panels directly, converting each step in registers: what one row block (M <=
+// kMaxRows) runs, where a buffer would only add a store and a load. Each does exactly what its bf16 counterpart
+// does on the converted values (Int8Widen: Bf16Widen's FMAs; Int8Dot: Bf16Dot's VDPBF16PS), so a row's result is the
+// same whether its batch took this path or the buffer's.
+struct Int8Widen {
+  using T = int8_t;
+  using X = float;
+  static constexpr int64_t kStepElems = kPairStep;
+  static constexpr int64_t kXPerStep = 2;
+  template <int MR, int NR>
+  static void step(vf (&acc)[MR][NR], const X* x, int64_t ldx, int64_t s, const T* ws, int64_t panel_stride) {
+    vf b[2][NR];
+    for (int j = 0; j < NR; ++j) int8_pairs(ws + j * panel_stride, b[0][j], b[1][j]);
+    for (int u = 0; u < 2; ++u) {
+      for (int i = 0; i < MR; ++i) {
+        const vf a = vset1(x[i * ldx + s * 2 + u]);
+        for (int j = 0; j < NR; ++j) acc[i][j] = vfmadd(a, b[u][j], acc[i][j]);
       }
     }
-  });
+  }
+};
+
+#ifndef ZQ_AVX2
+struct Int8Dot {
+  using T = int8_t;
+  using X = int32_t;
+  static constexpr int64_t kStepElems = kPairStep;
+  static constexpr int64_t kXPerStep = 1;
+  template <int MR, int NR>
+  static void step(vf (&acc)[MR][NR], const X* x, int64_t ldx, int64_t s, const T* ws, int64_t panel_stride) {
+    __m512bh b[NR];
+    for (int j = 0; j < NR; ++j) b[j] = to_bf16_pairs(ws + j * panel_stride);
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(x[i * ldx + s]));
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, b[j]);
+    }
+  }
+};
+#endif
+
+// nr panels of int8 pairs (panel_stride elements apart) -> bf16 [nr][steps][16][2] at out, value for value
+void dequantize(const int8_t* w, int64_t panel_stride, int64_t nr, BFloat16* out) {
+  for (int64_t j = 0; j < nr; ++j) {
+    const int8_t* src = w + j * panel_stride;
+    BFloat16* dst = out + j * panel_stride;
+    for (int64_t e = 0; e < panel_stride; e += kPairStep) {
+#ifndef ZQ_AVX2
+      _mm512_storeu_si512(dst + e, reinterpret_cast<__m512i>(to_bf16_pairs(src + e)));
+#else
+      store16(dst + e, widen_int8(src + e), 0xFFFF);
+      store16(dst + e + kLanes, widen_int8(src + e + kLanes), 0xFFFF);
+#endif
+    }
+  }
+}
+
+// x [m, ldx] as Kn reads it; y and bias of dtype Y. One row block reads the int8 panels through Direct; more
+// convert each group of panels once into a buffer that every row block's Kn then reads.
+template <class Kn, class Direct, class Y>
+void run(const typename Kn::X* x, int64_t m, int64_t ldx, const at::Tensor& packed, const at::Tensor& scales,
+         const at::Tensor& bias, at::Tensor& y) {
+  const int64_t np = packed.size(0), steps = packed.size(1), panel_stride = steps * kPairStep;
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const Y* bp = bias.defined() ? bias.data_ptr<Y>() : nullptr;
+  if (m <= kMaxRows) {
+    const auto panels = [&](int64_t p, int64_t) { return std::pair{wp + p * panel_stride, panel_stride}; };
+    return run_tiles<Direct, Y>(x, m, ldx, steps, np, panels, sp, bp, y.data_ptr<Y>(), y.size(1));
+  }
+  const auto panels = [&](int64_t p, int64_t nr) {
+    // each thread's own, kept between calls so a call does not fault in fresh pages: kMaxPanels panels of the
+    // widest K seen (K = 1536: 144 KiB)
+    thread_local std::vector<BFloat16> buffer;
+    if (buffer.size() < static_cast<size_t>(kMaxPanels * panel_stride)) buffer.resize(kMaxPanels * panel_stride);
+    dequantize(wp + p * panel_stride, panel_stride, nr, buffer.data());
+    return std::pair<const BFloat16*, int64_t>{buffer.data(), panel_stride};
+  };
+  run_tiles<Kn, Y>(x, m, ldx, steps, np, panels, sp, bp, y.data_ptr<Y>(), y.size(1));
+}
+
+template <class Kn, class Direct>
+void run_bf16(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& bias,
+              at::Tensor& y) {
+  const int64_t ldx = packed.size(1) * Kn::kXPerStep;
+  const auto rows = prepare_rows<Kn>(x.data_ptr<BFloat16>(), x.size(0), x.size(1), ldx);
+  run<Kn, Direct, BFloat16>(rows.data(), x.size(0), ldx, packed, scales, bias, y);
 }
 
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                       const std::optional<at::Tensor>& bias, int64_t n) {
+                       const std::optional<at::Tensor>& bias, int64_t n, int64_t bf16_path) {
   TORCH_CHECK(x.dim() == 2, "linear_int8: x must be [M, K], got ", x.dim(), " dims");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "linear_int8: x and packed must be on the CPU");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "linear_int8: x must be bfloat16 or float32");
   const int64_t m = x.size(0), k = x.size(1), np = packed.size(0);
-  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.dim() == 3 &&
-                  packed.size(1) == k && packed.size(2) == kLanes,
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.dim() == 4 &&
+                  packed.size(1) == ceil_div(k, 2) && packed.size(2) == kLanes && packed.size(3) == 2,
               "linear_int8: packed ", packed.sizes(), " is not pack_linear's int8 output for K=", k);
   TORCH_CHECK(n > (np - 1) * kLanes && n <= np * kLanes, "linear_int8: n=", n, " does not match ", np, " panels");
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) == n, "linear_int8: scales must be [", n, "]");
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == n), "linear_int8: bias must be [", n, "]");
+  TORCH_CHECK(bf16_path >= kBf16Widen && bf16_path <= kBf16Amx, "linear_int8: bf16_path must be 0, 1 or 2");
   if (m == 0) return at::empty({0, n}, x.options());
-  const at::Tensor xc = x.contiguous(), sc = scales.to(at::kFloat).contiguous();
+  const at::Tensor sc = scales.to(at::kFloat).contiguous();
   const at::Tensor bc = bias.has_value() ? bias->to(x.scalar_type()).contiguous() : at::Tensor();
   at::Tensor y = at::empty({m, n}, x.options());
-  // bf16 x: one row is read in place; more rows are widened once (exact), so each row's broadcast is a load,
-  // not a conversion per tile: the same values either way, so a row's result does not depend on its batch
-  if (x.scalar_type() == at::kFloat) run<float, float>(xc, packed, sc, bc, y);
-  else if (m == 1) run<BFloat16, BFloat16>(xc, packed, sc, bc, y);
-  else run<float, BFloat16>(xc.to(at::kFloat), packed, sc, bc, y);
+  if (x.scalar_type() == at::kFloat) {  // an odd K meets the weights' zero padding
+    const at::Tensor xp = k % 2 ? at::constant_pad_nd(x, {0, 1}).contiguous() : x.contiguous();
+    run<Bf16Widen, Int8Widen, float>(xp.data_ptr<float>(), m, k + k % 2, packed, sc, bc, y);
+    return y;
+  }
+  const at::Tensor xc = x.contiguous();
+#ifndef ZQ_AVX2
+  if (bf16_path != kBf16Widen) {
+    run_bf16<Bf16Dot, Int8Dot>(xc, packed, sc, bc, y);
+    return y;
+  }
+#endif
+  run_bf16<Bf16Widen, Int8Widen>(xc, packed, sc, bc, y);
   return y;
 }
 
