@@ -13,6 +13,7 @@ from services.cli_billing import add_billing_commands
 from services.cli_ledger import fails_cleanly
 from services.cli_types import block_size, non_negative_int, parse_bytes, positive_float
 from services.inference.bundled_model import BUNDLED_MODEL
+from services.inference.device.spec import QUANTIZE_CHOICES
 from services.logs import configure_logging
 from services.pulse.cli import add_pulse
 
@@ -98,6 +99,13 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         "0: a message per engine step",
     )
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument(
+        "--quantize",
+        default="none",
+        choices=QUANTIZE_CHOICES,
+        help="the decoder layers' linear weights: int8 quantizes them at load time (symmetric, per output channel; "
+        "activations stay in --dtype); the embedding and LM head keep --dtype. Faster decode on the CPU kernels",
+    )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: all cores but one)")
     p.add_argument("--safety-margin-ms", type=float, default=20.0)
@@ -242,6 +250,7 @@ def serve_config(args: argparse.Namespace):
             kv_memory_bytes=args.kv_memory,
             kv_block_size=args.kv_block_size,
             num_threads=args.threads,
+            quantize=args.quantize,
         ),
         max_num_batched_tokens=args.max_batched_tokens,
         prefix_cache=PrefixCachePolicy(not args.no_prefix_cache, args.shared_prefix_cache),

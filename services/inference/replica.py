@@ -299,8 +299,16 @@ class Replica:
         header = self.header
         kv_facts = (ready.num_kv_blocks, ready.kv_block_size, self.config.prefix_cache.enabled)
         args = header.args
+        quantized = self.config.executor.quantize
         card = ModelCard(
-            header.name, ready.max_seq_len, header.dtype, args.vocab_size, ready.num_slots, ready.device, *kv_facts
+            header.name,
+            ready.max_seq_len,
+            header.dtype,
+            args.vocab_size,
+            ready.num_slots,
+            ready.device,
+            *kv_facts,
+            weight_dtype=header.dtype if quantized == "none" else quantized,
         )
         return InferenceService(
             engine,

@@ -58,6 +58,7 @@ class ModelCard:
     kv_blocks: int = 0  # the paged KV cache: blocks of kv_block_size tokens, and whether prompts share them
     kv_block_size: int = 0
     prefix_cache: bool = False
+    weight_dtype: str = ""  # the decoder layers' linear weights: "int8" when quantized, else dtype
 
 
 def _merged(outputs: list[RequestOutput]) -> RequestOutput:

@@ -318,6 +318,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                         kv_blocks=card.kv_blocks,
                         kv_block_size=card.kv_block_size,
                         prefix_cache=card.prefix_cache,
+                        weight_dtype=card.weight_dtype or card.dtype,
                     )
                 ]
             )

@@ -182,6 +182,7 @@ def test_decode_layers_names_a_wrong_weight_count(wide_heads_dir):
             x,
             stack.weights[:-1],
             stack.biases,
+            stack.scales,
             stack.out_features,
             rotary.cos,
             rotary.sin,

@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.inference.device import kernels
+from services.inference.device.quant import quantize_int8
 from tests.inference.test_kernels import DTYPES, FEW, num_threads, ops, randn  # noqa: F401 - ops is a fixture
 
 # ---- decode attention over the paged KV cache: [N, KVH, BS, D], a block table a sequence ----
@@ -247,45 +248,58 @@ def test_rope_cache_refuses_a_slot_or_position_outside_its_table(ops):
 # ---- decode_layers: a step's layers in one op over the paged cache ----
 
 
-def random_layers(ops, dtype, layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256):
-    """Per layer 2 norm weights (not ones: a swapped norm would show), 4 packed linears (qkv, o, gate_up, down)
-    and a qkv bias -> (weights, biases, out_features) as decode_layers takes them."""
+def random_layers(ops, dtype, layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, int8=False):
+    """Per layer 2 norm weights (not ones: a swapped norm would show), 4 packed linears (qkv, o, gate_up, down; int8
+    with their scales if asked) and a qkv bias -> (weights, biases, scales, out_features) as decode_layers takes
+    them."""
     out_features = [(heads + 2 * kv_heads) * head_dim, hidden, 2 * intermediate, hidden]
     in_features = [hidden, heads * head_dim, hidden, intermediate]
-    weights, biases = [], []
+    weights, biases, scales = [], [], []
     for seed in range(50, 50 + 10 * layers, 10):
         norms = [(1 + 0.2 * randn(hidden, dtype=torch.float32, seed=seed + j)).to(dtype) for j in (0, 1)]
-        qkv, o, gate_up, down = (
-            ops.pack_linear(0.1 * randn(n, k, dtype=dtype, seed=seed + 2 + j))
-            for j, (n, k) in enumerate(zip(out_features, in_features))
-        )
+        linears = [
+            0.1 * randn(n, k, dtype=dtype, seed=seed + 2 + j) for j, (n, k) in enumerate(zip(out_features, in_features))
+        ]
+        if int8:
+            quantized = [quantize_int8(w) for w in linears]
+            linears, layer_scales = [q for q, _ in quantized], [scale for _, scale in quantized]
+        else:
+            layer_scales = [None] * 4
+        qkv, o, gate_up, down = (ops.pack_linear(w) for w in linears)
         weights += [norms[0], qkv, o, norms[1], gate_up, down]
         biases += [0.1 * randn(out_features[0], dtype=dtype, seed=seed + 9), None, None, None]
-    return weights, biases, out_features
+        scales += layer_scales
+    return weights, biases, scales, out_features
 
 
 def layers_one_by_one(ops, x, model, step, k_cache, v_cache, heads, kv_heads, eps, scale):
     """decode_layers' work as the layer-by-layer path calls the kernels, one op at a time in its order; model =
-    (weights, biases, out_features), step = (cos, sin, positions, slot_mapping, block_tables, lengths)."""
-    (weights, biases, n), (cos, sin, positions, slot_mapping, tables, lengths) = model, step
+    (weights, biases, scales, out_features), step = (cos, sin, positions, slot_mapping, block_tables, lengths)."""
+    (weights, biases, scales, n), (cos, sin, positions, slot_mapping, tables, lengths) = model, step
+
+    def linear(x, w, b, s, n):
+        return ops.linear(x, w, b, n) if s is None else ops.linear_int8(x, w, s, b, n)
+
     h, residual = x, None
     for i in range(k_cache.shape[0]):
-        w, b = weights[6 * i : 6 * i + 6], biases[4 * i : 4 * i + 4]
+        w, b, s = weights[6 * i : 6 * i + 6], biases[4 * i : 4 * i + 4], scales[4 * i : 4 * i + 4]
         h, stream = (ops.rms_norm(h, w[0], eps), h) if residual is None else ops.add_rms_norm(h, residual, w[0], eps)
-        qkv = ops.linear(h, w[1], b[0], n[0])
+        qkv = linear(h, w[1], b[0], s[0], n[0])
         q = ops.rope_cache(qkv, cos, sin, positions, slot_mapping, k_cache[i], v_cache[i], heads, kv_heads)
         att = ops.decode_attention(q, k_cache[i], v_cache[i], tables, lengths, scale).reshape(len(x), -1)
-        h, stream = ops.add_rms_norm(ops.linear(att, w[2], b[1], n[1]), stream, w[3], eps)
-        h, residual = ops.linear(ops.silu_mul(ops.linear(h, w[4], b[2], n[2])), w[5], b[3], n[3]), stream
+        h, stream = ops.add_rms_norm(linear(att, w[2], b[1], s[1], n[1]), stream, w[3], eps)
+        h, residual = linear(ops.silu_mul(linear(h, w[4], b[2], s[2], n[2])), w[5], b[3], s[3], n[3]), stream
     return h, residual
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["dense", "int8"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_layers_over_a_paged_cache_equals_the_layers_one_by_one(ops, dtype):
+def test_decode_layers_over_a_paged_cache_equals_the_layers_one_by_one(ops, dtype, int8):
     """A prompt step (three sequences' chunks: their rows repeat their tables and are causal), then two decode
     steps with ragged lengths: bit-identical to the kernels called layer by layer, caches included, and to the
-    same steps on another paging (blocks of 32, other ids); the NaN the caches start with is never read."""
-    model, cos, sin = random_layers(ops, dtype), *rope_tables(64, 32, dtype)
+    same steps on another paging (blocks of 32, other ids); the NaN the caches start with is never read. With int8
+    linears too (their scales passed beside the biases)."""
+    model, cos, sin = random_layers(ops, dtype, int8=int8), *rope_tables(64, 32, dtype)
     prompt_lens = torch.tensor([40, 7, 19])
     steps = [(torch.arange(3).repeat_interleave(prompt_lens), torch.cat([torch.arange(n) for n in prompt_lens]))]
     steps += [(torch.arange(3), prompt_lens + k) for k in (0, 1)]  # (each row's sequence, its position)

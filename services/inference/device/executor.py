@@ -23,8 +23,9 @@ from .loader import Checkpoint
 from .model import Transformer
 from .nvml import gpu_facts
 from .packed import pack_model
+from .quant import fake_quantize_layers
 from .sampler import draw_step
-from .spec import Device, ExecutorConfig, StepResult
+from .spec import QUANTIZE_CHOICES, Device, ExecutorConfig, StepResult
 
 log = structlog.get_logger(__name__)
 PROBE_SIZE = 128  # the probe's square fp32 matmul: about 4 MFLOP, tens of µs on one core
@@ -66,6 +67,8 @@ def describe_device(device: torch.device) -> Device:
 
 class Executor:
     def __init__(self, checkpoint: Checkpoint, config: ExecutorConfig) -> None:
+        if config.quantize not in QUANTIZE_CHOICES:
+            raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}, not {config.quantize!r}")
         self.config = config
         self.device = _pick_device(config.device)
         if self.device.type == "cpu":
@@ -110,7 +113,13 @@ class Executor:
         kernel_dtype = checkpoint.dtype in (torch.bfloat16, torch.float32)
         self.cpu_ops = self._cpu_ops() if self.device.type == "cpu" and kernel_dtype else None
         if self.cpu_ops is not None:
-            pack_model(self.model, self.cpu_ops)
+            pack_model(self.model, self.cpu_ops, config.quantize)
+        elif config.quantize == "int8":
+            # correct, not faster: the int8 model's values in the checkpoint's dtype (quant.py)
+            log.warning(
+                "int8_without_kernels", why="no CPU kernels here: int8 values computed in " + str(checkpoint.dtype)
+            )
+            fake_quantize_layers(self.model.layers)
         # the decode kernel is specialised for the common head sizes; others use the SDPA path
         use_kernel = self.cpu_ops is not None and args.head_dim in kernels.DECODE_HEAD_DIMS
         decode_kernel = self.cpu_ops.decode_attention if use_kernel else None
@@ -134,6 +143,7 @@ class Executor:
             kernels=self.cpu_ops is not None,
             kernels_isa=self.cpu_ops.isa if self.cpu_ops is not None else None,
             bf16_linears=self.cpu_ops.bf16_path_name if self.cpu_ops is not None else None,
+            quantize=config.quantize,
             graph_buckets=self.graphs.buckets if self.graphs else [],
             graph_contexts=self.graphs.context_buckets if self.graphs else [],
         )

@@ -10,6 +10,7 @@ from torch import nn
 from .attention import AttentionBackend, AttentionMetadata
 from .kernels import CpuOps
 from .model import Attention, DecoderStack, RMSNorm, RotaryEmbedding, SiluAndMul
+from .quant import quantize_int8
 
 
 class PackedLinear(nn.Module):
@@ -23,6 +24,26 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [M, in_features] -> [M, out_features]
         return self.ops.linear(x, self.packed, self.bias, self.out_features)
+
+
+class Int8Linear(nn.Module):
+    """A linear layer with int8 weights (quant.py's symmetric per-channel scheme), quantized from `linear`'s weight
+    when packed; x and y keep their dtype (zeroqueue::linear_int8)."""
+
+    def __init__(self, linear: nn.Linear, ops: CpuOps) -> None:
+        super().__init__()
+        self.ops = ops
+        self.out_features = linear.out_features
+        q, scales = quantize_int8(linear.weight)
+        self.register_buffer("packed", ops.pack_linear(q), persistent=False)
+        self.register_buffer("scales", scales, persistent=False)  # fp32 [out_features]
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [M, in_features] -> [M, out_features]
+        shape = x.shape
+        y = self.ops.linear_int8(x.reshape(-1, shape[-1]), self.packed, self.scales, self.bias, self.out_features)
+        return y.reshape(*shape[:-1], self.out_features)
 
 
 class KernelRMSNorm(nn.Module):
@@ -104,6 +125,7 @@ class KernelDecoderStack(DecoderStack):
             )
         ]
         self.biases = [lin.bias for four in linears for lin in four]
+        self.scales = [getattr(lin, "scales", None) for four in linears for lin in four]  # None: not int8
 
     def forward(
         self,
@@ -122,6 +144,7 @@ class KernelDecoderStack(DecoderStack):
             h,
             self.weights,
             self.biases,
+            self.scales,
             self.out_features,
             rotary.cos,
             rotary.sin,
@@ -138,12 +161,15 @@ class KernelDecoderStack(DecoderStack):
         )
 
 
-def pack_model(model: nn.Module, ops: CpuOps) -> int:
+def pack_model(model: nn.Module, ops: CpuOps, quantize: str = "none") -> int:
     """Swaps the layers of the Transformer `model` that have a kernel for their kernel versions; returns how
     many (attention first, so that its linear layers are then packed in place; the stack of layers last, as it
-    gathers their packed weights)."""
+    gathers their packed weights). quantize "int8": the decoder layers' linears get int8 weights (quant.py); the
+    LM head stays in the checkpoint's dtype."""
     swaps = {Attention: lambda m: KernelAttention(m, model.rotary, ops)}
     count = _swap(model, swaps)
+    if quantize == "int8":
+        count += _swap(model.layers, {nn.Linear: lambda m: Int8Linear(m, ops)})
     swaps = {
         nn.Linear: lambda m: PackedLinear(m, ops),
         RMSNorm: lambda m: KernelRMSNorm(m, ops),

@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
+QUANTIZE_CHOICES = ("none", "int8")  # --quantize: how the decoder layers' linear weights are held (quant.py)
+
 
 @dataclass(frozen=True)
 class ExecutorConfig:
@@ -17,6 +19,8 @@ class ExecutorConfig:
     kv_block_size: int = 16
     num_threads: int = 0  # CPU threads; 0: all cores this process may use but one
     use_kernels: bool = True  # CPU: packed-weight kernels when the CPU supports them
+    # the decoder layers' linear weights: "none" (the checkpoint's dtype) or "int8" (quant.py; --quantize)
+    quantize: str = "none"
     use_cuda_graphs: bool = True
 
 

@@ -260,7 +260,7 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "context_length", "dtype", "device_kind", "device_name", "num_compute_units", "unit", "state", "max_batch", "vocab_size", "device_state", "classes", "has_chat_template", "response_formats", "kv_blocks", "kv_block_size", "prefix_cache")
+    __slots__ = ("name", "context_length", "dtype", "device_kind", "device_name", "num_compute_units", "unit", "state", "max_batch", "vocab_size", "device_state", "classes", "has_chat_template", "response_formats", "kv_blocks", "kv_block_size", "prefix_cache", "weight_dtype")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -278,6 +278,7 @@ class ModelInfo(_message.Message):
     KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     name: str
     context_length: int
     dtype: str
@@ -295,7 +296,8 @@ class ModelInfo(_message.Message):
     kv_blocks: int
     kv_block_size: int
     prefix_cache: bool
-    def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., num_compute_units: _Optional[int] = ..., unit: _Optional[str] = ..., state: _Optional[_Union[WarmupState, str]] = ..., max_batch: _Optional[int] = ..., vocab_size: _Optional[int] = ..., device_state: _Optional[_Union[DeviceState, str]] = ..., classes: _Optional[_Iterable[_Union[ClassOffer, _Mapping]]] = ..., has_chat_template: _Optional[bool] = ..., response_formats: _Optional[_Iterable[str]] = ..., kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., prefix_cache: _Optional[bool] = ...) -> None: ...
+    weight_dtype: str
+    def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., num_compute_units: _Optional[int] = ..., unit: _Optional[str] = ..., state: _Optional[_Union[WarmupState, str]] = ..., max_batch: _Optional[int] = ..., vocab_size: _Optional[int] = ..., device_state: _Optional[_Union[DeviceState, str]] = ..., classes: _Optional[_Iterable[_Union[ClassOffer, _Mapping]]] = ..., has_chat_template: _Optional[bool] = ..., response_formats: _Optional[_Iterable[str]] = ..., kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., weight_dtype: _Optional[str] = ...) -> None: ...
 
 class ClassOffer(_message.Message):
     __slots__ = ("name", "min_budget_ms", "max_budget_ms", "priority", "price_micros", "currency", "credit_ppm")

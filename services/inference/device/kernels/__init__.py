@@ -233,6 +233,7 @@ class CpuOps:
         x: torch.Tensor,
         weights: list[torch.Tensor],
         biases: list[torch.Tensor | None],
+        scales: list[torch.Tensor | None],
         out_features: list[int],
         cos: torch.Tensor,
         sin: torch.Tensor,
@@ -249,14 +250,16 @@ class CpuOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every decoder layer of a step in one op, each row attending over its sequence's blocks up to its own
         position: x [T, hidden] -> (the last layer's MLP output, the residual stream before it). Per layer 6
-        weights (input norm, qkv, o, post-attention norm, gate_up, down; linears packed) and 4 optional
-        biases; paged caches [layers, N, KVH, BS, D] (BS a multiple of 16); positions, slot_mapping (where each
-        row's k and v go, as rope_cache's), lengths (= positions + 1) int64 [T]; block_tables int64 [T, M], a
-        row per token row (a prompt chunk's rows repeat their sequence's table), as decode_attention's."""
+        weights (input norm, qkv, o, post-attention norm, gate_up, down; linears packed), 4 optional biases and 4
+        optional scales (an int8 linear's, fp32 [out]); paged caches [layers, N, KVH, BS, D] (BS a multiple of 16);
+        positions, slot_mapping (where each row's k and v go, as rope_cache's), lengths (= positions + 1) int64 [T];
+        block_tables int64 [T, M], a row per token row (a prompt chunk's rows repeat their sequence's table), as
+        decode_attention's."""
         return torch.ops.zeroqueue.decode_layers.default(
             x,
             weights,
             biases,
+            scales,
             out_features,
             cos,
             sin,
@@ -316,7 +319,7 @@ def _register_fakes() -> None:
         return logits.new_empty((logits.shape[0],), dtype=torch.int64)
 
     @torch.library.register_fake("zeroqueue::decode_layers")
-    def _decode_layers(x, weights, biases, out_features, *rest) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_layers(x, weights, biases, scales, out_features, *rest) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.empty_like(x), torch.empty_like(x)
 
     @torch.library.register_fake("zeroqueue::decode_attention")

@@ -38,12 +38,14 @@ TORCH_LIBRARY(zeroqueue, m) {
   // row's argmax after its mask, int64 [R] (mask.cpp).
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor words) -> Tensor");
   // Every decoder layer of a step (layer.cpp): x [T, hidden], 6 weights a layer (input norm, qkv, o,
-  // post-attention norm, gate_up, down; linears packed), 4 optional biases a layer, out_features of the
+  // post-attention norm, gate_up, down; linears packed), 4 optional biases a layer and 4 optional scales (those
+  // of int8 linears, fp32 [out]), out_features of the
   // 4 linears, caches [layers, N, KVH, BS, D], positions/slot_mapping int64 [T], block_tables int64 [T, M]
   // (a row per token row: a prompt chunk's rows repeat their sequence's table), lengths = positions + 1
   // -> (the last layer's MLP output, the residual stream before it), each [T, hidden].
   m.def(
-      "decode_layers(Tensor x, Tensor[] weights, Tensor?[] biases, int[] out_features, Tensor cos, Tensor sin, "
+      "decode_layers(Tensor x, Tensor[] weights, Tensor?[] biases, Tensor?[] scales, int[] out_features, "
+      "Tensor cos, Tensor sin, "
       "Tensor positions, Tensor slot_mapping, Tensor block_tables, Tensor lengths, Tensor(a!) k_cache, "
       "Tensor(b!) v_cache, int heads, int kv_heads, float eps, float scale, int bf16_path=0) -> (Tensor, Tensor)");
 }

@@ -18,6 +18,15 @@ namespace {
 // weights per layer: input norm, qkv, o, post-attention norm, gate_up, down (linears packed by pack_linear)
 constexpr int64_t kWeightsPerLayer = 6;
 constexpr int64_t kBiasesPerLayer = 4;  // qkv, o, gate_up, down: each optional
+constexpr int64_t kScalesPerLayer = 4;  // qkv, o, gate_up, down: per-channel scales of int8 weights, else none
+
+// one linear: int8 weights take their scales (linear_int8.cpp), bf16 / fp32 ones none (linear.cpp)
+at::Tensor dense(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scales,
+                 const std::optional<at::Tensor>& bias, int64_t n, int64_t bf16_path) {
+  if (w.scalar_type() != at::kChar) return linear(x, w, bias, n, bf16_path);
+  TORCH_CHECK(scales.has_value(), "decode_layers: an int8 weight needs its scales");
+  return linear_int8(x, w, *scales, bias, n, bf16_path);
+}
 
 struct LayerArgs {
   const at::Tensor& cos;
@@ -35,7 +44,8 @@ struct LayerArgs {
 // (x, residual) -> (this layer's MLP output, the residual stream before it), as DecoderLayer.forward.
 std::tuple<at::Tensor, at::Tensor> layer_forward(const at::Tensor& x, const at::Tensor& residual,
                                                  const at::Tensor* w, const std::optional<at::Tensor>* b,
-                                                 at::Tensor k_cache, at::Tensor v_cache, const LayerArgs& a) {
+                                                 const std::optional<at::Tensor>* s, at::Tensor k_cache,
+                                                 at::Tensor v_cache, const LayerArgs& a) {
   at::Tensor h, stream;
   if (residual.defined()) {
     std::tie(h, stream) = add_rms_norm(x, residual, w[0], a.eps);
@@ -43,18 +53,19 @@ std::tuple<at::Tensor, at::Tensor> layer_forward(const at::Tensor& x, const at::
     h = rms_norm(x, w[0], a.eps);
     stream = x;
   }
-  const at::Tensor qkv = linear(h, w[1], b[0], a.out_features[0], a.bf16_path);
+  const at::Tensor qkv = dense(h, w[1], s[0], b[0], a.out_features[0], a.bf16_path);
   const at::Tensor q =
       rope_cache(qkv, a.cos, a.sin, a.positions, a.slot_mapping, k_cache, v_cache, a.heads, a.kv_heads);
   const at::Tensor att = decode_attention(q, k_cache, v_cache, a.block_tables, a.lengths, a.scale);  // [B, H, D]
-  const at::Tensor o = linear(att.reshape({att.size(0), -1}), w[2], b[1], a.out_features[1], a.bf16_path);
+  const at::Tensor o = dense(att.reshape({att.size(0), -1}), w[2], s[1], b[1], a.out_features[1], a.bf16_path);
   std::tie(h, stream) = add_rms_norm(o, stream, w[3], a.eps);
-  const at::Tensor act = silu_mul(linear(h, w[4], b[2], a.out_features[2], a.bf16_path));
-  return {linear(act, w[5], b[3], a.out_features[3], a.bf16_path), stream};
+  const at::Tensor act = silu_mul(dense(h, w[4], s[2], b[2], a.out_features[2], a.bf16_path));
+  return {dense(act, w[5], s[3], b[3], a.out_features[3], a.bf16_path), stream};
 }
 
 std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, at::TensorList weights,
                                                  const c10::List<std::optional<at::Tensor>>& biases,
+                                                 const c10::List<std::optional<at::Tensor>>& scales,
                                                  at::IntArrayRef out_features, const at::Tensor& cos,
                                                  const at::Tensor& sin, const at::Tensor& positions,
                                                  const at::Tensor& slot_mapping, const at::Tensor& block_tables,
@@ -71,14 +82,17 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(const at::Tensor& x, at::Tensor
               weights.size());
   TORCH_CHECK(static_cast<int64_t>(biases.size()) == kBiasesPerLayer * layers, "decode_layers: expected ",
               kBiasesPerLayer, " biases (or None) for each of ", layers, " layers, got ", biases.size());
+  TORCH_CHECK(static_cast<int64_t>(scales.size()) == kScalesPerLayer * layers, "decode_layers: expected ",
+              kScalesPerLayer, " scales (or None) for each of ", layers, " layers, got ", scales.size());
   TORCH_CHECK(out_features.size() == 4, "decode_layers: out_features must be [qkv, o, gate_up, down]");
   const LayerArgs args{cos, sin, positions, slot_mapping, block_tables, lengths, out_features,
                        heads, kv_heads, eps, scale, bf16_path};
-  std::vector<std::optional<at::Tensor>> b(biases.begin(), biases.end());
+  std::vector<std::optional<at::Tensor>> b(biases.begin(), biases.end()), s(scales.begin(), scales.end());
   at::Tensor h = x, residual;
   for (int64_t i = 0; i < layers; ++i) {
     std::tie(h, residual) = layer_forward(h, residual, weights.data() + i * kWeightsPerLayer,
-                                          b.data() + i * kBiasesPerLayer, k_cache.select(0, i),
+                                          b.data() + i * kBiasesPerLayer, s.data() + i * kScalesPerLayer,
+                                          k_cache.select(0, i),
                                           v_cache.select(0, i), args);
   }
   return {h, residual};

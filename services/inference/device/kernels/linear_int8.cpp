@@ -147,6 +147,8 @@ void run_bf16(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& s
   run<Kn, Direct, BFloat16>(rows.data(), x.size(0), ldx, packed, scales, bias, y);
 }
 
+}  // namespace
+
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias, int64_t n, int64_t bf16_path) {
   TORCH_CHECK(x.dim() == 2, "linear_int8: x must be [M, K], got ", x.dim(), " dims");
@@ -181,7 +183,6 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::
   return y;
 }
 
-}  // namespace
 }  // namespace zq
 
 TORCH_LIBRARY_IMPL(zeroqueue, CPU, m) { m.impl("linear_int8", &zq::linear_int8); }
