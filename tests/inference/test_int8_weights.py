@@ -13,6 +13,8 @@ import torch
 from zeroqueue.inference.v1 import inference_pb2 as pb
 
 from services.inference.device import kernels
+from services.inference.device.executor import Executor
+from services.inference.device.loader import load_checkpoint
 from services.inference.device.packed import Int8Linear, KernelDecoderStack, PackedLinear
 from services.inference.device.quant import dequantize_int8, quantize_int8
 from services.inference.device.spec import ExecutorConfig
@@ -119,3 +121,12 @@ def test_an_int8_replica_refuses_bad_input_as_any_replica(int8_server):
     with pytest.raises(grpc.RpcError) as info:
         list(int8_server.stub().Generate(pb.GenerateRequest(prompt_token_ids=[10**9], max_tokens=2), timeout=30))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_the_fallback_leaves_the_checkpoint_it_was_built_from_unquantized(wide_heads_dir):  # noqa: F811
+    checkpoint = load_checkpoint(wide_heads_dir, dtype="float32")
+    before = {name: w.clone() for name, w in checkpoint.state_dict.items()}
+    executor = Executor(checkpoint, ExecutorConfig(max_seq_len=256, use_kernels=False, quantize="int8"))
+    down = executor.model.layers[0].mlp.down_proj.weight
+    assert not torch.equal(down, before["layers.0.mlp.down_proj.weight"])  # the executor's are quantized
+    assert all(torch.equal(w, before[name]) for name, w in checkpoint.state_dict.items())  # the checkpoint's not

@@ -30,10 +30,11 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 
 def fake_quantize_layers(layers: nn.Module) -> int:
     """The plain-torch fallback of --quantize int8 (no CPU kernels: another ISA, fp16, a GPU): every nn.Linear under
-    `layers` gets its weight quantized and dequantized in place, so the replica computes with the int8 model's values
-    (not its speed or memory). Returns how many weights."""
+    `layers` gets a new weight, its own quantized and dequantized, so the replica computes with the int8 model's
+    values (not its speed or memory). New tensors, not in place: the model's weights are the checkpoint's own
+    (loaded with assign=True), which another executor may be built from. Returns how many weights."""
     linears = [m for m in layers.modules() if isinstance(m, nn.Linear)]
     for linear in linears:
         q, scale = quantize_int8(linear.weight)
-        linear.weight.copy_(dequantize_int8(q, scale, linear.weight.dtype))
+        linear.weight = nn.Parameter(dequantize_int8(q, scale, linear.weight.dtype), requires_grad=False)
     return len(linears)
