@@ -11,6 +11,7 @@ from pathlib import Path
 
 from services.cli_billing import add_billing_commands
 from services.cli_ledger import fails_cleanly
+from services.cli_quantize import add_quantize
 from services.cli_types import block_size, non_negative_int, parse_bytes, positive_float
 from services.inference.bundled_model import BUNDLED_MODEL
 from services.inference.device.spec import QUANTIZE_CHOICES
@@ -367,6 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_health(sub)
     add_billing_commands(sub)
     add_pulse(sub)
+    add_quantize(sub)
     return parser
 
 

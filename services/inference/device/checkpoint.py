@@ -42,6 +42,7 @@ class CheckpointHeader:
     dtype: str  # float32 | bfloat16 | float16: what the weights are served in
     tokenizer: Tokenizer
     eos_token_ids: tuple[int, ...]
+    quantization: str = "none"  # "int8": the layers' linear weights are stored int8 (int8_checkpoint.py)
 
 
 def read_json(path: Path, required: bool = True) -> dict[str, Any]:
@@ -65,6 +66,37 @@ def dtype_name(name: str, config: dict[str, Any]) -> str:
     if name not in DTYPE_NAMES:
         raise CheckpointError("dtype", f"unsupported dtype {name!r}; use one of float32, bfloat16, float16")
     return DTYPE_NAMES[name]
+
+
+# The one pre-quantized layout read: compressed-tensors' "int-quantized" format (what llm-compressor writes for W8A16),
+# int8 weights with one scale per output channel, symmetric, activations not quantized; lm_head left out.
+INT8_FORMAT = "int-quantized"
+
+
+def quantization(config: dict[str, Any], path: Path) -> str:
+    """ "none", or "int8" for a compressed-tensors W8A16 per-channel checkpoint; CheckpointError naming what else it
+    is (GPTQ, AWQ, FP8, activation quantization ...), which this replica does not serve."""
+    q = config.get("quantization_config")
+    if q is None:
+        return "none"
+    method = q.get("quant_method") if isinstance(q, dict) else None
+    groups = q.get("config_groups") if isinstance(q, dict) else None
+    if method != "compressed-tensors" or q.get("format") != INT8_FORMAT or not isinstance(groups, dict):
+        return _unsupported(path, f"quant_method {method!r}, format {q.get('format') if isinstance(q, dict) else q!r}")
+    for name, group in groups.items():
+        weights = group.get("weights") if isinstance(group, dict) else None
+        wanted = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+        if not isinstance(weights, dict) or any(weights.get(k) != v for k, v in wanted.items()):
+            return _unsupported(path, f"config group {name!r} is not int8 symmetric per channel ({weights!r})")
+        if group.get("input_activations") is not None:
+            return _unsupported(path, f"config group {name!r} quantizes activations")
+    return "int8"
+
+
+def _unsupported(path: Path, what: str) -> str:
+    raise CheckpointError(
+        path, f"quantization_config: {what}; only compressed-tensors {INT8_FORMAT} int8 weights per channel are read"
+    )
 
 
 def _eos_ids(root: Path, config: dict[str, Any], tokenizer: Tokenizer) -> tuple[int, ...]:
@@ -103,4 +135,5 @@ def read_header(path: str | Path, dtype: str = "auto") -> CheckpointHeader:
         dtype=dtype_name(dtype, config),
         tokenizer=tokenizer,
         eos_token_ids=_eos_ids(root, config, tokenizer),
+        quantization=quantization(config, config_path),
     )

@@ -112,9 +112,11 @@ class Executor:
         # the kernels take bf16 and fp32 weights; fp16 runs on plain torch
         kernel_dtype = checkpoint.dtype in (torch.bfloat16, torch.float32)
         self.cpu_ops = self._cpu_ops() if self.device.type == "cpu" and kernel_dtype else None
+        # a pre-quantized checkpoint is served as int8 whatever config.quantize says: its weights are int8 values
+        self.quantize = "int8" if checkpoint.int8 else config.quantize
         if self.cpu_ops is not None:
-            pack_model(self.model, self.cpu_ops, config.quantize)
-        elif config.quantize == "int8":
+            pack_model(self.model, self.cpu_ops, self.quantize, checkpoint.int8)
+        elif config.quantize == "int8" and not checkpoint.int8:
             # correct, not faster: the int8 model's values in the checkpoint's dtype (quant.py)
             log.warning(
                 "int8_without_kernels", why="no CPU kernels here: int8 values computed in " + str(checkpoint.dtype)
@@ -143,7 +145,7 @@ class Executor:
             kernels=self.cpu_ops is not None,
             kernels_isa=self.cpu_ops.isa if self.cpu_ops is not None else None,
             bf16_linears=self.cpu_ops.bf16_path_name if self.cpu_ops is not None else None,
-            quantize=config.quantize,
+            quantize=self.quantize,
             graph_buckets=self.graphs.buckets if self.graphs else [],
             graph_contexts=self.graphs.context_buckets if self.graphs else [],
         )

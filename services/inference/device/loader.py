@@ -7,7 +7,7 @@ Every problem with the directory is one `CheckpointError` naming the file and wh
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 
 from .checkpoint import CheckpointError, CheckpointHeader, read_header, read_json
 from .config import ModelArgs
+from .int8_checkpoint import split_int8
 
 __all__ = ["Checkpoint", "CheckpointError", "load_checkpoint"]
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
@@ -32,6 +33,9 @@ class Checkpoint:
     header: CheckpointHeader
     dtype: torch.dtype  # the header's dtype
     state_dict: dict[str, torch.Tensor]  # our layout (model.py's parameter names)
+    # a pre-quantized checkpoint's layer linears as stored, our names: "layers.0.mlp.down_proj.weight" -> (q int8
+    # [N, K], scale fp32 [N]); their state_dict entries hold q * scale in dtype. Empty for a float checkpoint.
+    int8: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def path(self) -> Path:
@@ -157,9 +161,30 @@ def _to_our_layout(
     return sd
 
 
+def _int8_layout(
+    stored: dict[str, tuple[torch.Tensor, torch.Tensor]], args: ModelArgs, root: Path
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The stored int8 weights in our layout: fused ones concatenated by rows, with their per-row scales."""
+    out = {}
+    for i in range(args.num_hidden_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        for name, parts in (*_FUSED.items(), *((plain, (plain,)) for plain in _PLAIN if plain.endswith("_proj"))):
+            keys = [f"{hf}{part}.weight" for part in parts]
+            found = [k in stored for k in keys]
+            if any(found) and not all(found):
+                raise CheckpointError(root, f"{', '.join(keys)} must all be int8 or none, they are fused into one")
+            if all(found):
+                out[f"{ours}{name}.weight"] = tuple(torch.cat([stored[k][j] for k in keys]) for j in (0, 1))
+    return out
+
+
 def load_checkpoint(path: str | Path, dtype: str = "auto") -> Checkpoint:
     header = read_header(path, dtype)
     torch_dtype = getattr(torch, header.dtype)
     tensors = _read_tensors(_weight_files(header.path))
+    stored: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    if header.quantization == "int8":
+        tensors, stored = split_int8(tensors)
     _check(tensors, header.args, header.path)
-    return Checkpoint(header, torch_dtype, _to_our_layout(tensors, header.args, torch_dtype))
+    layout = _to_our_layout(tensors, header.args, torch_dtype)
+    return Checkpoint(header, torch_dtype, layout, _int8_layout(stored, header.args, header.path))

@@ -27,14 +27,15 @@ class PackedLinear(nn.Module):
 
 
 class Int8Linear(nn.Module):
-    """A linear layer with int8 weights (quant.py's symmetric per-channel scheme), quantized from `linear`'s weight
-    when packed; x and y keep their dtype (zeroqueue::linear_int8)."""
+    """A linear layer with int8 weights (quant.py's symmetric per-channel scheme): `stored` (q, scales) as a
+    pre-quantized checkpoint holds them, else quantized from `linear`'s weight; x and y keep their dtype
+    (zeroqueue::linear_int8)."""
 
-    def __init__(self, linear: nn.Linear, ops: CpuOps) -> None:
+    def __init__(self, linear: nn.Linear, ops: CpuOps, stored: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         super().__init__()
         self.ops = ops
         self.out_features = linear.out_features
-        q, scales = quantize_int8(linear.weight)
+        q, scales = stored if stored is not None else quantize_int8(linear.weight)
         self.register_buffer("packed", ops.pack_linear(q), persistent=False)
         self.register_buffer("scales", scales, persistent=False)  # fp32 [out_features]
         self.bias = None if linear.bias is None else linear.bias.detach()
@@ -161,15 +162,18 @@ class KernelDecoderStack(DecoderStack):
         )
 
 
-def pack_model(model: nn.Module, ops: CpuOps, quantize: str = "none") -> int:
+def pack_model(model: nn.Module, ops: CpuOps, quantize: str = "none", stored: dict[str, tuple] | None = None) -> int:
     """Swaps the layers of the Transformer `model` that have a kernel for their kernel versions; returns how
     many (attention first, so that its linear layers are then packed in place; the stack of layers last, as it
-    gathers their packed weights). quantize "int8": the decoder layers' linears get int8 weights (quant.py); the
-    LM head stays in the checkpoint's dtype."""
+    gathers their packed weights). quantize "int8": the decoder layers' linears get int8 weights, `stored`'s where it
+    has them by parameter name (a pre-quantized checkpoint's), else quantized here (quant.py); the LM head stays in
+    the checkpoint's dtype."""
+    names = {id(m): name for name, m in model.named_modules()}  # before the swaps move them
+    stored = stored or {}
     swaps = {Attention: lambda m: KernelAttention(m, model.rotary, ops)}
     count = _swap(model, swaps)
     if quantize == "int8":
-        count += _swap(model.layers, {nn.Linear: lambda m: Int8Linear(m, ops)})
+        count += _swap(model.layers, {nn.Linear: lambda m: Int8Linear(m, ops, stored.get(f"{names[id(m)]}.weight"))})
     swaps = {
         nn.Linear: lambda m: PackedLinear(m, ops),
         RMSNorm: lambda m: KernelRMSNorm(m, ops),
