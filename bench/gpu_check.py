@@ -15,6 +15,8 @@ plain torch (the CPU kernels are never the GPU's code), a SmolLM2-135M-shaped ra
 5. logits: the first step's logits on the device vs plain torch on the CPU, a few prompts;
 6. speed: decode tokens/s with graphs vs eager at batch 1, 8, 32, 128, each step against a floor of the
    bytes it reads (weights and KV cache);
+6b. fp8: FP8 (E4M3) weights against bf16 on the device: logits parity within a stated tolerance, greedy agreement,
+   decode tokens/s with graphs at batch 1, 8, 32 and SM·µs per token (bench/gpu_fp8.py);
 7. kernels: the attention kernels (and the top kernels) of one graph replay and one eager step, profiled;
 8. metering: CUDA-event step time vs a host clock, and the per-request SM·µs split conserving every step;
 9. engine_process: the engine spawned as `zeroqueue serve` runs it, on the device, calibrated, serving two
@@ -41,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "protos"), str(ROOT / "bench")]
 
 import gpu_parts as parts  # noqa: E402
+from gpu_fp8 import fp8_check  # noqa: E402
 from gpu_watchdog import watchdog_check  # noqa: E402
 
 from services.inference.device.executor import ExecutorConfig, describe_device  # noqa: E402
@@ -81,6 +84,7 @@ PARTS = (
     "sampling",
     "logits",
     "speed",
+    "fp8",
     "kernels",
     "metering",
     "watchdog",
@@ -312,6 +316,7 @@ def main() -> int:
             "sampling": lambda out: parts.sampling_vs_cpu(out, device, shape["vocab_size"]),
             "logits": lambda out: parts.logits_vs_cpu(out, ckpt, device),
             "speed": lambda out: parts.decode_speed(out, ckpt, device, speed_batches, 8 if dry else 64),
+            "fp8": lambda out: fp8_check(out, ckpt, device, batches, 8 if dry else 64),
             "kernels": lambda out: parts.kernels_used(out, ckpt, device),
             "metering": lambda out: metering_check(out, ckpt, device, batches[-1], tokens),
             "watchdog": lambda out: watchdog_check(out, ckpt, device, batches[-1], tokens),

@@ -13,6 +13,7 @@ from services.inference.device.attention import AttentionMetadata
 from services.inference.device.cuda_graphs import GraphRunner, attention_kernels
 from services.inference.device.executor import Executor, ExecutorConfig
 from services.inference.device.loader import Checkpoint
+from services.inference.device.quant import fp8_layers
 from services.inference.device.sampler import sample
 from services.inference.engine.engine import Engine, RequestOutput
 from services.inference.sched.request import Request, SamplingParams
@@ -29,8 +30,11 @@ class Sink:
             self.finish[output.call_id] = output.finish_reason
 
 
-def make_engine(ckpt: Checkpoint, device: str, max_batch: int, graphs: bool, max_seq_len: int = 512) -> Engine:
-    """The engine on `device`, on plain torch (the CPU kernels are never the GPU's code)."""
+def make_engine(
+    ckpt: Checkpoint, device: str, max_batch: int, graphs: bool, max_seq_len: int = 512, quantize: str = "none"
+) -> Engine:
+    """The engine on `device`, on plain torch (the CPU kernels are never the GPU's code); quantize "fp8" on a GPU. The
+    CPU dry run's fp8 swaps the layers itself (torch._scaled_mm runs there too; the executor refuses fp8 on a CPU)."""
     executor = Executor(
         ckpt,
         ExecutorConfig(
@@ -40,8 +44,11 @@ def make_engine(ckpt: Checkpoint, device: str, max_batch: int, graphs: bool, max
             kv_memory_bytes=16 << 30,
             use_cuda_graphs=graphs,
             use_kernels=False,
+            quantize=quantize if device.startswith("cuda") else "none",
         ),
     )
+    if quantize == "fp8" and not device.startswith("cuda"):
+        fp8_layers(executor.model.layers)
     if graphs and executor.graphs is None:  # CPU dry run: the padded static path, not captured
         executor.graphs = GraphRunner(
             executor.model, executor.backend, executor.num_slots, executor.max_seq_len, executor.device, capture=False
@@ -207,9 +214,11 @@ def kv_bytes_per_token(ckpt) -> int:
     return 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * ckpt.dtype.itemsize
 
 
-def decode_speed(out: dict, ckpt, device: str, batches: list[int], steps: int) -> None:
-    """Decode tokens/s with graphs and eagerly; each step against a floor of the bytes it must read: the
-    weights once, and every row's KV cache up to its length."""
+def decode_speed(
+    out: dict, ckpt, device: str, batches: list[int], steps: int, quantize: str = "none", modes=(True, False)
+) -> None:
+    """Decode tokens/s with graphs and eagerly (`modes`: graphs or not); each step against a floor of the bytes it
+    must read: the weights once, and every row's KV cache up to its length (bf16 weights' bytes, also for fp8)."""
     weight_bytes = sum(t.numel() * t.element_size() for name, t in ckpt.state_dict.items() if name != "lm_head.weight")
     bandwidth = copy_bandwidth(device, (1 << 30) if device.startswith("cuda") else (64 << 20))
     out |= {
@@ -217,8 +226,8 @@ def decode_speed(out: dict, ckpt, device: str, batches: list[int], steps: int) -
         "kv_bytes_per_token": kv_bytes_per_token(ckpt),
         "copy_bandwidth_gbps": round(bandwidth / 1e9, 1),
     }
-    for graphs in (True, False):
-        engine = make_engine(ckpt, device, max(batches), graphs, max_seq_len=256)
+    for graphs in modes:
+        engine = make_engine(ckpt, device, max(batches), graphs, max_seq_len=256, quantize=quantize)
         for batch in batches:
             add_calls(engine, Sink(), f"s{batch}", batch, steps + 8, seed=7, longest=16)
             finish_prompts(engine)
@@ -237,7 +246,7 @@ def decode_speed(out: dict, ckpt, device: str, batches: list[int], steps: int) -
                 "floor_ms": round(floor_bytes / bandwidth * 1e3, 4),
             }
             run_all(engine)
-    for batch in batches:
+    for batch in batches if len(modes) == 2 else ():
         graph, eager = out[f"graph_b{batch}"], out[f"eager_b{batch}"]
         graph["speedup_vs_eager"] = round(graph["tokens_per_s"] / eager["tokens_per_s"], 2)
         graph["floor_over_step"] = round(graph["floor_ms"] / graph["step_ms"], 3)

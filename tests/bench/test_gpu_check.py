@@ -34,6 +34,7 @@ def test_gpu_check_dry_run_reports_every_part(tmp_path):
         "sampling",
         "logits",
         "speed",
+        "fp8",
         "kernels",
         "metering",
         "watchdog",
@@ -54,6 +55,10 @@ def test_gpu_check_dry_run_reports_every_part(tmp_path):
     speed = report["speed"]
     assert speed["graph_b1"]["tokens_per_s"] > 0 and speed["graph_b4"]["floor_ms"] > speed["graph_b1"]["floor_ms"]
     assert speed["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 2  # k and v, 2 layers, 2 KV heads, head 16, bf16
+    fp8 = report["fp8"]  # on the CPU, Fp8Linear through torch._scaled_mm: that the part runs, not a GPU's figures
+    assert fp8["parity"]["ok"] and 0 < fp8["parity"]["worst"] < fp8["parity"]["tolerance"]
+    assert len(fp8["greedy_tokens_before_first_difference"]) == 8 and fp8["fp8_over_bf16_b1"] > 0
+    assert fp8["speed_fp8"]["graph_b4"]["sm_us_per_token"] > 0
     kernels = report["kernels"]
     assert kernels["graph_replay"]["used_graph"] and not kernels["eager_step"]["used_graph"]
     assert kernels["eager_step"]["attention"] and kernels["graph_replay"]["top"]

@@ -23,7 +23,7 @@ from .loader import Checkpoint
 from .model import Transformer
 from .nvml import gpu_facts
 from .packed import pack_model
-from .quant import fake_quantize_layers
+from .quant import fake_quantize_layers, fp8_layers
 from .sampler import draw_step
 from .spec import QUANTIZE_CHOICES, Device, ExecutorConfig, StepResult
 
@@ -114,14 +114,10 @@ class Executor:
         self.cpu_ops = self._cpu_ops() if self.device.type == "cpu" and kernel_dtype else None
         # a pre-quantized checkpoint is served as int8 whatever config.quantize says: its weights are int8 values
         self.quantize = "int8" if checkpoint.int8 else config.quantize
-        if self.cpu_ops is not None:
+        if self.cpu_ops is not None and self.quantize != "fp8":
             pack_model(self.model, self.cpu_ops, self.quantize, checkpoint.int8)
-        elif config.quantize == "int8" and not checkpoint.int8:
-            # correct, not faster: the int8 model's values in the checkpoint's dtype (quant.py)
-            log.warning(
-                "int8_without_kernels", why="no CPU kernels here: int8 values computed in " + str(checkpoint.dtype)
-            )
-            fake_quantize_layers(self.model.layers)
+        else:  # fp8 refuses a CPU here
+            self._quantize_plain(checkpoint)
         # the decode kernel is specialised for the common head sizes; others use the SDPA path
         use_kernel = self.cpu_ops is not None and args.head_dim in kernels.DECODE_HEAD_DIMS
         decode_kernel = self.cpu_ops.decode_attention if use_kernel else None
@@ -158,6 +154,19 @@ class Executor:
             model.lm_head.weight = model.embed_tokens.weight
         model.rotary.build(self.device, checkpoint.dtype)
         return model.to(self.device).eval().requires_grad_(False)
+
+    def _quantize_plain(self, checkpoint: Checkpoint) -> None:
+        """--quantize without the CPU kernels: fp8 on a CUDA device that has it; int8 as its values (correct, not
+        faster: quant.py)."""
+        if self.quantize == "fp8":
+            if self.device.type != "cuda" or torch.cuda.get_device_capability(self.device) < (8, 9):
+                raise ValueError("quantize fp8 needs a CUDA device of compute capability 8.9 or above (Ada, Hopper)")
+            if checkpoint.dtype != torch.bfloat16:
+                raise ValueError(f"quantize fp8 serves bfloat16 activations, not {checkpoint.dtype}")
+            fp8_layers(self.model.layers)
+        elif self.quantize == "int8" and not checkpoint.int8:
+            log.warning("int8_without_kernels", why=f"no CPU kernels here: int8 values computed in {checkpoint.dtype}")
+            fake_quantize_layers(self.model.layers)
 
     def _cpu_ops(self) -> kernels.CpuOps | None:
         if not self.config.use_kernels:

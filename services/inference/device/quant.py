@@ -38,3 +38,52 @@ def fake_quantize_layers(layers: nn.Module) -> int:
         q, scale = quantize_int8(linear.weight)
         linear.weight = nn.Parameter(dequantize_int8(q, scale, linear.weight.dtype), requires_grad=False)
     return len(linears)
+
+
+# ---- FP8 (E4M3) on CUDA devices that have it (compute capability 8.9+: Ada, Hopper) ----
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q float8_e4m3fn [N, K], scale fp32 [N]) with w ≈ q * scale[:, None], one scale per output
+    channel (amax / 448; a row of zeros gets 1)."""
+    wf = w.detach().float()
+    amax = wf.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (wf / scale.unsqueeze(1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+class Fp8Linear(nn.Module):
+    """A linear layer on FP8 tensor cores: weights E4M3 per output channel, each row of x quantized to E4M3 with its
+    own scale as it comes (so a row's scale does not depend on its batch), one torch._scaled_mm with row-wise scales,
+    bf16 out. No host sync: it runs inside the CUDA-graph buckets. _scaled_mm needs K and N multiples of 16."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        n, k = linear.weight.shape
+        if n % 16 or k % 16:
+            raise ValueError(f"fp8 needs linear layers whose sizes are multiples of 16, not [{n}, {k}]")
+        q, scale = quantize_fp8(linear.weight)
+        self.out_features = n
+        self.register_buffer("weight_t", q.t(), persistent=False)  # [K, N], column-major as _scaled_mm takes it
+        self.register_buffer("scale_row", scale.unsqueeze(0).contiguous(), persistent=False)  # [1, N]
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1]).float()  # [M, K]
+        scale = torch.clamp(rows.abs().amax(dim=1, keepdim=True) / FP8_MAX, min=1e-12)  # [M, 1]
+        xq = (rows / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        y = torch._scaled_mm(xq, self.weight_t, scale_a=scale, scale_b=self.scale_row, out_dtype=torch.bfloat16)
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+def fp8_layers(layers: nn.Module) -> int:
+    """Every nn.Linear under `layers` swapped for an Fp8Linear quantized from it; returns how many."""
+    targets = [(p, name, c) for p in layers.modules() for name, c in p.named_children() if type(c) is nn.Linear]
+    for parent, name, child in targets:
+        setattr(parent, name, Fp8Linear(child))
+    return len(targets)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-QUANTIZE_CHOICES = ("none", "int8")  # --quantize: how the decoder layers' linear weights are held (quant.py)
+# --quantize: how the decoder layers' linear weights are held (quant.py): int8 on the CPU kernels (elsewhere its values
+# in plain torch), fp8 (E4M3) on CUDA devices of compute capability 8.9+
+QUANTIZE_CHOICES = ("none", "int8", "fp8")
 
 
 @dataclass(frozen=True)
