@@ -150,6 +150,7 @@ def group_column(name: str, period_start_us: int) -> ColumnElement[object]:
         "service_class": UsageRow.service_class,
         "request_kind": UsageRow.request_kind,
         "door": UsageRow.door,
+        "weight_dtype": UsageRow.weight_dtype,
         "day": (UsageRow.finished_at_us - period_start_us) // US_PER_DAY,
     }
     return columns[name].label(f"g_{name}")

@@ -1,5 +1,6 @@
 """Chargeback: usage, cost and deadline attainment per cost center, team, model, tenant, day, class of
-service, request kind (plain, chat, constrained, chat_constrained) or door (grpc, http), plus device utilisation
+service, request kind (plain, chat, constrained, chat_constrained), door (grpc, http) or weight dtype (int8 for a
+quantized replica, else the checkpoint's: bfloat16, float32, ...; "(none)" when unknown), plus device utilisation
 from the idle records.
 
 Each row also shows, of its prompt tokens, those the prefix cache served (cached_prompt_tokens): a call that hit the
@@ -28,7 +29,7 @@ from billing.models import IdleRow, UsageRow
 from billing.period import US_PER_DAY, day_label, parse_period
 from billing.period import now_us as clock_us
 
-GROUPINGS = ("cost_center", "team", "model", "tenant", "day", "service_class", "request_kind", "door")
+GROUPINGS = ("cost_center", "team", "model", "tenant", "day", "service_class", "request_kind", "door", "weight_dtype")
 NO_LABEL = "(none)"
 
 
@@ -177,7 +178,7 @@ def chargeback_report(
 def _text(name: str, value: object, start_us: int) -> str:
     if name == "day":
         return day_label(start_us + int(value) * US_PER_DAY)  # type: ignore[call-overload]
-    return NO_LABEL if value is None else str(value)
+    return NO_LABEL if value is None or value == "" else str(value)  # '': a weight dtype unknown (before 0010)
 
 
 def _utilisation(

@@ -274,4 +274,5 @@ def _to_record(row: UsageRow, tenant: str) -> UsageRecord:
         request_kind=row.request_kind,
         door=row.door,
         cached_prompt_tokens=row.cached_prompt_tokens,
+        weight_dtype=row.weight_dtype,
     )

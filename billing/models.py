@@ -161,6 +161,7 @@ class UsageRow(Base):
     request_kind: Mapped[str] = mapped_column(String(32), server_default=RequestKind.PLAIN.value)  # rows before: plain
     door: Mapped[str] = mapped_column(String(16), server_default=Door.GRPC.value)  # migration 0008; rows before: grpc
     cached_prompt_tokens: Mapped[int] = mapped_column(server_default="0")  # migration 0009; rows before: none served
+    weight_dtype: Mapped[str] = mapped_column(String(16), server_default="")  # migration 0010; rows before: unknown
 
 
 class IdleRow(Base):

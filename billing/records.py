@@ -50,6 +50,10 @@ _TENANT = re.compile(r"[a-z0-9][a-z0-9._\-]{0,62}")
 DEFAULT_CLASS = "standard"  # every budget, priority 0, a miss credited in full: the rule before classes
 MAX_CLASS_NAME_CHARS = 32
 _CLASS_NAME = re.compile(r"[a-z0-9_\-]{1,32}")
+# The dtype a replica held its decoder layers' linear weights in (issue 34): "int8" when quantized, else the
+# checkpoint's ("bfloat16", "float32", ...). Not an enum: a new quantization needs no migration to be recorded.
+MAX_WEIGHT_DTYPE_CHARS = 16
+_WEIGHT_DTYPE = re.compile(r"[a-z][a-z0-9_]{0,15}")
 
 
 class DeviceKind(StrEnum):
@@ -120,6 +124,16 @@ def check_class_name(name: str, value: object, error: type[InvalidArgument] = In
         raise error(f"{name} must be 1..32 characters of [a-z0-9_-], got {value!r}", field=name)
 
 
+def check_weight_dtype(value: object) -> None:
+    """'' (unknown) or 1..16 characters of [a-z0-9_], a letter first: "int8", "bfloat16", "float32"."""
+    if not isinstance(value, str) or (value and not _WEIGHT_DTYPE.fullmatch(value)):
+        raise InvalidRecord(
+            f"weight_dtype must be '' or 1..{MAX_WEIGHT_DTYPE_CHARS} characters of [a-z0-9_], a letter first, "
+            f"got {value!r}",
+            field="weight_dtype",
+        )
+
+
 def check_int(name: str, value: object, *, minimum: int = 0, maximum: int = MAX_INT64, why: str = "") -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise InvalidRecord(f"{name} must be an integer, got {type(value).__name__}", field=name)
@@ -172,6 +186,8 @@ def canonical_digest(kind: str, payload: Mapping[str, object]) -> str:
         del payload["door"]
     if payload.get("cached_prompt_tokens") == 0:  # before the prefix cache no prompt token was served (issue 33)
         del payload["cached_prompt_tokens"]
+    if payload.get("weight_dtype") == "":  # unknown: a sender before weight dtypes (issue 34)
+        del payload["weight_dtype"]
     encoded = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(f"{kind}\n{encoded}".encode()).hexdigest()
 
@@ -226,6 +242,9 @@ class UsageRecord:
     # the leading prompt tokens the prefix cache served, whose prefill this call skipped (issue 33): they label the
     # measured device time, never price it; 0 when nothing hit (and on records made before the cache)
     cached_prompt_tokens: int = 0
+    # the replica's decoder weights (issue 34): "int8" when quantized, else the checkpoint's dtype; they label the
+    # device time for audit and price nothing (a price is per model name); '' when unknown: a sender before it
+    weight_dtype: str = ""
 
     def __post_init__(self) -> None:
         check_text("call_id", self.call_id)
@@ -242,6 +261,7 @@ class UsageRecord:
         for name in ("prompt_tokens", "completion_tokens"):
             check_int(name, getattr(self, name), maximum=MAX_TOKENS)
         check_int("cached_prompt_tokens", self.cached_prompt_tokens, maximum=self.prompt_tokens, why=" (prompt_tokens)")
+        check_weight_dtype(self.weight_dtype)
         self._check_times()
         check_enum("outcome", self.outcome, Outcome)
         object.__setattr__(self, "outcome", Outcome(self.outcome))

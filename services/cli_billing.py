@@ -216,7 +216,7 @@ def add_billing_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--by",
         default="cost_center",
-        help="comma-separated: cost_center, team, model, tenant, day, service_class, request_kind, door",
+        help="comma-separated: cost_center, team, model, tenant, day, service_class, request_kind, door, weight_dtype",
     )
     p.add_argument("--tenant", default=None, help="only this tenant's usage (no device utilisation)")
     p.add_argument("--format", choices=("csv", "json", "html"), default="csv")

@@ -92,6 +92,7 @@ class Meter:
     write: Callable[[list[Callable[[], UsageRecord]], list[IdleRecord]], None]
     started_ns: int
     count: Callable[[str, str, str, int], None] | None = None  # (tenant, cost_center, unit, unit_us) per record
+    weight_dtype: str = ""  # the model's decoder weights (ModelCard.weight_dtype), on every record; '': unknown
     contexts: dict[str, RecordContext] = field(default_factory=dict)
     usage_unit_us: dict[str, int] = field(default_factory=dict)
     minutes: dict[int, MinuteTotals] = field(default_factory=dict)
@@ -244,4 +245,5 @@ class Meter:
             request_kind=ctx.request_kind,
             door=ctx.door,
             cached_prompt_tokens=request.num_cached_tokens,
+            weight_dtype=self.weight_dtype,
         )

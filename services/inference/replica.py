@@ -279,14 +279,27 @@ class Replica:
         engine.observers.append(stats)
         pool = kv.pool if kv is not None else None
         self.metrics.kv_pool.watch(ready.num_kv_blocks, (lambda: pool.counts) if pool else (lambda: stats.kv_counts))
+        header, quantized = self.header, self.config.executor.quantize
+        kv_facts = (ready.num_kv_blocks, ready.kv_block_size, self.config.prefix_cache.enabled)
+        card = ModelCard(
+            header.name,
+            ready.max_seq_len,
+            header.dtype,
+            header.args.vocab_size,
+            ready.num_slots,
+            ready.device,
+            *kv_facts,
+            weight_dtype=header.dtype if quantized == "none" else quantized,
+        )
         self.meter = Meter(
             ready.device,
-            self.header.name,
+            card.name,
             uuid.uuid4().hex[:12],
             self.clock.epoch_us,
             self.link.outbox.append,
             started_ns=self.clock.now_ns(),
             count=self.metrics.count_usage,
+            weight_dtype=card.weight_dtype,  # every usage record says what the weights are held in (int8: quantized)
         )
         self.metrics.compute_units.set(ready.device.num_units)
         self.telemetry = self.metrics.watch_device(ready.device)
@@ -296,20 +309,6 @@ class Replica:
         if (why := self.servicer.compiler.support_error(self.header.tokenizer)) != "":
             log.warning("response_formats_off", why=why)  # a call with one is refused, saying why
             self.servicer.compiler, self.servicer.formats_off = None, why
-        header = self.header
-        kv_facts = (ready.num_kv_blocks, ready.kv_block_size, self.config.prefix_cache.enabled)
-        args = header.args
-        quantized = self.config.executor.quantize
-        card = ModelCard(
-            header.name,
-            ready.max_seq_len,
-            header.dtype,
-            args.vocab_size,
-            ready.num_slots,
-            ready.device,
-            *kv_facts,
-            weight_dtype=header.dtype if quantized == "none" else quantized,
-        )
         return InferenceService(
             engine,
             card,

@@ -9,9 +9,9 @@ never dropped.
 A usage row's payload is the record under its frozen zq.usage.v1 keys (billing/records.py V1_USAGE_KEYS), not
 under its field names: rows written by a replica before a field was renamed still decode and ship after an
 upgrade. A row written before a field was added lacks its key and decodes to the field's default (request_kind:
-plain; door: grpc; cached_prompt_tokens: 0). A record appended again is the row already held when their payloads
-are the same record, compared by payload digest (billing/records.py), which an added field at its default leaves as
-it was: not a conflict.
+plain; door: grpc; cached_prompt_tokens: 0; weight_dtype: '', unknown). A record appended again is the row already
+held when their payloads are the same record, compared by payload digest (billing/records.py), which an added field
+at its default leaves as it was: not a conflict.
 """
 
 from __future__ import annotations

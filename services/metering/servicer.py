@@ -80,6 +80,7 @@ def usage_from_pb(message: pb.UsageRecord) -> UsageRecord:
         request_kind=message.request_kind,  # '' (a sender before kinds): plain; an unknown one is refused, named
         door=message.door,  # '' (a sender before doors): grpc; an unknown one is refused, named
         cached_prompt_tokens=message.cached_prompt_tokens,  # 0 from a sender before the cache; > prompt_tokens: refused
+        weight_dtype=message.weight_dtype,  # '' (a sender before weight dtypes): unknown; a malformed one is refused
     )
 
 

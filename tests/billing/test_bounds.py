@@ -142,7 +142,7 @@ def test_a_value_the_database_refuses_is_data_rejected_naming_the_field(acme: Le
                 "model, device_kind, device_id, unit, num_units, unit_us * 100000000, prompt_tokens, "
                 "completion_tokens, received_at_us, dispatched_at_us, first_token_at_us, finished_at_us, "
                 "deadline_at_us, deadline_met, outcome, payload_digest, ingested_at_us, "
-                "request_id, service_class, request_kind, door, cached_prompt_tokens FROM usage_records"
+                "request_id, service_class, request_kind, door, cached_prompt_tokens, weight_dtype FROM usage_records"
             )
         )
     assert caught.value.field == "unit_us"

@@ -343,9 +343,10 @@ def test_page_tokens_are_checked(acme: Ledger) -> None:
     kind=st.sampled_from(RequestKind),
     door=st.sampled_from(Door),
     cached_share=st.sampled_from([0, 1, 2]),  # none, half, all of the prompt from the prefix cache
+    weight_dtype=st.sampled_from(["", "int8", "bfloat16", "float32"]),  # '': unknown (a sender before it)
 )
 def test_stored_records_read_back_identical(
-    acme: Ledger, unit_us, tokens, label, call_id, streamed, kind, door, cached_share
+    acme: Ledger, unit_us, tokens, label, call_id, streamed, kind, door, cached_share, weight_dtype
 ) -> None:
     record = usage(
         call_id,
@@ -355,6 +356,7 @@ def test_stored_records_read_back_identical(
         unit_us=unit_us,
         prompt_tokens=tokens,
         cached_prompt_tokens=tokens * cached_share // 2,
+        weight_dtype=weight_dtype,
         labels={"team": label, "note": label},
         first_token_at_us=START_US + 3_600_000_000 - 3_000 if streamed else None,
     )

@@ -37,6 +37,7 @@ def row_before_0006(record: UsageRecord, digest: str) -> dict[str, Any]:
     row = _usage_row(record, 1, digest, 0)
     row["request_id"], row["client_request_id"] = row.pop("call_id"), row.pop("request_id")
     del row["request_kind"], row["door"], row["cached_prompt_tokens"]  # no such columns before 0007, 0008 and 0009
+    del row["weight_dtype"]  # nor before 0010
     return row
 
 
@@ -79,7 +80,7 @@ def assert_usage_guarded(engine: Engine, call_id_column: str) -> None:
         with pytest.raises(IntegrityError, match="append-only"), engine.begin() as connection:
             connection.execute(text(sql))
     # the columns named: at head the table has columns 0006 did not know (request_kind 0007, door 0008,
-    # cached_prompt_tokens 0009: defaults)
+    # cached_prompt_tokens 0009, weight_dtype 0010: defaults)
     columns = (
         "id, {call_id}, tenant_id, labels, cost_center, team, model, device_kind, device_id, unit, num_units, unit_us, "
         "prompt_tokens, completion_tokens, received_at_us, dispatched_at_us, first_token_at_us, finished_at_us, "

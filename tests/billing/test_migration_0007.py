@@ -55,6 +55,7 @@ def _filled(url: str) -> Iterator[str]:
     engine = make_engine(url)
     row = _usage_row(OLD, 1, OLD.payload_digest(), 0)
     del row["request_kind"], row["door"], row["cached_prompt_tokens"]  # no such columns before 0007 (0008, 0009)
+    del row["weight_dtype"]  # nor before 0010
     try:
         with engine.begin() as connection:
             for sql in (_TENANT, _PRICES):

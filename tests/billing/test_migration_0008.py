@@ -52,7 +52,7 @@ def _filled(url: str) -> Iterator[str]:
     migrations.upgrade(url, "0007")
     engine = make_engine(url)
     row = _usage_row(OLD, 1, OLD.payload_digest(), 0)
-    del row["door"], row["cached_prompt_tokens"]  # no such columns before 0008 (and 0009)
+    del row["door"], row["cached_prompt_tokens"], row["weight_dtype"]  # no such columns before 0008 (0009, 0010)
     try:
         with engine.begin() as connection:
             connection.execute(text(_TENANT))

@@ -69,7 +69,7 @@ def _filled(url: str) -> Iterator[str]:
     migrations.upgrade(url, "0006")
     engine = make_engine(url)
     row = _usage_row(OLD, 1, OLD.payload_digest(), 0)
-    del row["cached_prompt_tokens"]  # no such column before 0009
+    del row["cached_prompt_tokens"], row["weight_dtype"]  # no such columns before 0009 (and 0010)
     try:
         with engine.begin() as connection:
             for sql in (_TENANT, _PRICES):

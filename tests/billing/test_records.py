@@ -47,6 +47,11 @@ from tests.billing.factories import START_US, US_PER_HOUR, gpu_usage, idle, miss
         ({"cached_prompt_tokens": 1.5}, "cached_prompt_tokens"),
         ({"cached_prompt_tokens": True}, "cached_prompt_tokens"),
         ({"cached_prompt_tokens": None}, "cached_prompt_tokens"),
+        ({"weight_dtype": "INT8"}, "weight_dtype"),  # the values are lower case, as torch names dtypes
+        ({"weight_dtype": "8bit"}, "weight_dtype"),  # a letter first
+        ({"weight_dtype": "int8 "}, "weight_dtype"),
+        ({"weight_dtype": "x" * 17}, "weight_dtype"),  # the ledger's column holds 16
+        ({"weight_dtype": None}, "weight_dtype"),
         ({"deadline_met": 1}, "deadline_met"),
         ({"first_token_at_us": START_US}, "first_token_at_us"),  # before dispatch
         ({"dispatched_at_us": START_US + 10**12}, "first_token_at_us"),
@@ -269,6 +274,40 @@ def test_cached_prompt_tokens_default_to_0_read_back_and_are_bounded_by_the_prom
     assert UsageRecord.from_v1_payload(v1) == usage("r-1", door="http", cached_prompt_tokens=0)
     with pytest.raises(InvalidRecord, match=r"cached_prompt_tokens must be in \[0, 10 \(prompt_tokens\)\], got 11"):
         usage("r-1", cached_prompt_tokens=11)
+
+
+# Issue 34 added weight_dtype: a record that names none (every record before it, and one from a sender before it)
+# keeps the digest it had, so a record stored or queued before it replays as a DUPLICATE. A named dtype digests
+# differently (the same call_id with another dtype is a CONFLICT); frozen from here on too.
+DIGESTS_OF_WEIGHT_DTYPES = [
+    *((fields | {"weight_dtype": ""}, digest) for fields, digest in DIGESTS_OF_CACHED_PROMPT_TOKENS),
+    ({"weight_dtype": "int8"}, "2b950bae432fcde5471b45234252bda216bdea5772cfc36198f9b4146ee9bde5"),
+    ({"weight_dtype": "bfloat16"}, "f91a54f56f403d0be20a33894c9968be1f4c051e17f29689278385447b3fee0d"),
+    (
+        {"weight_dtype": "int8", "door": "http", "cached_prompt_tokens": 4},
+        "673ac7e6b068ffafc0e17e50bbb45e1243b573419337ec361cd84a9e483a0e9a",
+    ),
+]
+
+
+@pytest.mark.parametrize(("fields", "digest"), DIGESTS_OF_WEIGHT_DTYPES)
+def test_a_record_without_a_weight_dtype_digests_as_before_and_one_with_it_differently(
+    fields: dict, digest: str
+) -> None:
+    assert usage("call-1", **fields).payload_digest() == digest
+
+
+def test_weight_dtype_defaults_to_unknown_reads_back_and_a_payload_without_it_is_unknown() -> None:
+    assert usage("r-1").weight_dtype == ""
+    for dtype in ("", "int8", "bfloat16", "float32", "float8_e4m3fn"):
+        record = usage("r-1", weight_dtype=dtype)
+        assert record.to_payload()["weight_dtype"] == dtype
+        assert UsageRecord(**record.to_payload()) == record == UsageRecord.from_v1_payload(record.to_v1_payload())
+    v1 = usage("r-1", door="http", cached_prompt_tokens=2).to_v1_payload()
+    del v1["weight_dtype"]  # queued or stored before weight dtypes
+    assert UsageRecord.from_v1_payload(v1) == usage("r-1", door="http", cached_prompt_tokens=2, weight_dtype="")
+    with pytest.raises(InvalidRecord, match=r"weight_dtype must be '' or 1..16 characters .*got 'INT8'"):
+        usage("r-1", weight_dtype="INT8")
 
 
 def test_an_idle_record_digests_as_it_did_before_the_digest_took_payloads() -> None:

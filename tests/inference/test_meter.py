@@ -100,6 +100,18 @@ def test_the_record_carries_its_calls_door_and_a_call_of_no_door_is_grpc():
     assert {r.call_id: r.unit_us for r in rec.usage} == {"a": 2000, "b": 2000}  # the door prices nothing
 
 
+def test_every_record_carries_the_replicas_weight_dtype_and_a_meter_told_none_says_unknown():
+    for weight_dtype in ("int8", "bfloat16", ""):
+        rec = Recorder()
+        meter = Meter(DEVICE, "m", "boot1", lambda ns: EPOCH_US + ns // 1000, rec, 0, weight_dtype=weight_dtype)
+        a, b = req("a"), req("b")
+        register(meter, a, b)
+        meter.on_step(report([a, b], [], 0, 1_000_000))
+        a.status = b.status = RequestStatus.FINISHED_LENGTH
+        meter.on_step(report([a, b], [], 1_000_000, 2_000_000, ended=[a, b], unfinished=0))
+        assert [(r.weight_dtype, r.unit_us) for r in rec.usage] == [(weight_dtype, 2000)] * 2  # it prices nothing
+
+
 def test_time_between_busy_steps_is_billed_and_time_with_no_request_is_idle():
     rec = Recorder()
     meter = make_meter(rec)

@@ -121,6 +121,23 @@ def test_each_call_is_billed_once_with_the_door_it_came_through(llama_dir):
         [(grpc_call, "over-grpc", "grpc"), (http_call, "over-http", "http")]
     )
     assert all(unit_us > 0 for *_, unit_us in rows)
+    weight_dtypes = ledger_rows(server.config.ledger_url, "SELECT DISTINCT weight_dtype FROM usage_records")
+    assert weight_dtypes == [(service.card.dtype,)]  # unquantized: the checkpoint's dtype, whichever the door
+
+
+def test_a_replica_serving_int8_weights_bills_every_call_as_int8(llama_dir):
+    """Issue 34: with --quantize int8 each usage record says int8, from the meter through the outbox to the ledger,
+    beside the device time the call measured."""
+    executor = ExecutorConfig(max_batch=2, max_seq_len=256, quantize="int8")
+    server = ServerThread(ServeConfig(str(llama_dir), port=0, executor=executor, engine_process=False)).start()
+    try:
+        assert server.replica.service.card.weight_dtype == "int8"
+        done = finals(server.stub(), 2, request_id="on-int8")
+    finally:
+        server.stop()  # the outbox drains into the ledger
+    rows = ledger_rows(server.config.ledger_url, "SELECT call_id, request_id, weight_dtype, unit_us FROM usage_records")
+    assert sorted(rows) == sorted((call_id, "on-int8", "int8", final.usage.sm_us) for call_id, final in done)
+    assert all(unit_us > 0 for *_, unit_us in rows)
 
 
 def test_usage_survives_a_metering_outage(llama_dir, tmp_path):

@@ -121,6 +121,10 @@ COMMANDS = {
     "chargeback html": (["chargeback", "--period", PAST, "--format", "html"], html_page),
     "chargeback by request kind": (["chargeback", "--period", PAST, "--by", "request_kind"], csv_with("request_kind")),
     "chargeback by door": (["chargeback", "--period", PAST, "--by", "door"], csv_with("door")),
+    "chargeback by weight dtype": (
+        ["chargeback", "--period", PAST, "--by", "model,weight_dtype"],
+        csv_with("weight_dtype"),
+    ),
     "classes add": (["classes", "add", "silver", "--credit-ppm", "0"], table(CLASS_HEADER, 5)),
     "classes update": (["classes", "update", "gold", "--priority", "10"], table(CLASS_HEADER, 5)),
     "classes list": (["classes", "list"], table(CLASS_HEADER, 5)),

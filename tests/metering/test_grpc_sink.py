@@ -23,6 +23,7 @@ class FakeStub:
         self.kinds: dict[str, str] = {}
         self.doors: dict[str, str] = {}
         self.cached: dict[str, int] = {}
+        self.weight_dtypes: dict[str, str] = {}
 
     async def RecordUsage(self, request, metadata, timeout):  # noqa: N802 - the stub's method
         ids = [r.call_id for r in request.records]
@@ -30,6 +31,7 @@ class FakeStub:
         self.kinds.update((r.call_id, r.request_kind) for r in request.records)
         self.doors.update((r.call_id, r.door) for r in request.records)
         self.cached.update((r.call_id, r.cached_prompt_tokens) for r in request.records)
+        self.weight_dtypes.update((r.call_id, r.weight_dtype) for r in request.records)
         if self.poison & set(ids):
             raise grpc.aio.AioRpcError(
                 self.code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="records[0].unit_us is out of range"
@@ -94,3 +96,12 @@ def test_each_record_goes_with_its_cached_prompt_tokens():
     acks = asyncio.run(sink_with(stub).deliver(records, []))
     assert {a.delivery for a in acks} == {Delivery.DELIVERED}
     assert stub.cached == {f"r-{cached}": cached for cached in range(4)}
+
+
+def test_each_record_goes_with_its_weight_dtype():
+    stub = FakeStub(set())
+    dtypes = {"r-int8": "int8", "r-bf16": "bfloat16", "r-unknown": ""}  # '': a record queued before weight dtypes
+    records = [builder(call_id)(weight_dtype=dtype) for call_id, dtype in dtypes.items()]
+    acks = asyncio.run(sink_with(stub).deliver(records, []))
+    assert {a.delivery for a in acks} == {Delivery.DELIVERED}
+    assert stub.weight_dtypes == dtypes

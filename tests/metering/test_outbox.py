@@ -272,3 +272,34 @@ def test_the_shipper_delivers_each_records_cached_prompt_tokens_to_the_ledger(tm
     with ledger.sessions() as session:
         stored = dict(session.execute(select(UsageRow.call_id, UsageRow.cached_prompt_tokens)).all())
     assert stored == counts
+
+
+def test_the_shipper_delivers_an_int8_record_and_a_row_a_replica_before_weight_dtypes_wrote(
+    tmp_path, ledger: Ledger
+) -> None:
+    """Issue 34: a quantized replica's record keeps "int8" from the outbox to the ledger; a row queued before weight
+    dtypes lacks the key, reads as unknown ('') and still ships."""
+    with unit_of_work(ledger.sessions) as session:
+        create_tenant(session, "acme")
+    before_weight_dtypes = builder("r-old")(door="http").to_v1_payload()
+    del before_weight_dtypes["weight_dtype"]
+    outbox = Outbox(tmp_path / "outbox.db")
+    try:
+        with sqlite3.connect(tmp_path / "outbox.db") as conn:
+            conn.execute(
+                "INSERT INTO outbox (kind, record_id, payload, created_at_us) VALUES ('usage', 'r-old', ?, 1)",
+                (json.dumps(before_weight_dtypes),),
+            )
+        outbox.append([functools.partial(builder("r-int8"), weight_dtype="int8")], [])
+        assert outbox.flush()
+        assert {row.record.call_id: row.record.weight_dtype for row in outbox.pending(10)} == {
+            "r-old": "",
+            "r-int8": "int8",
+        }
+        assert asyncio.run(Shipper(outbox, LedgerSink(ledger.sessions)).ship_once()) == 2
+        assert outbox.counts()["delivered"] == 2
+    finally:
+        outbox.close()
+    with ledger.sessions() as session:
+        stored = dict(session.execute(select(UsageRow.call_id, UsageRow.weight_dtype)).all())
+    assert stored == {"r-old": "", "r-int8": "int8"}

@@ -32,7 +32,7 @@ INVOICE_STATUS_FINALIZED: InvoiceStatus
 INVOICE_STATUS_VOID: InvoiceStatus
 
 class UsageRecord(_message.Message):
-    __slots__ = ("call_id", "tenant", "labels", "model", "device_kind", "device_id", "unit", "num_units", "unit_us", "prompt_tokens", "completion_tokens", "received_at_us", "dispatched_at_us", "first_token_at_us", "finished_at_us", "deadline_at_us", "deadline_met", "outcome", "request_id", "service_class", "request_kind", "door", "cached_prompt_tokens")
+    __slots__ = ("call_id", "tenant", "labels", "model", "device_kind", "device_id", "unit", "num_units", "unit_us", "prompt_tokens", "completion_tokens", "received_at_us", "dispatched_at_us", "first_token_at_us", "finished_at_us", "deadline_at_us", "deadline_met", "outcome", "request_id", "service_class", "request_kind", "door", "cached_prompt_tokens", "weight_dtype")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class UsageRecord(_message.Message):
     REQUEST_KIND_FIELD_NUMBER: _ClassVar[int]
     DOOR_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     call_id: str
     tenant: str
     labels: _containers.ScalarMap[str, str]
@@ -86,7 +87,8 @@ class UsageRecord(_message.Message):
     request_kind: str
     door: str
     cached_prompt_tokens: int
-    def __init__(self, call_id: _Optional[str] = ..., tenant: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., model: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_id: _Optional[str] = ..., unit: _Optional[str] = ..., num_units: _Optional[int] = ..., unit_us: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., received_at_us: _Optional[int] = ..., dispatched_at_us: _Optional[int] = ..., first_token_at_us: _Optional[int] = ..., finished_at_us: _Optional[int] = ..., deadline_at_us: _Optional[int] = ..., deadline_met: _Optional[bool] = ..., outcome: _Optional[str] = ..., request_id: _Optional[str] = ..., service_class: _Optional[str] = ..., request_kind: _Optional[str] = ..., door: _Optional[str] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    weight_dtype: str
+    def __init__(self, call_id: _Optional[str] = ..., tenant: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., model: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_id: _Optional[str] = ..., unit: _Optional[str] = ..., num_units: _Optional[int] = ..., unit_us: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., received_at_us: _Optional[int] = ..., dispatched_at_us: _Optional[int] = ..., first_token_at_us: _Optional[int] = ..., finished_at_us: _Optional[int] = ..., deadline_at_us: _Optional[int] = ..., deadline_met: _Optional[bool] = ..., outcome: _Optional[str] = ..., request_id: _Optional[str] = ..., service_class: _Optional[str] = ..., request_kind: _Optional[str] = ..., door: _Optional[str] = ..., cached_prompt_tokens: _Optional[int] = ..., weight_dtype: _Optional[str] = ...) -> None: ...
 
 class IdleRecord(_message.Message):
     __slots__ = ("record_id", "device_id", "unit", "num_units", "minute_start_us", "idle_unit_us", "wall_unit_us")
