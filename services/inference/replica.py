@@ -279,7 +279,9 @@ class Replica:
         engine.observers.append(stats)
         pool = kv.pool if kv is not None else None
         self.metrics.kv_pool.watch(ready.num_kv_blocks, (lambda: pool.counts) if pool else (lambda: stats.kv_counts))
-        header, quantized = self.header, self.config.executor.quantize
+        header = self.header
+        # a pre-quantized checkpoint is served int8 whatever --quantize says (the executor does the same)
+        quantized = "int8" if header.quantization == "int8" else self.config.executor.quantize
         kv_facts = (ready.num_kv_blocks, ready.kv_block_size, self.config.prefix_cache.enabled)
         card = ModelCard(
             header.name,
