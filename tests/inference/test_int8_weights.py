@@ -1,5 +1,6 @@
 """A replica with int8 weights (--quantize int8, issue 34): the decoder layers' linears are int8 on the kernels path
-(zeroqueue::decode_layers with their scales), the LM head keeps the checkpoint's dtype; a call's tokens do not depend
+(zeroqueue::decode_layers with their scales) and so is the LM head, the embedding keeps the checkpoint's dtype; a
+call's tokens do not depend
 on its batch neighbours; the logits equal the plain-torch fallback's (the same int8 values) within rounding and stay
 within a stated tolerance of the unquantized model; a gRPC replica serves and bills it and ListModels says int8.
 
@@ -15,7 +16,7 @@ from zeroqueue.inference.v1 import inference_pb2 as pb
 from services.inference.device import kernels
 from services.inference.device.executor import Executor
 from services.inference.device.loader import load_checkpoint
-from services.inference.device.packed import Int8Linear, KernelDecoderStack, PackedLinear
+from services.inference.device.packed import Int8Linear, KernelDecoderStack
 from services.inference.device.quant import dequantize_int8, quantize_int8
 from services.inference.device.spec import ExecutorConfig
 from services.inference.replica import ServeConfig
@@ -44,7 +45,7 @@ def test_quantize_int8_round_trips_within_half_a_step_and_keeps_zero_rows():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_layers_linears_are_int8_and_the_lm_head_is_not(wide_heads_dir, dtype):  # noqa: F811
+def test_the_linears_and_the_lm_head_are_int8_and_the_embedding_is_not(wide_heads_dir, dtype):  # noqa: F811
     engine = make_engine(wide_heads_dir, dtype=dtype, quantize="int8")
     model = engine.executor.model
     assert isinstance(model.layers, KernelDecoderStack)
@@ -52,7 +53,9 @@ def test_the_layers_linears_are_int8_and_the_lm_head_is_not(wide_heads_dir, dtyp
     assert linears and all(w.dtype == torch.int8 for w in linears)
     assert all(s is not None and s.dtype == torch.float32 for s in model.layers.scales)
     assert isinstance(model.layers[0].mlp.down_proj, Int8Linear)
-    assert isinstance(model.lm_head, PackedLinear) and model.lm_head.packed.dtype == getattr(torch, dtype)
+    assert isinstance(model.lm_head, Int8Linear) and model.lm_head.packed.dtype == torch.int8
+    # the tied embedding keeps its own weight for the lookup
+    assert model.embed_tokens.weight.dtype == getattr(torch, dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -88,7 +91,7 @@ def test_an_int8_call_decodes_the_same_alone_and_among_calls(wide_heads_dir, dty
 
 
 def test_an_unknown_quantization_is_refused(wide_heads_dir):  # noqa: F811
-    with pytest.raises(ValueError, match="quantize must be one of none, int8, not 'int4'"):
+    with pytest.raises(ValueError, match="quantize must be one of none, int8, fp8, not 'int4'"):
         make_engine(wide_heads_dir, quantize="int4")
 
 

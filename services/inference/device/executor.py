@@ -23,7 +23,7 @@ from .loader import Checkpoint
 from .model import Transformer
 from .nvml import gpu_facts
 from .packed import pack_model
-from .quant import fake_quantize_layers, fp8_layers
+from .quant import fake_quantize_linears, fp8_layers
 from .sampler import draw_step
 from .spec import QUANTIZE_CHOICES, Device, ExecutorConfig, StepResult
 
@@ -164,9 +164,10 @@ class Executor:
             if checkpoint.dtype != torch.bfloat16:
                 raise ValueError(f"quantize fp8 serves bfloat16 activations, not {checkpoint.dtype}")
             fp8_layers(self.model.layers)
-        elif self.quantize == "int8" and not checkpoint.int8:
+        elif self.quantize == "int8":
             log.warning("int8_without_kernels", why=f"no CPU kernels here: int8 values computed in {checkpoint.dtype}")
-            fake_quantize_layers(self.model.layers)
+            # a pre-quantized checkpoint's layers hold their int8 values already; its LM head is quantized here
+            fake_quantize_linears(*(() if checkpoint.int8 else (self.model.layers,)), self.model.lm_head)
 
     def _cpu_ops(self) -> kernels.CpuOps | None:
         if not self.config.use_kernels:

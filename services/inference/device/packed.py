@@ -166,14 +166,18 @@ def pack_model(model: nn.Module, ops: CpuOps, quantize: str = "none", stored: di
     """Swaps the layers of the Transformer `model` that have a kernel for their kernel versions; returns how
     many (attention first, so that its linear layers are then packed in place; the stack of layers last, as it
     gathers their packed weights). quantize "int8": the decoder layers' linears get int8 weights, `stored`'s where it
-    has them by parameter name (a pre-quantized checkpoint's), else quantized here (quant.py); the LM head stays in
-    the checkpoint's dtype."""
+    has them by parameter name (a pre-quantized checkpoint's), else quantized here (quant.py), and so does the LM
+    head (quantized here: the pre-quantized format leaves it out)."""
     names = {id(m): name for name, m in model.named_modules()}  # before the swaps move them
     stored = stored or {}
     swaps = {Attention: lambda m: KernelAttention(m, model.rotary, ops)}
     count = _swap(model, swaps)
     if quantize == "int8":
         count += _swap(model.layers, {nn.Linear: lambda m: Int8Linear(m, ops, stored.get(f"{names[id(m)]}.weight"))})
+        # the LM head too: at batch 1 it is a fifth of the bytes a step reads (SmolLM2-135M), and int8 left the
+        # bundled model's NLL unchanged (BENCHMARKS.md); a tied embedding keeps its own weight for the lookup
+        model.lm_head = Int8Linear(model.lm_head, ops)
+        count += 1
     swaps = {
         nn.Linear: lambda m: PackedLinear(m, ops),
         RMSNorm: lambda m: KernelRMSNorm(m, ops),
