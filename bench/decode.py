@@ -302,7 +302,7 @@ def main() -> None:
         f"batch 1 vs roofline (probe before each rep): median {statistics.median(shares):.0%} of "
         + ", ".join(f"{rate:.0f} tok/s at {gbs:.1f} GB/s" for gbs, rate in pairs[args.reps :])
     )
-    if int8_pairs:  # its bytes: int8 linears and their scales, the bf16 LM head (the tied embedding) and norms
+    if int8_pairs:  # its bytes: int8 linears and LM head with their scales, and the norms
         int8_bytes = int8_weight_bytes(checkpoint)
         shares = [rate * int8_bytes / (gbs * 1e9) for gbs, rate in int8_pairs[args.reps :]]
         print(
@@ -312,13 +312,15 @@ def main() -> None:
 
 
 def int8_weight_bytes(checkpoint) -> int:
-    """Bytes a --quantize int8 decode step reads: each layer linear's int8 weight and fp32 scales, the rest as is."""
+    """Bytes a --quantize int8 decode step reads: each layer linear's and the LM head's int8 weight and fp32 scales,
+    the norms as they are (the embedding: one row a token, left out, as the bf16 count leaves out one of the tied
+    pair)."""
     total = 0
     for name, t in checkpoint.state_dict.items():
-        if name == "lm_head.weight" and checkpoint.args.tie_word_embeddings:
-            continue  # the same tensor as the embedding, read once (as the LM head)
-        linear = name.startswith("layers.") and t.dim() == 2
-        total += t.numel() + 4 * t.shape[0] if linear else t.numel() * t.element_size()
+        if name == "embed_tokens.weight":
+            continue
+        int8 = t.dim() == 2  # a layer linear or the LM head
+        total += t.numel() + 4 * t.shape[0] if int8 else t.numel() * t.element_size()
     return total
 
 
