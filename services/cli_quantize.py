@@ -26,7 +26,7 @@ def add_quantize(sub: argparse._SubParsersAction) -> None:
 
 def run_quantize(args: argparse.Namespace) -> int:
     from services.inference.device.checkpoint import CheckpointError
-    from services.inference.device.int8_checkpoint import write_int8_checkpoint
+    from services.inference.device.int8_writer import write_int8_checkpoint
 
     try:
         out = write_int8_checkpoint(args.model, args.out, args.dtype)

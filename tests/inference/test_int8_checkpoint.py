@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from services.cli import main
 from services.inference.device import kernels
 from services.inference.device.checkpoint import CheckpointError
-from services.inference.device.int8_checkpoint import write_int8_checkpoint
+from services.inference.device.int8_writer import write_int8_checkpoint
 from services.inference.device.loader import load_checkpoint
 from services.inference.device.quant import quantize_int8
 from tests.inference.conftest import make_engine

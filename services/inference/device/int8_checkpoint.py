@@ -3,20 +3,17 @@ linear weight `<name>.weight` stored as int8 [N, K] beside `<name>.weight_scale`
 w = q * scale, symmetric per output channel; everything else (embedding, norms, LM head) as a float checkpoint has
 it; config.json's `quantization_config` says so (checkpoint.py reads it).
 
-`zeroqueue quantize` writes one from an ordinary checkpoint with quant.py's scheme, so serving it is exactly
-`--quantize int8` on the original without the original; the loader reads it (split_int8)."""
+`zeroqueue quantize` writes one from an ordinary checkpoint with quant.py's scheme (int8_writer.py), so serving it is
+exactly `--quantize int8` on the original without the original; the loader reads it (split_int8)."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from .checkpoint import INT8_FORMAT, CheckpointError, read_header, read_json
-from .quant import dequantize_int8, quantize_int8
+from .checkpoint import INT8_FORMAT, CheckpointError
+from .quant import dequantize_int8
 
 SCALE_SUFFIX = "_scale"
 WEIGHTS_FILE = "model.safetensors"
@@ -66,34 +63,3 @@ def split_int8(
         if t.dtype == torch.int8 and name not in stored:
             raise CheckpointError(path, f"int8 tensor {name} has no {name}{SCALE_SUFFIX}")
     return plain, stored
-
-
-def write_int8_checkpoint(src: str | Path, out: str | Path, dtype: str = "auto") -> Path:
-    """The checkpoint at `src` -> a pre-quantized one at `out` (a new directory): its layers' linears quantized from
-    their values in `dtype` (the dtype a replica would serve it in, so that serving `out` equals `--quantize int8`
-    on `src` with that dtype), the rest saved in `dtype`; its other files copied. Returns `out`."""
-    from .loader import _read_tensors, _weight_files  # the loader's reading of every shard, and its errors
-
-    header = read_header(src, dtype)
-    out = Path(out)
-    if out.exists():
-        raise FileExistsError(f"{out} exists: quantize writes a new directory")
-    torch_dtype = getattr(torch, header.dtype)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, (t, _) in _read_tensors(_weight_files(header.path)).items():
-        t = t.to(torch_dtype)
-        if is_layer_linear(name, t):
-            q, scale = quantize_int8(t)
-            tensors[name], tensors[name + SCALE_SUFFIX] = q.contiguous(), scale[:, None].contiguous()
-        else:
-            tensors[name] = t.contiguous()
-    out.mkdir(parents=True)
-    for path in header.path.iterdir():
-        if path.is_file() and not path.name.startswith("model.safetensors"):
-            shutil.copy2(path, out / path.name)
-    config = read_json(header.path / "config.json")
-    config.update(torch_dtype=header.dtype, quantization_config=QUANTIZATION_CONFIG)
-    config.pop("dtype", None)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    return out
