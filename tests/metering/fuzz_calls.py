@@ -115,6 +115,7 @@ def _valid_record(rng: random.Random) -> pb.UsageRecord:
         deadline_at_us=finished + 10,
         deadline_met=True,
         outcome="ok",
+        weight_dtype=rng.choice(("bfloat16", "int8", "")),
     )
 
 
@@ -176,7 +177,9 @@ class MeteringFuzzer:
         if method == "ListInvoices":
             return pb.ListInvoicesRequest(period=rng.choice(("", "2021-03")))
         if method == "GetChargebackReport":
-            return pb.GetChargebackReportRequest(period="2021-03", group_by=rng.sample(("tenant", "model", "day"), 2))
+            return pb.GetChargebackReportRequest(
+                period="2021-03", group_by=rng.sample(("tenant", "model", "day", "weight_dtype"), 2)
+            )
         return pb.WhoAmIRequest()
 
     def _mutate(self, rng: random.Random, message: Message, method: str) -> str:

@@ -3,6 +3,8 @@ a tenant's: no call is answered INTERNAL (or UNKNOWN), and no reply to the tenan
 
 from __future__ import annotations
 
+import random
+
 import grpc
 import pytest
 from zeroqueue.metering.v1 import metering_pb2 as pb
@@ -12,6 +14,7 @@ from billing.ledger import ingest_idle, ingest_usage
 from billing.period import parse_period
 from tests.billing.conftest import Ledger
 from tests.billing.factories import idle, usage
+from tests.fuzz_wire import delimited, tag, varint
 from tests.metering.conftest import Keys, bearer
 from tests.metering.fuzz_calls import FuzzCall, MeteringFuzzer, World
 
@@ -109,3 +112,46 @@ def test_a_call_is_made_again_alone_from_its_seed_and_index(world: World) -> Non
         again.admin,
         again.mutations,
     )
+
+
+def test_every_usage_record_field_is_mutated_weight_dtype_included(world: World) -> None:
+    fuzzer = MeteringFuzzer(SEED, world)
+    mutated = {m for index in range(NUM_CALLS) for m in fuzzer.call(index).mutations}
+    assert "RecordUsage.weight_dtype" in mutated
+    assert {f"RecordUsage.{f.name}" for f in pb.UsageRecord.DESCRIPTOR.fields} - mutated - {
+        "RecordUsage.labels"
+    } == set()
+
+
+# raw-bytes mutations of a valid RecordUsageRequest: each of its records says a weight_dtype (field 24)
+WEIGHT_DTYPE = pb.UsageRecord.DESCRIPTOR.fields_by_name["weight_dtype"].number
+RECORDS = pb.RecordUsageRequest.DESCRIPTOR.fields_by_name["records"].number
+
+
+def _raw_record_usage(rng: random.Random) -> bytes:
+    raw = MeteringFuzzer(SEED, World())._base(rng, "RecordUsage", admin=True).SerializeToString()
+    record = pb.UsageRecord(call_id=f"raw-{rng.getrandbits(32):x}", tenant="acme", model="tiny").SerializeToString()
+    value = rng.choice((b"\xff", b"int\xc0\xaf8", b"x" * 100_000, b"int8\x00", "ｉｎｔ８".encode()))
+    mutations = (
+        lambda: raw + delimited(RECORDS, record + delimited(WEIGHT_DTYPE, value)),  # not UTF-8, huge, NUL, wide
+        lambda: raw + delimited(RECORDS, record + tag(WEIGHT_DTYPE, 0) + varint(rng.getrandbits(40))),  # wire type
+        lambda: raw + delimited(RECORDS, record + tag(WEIGHT_DTYPE, 2) + varint(2**20)),  # length past the end
+        lambda: bytes(b ^ (1 << rng.randrange(8)) if rng.random() < 0.02 else b for b in raw),  # bits flipped
+        lambda: raw[: rng.randrange(len(raw) + 1)],  # cut
+    )
+    return rng.choice(mutations)()
+
+
+def test_raw_bytes_record_usage_is_never_internal_and_the_server_stays_up(metering, keys: Keys) -> None:
+    with metering.channel() as channel:
+        call = channel.unary_unary("/zeroqueue.metering.v1.Metering/RecordUsage")  # bytes in, bytes out
+        codes = {}
+        for index in range(200):
+            try:
+                call(_raw_record_usage(random.Random(f"raw:{index}")), metadata=bearer(keys.admin), timeout=30)
+                codes["OK"] = codes.get("OK", 0) + 1
+            except grpc.RpcError as error:
+                assert error.code() not in BUGS, (index, error.code(), error.details())
+                codes[error.code().name] = codes.get(error.code().name, 0) + 1
+        assert codes.get("INVALID_ARGUMENT", 0) > 0, codes
+        assert metering.stub(channel).WhoAmI(pb.WhoAmIRequest(), metadata=bearer(keys.admin), timeout=10)
