@@ -279,20 +279,9 @@ class Replica:
         engine.observers.append(stats)
         pool = kv.pool if kv is not None else None
         self.metrics.kv_pool.watch(ready.num_kv_blocks, (lambda: pool.counts) if pool else (lambda: stats.kv_counts))
-        header = self.header
-        # a pre-quantized checkpoint is served int8 whatever --quantize says (the executor does the same)
-        quantized = "int8" if header.quantization == "int8" else self.config.executor.quantize
-        kv_facts = (ready.num_kv_blocks, ready.kv_block_size, self.config.prefix_cache.enabled)
-        card = ModelCard(
-            header.name,
-            ready.max_seq_len,
-            header.dtype,
-            header.args.vocab_size,
-            ready.num_slots,
-            ready.device,
-            *kv_facts,
-            weight_dtype=header.dtype if quantized == "none" else quantized,
-        )
+        header, kv_facts = self.header, (ready.num_kv_blocks, ready.kv_block_size, self.config.prefix_cache.enabled)
+        facts = (ready.max_seq_len, header.dtype, header.args.vocab_size, ready.num_slots, ready.device, *kv_facts)
+        card = ModelCard(header.name, *facts, weight_dtype=ready.weight_dtype)
         self.meter = Meter(
             ready.device,
             card.name,

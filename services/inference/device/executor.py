@@ -114,6 +114,8 @@ class Executor:
         self.cpu_ops = self._cpu_ops() if self.device.type == "cpu" and kernel_dtype else None
         # a pre-quantized checkpoint is served as int8 whatever config.quantize says: its weights are int8 values
         self.quantize = "int8" if checkpoint.int8 else config.quantize
+        # what ListModels and each usage record say the weights are held in
+        self.weight_dtype = str(checkpoint.dtype).removeprefix("torch.") if self.quantize == "none" else self.quantize
         if self.cpu_ops is not None and self.quantize != "fp8":
             pack_model(self.model, self.cpu_ops, self.quantize, checkpoint.int8)
         else:  # fp8 refuses a CPU here

@@ -135,6 +135,7 @@ def build_engine(
         warming.scheduler.config.max_num_batched_tokens,
         num_kv_blocks=executor.num_blocks,
         kv_block_size=executor.block_size,
+        weight_dtype=executor.weight_dtype,
     )
     cost, pacer = None, None
     if spec.calibrate:

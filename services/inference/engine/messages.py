@@ -64,6 +64,7 @@ class Ready:
     server_cpus: tuple[int, ...] = ()
     num_kv_blocks: int = 0  # the paged KV cache's pool (device/attention.py), blocks of kv_block_size tokens
     kv_block_size: int = 0
+    weight_dtype: str = ""  # the linear weights: int8 / fp8 when the executor quantized them, else the dtype
 
     def cost_model(self) -> CostModel:
         """The calibrated cost model, rebuilt in the server from what crossed the pipe."""
