@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from .fakes import register_fakes
+
 SOURCE_DIR = Path(__file__).parent
 # cpu_ops.cpp holds the schemas; each kernel file registers its implementation. simd.h is shared by them.
 SOURCES = tuple(
@@ -277,56 +279,6 @@ class CpuOps:
         )
 
 
-def _register_fakes() -> None:
-    """Shape-only implementations, so the ops can sit inside torch.compile graphs."""
-
-    @torch.library.register_fake("zeroqueue::pack_linear")
-    def _pack_linear(w: torch.Tensor) -> torch.Tensor:
-        n, k = w.shape
-        panels = -(-n // LANES)
-        if w.dtype in (torch.bfloat16, torch.int8):
-            return w.new_empty((panels, -(-k // 2), LANES, 2))
-        return w.new_empty((panels, k, LANES))
-
-    @torch.library.register_fake("zeroqueue::linear")
-    def _linear(
-        x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, bf16_path: int = 0
-    ) -> torch.Tensor:
-        return x.new_empty((x.shape[0], n))
-
-    @torch.library.register_fake("zeroqueue::linear_int8")
-    def _linear_int8(x, packed, scales, bias, n: int, bf16_path: int = 0) -> torch.Tensor:
-        return x.new_empty((x.shape[0], n))
-
-    @torch.library.register_fake("zeroqueue::rms_norm")
-    def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return torch.empty_like(x)
-
-    @torch.library.register_fake("zeroqueue::add_rms_norm")
-    def _add_rms_norm(x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.empty_like(x), torch.empty_like(x)
-
-    @torch.library.register_fake("zeroqueue::rope_cache")
-    def _rope_cache(qkv, cos, sin, positions, slots, k_cache, v_cache, heads, kv_heads) -> torch.Tensor:
-        return qkv.new_empty((qkv.shape[0], heads, k_cache.shape[-1]))
-
-    @torch.library.register_fake("zeroqueue::silu_mul")
-    def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-        return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
-
-    @torch.library.register_fake("zeroqueue::apply_token_bitmask")
-    def _apply_token_bitmask(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
-        return logits.new_empty((logits.shape[0],), dtype=torch.int64)
-
-    @torch.library.register_fake("zeroqueue::decode_layers")
-    def _decode_layers(x, weights, biases, scales, out_features, *rest) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.empty_like(x), torch.empty_like(x)
-
-    @torch.library.register_fake("zeroqueue::decode_attention")
-    def _decode_attention(q, k_cache, v_cache, slots, lengths, scale) -> torch.Tensor:
-        return torch.empty_like(q)
-
-
 def build(isa: Isa, verbose: bool = False) -> str:
     """Compile (or reuse) `isa`'s extension and load it into torch.ops; returns the library's path. Only one
     build may be loaded in a process: both register the same schemas."""
@@ -355,7 +307,7 @@ def _load() -> tuple[CpuOps | None, str | None]:
     isa, found = first_built(runnable_isas(wanted=os.environ.get(ISA_ENV) or None), build)
     if isa is None:
         return None, found
-    _register_fakes()
+    register_fakes(LANES)
     return CpuOps(library_path=found, bf16_path=choose_bf16_path(isa), isa=isa.name), None
 
 
