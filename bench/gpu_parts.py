@@ -35,6 +35,7 @@ def make_engine(
 ) -> Engine:
     """The engine on `device`, on plain torch (the CPU kernels are never the GPU's code); quantize "fp8" on a GPU. The
     CPU dry run's fp8 swaps the layers itself (torch._scaled_mm runs there too; the executor refuses fp8 on a CPU)."""
+    cpu_fp8 = quantize == "fp8" and not device.startswith("cuda")
     executor = Executor(
         ckpt,
         ExecutorConfig(
@@ -44,10 +45,10 @@ def make_engine(
             kv_memory_bytes=16 << 30,
             use_cuda_graphs=graphs,
             use_kernels=False,
-            quantize=quantize if device.startswith("cuda") else "none",
+            quantize="none" if cpu_fp8 else quantize,
         ),
     )
-    if quantize == "fp8" and not device.startswith("cuda"):
+    if cpu_fp8:
         fp8_layers(executor.model.layers)
     if graphs and executor.graphs is None:  # CPU dry run: the padded static path, not captured
         executor.graphs = GraphRunner(

@@ -14,18 +14,13 @@ import pytest
 import torch
 
 from services.inference.device import kernels
+from services.inference.device.quant import quantize_int8
 from tests.inference.test_kernels import ops  # noqa: F401 - the fixture: the loaded build, or why not
 
 ROOT = Path(__file__).resolve().parents[2]
 # (N, K): the SmolLM2-135M shape's qkv, o, gate_up, down; the bundled model's are among the ragged ones' kind
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536), (17, 33), (48, 64), (1, 7), (130, 256))
 ROWS = (1, 2, 7, 8, 9, 32)
-
-
-def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per output channel: w [N, K] ≈ q * scale[:, None]."""
-    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-8)
-    return torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8), scale
 
 
 def check_int8(isa: str, seed: int = 0) -> int:
@@ -35,7 +30,7 @@ def check_int8(isa: str, seed: int = 0) -> int:
     cases = [(torch.float32, 0)] + [(torch.bfloat16, path) for path in range(len(kernels.isa_named(isa).bf16_paths))]
     gen, checked = torch.Generator().manual_seed(seed), 0
     for n, k in SHAPES:
-        q, scale = quantize(torch.randn(n, k, generator=gen) * 0.02)
+        q, scale = quantize_int8(torch.randn(n, k, generator=gen) * 0.02)
         packed = torch.ops.zeroqueue.pack_linear(q)
         assert packed.dtype == torch.int8 and packed.shape == (-(-n // 16), -(-k // 2), 16, 2)
         for bias in (None, torch.randn(n, generator=gen)):
@@ -61,7 +56,7 @@ def test_int8_linear_matches_the_reference_and_is_batch_invariant(ops):  # noqa:
 
 
 def test_int8_linear_refuses_what_it_was_not_packed_for(ops):  # noqa: F811
-    q, scale = quantize(torch.randn(40, 24))
+    q, scale = quantize_int8(torch.randn(40, 24))
     packed = torch.ops.zeroqueue.pack_linear(q)
     x = torch.randn(3, 24)
     with pytest.raises(RuntimeError, match="is not pack_linear.s int8 output"):
