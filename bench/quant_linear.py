@@ -8,6 +8,9 @@ anyone), at M = 1, 8, 32 rows, ms per pass, median (min):
   - zeroqueue int8: `zeroqueue.linear_int8` (kernels/linear_int8.cpp), the same int8 weights in the bf16 layout's
     panels, converted to bf16 in registers for one row block and once per call into a cached buffer for more, then
     multiplied as our bf16 is (VDPBF16PS or widened FMAs), the scale applied after the K loop;
+  - zeroqueue int4 g32 / g64: `zeroqueue.linear_int4` (kernels/linear_int4.cpp), symmetric int4 per group of 32 /
+    64 inputs (quant.quantize_int4), two weights a byte in 16-column panels, turned into bf16 pairs in registers
+    (or once per call into a buffer for more than 4 rows), each group's sum scaled into the row's accumulator;
   - torch int8: `aten._weight_int8pack_mm`, symmetric int8 per output channel, bf16 activations and scales;
   - torch int4 g32 / g64: `aten._weight_int4pack_mm_for_cpu`, asymmetric int4 per group of 32 / 64 inputs
     (the hidden size, 576, has no group of 128);
@@ -33,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.kernel_speed import LAYER_SHAPES, LAYERS, BandwidthProbe, loaded_kernels, time_interleaved  # noqa: E402
 from services.inference.device import kernels  # noqa: E402
+from services.inference.device.quant import dequantize_int4, pack_int4, quantize_int4  # noqa: E402
 from services.logs import configure_logging  # noqa: E402
 
 
@@ -65,6 +69,7 @@ class Layers:
         gen = torch.Generator().manual_seed(1)
         self.ops = ops
         self.bf16, self.int8, self.zq_int8, self.int4 = [], [], [], {32: [], 64: []}
+        self.zq_int4: dict[int, list] = {32: [], 64: []}
         self.bytes = {"bf16": 0, "int8": 0, 32: 0, 64: 0}
         for _ in range(num_layers):
             for _, n, k in LAYER_SHAPES:
@@ -79,6 +84,7 @@ class Layers:
                     packed, sz, _ = int4_grouped(w, group)
                     out.append((packed, sz, k))
                     self.bytes[group] += n * k // 2 + 4 * n * (k // group)
+                    self.zq_int4[group].append((*pack_int4(*quantize_int4(w, group), group), n))
 
     def steps(self, xs: dict[int, torch.Tensor]) -> dict[str, object]:
         ops = self.ops
@@ -90,6 +96,13 @@ class Layers:
         def zq_int8() -> None:
             for p, s, n, k in self.zq_int8:
                 ops.linear_int8(xs[k], p, s, None, n)
+
+        def zq_int4(group: int):
+            def run() -> None:
+                for p, s, n in self.zq_int4[group]:
+                    ops.linear_int4(xs[p.shape[1] * 4], p, s, None, n)
+
+            return run
 
         def int8() -> None:
             for q, s, k in self.int8:
@@ -109,6 +122,8 @@ class Layers:
         return {
             "zeroqueue bf16": (bf16, self.bytes["bf16"]),
             "zeroqueue int8": (zq_int8, self.bytes["int8"]),
+            "zeroqueue int4 g32": (zq_int4(32), self.bytes[32]),
+            "zeroqueue int4 g64": (zq_int4(64), self.bytes[64]),
             "torch int8": (int8, self.bytes["int8"]),
             "torch int4 g32": (int4(32), self.bytes[32]),
             "torch int4 g64": (int4(64), self.bytes[64]),
@@ -124,12 +139,16 @@ def kernel_errors(ops: kernels.CpuOps) -> dict[str, float]:
     xf = x.float()
     q, s = int8_per_channel(w)
     packed, sz, dequant4 = int4_grouped(w, 32)
-    wb = w.to(torch.bfloat16)
+    wb, q4 = w.to(torch.bfloat16), quantize_int4(w, 64)
     pairs = {
         "zeroqueue bf16": (ops.linear(x, ops.pack_linear(wb), None, n), xf @ wb.float().T),
         "zeroqueue int8": (
             ops.linear_int8(x, ops.pack_linear(q), s.float(), None, n),
             xf @ (q.float() * s.float()[:, None]).T,
+        ),
+        "zeroqueue int4 g64": (
+            ops.linear_int4(x, *pack_int4(*q4, 64), None, n),
+            xf @ dequantize_int4(*q4, torch.float32, 64).T,
         ),
         "torch int8": (torch.ops.aten._weight_int8pack_mm(x, q, s), xf @ (q.float() * s.float()[:, None]).T),
         "torch int4 g32": (torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, sz), xf @ dequant4.T),

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.inference.device import kernels
-from services.inference.device.quant import quantize_int8
+from services.inference.device.quant import INT4_GROUP, pack_int4, quantize_int4, quantize_int8
 from tests.inference.test_kernels import DTYPES, FEW, num_threads, ops, randn  # noqa: F401 - ops is a fixture
 
 # ---- decode attention over the paged KV cache: [N, KVH, BS, D], a block table a sequence ----
@@ -248,10 +248,10 @@ def test_rope_cache_refuses_a_slot_or_position_outside_its_table(ops):
 # ---- decode_layers: a step's layers in one op over the paged cache ----
 
 
-def random_layers(ops, dtype, layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, int8=False):
+def random_layers(ops, dtype, layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, quant="none"):
     """Per layer 2 norm weights (not ones: a swapped norm would show), 4 packed linears (qkv, o, gate_up, down; int8
-    with their scales if asked) and a qkv bias -> (weights, biases, scales, out_features) as decode_layers takes
-    them."""
+    or int4 with their scales if asked) and a qkv bias -> (weights, biases, scales, out_features) as decode_layers
+    takes them."""
     out_features = [(heads + 2 * kv_heads) * head_dim, hidden, 2 * intermediate, hidden]
     in_features = [hidden, heads * head_dim, hidden, intermediate]
     weights, biases, scales = [], [], []
@@ -260,12 +260,15 @@ def random_layers(ops, dtype, layers=2, hidden=128, heads=4, kv_heads=2, head_di
         linears = [
             0.1 * randn(n, k, dtype=dtype, seed=seed + 2 + j) for j, (n, k) in enumerate(zip(out_features, in_features))
         ]
-        if int8:
+        if quant == "int4":
+            packed = [pack_int4(*quantize_int4(w, INT4_GROUP), INT4_GROUP) for w in linears]
+            linears, layer_scales = [p for p, _ in packed], [scale for _, scale in packed]
+        elif quant == "int8":
             quantized = [quantize_int8(w) for w in linears]
-            linears, layer_scales = [q for q, _ in quantized], [scale for _, scale in quantized]
+            linears, layer_scales = [ops.pack_linear(q) for q, _ in quantized], [scale for _, scale in quantized]
         else:
-            layer_scales = [None] * 4
-        qkv, o, gate_up, down = (ops.pack_linear(w) for w in linears)
+            linears, layer_scales = [ops.pack_linear(w) for w in linears], [None] * 4
+        qkv, o, gate_up, down = linears
         weights += [norms[0], qkv, o, norms[1], gate_up, down]
         biases += [0.1 * randn(out_features[0], dtype=dtype, seed=seed + 9), None, None, None]
         scales += layer_scales
@@ -278,7 +281,9 @@ def layers_one_by_one(ops, x, model, step, k_cache, v_cache, heads, kv_heads, ep
     (weights, biases, scales, n), (cos, sin, positions, slot_mapping, tables, lengths) = model, step
 
     def linear(x, w, b, s, n):
-        return ops.linear(x, w, b, n) if s is None else ops.linear_int8(x, w, s, b, n)
+        if s is None:
+            return ops.linear(x, w, b, n)
+        return ops.linear_int8(x, w, s, b, n) if w.dtype == torch.int8 else ops.linear_int4(x, w, s, b, n)
 
     h, residual = x, None
     for i in range(k_cache.shape[0]):
@@ -292,14 +297,14 @@ def layers_one_by_one(ops, x, model, step, k_cache, v_cache, heads, kv_heads, ep
     return h, residual
 
 
-@pytest.mark.parametrize("int8", [False, True], ids=["dense", "int8"])
+@pytest.mark.parametrize("quant", ["none", "int8", "int4"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_layers_over_a_paged_cache_equals_the_layers_one_by_one(ops, dtype, int8):
+def test_decode_layers_over_a_paged_cache_equals_the_layers_one_by_one(ops, dtype, quant):
     """A prompt step (three sequences' chunks: their rows repeat their tables and are causal), then two decode
     steps with ragged lengths: bit-identical to the kernels called layer by layer, caches included, and to the
     same steps on another paging (blocks of 32, other ids); the NaN the caches start with is never read. With int8
-    linears too (their scales passed beside the biases)."""
-    model, cos, sin = random_layers(ops, dtype, int8=int8), *rope_tables(64, 32, dtype)
+    and int4 linears too (their scales passed beside the biases)."""
+    model, cos, sin = random_layers(ops, dtype, quant=quant), *rope_tables(64, 32, dtype)
     prompt_lens = torch.tensor([40, 7, 19])
     steps = [(torch.arange(3).repeat_interleave(prompt_lens), torch.cat([torch.arange(n) for n in prompt_lens]))]
     steps += [(torch.arange(3), prompt_lens + k) for k in (0, 1)]  # (each row's sequence, its position)

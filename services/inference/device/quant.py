@@ -29,16 +29,61 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     return (q.float() * scale.float()[:, None]).to(dtype)
 
 
-def fake_quantize_linears(*modules: nn.Module) -> int:
+# ---- int4: symmetric per group of INT4_GROUP inputs, 16 levels (-8..7), as llama.cpp's Q4_0 ----
+INT4_GROUP = 64  # inputs per scale: chosen by NLL on the bundled model (BENCHMARKS.md, "int4 weights")
+
+
+def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q int8 [N, K] in -8..7, scale fp32 [N, ceil(K / group)]) with w ≈ q * scale per group of `group`
+    inputs. A group's weight of largest magnitude m maps to -8 exactly (scale m / -8, negative where m is), the others
+    round to nearest in fp32 and clamp at 7: all 16 levels used, no zero point. A group of zeros gets scale 1."""
+    if group < 4 or group % 4:
+        raise ValueError(f"int4 groups must hold a multiple of 4 inputs (a kernel step), not {group}")
+    n, k = w.shape
+    groups = -(-k // group)
+    wf = nn.functional.pad(w.detach().float(), (0, groups * group - k)).reshape(n, groups, group)
+    m = wf.gather(-1, wf.abs().argmax(-1, keepdim=True)).squeeze(-1)  # [N, G]
+    scale = torch.where(m != 0, m / -8, torch.ones_like(m))
+    q = torch.clamp(torch.round(wf / scale[..., None]), -8, 7).to(torch.int8)
+    return q.reshape(n, -1)[:, :k].contiguous(), scale
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, group: int = INT4_GROUP) -> torch.Tensor:
+    """q int8 [N, K], scale [N, G] of groups of `group` inputs -> q * scale per group in `dtype` (computed in fp32,
+    rounded once)."""
+    n, k = q.shape
+    groups = scale.shape[1]
+    g = nn.functional.pad(q.float(), (0, groups * group - k)).reshape(n, groups, group)
+    return (g * scale.float()[..., None]).reshape(n, -1)[:, :k].to(dtype)
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, group: int, lanes: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_int4's (q [N, K], scale [N, G]) -> the layout zeroqueue::linear_int4 reads: packed uint8
+    [NP, G * group / 4, lanes, 2] (step t, column j: the bytes w[4t] | w[4t+2] << 4 and w[4t+1] | w[4t+3] << 4, each
+    weight + 8) and scales fp32 [NP, G, lanes]; columns past N and inputs past K are zero weights."""
+    n, k = q.shape
+    groups = scale.shape[1]
+    panels = -(-n // lanes)
+    biased = nn.functional.pad(q.to(torch.int16) + 8, (0, groups * group - k, 0, panels * lanes - n), value=8)
+    low = biased[:, 0::4] | (biased[:, 2::4] << 4)  # [NP * lanes, KQ]
+    high = biased[:, 1::4] | (biased[:, 3::4] << 4)
+    quads = torch.stack([low, high], dim=-1).to(torch.uint8)  # [NP * lanes, KQ, 2]
+    packed = quads.reshape(panels, lanes, -1, 2).permute(0, 2, 1, 3).contiguous()
+    scales = nn.functional.pad(scale.float(), (0, 0, 0, panels * lanes - n), value=1.0)
+    return packed, scales.reshape(panels, lanes, groups).permute(0, 2, 1).contiguous()
+
+
+def fake_quantize_linears(*modules: nn.Module, bits: int = 8) -> int:
     """The plain-torch fallback of --quantize int8 (no CPU kernels: another ISA, fp16, a GPU): every nn.Linear in
     `modules` (the decoder layers, the LM head) gets a new weight, its own quantized and dequantized, so the replica
     computes with the int8 model's values (not its speed or memory). New tensors, not in place: the model's weights
     are the checkpoint's own (loaded with assign=True), which another executor may be built from, and a tied LM
     head's is the embedding's. Returns how many weights."""
     linears = [m for module in modules for m in module.modules() if isinstance(m, nn.Linear)]
+    quantize, dequantize = (quantize_int8, dequantize_int8) if bits == 8 else (quantize_int4, dequantize_int4)
     for linear in linears:
-        q, scale = quantize_int8(linear.weight)
-        linear.weight = nn.Parameter(dequantize_int8(q, scale, linear.weight.dtype), requires_grad=False)
+        q, scale = quantize(linear.weight)
+        linear.weight = nn.Parameter(dequantize(q, scale, linear.weight.dtype), requires_grad=False)
     return len(linears)
 
 

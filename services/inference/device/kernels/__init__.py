@@ -27,6 +27,7 @@ SOURCES = tuple(
         "cpu_ops.cpp",
         "linear.cpp",
         "linear_int8.cpp",
+        "linear_int4.cpp",
         "attention.cpp",
         "elementwise.cpp",
         "rope.cpp",
@@ -175,6 +176,13 @@ class CpuOps:
         """x [M, K] @ (q * scales[:, None]).T + bias -> [M, n] in x's dtype, for int8 weights q packed by pack_linear
         with one fp32 scale per output channel; accumulated in fp32, bf16 x as bf16_path says."""
         return torch.ops.zeroqueue.linear_int8.default(x, packed, scales, bias, n, self.bf16_path)
+
+    def linear_int4(
+        self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, n: int
+    ) -> torch.Tensor:
+        """x [M, K] @ dequantize_int4(q, scales).T + bias -> [M, n] in x's dtype, for int4 weights and their group
+        scales as quant.pack_int4 lays them out; accumulated in fp32, bf16 x as bf16_path says."""
+        return torch.ops.zeroqueue.linear_int4.default(x, packed, scales, bias, n, self.bf16_path)
 
     def decode_attention(
         self,

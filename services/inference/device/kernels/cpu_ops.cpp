@@ -14,6 +14,10 @@ TORCH_LIBRARY(zeroqueue, m) {
   // int8 weights (pack_linear of an int8 [N, K]), one fp32 scale per output channel: (x [M, K] . q^T) * scales [n]
   // + bias -> [M, n] in x's dtype, fp32 accumulation; bf16 x multiplies as bf16_path says (linear_int8.cpp).
   m.def("linear_int8(Tensor x, Tensor packed, Tensor scales, Tensor? bias, int n, int bf16_path=0) -> Tensor");
+  // int4 weights, symmetric per group of G inputs (quant.pack_int4: packed uint8 [NP, KQ, 16, 2], two weights a
+  // byte, four inputs a step; scales fp32 [NP, KQ * 4 / G, 16]): sum over groups of (x . q_g^T) * scales_g + bias -> [M, n] in x's dtype
+  // (linear_int4.cpp).
+  m.def("linear_int4(Tensor x, Tensor packed, Tensor scales, Tensor? bias, int n, int bf16_path=0) -> Tensor");
   // bf16_dot_rate() -> float and amx_request() -> bool: defined in linear.cpp (no tensor to dispatch on).
   // The KV cache is paged: one layer's caches are [N, KVH, BS, D] (N blocks of BS rows), and position p of a
   // sequence is row p % BS of block table[p / BS] of its block table.
@@ -39,7 +43,7 @@ TORCH_LIBRARY(zeroqueue, m) {
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor words) -> Tensor");
   // Every decoder layer of a step (layer.cpp): x [T, hidden], 6 weights a layer (input norm, qkv, o,
   // post-attention norm, gate_up, down; linears packed), 4 optional biases a layer and 4 optional scales (those
-  // of int8 linears, fp32 [out]), out_features of the
+  // of int8 linears, fp32 [out]; of int4 linears, pack_int4's), out_features of the
   // 4 linears, caches [layers, N, KVH, BS, D], positions/slot_mapping int64 [T], block_tables int64 [T, M]
   // (a row per token row: a prompt chunk's rows repeat their sequence's table), lengths = positions + 1
   // -> (the last layer's MLP output, the residual stream before it), each [T, hidden].

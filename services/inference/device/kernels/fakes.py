@@ -28,6 +28,10 @@ def register_fakes(lanes: int) -> None:
     def _linear_int8(x, packed, scales, bias, n: int, bf16_path: int = 0) -> torch.Tensor:
         return x.new_empty((x.shape[0], n))
 
+    @torch.library.register_fake("zeroqueue::linear_int4")
+    def _linear_int4(x, packed, scales, bias, n: int, bf16_path: int = 0) -> torch.Tensor:
+        return x.new_empty((x.shape[0], n))
+
     @torch.library.register_fake("zeroqueue::rms_norm")
     def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return torch.empty_like(x)

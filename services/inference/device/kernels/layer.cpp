@@ -18,14 +18,16 @@ namespace {
 // weights per layer: input norm, qkv, o, post-attention norm, gate_up, down (linears packed by pack_linear)
 constexpr int64_t kWeightsPerLayer = 6;
 constexpr int64_t kBiasesPerLayer = 4;  // qkv, o, gate_up, down: each optional
-constexpr int64_t kScalesPerLayer = 4;  // qkv, o, gate_up, down: per-channel scales of int8 weights, else none
+constexpr int64_t kScalesPerLayer = 4;  // qkv, o, gate_up, down: scales of int8 / int4 weights, else none
 
-// one linear: int8 weights take their scales (linear_int8.cpp), bf16 / fp32 ones none (linear.cpp)
+// one linear: int8 and int4 (uint8 nibbles) weights take their scales (linear_int8.cpp, linear_int4.cpp), bf16 /
+// fp32 ones none (linear.cpp)
 at::Tensor dense(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scales,
                  const std::optional<at::Tensor>& bias, int64_t n, int64_t bf16_path) {
-  if (w.scalar_type() != at::kChar) return linear(x, w, bias, n, bf16_path);
-  TORCH_CHECK(scales.has_value(), "decode_layers: an int8 weight needs its scales");
-  return linear_int8(x, w, *scales, bias, n, bf16_path);
+  const bool int8 = w.scalar_type() == at::kChar, int4 = w.scalar_type() == at::kByte;
+  if (!int8 && !int4) return linear(x, w, bias, n, bf16_path);
+  TORCH_CHECK(scales.has_value(), "decode_layers: a quantized weight needs its scales");
+  return int8 ? linear_int8(x, w, *scales, bias, n, bf16_path) : linear_int4(x, w, *scales, bias, n, bf16_path);
 }
 
 struct LayerArgs {

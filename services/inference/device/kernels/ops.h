@@ -17,6 +17,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
 // int8 weights packed by pack_linear, one fp32 scale per output channel [n] (linear_int8.cpp)
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias, int64_t n, int64_t bf16_path);
+// int4 weights packed by quant.pack_int4 (uint8 [NP, KQ, 16, 2]), fp32 scales per column and group [NP, groups, 16]
+// (linear_int4.cpp)
+at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias, int64_t n, int64_t bf16_path);
 // Paged KV cache: one layer's k_cache/v_cache are [N, KVH, BS, D] (N blocks of BS rows; decode_attention needs
 // BS a multiple of 16); position p of a sequence whose block table is `table` is row p % BS of block
 // table[p / BS]. A slot_mapping entry s names row s % BS of block s / BS.

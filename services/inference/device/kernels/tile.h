@@ -29,10 +29,16 @@ namespace tile {
 constexpr int kMaxRows = 8;
 constexpr int kMaxPanels = 3;
 constexpr int kRowsPanels = kMaxPanels;  // panels per tile when M > 1
+// Grouped scales (int4) keep a second set of accumulators, the group's running sums: AVX-512 4 rows x 3 panels
+// (24 zmm of sums, 3 weights, a broadcast); AVX2 2 x 1.
+constexpr int kGroupRows = 4;
+constexpr int kGroupPanels = 3;
 #else
 constexpr int kMaxRows = 2;
 constexpr int kMaxPanels = 3;
 constexpr int kRowsPanels = 2;  // panels per tile when M > 1
+constexpr int kGroupRows = 2;
+constexpr int kGroupPanels = 1;
 #endif
 constexpr int64_t kPrefetchBytes = 1024;  // how far ahead of its loads each panel's stream is prefetched
 
@@ -112,11 +118,36 @@ struct Tile {
   int64_t ldx, steps;
   const T* w;            // first panel of this tile
   int64_t panel_stride;  // elements between consecutive panels
-  const float* scale;    // [N] at column n0: one factor per output column after the K loop; nullptr when none
+  // one factor per output column after the K loop ([N] at column n0), or per column and group of group_steps
+  // steps ([panels][groups][16] at panel n0 / 16, run_group_tile); nullptr when none
+  const float* scale;
   const Y* bias;         // [N] at column n0; nullptr when none
   Y* y;                  // [rows][ldy] at column n0
   int64_t ldy, n_left;   // n_left: valid output columns from n0 on
+  int64_t groups = 1, group_steps = 0;  // grouped scales: groups per panel, steps per group
 };
+
+// y = acc (* scale, one factor per column) + bias, for MR rows x NR panels
+template <class Kn, class Y, int MR, int NR>
+void store_tile(const vf (&acc)[MR][NR], const Tile<Kn, Y>& t, const float* scale) {
+  for (int j = 0; j < NR; ++j) {
+    const mask16 m = first_n(t.n_left - j * kLanes);
+    const vf b = t.bias ? load16(t.bias + j * kLanes, m) : vzero();
+    if (scale) {
+      const vf s = load16(scale + j * kLanes, m);
+      for (int i = 0; i < MR; ++i) store16(t.y + i * t.ldy + j * kLanes, vfmadd(acc[i][j], s, b), m);
+    } else {
+      for (int i = 0; i < MR; ++i) store16(t.y + i * t.ldy + j * kLanes, vadd(acc[i][j], b), m);
+    }
+  }
+}
+
+template <class Kn, class Y, int NR>
+inline void prefetch_step(const Tile<Kn, Y>& t, int64_t s) {
+  constexpr int64_t kAhead = kPrefetchBytes / 64 * Kn::kStepElems;
+  for (int j = 0; j < NR; ++j)
+    _mm_prefetch(reinterpret_cast<const char*>(t.w + s * Kn::kStepElems + j * t.panel_stride + kAhead), _MM_HINT_T0);
+}
 
 // MR rows x NR panels of accumulators live in registers for the whole K loop; each weight row is loaded
 // once per step and reused by all MR rows; x is broadcast straight from memory.
@@ -125,55 +156,77 @@ void run_tile(const Tile<Kn, Y>& t) {
   vf acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = vzero();
-  constexpr int64_t kAhead = kPrefetchBytes / 64 * Kn::kStepElems;
   for (int64_t s = 0; s < t.steps; ++s) {
-    const typename Kn::T* ws = t.w + s * Kn::kStepElems;
-    for (int j = 0; j < NR; ++j)
-      _mm_prefetch(reinterpret_cast<const char*>(ws + j * t.panel_stride + kAhead), _MM_HINT_T0);
-    Kn::template step<MR, NR>(acc, t.x, t.ldx, s, ws, t.panel_stride);
+    prefetch_step<Kn, Y, NR>(t, s);
+    Kn::template step<MR, NR>(acc, t.x, t.ldx, s, t.w + s * Kn::kStepElems, t.panel_stride);
   }
-  for (int j = 0; j < NR; ++j) {
-    const mask16 m = first_n(t.n_left - j * kLanes);
-    const vf b = t.bias ? load16(t.bias + j * kLanes, m) : vzero();
-    if (t.scale) {
-      const vf s = load16(t.scale + j * kLanes, m);
-      for (int i = 0; i < MR; ++i) store16(t.y + i * t.ldy + j * kLanes, vfmadd(acc[i][j], s, b), m);
-    } else {
-      for (int i = 0; i < MR; ++i) store16(t.y + i * t.ldy + j * kLanes, vadd(acc[i][j], b), m);
+  store_tile(acc, t, t.scale);
+}
+
+// Grouped scales: each group's products are summed apart from zero, then added to the row's accumulator times the
+// group's factor per column, in ascending k as run_tile (so a row's result is still the same in any batch).
+template <class Kn, class Y, int MR, int NR>
+void run_group_tile(const Tile<Kn, Y>& t) {
+  vf acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = vzero();
+  for (int64_t g = 0; g < t.groups; ++g) {
+    vf part[MR][NR];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) part[i][j] = vzero();
+    const int64_t end = std::min(t.steps, (g + 1) * t.group_steps);
+    for (int64_t s = g * t.group_steps; s < end; ++s) {
+      prefetch_step<Kn, Y, NR>(t, s);
+      Kn::template step<MR, NR>(part, t.x, t.ldx, s, t.w + s * Kn::kStepElems, t.panel_stride);
+    }
+    for (int j = 0; j < NR; ++j) {
+      const vf f = load16(t.scale + (j * t.groups + g) * kLanes);
+      for (int i = 0; i < MR; ++i) acc[i][j] = vfmadd(part[i][j], f, acc[i][j]);
     }
   }
+  store_tile(acc, t, nullptr);
 }
 
 template <class Kn, class Y>
 using TileFn = void (*)(const Tile<Kn, Y>&);
 
-// table[nr-1][mr-1] -> run_tile<Kn, Y, mr, nr>, so every tail shape has a register-blocked kernel too.
-template <class Kn, class Y, int NR, int... Ms>
-constexpr std::array<TileFn<Kn, Y>, sizeof...(Ms)> rows_for(std::integer_sequence<int, Ms...>) {
-  return {&run_tile<Kn, Y, Ms + 1, NR>...};
+template <class Kn, class Y, bool Grouped, int MR, int NR>
+constexpr TileFn<Kn, Y> tile_fn() {
+  if constexpr (Grouped) return &run_group_tile<Kn, Y, MR, NR>;
+  else return &run_tile<Kn, Y, MR, NR>;
 }
-template <class Kn, class Y, int... Ns>
+
+// table[nr-1][mr-1] -> the tile of mr rows x nr panels, so every tail shape has a register-blocked kernel too.
+template <class Kn, class Y, bool Grouped, int NR, int... Ms>
+constexpr std::array<TileFn<Kn, Y>, sizeof...(Ms)> rows_for(std::integer_sequence<int, Ms...>) {
+  return {tile_fn<Kn, Y, Grouped, Ms + 1, NR>()...};
+}
+template <class Kn, class Y, bool Grouped, int Rows, int... Ns>
 constexpr auto make_table(std::integer_sequence<int, Ns...>) {
-  return std::array<std::array<TileFn<Kn, Y>, kMaxRows>, kMaxPanels>{
-      rows_for<Kn, Y, Ns + 1>(std::make_integer_sequence<int, kMaxRows>{})...};
+  return std::array<std::array<TileFn<Kn, Y>, Rows>, sizeof...(Ns)>{
+      rows_for<Kn, Y, Grouped, Ns + 1>(std::make_integer_sequence<int, Rows>{})...};
 }
 
 // Every tile of y [m, n] = x . w^T (* scale) + bias. Threads split the np panels, so each streams its own
 // contiguous part of the weights once; `panels(p, nr)` gives a group of nr panels from panel p as (first panel,
-// elements between panels), and every row block runs while that group is still in L1/L2.
-template <class Kn, class Y, class Panels>
+// elements between panels), and every row block runs while that group is still in L1/L2. Grouped: scales grouped
+// along K (run_group_tile), `groups` of group_steps steps each; else one factor per column, or none.
+template <class Kn, class Y, bool Grouped = false, class Panels>
 void run_tiles(const typename Kn::X* x, int64_t m, int64_t ldx, int64_t steps, int64_t np, const Panels& panels,
-               const float* scale, const Y* bias, Y* y, int64_t n) {
-  static constexpr auto table = make_table<Kn, Y>(std::make_integer_sequence<int, kMaxPanels>{});
+               const float* scale, const Y* bias, Y* y, int64_t n, int64_t groups = 1, int64_t group_steps = 0) {
+  constexpr int kRows = Grouped ? kGroupRows : kMaxRows;
+  static constexpr auto table =
+      make_table<Kn, Y, Grouped, kRows>(std::make_integer_sequence<int, Grouped ? kGroupPanels : kMaxPanels>{});
+  const int64_t group = Grouped ? kGroupPanels : m == 1 ? kMaxPanels : kRowsPanels;
   at::parallel_for(0, np, 1, [&](int64_t p0, int64_t p1) {
-    const int64_t group = m == 1 ? kMaxPanels : kRowsPanels;
     for (int64_t p = p0; p < p1; p += group) {
       const int64_t nr = std::min<int64_t>(group, p1 - p);
       const auto [w, panel_stride] = panels(p, nr);
-      for (int64_t r = 0; r < m; r += kMaxRows) {
-        const int64_t mr = std::min<int64_t>(kMaxRows, m - r);
-        const Tile<Kn, Y> t{x + r * ldx, ldx, steps, w, panel_stride, scale ? scale + p * kLanes : nullptr,
-                            bias ? bias + p * kLanes : nullptr, y + r * n + p * kLanes, n, n - p * kLanes};
+      for (int64_t r = 0; r < m; r += kRows) {
+        const int64_t mr = std::min<int64_t>(kRows, m - r);
+        const Tile<Kn, Y> t{x + r * ldx, ldx, steps, w, panel_stride, scale ? scale + p * kLanes * groups : nullptr,
+                            bias ? bias + p * kLanes : nullptr, y + r * n + p * kLanes, n, n - p * kLanes,
+                            groups, group_steps};
         table[nr - 1][mr - 1](t);
       }
     }
