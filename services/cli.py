@@ -104,8 +104,10 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         "--quantize",
         default="none",
         choices=QUANTIZE_CHOICES,
-        help="the decoder layers' linear weights: int8 quantizes them at load time (symmetric, per output channel; "
-        "activations stay in --dtype); the embedding and LM head keep --dtype. Faster decode on the CPU kernels",
+        help="the linear weights, quantized at load time, activations staying in --dtype: int8 (symmetric, per "
+        "output channel) for the decoder layers and the LM head; int4 (symmetric, per group of 64 inputs) for the "
+        "decoder layers, the LM head int8; fp8 (E4M3, CUDA 8.9+) for the decoder layers. The embedding keeps "
+        "--dtype. Faster decode on the CPU kernels",
     )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: all cores but one)")

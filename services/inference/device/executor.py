@@ -158,8 +158,8 @@ class Executor:
         return model.to(self.device).eval().requires_grad_(False)
 
     def _quantize_plain(self, checkpoint: Checkpoint) -> None:
-        """--quantize without the CPU kernels: fp8 on a CUDA device that has it; int8 as its values (correct, not
-        faster: quant.py)."""
+        """--quantize without the CPU kernels: fp8 on a CUDA device that has it; int8 and int4 as their values
+        (correct, not faster: quant.py)."""
         if self.quantize == "fp8":
             if self.device.type != "cuda" or torch.cuda.get_device_capability(self.device) < (8, 9):
                 raise ValueError("quantize fp8 needs a CUDA device of compute capability 8.9 or above (Ada, Hopper)")
@@ -170,6 +170,10 @@ class Executor:
             log.warning("int8_without_kernels", why=f"no CPU kernels here: int8 values computed in {checkpoint.dtype}")
             # a pre-quantized checkpoint's layers hold their int8 values already; its LM head is quantized here
             fake_quantize_linears(*(() if checkpoint.int8 else (self.model.layers,)), self.model.lm_head)
+        elif self.quantize == "int4":
+            log.warning("int4_without_kernels", why=f"no CPU kernels here: int4 values computed in {checkpoint.dtype}")
+            fake_quantize_linears(self.model.layers, bits=4)
+            fake_quantize_linears(self.model.lm_head)  # int8, as on the kernels (packed.pack_model)
 
     def _cpu_ops(self) -> kernels.CpuOps | None:
         if not self.config.use_kernels:

@@ -10,7 +10,7 @@ from torch import nn
 from .attention import AttentionBackend, AttentionMetadata
 from .kernels import CpuOps
 from .model import Attention, DecoderStack, RMSNorm, RotaryEmbedding, SiluAndMul
-from .quant import quantize_int8
+from .quant import INT4_GROUP, pack_int4, quantize_int4, quantize_int8
 
 
 class PackedLinear(nn.Module):
@@ -44,6 +44,26 @@ class Int8Linear(nn.Module):
         # x [M, in_features] -> [M, out_features]
         shape = x.shape
         y = self.ops.linear_int8(x.reshape(-1, shape[-1]), self.packed, self.scales, self.bias, self.out_features)
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+class Int4Linear(nn.Module):
+    """A linear layer with int4 weights (quant.py's symmetric scheme, one scale per group of INT4_GROUP inputs),
+    quantized from `linear`'s weight and packed as zeroqueue::linear_int4 reads them; x and y keep their dtype."""
+
+    def __init__(self, linear: nn.Linear, ops: CpuOps) -> None:
+        super().__init__()
+        self.ops = ops
+        self.out_features = linear.out_features
+        packed, scales = pack_int4(*quantize_int4(linear.weight, INT4_GROUP), INT4_GROUP)
+        self.register_buffer("packed", packed, persistent=False)  # uint8 [NP, KQ, 16, 2]
+        self.register_buffer("scales", scales, persistent=False)  # fp32 [NP, groups, 16]
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [M, in_features] -> [M, out_features]
+        shape = x.shape
+        y = self.ops.linear_int4(x.reshape(-1, shape[-1]), self.packed, self.scales, self.bias, self.out_features)
         return y.reshape(*shape[:-1], self.out_features)
 
 
@@ -126,7 +146,7 @@ class KernelDecoderStack(DecoderStack):
             )
         ]
         self.biases = [lin.bias for four in linears for lin in four]
-        self.scales = [getattr(lin, "scales", None) for four in linears for lin in four]  # None: not int8
+        self.scales = [getattr(lin, "scales", None) for four in linears for lin in four]  # None: not quantized
 
     def forward(
         self,
@@ -167,13 +187,17 @@ def pack_model(model: nn.Module, ops: CpuOps, quantize: str = "none", stored: di
     many (attention first, so that its linear layers are then packed in place; the stack of layers last, as it
     gathers their packed weights). quantize "int8": the decoder layers' linears get int8 weights, `stored`'s where it
     has them by parameter name (a pre-quantized checkpoint's), else quantized here (quant.py), and so does the LM
-    head (quantized here: the pre-quantized format leaves it out)."""
+    head (quantized here: the pre-quantized format leaves it out). "int4": the decoder layers' linears get int4
+    weights, the LM head int8 (BENCHMARKS.md, "int4 weights": int4 there cost more NLL than it saved time)."""
     names = {id(m): name for name, m in model.named_modules()}  # before the swaps move them
     stored = stored or {}
     swaps = {Attention: lambda m: KernelAttention(m, model.rotary, ops)}
     count = _swap(model, swaps)
-    if quantize == "int8":
+    if quantize == "int4":
+        count += _swap(model.layers, {nn.Linear: lambda m: Int4Linear(m, ops)})
+    elif quantize == "int8":
         count += _swap(model.layers, {nn.Linear: lambda m: Int8Linear(m, ops, stored.get(f"{names[id(m)]}.weight"))})
+    if quantize in ("int8", "int4"):
         # the LM head too: at batch 1 it is a fifth of the bytes a step reads (SmolLM2-135M), and int8 left the
         # bundled model's NLL unchanged (BENCHMARKS.md); a tied embedding keeps its own weight for the lookup
         model.lm_head = Int8Linear(model.lm_head, ops)

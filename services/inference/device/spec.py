@@ -6,9 +6,9 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-# --quantize: how the decoder layers' linear weights are held (quant.py): int8 on the CPU kernels (elsewhere its values
-# in plain torch), fp8 (E4M3) on CUDA devices of compute capability 8.9+
-QUANTIZE_CHOICES = ("none", "int8", "fp8")
+# --quantize: how the linear weights are held (quant.py): int8 and int4 on the CPU kernels (elsewhere their values in
+# plain torch), fp8 (E4M3) on CUDA devices of compute capability 8.9+
+QUANTIZE_CHOICES = ("none", "int8", "int4", "fp8")
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class ExecutorConfig:
     kv_block_size: int = 16
     num_threads: int = 0  # CPU threads; 0: all cores this process may use but one
     use_kernels: bool = True  # CPU: packed-weight kernels when the CPU supports them
-    # the decoder layers' linear weights: "none" (the checkpoint's dtype) or "int8" (quant.py; --quantize)
+    # the linear weights: "none" (the checkpoint's dtype), "int8", "int4" or "fp8" (quant.py; --quantize)
     quantize: str = "none"
     use_cuda_graphs: bool = True
 
