@@ -1,8 +1,8 @@
 """A replica with int4 weights (--quantize int4, issue 34): the decoder layers' linears are int4 on the kernels path
 (zeroqueue::decode_layers with their group scales), the LM head int8, the embedding the checkpoint's dtype; the
 logits equal the plain-torch fallback's (the same quantized values) within rounding and stay within a stated
-tolerance of the unquantized model; a call's tokens do not depend on its batch neighbours; a gRPC replica serves and
-bills it and ListModels says int4.
+tolerance of the unquantized model; a gRPC replica serves and bills it and ListModels says int4. That a call's
+tokens do not depend on its batch neighbours is tested with int8's (test_int8_weights.py).
 
 The checkpoints have head_dim 32, so decode steps run through decode_layers (test_decode_layers.py's)."""
 
@@ -59,25 +59,6 @@ def test_int4_logits_equal_the_fallback_and_stay_near_the_unquantized_model(wide
     assert (int4 - plain).abs().max() / scale < (1e-5 if dtype == "float32" else 5e-2)
     off4, off8 = (int4 - full).abs().max() / scale, (int8 - full).abs().max() / scale
     assert off8 < off4 < PARITY_TOLERANCE  # quantized more coarsely than int8, and not far off
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_an_int4_call_decodes_the_same_alone_and_among_calls(wide_heads_dir, dtype):  # noqa: F811
-    """Steps that mix its decodes with other calls' prompt chunks and decodes (more rows than one of the kernel's row
-    blocks) give a call the tokens it gets alone, greedy and seeded."""
-
-    def tokens_of_the_call(sampling: dict, num_neighbours: int) -> list[int]:
-        engine = make_engine(wide_heads_dir, dtype=dtype, max_batch=16, max_num_batched_tokens=40, quantize="int4")
-        sink = Collector()
-        engine.add_request(request("t", PROMPTS[1], max_tokens=16, ignore_eos=True, **sampling), sink)
-        for i in range(num_neighbours):
-            engine.step()
-            engine.add_request(request(f"n{i}", [50 + i, 51, 52 + i], max_tokens=12, ignore_eos=True), Collector())
-        run_to_completion(engine)
-        return sink.tokens("t")
-
-    for name, sampling in (("greedy", {}), ("seeded", dict(temperature=0.9, seed=7))):
-        assert tokens_of_the_call(sampling, 11) == tokens_of_the_call(sampling, 0), name
 
 
 def test_an_int4_replica_serves_bills_and_says_so(wide_heads_dir):  # noqa: F811

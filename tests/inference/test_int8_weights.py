@@ -71,13 +71,15 @@ def test_int8_logits_equal_the_fallback_and_stay_near_the_unquantized_model(wide
     assert 0 < (int8 - full).abs().max() / scale < PARITY_TOLERANCE  # quantized, and not far off
 
 
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_an_int8_call_decodes_the_same_alone_and_among_calls(wide_heads_dir, dtype):  # noqa: F811
-    """Steps that mix its decodes with other calls' prompt chunks and decodes (batches above one row block, which
-    take the kernel's buffered path) give a call the tokens it gets alone, greedy and seeded."""
+def test_a_quantized_call_decodes_the_same_alone_and_among_calls(wide_heads_dir, dtype, quantize):  # noqa: F811
+    """Steps that mix its decodes with other calls' prompt chunks and decodes (batches above one row block: int8's
+    kernel then takes its buffered path, int4's runs several row blocks) give a call the tokens it gets alone, greedy
+    and seeded; int4 too (test_int4_weights.py has its other tests)."""
 
     def tokens_of_the_call(sampling: dict, num_neighbours: int) -> list[int]:
-        engine = make_engine(wide_heads_dir, dtype=dtype, max_batch=16, max_num_batched_tokens=40, quantize="int8")
+        engine = make_engine(wide_heads_dir, dtype=dtype, max_batch=16, max_num_batched_tokens=40, quantize=quantize)
         sink = Collector()
         engine.add_request(request("t", PROMPTS[1], max_tokens=16, ignore_eos=True, **sampling), sink)
         for i in range(num_neighbours):  # a neighbour joins every step until there are more than 8 rows

@@ -6,19 +6,14 @@ here; every other build this CPU runs is checked in a child process that loads i
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from services.inference.device import kernels
 from services.inference.device.quant import INT4_GROUP, dequantize_int4, pack_int4, quantize_int4
+from tests.inference.builds import check_in_build
 from tests.inference.test_kernels import ops  # noqa: F401 - the fixture: the loaded build, or why not
 
-ROOT = Path(__file__).resolve().parents[2]
 # (N, K, group): the SmolLM2-135M shape's qkv, o, gate_up, down; the bundled model's kind; ragged ones
 SHAPES = (
     (960, 576, 64),
@@ -85,22 +80,8 @@ def test_int4_linear_refuses_what_it_was_not_packed_for(ops):  # noqa: F811
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
 def test_int4_linear_on_every_build_this_cpu_runs(ops, isa):  # noqa: F811
-    if isa == ops.isa:
-        pytest.skip(f"{isa} is the build this process loaded: the tests above ran it")
-    if isa not in {runnable.name for runnable in kernels.runnable_isas()[0]}:
-        pytest.skip(f"this CPU does not run the {isa} build")
-    env = {**os.environ, kernels.ISA_ENV: isa, "PYTHONPATH": str(ROOT)}
-    code = "from tests.inference.test_kernel_int4 import check_int4, loaded_isa as l; i = l(); print(i, check_int4(i))"
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    paths = len(kernels.isa_named(isa).bf16_paths)
-    assert done.stdout.split() == [isa, str(len(SHAPES) * 2 * len(ROWS) * (1 + paths))]
-
-
-def loaded_isa() -> str:
-    loaded = kernels.load_cpu_ops()
-    assert loaded is not None, kernels.reason_unavailable()
-    return loaded.isa
+    checked = check_in_build(isa, ops.isa, "tests.inference.test_kernel_int4", "check_int4")
+    assert checked == len(SHAPES) * 2 * len(ROWS) * (1 + len(kernels.isa_named(isa).bf16_paths))
 
 
 def test_quantize_int4_uses_sixteen_levels_per_group_and_round_trips():

@@ -1,0 +1,38 @@
+"""Run a kernel check in a child process that loads another build of the kernels (ZQ_KERNELS_ISA), so the AVX2
+build is tested on an AVX-512 host too: the kernels' build is chosen once a process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.inference.device import kernels
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def check_in_build(isa: str, loaded: str, module: str, check: str) -> int:
+    """`module`.`check`(isa) (returning how many cases it checked) in a child that loads the build `isa`; skips
+    where that is the build this process `loaded` (its own tests ran it) or one this CPU cannot run."""
+    if isa == loaded:
+        pytest.skip(f"{isa} is the build this process loaded: the tests above ran it")
+    if isa not in {runnable.name for runnable in kernels.runnable_isas()[0]}:
+        pytest.skip(f"this CPU does not run the {isa} build")
+    env = {**os.environ, kernels.ISA_ENV: isa, "PYTHONPATH": str(ROOT)}
+    code = f"from tests.inference.builds import loaded_isa; from {module} import {check}; i = loaded_isa(); "
+    code += f"print(i, {check}(i))"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    name, count = done.stdout.split()
+    assert name == isa
+    return int(count)
+
+
+def loaded_isa() -> str:
+    loaded = kernels.load_cpu_ops()
+    assert loaded is not None, kernels.reason_unavailable()
+    return loaded.isa
