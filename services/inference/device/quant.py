@@ -1,10 +1,12 @@
-"""Weight-only quantization of the linear weights (issue 34): how a weight becomes int8 (or FP8) and back.
-Symmetric, one scale per output channel: measured against per-group scales on the bundled model's NLL
-(BENCHMARKS.md, "Quantized weights"), and it is the layout the int8 kernel scales after its K loop.
+"""Weight-only quantization of the linear weights (issue 34): how a weight becomes int8, int4 (or FP8) and back.
 
-int8 takes the decoder layers' linears and the LM head (a fifth of a step's bytes on SmolLM2-135M; measured faster at
-batch 1 and 8 and no worse in NLL); the embedding (a lookup: one row a token) and the norms keep the checkpoint's
-dtype, and a tied embedding keeps its own weight. fp8 takes the decoder layers' linears only."""
+int8: symmetric, one scale per output channel (per-group scales bought nothing in the bundled model's NLL:
+BENCHMARKS.md, "Quantized weights"), the layout the int8 kernel scales after its K loop. It takes the decoder
+layers' linears and the LM head (a fifth of a step's bytes on SmolLM2-135M; measured faster at batch 1 and 8 and no
+worse in NLL). int4: symmetric per group of INT4_GROUP inputs (+0.08 % NLL; asymmetric was +0.03 % but needs a zero
+point per group in the kernel), for the decoder layers' linears; the LM head stays int8 (int4 there: +0.29 %). The
+embedding (a lookup: one row a token) and the norms keep the checkpoint's dtype, and a tied embedding keeps its own
+weight. fp8 takes the decoder layers' linears only."""
 
 from __future__ import annotations
 
@@ -74,9 +76,9 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, group: int, lanes: int = 16)
 
 
 def fake_quantize_linears(*modules: nn.Module, bits: int = 8) -> int:
-    """The plain-torch fallback of --quantize int8 (no CPU kernels: another ISA, fp16, a GPU): every nn.Linear in
-    `modules` (the decoder layers, the LM head) gets a new weight, its own quantized and dequantized, so the replica
-    computes with the int8 model's values (not its speed or memory). New tensors, not in place: the model's weights
+    """The plain-torch fallback of --quantize int8 / int4 (no CPU kernels: another ISA, fp16, a GPU): every nn.Linear
+    in `modules` (the decoder layers, the LM head) gets a new weight, its own quantized (`bits` 8 or 4) and
+    dequantized, so the replica computes with the quantized model's values (not its speed or memory). New tensors, not in place: the model's weights
     are the checkpoint's own (loaded with assign=True), which another executor may be built from, and a tied LM
     head's is the embedding's. Returns how many weights."""
     linears = [m for module in modules for m in module.modules() if isinstance(m, nn.Linear)]
