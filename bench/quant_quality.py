@@ -8,10 +8,11 @@
    share of tokens before the first that differs.
 
 Rows, every one through the replica's own executor:
-  - kernels bf16 / kernels int8: what `zeroqueue serve` and `zeroqueue serve --quantize int8` run on this CPU;
+  - kernels bf16 / int8 / int4: what `zeroqueue serve [--quantize int8|int4]` runs on this CPU;
   - plain bf16 / plain int8 per channel: the same on plain torch (quant.py's values, no kernels);
-  - plain int8 per group of G inputs, plain int4 per group of G (asymmetric, 16 levels): candidate schemes, quantized
-    and dequantized in place (bench only), so the shipped scheme is chosen by measurement.
+  - plain int8 per group of G inputs, plain int4 per group of G (asymmetric with a per-group minimum, or symmetric
+    as quant.quantize_int4), the LM head kept or also int4: candidate schemes, quantized and dequantized in place
+    (bench only), so the shipped scheme is chosen by measurement.
 The goal (issue 34): NLL within 1 % of bf16 for int8, within 3 % for int4.
 
     python bench/quant_quality.py [--window 256] [--new-tokens 32]
@@ -35,6 +36,7 @@ from services.inference.bundled_model import default_model  # noqa: E402
 from services.inference.device.attention import AttentionMetadata  # noqa: E402
 from services.inference.device.executor import Executor  # noqa: E402
 from services.inference.device.loader import load_checkpoint  # noqa: E402
+from services.inference.device.quant import dequantize_int4, quantize_int4  # noqa: E402
 from services.inference.device.spec import ExecutorConfig  # noqa: E402
 from services.inference.engine.engine import Engine  # noqa: E402
 from services.inference.sched.request import Request, SamplingParams  # noqa: E402
@@ -54,14 +56,16 @@ def heldout_files(model_dir: Path) -> tuple[list[str], list[str]]:
     return found, missing
 
 
-def fake_quantize_groups(layers: nn.Module, bits: int, group: int) -> None:
-    """Every nn.Linear weight under `layers` quantized per group of `group` inputs and dequantized in place: int8
-    symmetric (-127..127), int4 asymmetric (0..15 with a per-group minimum). New tensors: the model's weights are the
-    checkpoint's, which the next row's executor is built from."""
-    for linear in (m for m in layers.modules() if isinstance(m, nn.Linear)):
+def fake_quantize_groups(modules: list[nn.Module], bits: int, group: int, symmetric: bool) -> None:
+    """Every nn.Linear weight under `modules` quantized per group of `group` inputs and dequantized in place: int8
+    symmetric (-127..127), int4 symmetric (quant.quantize_int4: -8..7) or asymmetric (0..15 with a per-group minimum).
+    New tensors: the model's weights are the checkpoint's, which the next row's executor is built from."""
+    for linear in (m for module in modules for m in module.modules() if isinstance(m, nn.Linear)):
         w = linear.weight.float()
         g = w.reshape(w.shape[0], -1, group)
-        if bits == 8:
+        if bits == 4 and symmetric:
+            deq = dequantize_int4(*quantize_int4(w, group), torch.float32, group)
+        elif bits == 8:
             scale = (g.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-12)
             deq = torch.clamp(torch.round(g / scale), -127, 127) * scale
         else:
@@ -113,15 +117,20 @@ def agreement(tokens: list[list[int]], reference: list[list[int]]) -> tuple[int,
 
 
 def variants(groups: list[int]) -> list[tuple[str, dict, tuple | None]]:
-    """(row name, ExecutorConfig fields, (bits, group) of a bench-only fake quantization or None)."""
+    """(row name, ExecutorConfig fields, (bits, group, symmetric, LM head too) of a bench-only fake quantization or
+    None)."""
     rows = [
         ("kernels bf16", {}, None),
         ("kernels int8 (per channel)", {"quantize": "int8"}, None),
+        ("kernels int4 (g64, head int8)", {"quantize": "int4"}, None),
         ("plain bf16", {"use_kernels": False}, None),
         ("plain int8 per channel", {"use_kernels": False, "quantize": "int8"}, None),
+        ("plain int4 (g64, head int8)", {"use_kernels": False, "quantize": "int4"}, None),
     ]
-    rows += [(f"plain int8 g{g}", {"use_kernels": False}, (8, g)) for g in groups]
-    rows += [(f"plain int4 g{g} asym", {"use_kernels": False}, (4, g)) for g in groups]
+    rows += [(f"plain int8 g{g}", {"use_kernels": False}, (8, g, True, False)) for g in groups]
+    rows += [(f"plain int4 g{g} asym", {"use_kernels": False}, (4, g, False, False)) for g in groups]
+    rows += [(f"plain int4 g{g} sym", {"use_kernels": False}, (4, g, True, False)) for g in groups]
+    rows += [(f"plain int4 g{g} sym, head int4", {"use_kernels": False}, (4, g, True, True)) for g in groups]
     return rows
 
 
@@ -146,7 +155,9 @@ def main() -> None:
         executor = Executor(checkpoint, ExecutorConfig(max_batch=len(prompts), max_seq_len=512, **fields))
         if fake is not None:
             with torch.inference_mode():
-                fake_quantize_groups(executor.model.layers, *fake)
+                bits, group, symmetric, head = fake
+                modules = [executor.model.layers, *([executor.model.lm_head] if head else [])]
+                fake_quantize_groups(modules, bits, group, symmetric)
         engine = Engine(executor, tok, checkpoint.eos_token_ids)
         tokens = greedy(engine, prompts, args.new_tokens)
         path = name.split()[0]
