@@ -78,9 +78,9 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, group: int, lanes: int = 16)
 def fake_quantize_linears(*modules: nn.Module, bits: int = 8) -> int:
     """The plain-torch fallback of --quantize int8 / int4 (no CPU kernels: another ISA, fp16, a GPU): every nn.Linear
     in `modules` (the decoder layers, the LM head) gets a new weight, its own quantized (`bits` 8 or 4) and
-    dequantized, so the replica computes with the quantized model's values (not its speed or memory). New tensors, not in place: the model's weights
-    are the checkpoint's own (loaded with assign=True), which another executor may be built from, and a tied LM
-    head's is the embedding's. Returns how many weights."""
+    dequantized, so the replica computes with the quantized model's values (not its speed or memory). New tensors,
+    not in place: the model's weights are the checkpoint's own (loaded with assign=True), which another executor may
+    be built from, and a tied LM head's is the embedding's. Returns how many weights."""
     linears = [m for module in modules for m in module.modules() if isinstance(m, nn.Linear)]
     quantize, dequantize = (quantize_int8, dequantize_int8) if bits == 8 else (quantize_int4, dequantize_int4)
     for linear in linears:
