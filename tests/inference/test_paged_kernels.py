@@ -338,6 +338,16 @@ def test_ops_have_fake_implementations_for_torch_compile(ops):
     torch.library.opcheck(torch.ops.zeroqueue.pack_linear.default, (w,), test_utils=checks)
     torch.library.opcheck(torch.ops.zeroqueue.linear.default, (x, packed, None, 20), test_utils=checks)
     torch.library.opcheck(torch.ops.zeroqueue.linear.default, (x, packed, None, 20, ops.bf16_path), test_utils=checks)
+    q8, s8 = quantize_int8(w)
+    torch.library.opcheck(
+        torch.ops.zeroqueue.linear_int8.default,
+        (x, ops.pack_linear(q8), s8, None, 20, ops.bf16_path),
+        test_utils=checks,
+    )
+    packed4, s4 = pack_int4(*quantize_int4(w, 4), 4)
+    torch.library.opcheck(
+        torch.ops.zeroqueue.linear_int4.default, (x, packed4, s4, None, 20, ops.bf16_path), test_utils=checks
+    )
     torch.library.opcheck(
         torch.ops.zeroqueue.decode_attention.default,
         (q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0), tables, lengths, 0.5),
