@@ -74,9 +74,9 @@ def test_int8_logits_equal_the_fallback_and_stay_near_the_unquantized_model(wide
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_quantized_call_decodes_the_same_alone_and_among_calls(wide_heads_dir, dtype, quantize):  # noqa: F811
-    """Steps that mix its decodes with other calls' prompt chunks and decodes (batches above one row block: int8's
-    kernel then takes its buffered path, int4's runs several row blocks) give a call the tokens it gets alone, greedy
-    and seeded; int4 too (test_int4_weights.py has its other tests)."""
+    """Steps that mix its decodes with other calls' prompt chunks and decodes (batches of several row blocks) give a
+    call the tokens it gets alone, greedy and seeded; int4 too (test_int4_weights.py has its other tests). The
+    kernels' own tests check a row against batches past int8's buffered threshold."""
 
     def tokens_of_the_call(sampling: dict, num_neighbours: int) -> list[int]:
         engine = make_engine(wide_heads_dir, dtype=dtype, max_batch=16, max_num_batched_tokens=40, quantize=quantize)

@@ -1,10 +1,10 @@
 // zeroqueue::linear_int8: y[M, N] = (x[M, K] . q[N, K]^T) * scale[N] + bias with int8 weights (symmetric, one fp32
 // scale per output channel), packed by pack_linear in the bf16 layout, [NP][KP][16][2], fp32 accumulation.
 //
-// Each thread turns one group of panels at a time into bf16 (exact: |q| <= 127 has 7 significant bits, bf16 8) in a
-// buffer of its own that stays in L2, then runs tile.h's bf16 tiles over it for every row block, the scale applied
-// after the K loop. A weight is converted once a call, not once a row tile, so a batch costs about what the bf16
-// kernel costs from cache, and a single row reads half of bf16's bytes from memory. bf16 x: VDPBF16PS or widened
+// Up to kDirectRows rows, every row block converts each step of the panels to bf16 in registers (exact: |q| <= 127
+// has 7 significant bits, bf16 8). Above, each thread turns one group of panels at a time into bf16 in a buffer of
+// its own that stays in L2, then runs tile.h's bf16 tiles over it for every row block, so a weight is converted once
+// a call, not once a row block. Either way the scale is applied after the K loop. bf16 x: VDPBF16PS or widened
 // FMAs as bf16_path says (AMX hosts take VDPBF16PS: the AMX kernel reads another layout); fp32 x: widened FMAs, the
 // fp32 products exactly. Batch invariant as tile.h: a row meets the same values and instructions whatever M.
 #include <ATen/core/Tensor.h>
@@ -59,8 +59,8 @@ inline void int8_pairs(const int8_t* p, vf& u0, vf& u1) {
 #endif
 }
 
-// The tile kernels that read int8 panels directly, converting each step in registers: what one row block (M <=
-// kMaxRows) runs, where a buffer would only add a store and a load. Each does exactly what its bf16 counterpart
+// The tile kernels that read int8 panels directly, converting each step in registers: what batches of up to
+// kDirectRows run. Each does exactly what its bf16 counterpart
 // does on the converted values (Int8Widen: Bf16Widen's FMAs; Int8Dot: Bf16Dot's VDPBF16PS), so a row's result is the
 // same whether its batch took this path or the buffer's.
 struct Int8Widen {
@@ -115,8 +115,13 @@ void dequantize(const int8_t* w, int64_t panel_stride, int64_t nr, BFloat16* out
   }
 }
 
-// x [m, ldx] as Kn reads it; y and bias of dtype Y. One row block reads the int8 panels through Direct; more
-// convert each group of panels once into a buffer that every row block's Kn then reads.
+// Rows up to which every row block converts the panels in registers; above, a buffer. On the SmolLM2-135M layers
+// (bench/quant_linear.py, Zen 4, 2026-12-06) converting in registers was 1.17x / 1.04x / 0.99x our bf16 at 16 / 32 /
+// 64 rows against the buffer's 0.83x / 0.93x / 0.98x, and 0.90x / 0.94x at 128 / 256 against 0.97x / 0.97x.
+constexpr int64_t kDirectRows = 64;
+
+// x [m, ldx] as Kn reads it; y and bias of dtype Y. Up to kDirectRows rows, every row block reads the int8 panels
+// through Direct; more convert each group of panels once into a buffer that every row block's Kn then reads.
 template <class Kn, class Direct, class Y>
 void run(const typename Kn::X* x, int64_t m, int64_t ldx, const at::Tensor& packed, const at::Tensor& scales,
          const at::Tensor& bias, at::Tensor& y) {
@@ -124,7 +129,7 @@ void run(const typename Kn::X* x, int64_t m, int64_t ldx, const at::Tensor& pack
   const int8_t* wp = packed.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   const Y* bp = bias.defined() ? bias.data_ptr<Y>() : nullptr;
-  if (m <= kMaxRows) {
+  if (m <= kDirectRows) {
     const auto panels = [&](int64_t p, int64_t) { return std::pair{wp + p * panel_stride, panel_stride}; };
     return run_tiles<Direct, Y>(x, m, ldx, steps, np, panels, sp, bp, y.data_ptr<Y>(), y.size(1));
   }
