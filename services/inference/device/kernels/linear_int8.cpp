@@ -117,8 +117,14 @@ void dequantize(const int8_t* w, int64_t panel_stride, int64_t nr, BFloat16* out
 
 // Rows up to which every row block converts the panels in registers; above, a buffer. On the SmolLM2-135M layers
 // (bench/quant_linear.py, Zen 4, 2026-12-06) converting in registers was 1.17x / 1.04x / 0.99x our bf16 at 16 / 32 /
-// 64 rows against the buffer's 0.83x / 0.93x / 0.98x, and 0.90x / 0.94x at 128 / 256 against 0.97x / 0.97x.
+// 64 rows against the buffer's 0.83x / 0.93x / 0.98x, and 0.90x / 0.94x at 128 / 256 against 0.97x / 0.97x. The AVX2
+// build's row block is 2 rows, so converting in each was 0.75x / 0.58x at 8 / 32 rows against the buffer's 0.76x /
+// 0.90x: it keeps the buffer above one row block.
+#ifndef ZQ_AVX2
 constexpr int64_t kDirectRows = 64;
+#else
+constexpr int64_t kDirectRows = kMaxRows;
+#endif
 
 // x [m, ldx] as Kn reads it; y and bias of dtype Y. Up to kDirectRows rows, every row block reads the int8 panels
 // through Direct; more convert each group of panels once into a buffer that every row block's Kn then reads.
