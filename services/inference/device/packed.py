@@ -26,45 +26,40 @@ class PackedLinear(nn.Module):
         return self.ops.linear(x, self.packed, self.bias, self.out_features)
 
 
-class Int8Linear(nn.Module):
-    """A linear layer with int8 weights (quant.py's symmetric per-channel scheme): `stored` (q, scales) as a
-    pre-quantized checkpoint holds them, else quantized from `linear`'s weight; x and y keep their dtype
-    (zeroqueue::linear_int8)."""
+class QuantizedLinear(nn.Module):
+    """A linear layer with quantized weights, packed as `op` (CpuOps.linear_int8 / linear_int4) reads them with their
+    scales; x and y keep their dtype."""
+
+    def __init__(self, linear: nn.Linear, op, packed: torch.Tensor, scales: torch.Tensor) -> None:
+        super().__init__()
+        self.op = op
+        self.out_features = linear.out_features
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [M, in_features] -> [M, out_features]
+        shape = x.shape
+        y = self.op(x.reshape(-1, shape[-1]), self.packed, self.scales, self.bias, self.out_features)
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+class Int8Linear(QuantizedLinear):
+    """int8 weights (quant.py's symmetric per-channel scheme, scales fp32 [out_features]): `stored` (q, scales) as a
+    pre-quantized checkpoint holds them, else quantized from `linear`'s weight (zeroqueue::linear_int8)."""
 
     def __init__(self, linear: nn.Linear, ops: CpuOps, stored: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        super().__init__()
-        self.ops = ops
-        self.out_features = linear.out_features
         q, scales = stored if stored is not None else quantize_int8(linear.weight)
-        self.register_buffer("packed", ops.pack_linear(q), persistent=False)
-        self.register_buffer("scales", scales, persistent=False)  # fp32 [out_features]
-        self.bias = None if linear.bias is None else linear.bias.detach()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x [M, in_features] -> [M, out_features]
-        shape = x.shape
-        y = self.ops.linear_int8(x.reshape(-1, shape[-1]), self.packed, self.scales, self.bias, self.out_features)
-        return y.reshape(*shape[:-1], self.out_features)
+        super().__init__(linear, ops.linear_int8, ops.pack_linear(q), scales)
 
 
-class Int4Linear(nn.Module):
-    """A linear layer with int4 weights (quant.py's symmetric scheme, one scale per group of INT4_GROUP inputs),
-    quantized from `linear`'s weight and packed as zeroqueue::linear_int4 reads them; x and y keep their dtype."""
+class Int4Linear(QuantizedLinear):
+    """int4 weights (quant.py's symmetric scheme, one scale per group of INT4_GROUP inputs), quantized from
+    `linear`'s weight: packed uint8 [NP, KQ, 16, 2], scales fp32 [NP, groups, 16] (zeroqueue::linear_int4)."""
 
     def __init__(self, linear: nn.Linear, ops: CpuOps) -> None:
-        super().__init__()
-        self.ops = ops
-        self.out_features = linear.out_features
-        packed, scales = pack_int4(*quantize_int4(linear.weight, INT4_GROUP), INT4_GROUP)
-        self.register_buffer("packed", packed, persistent=False)  # uint8 [NP, KQ, 16, 2]
-        self.register_buffer("scales", scales, persistent=False)  # fp32 [NP, groups, 16]
-        self.bias = None if linear.bias is None else linear.bias.detach()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x [M, in_features] -> [M, out_features]
-        shape = x.shape
-        y = self.ops.linear_int4(x.reshape(-1, shape[-1]), self.packed, self.scales, self.bias, self.out_features)
-        return y.reshape(*shape[:-1], self.out_features)
+        super().__init__(linear, ops.linear_int4, *pack_int4(*quantize_int4(linear.weight, INT4_GROUP), INT4_GROUP))
 
 
 class KernelRMSNorm(nn.Module):
