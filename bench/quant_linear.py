@@ -8,6 +8,8 @@ anyone), at M = 1, 8, 32 rows, ms per pass, median (min):
   - zeroqueue int8: `zeroqueue.linear_int8` (kernels/linear_int8.cpp), the same int8 weights in the bf16 layout's
     panels, converted to bf16 in registers for one row block and once per call into a cached buffer for more, then
     multiplied as our bf16 is (VDPBF16PS or widened FMAs), the scale applied after the K loop;
+  - zeroqueue int8 VNNI (AVX-512 builds): the same op on `quant.pack_int8_vnni`'s quads, x quantized per row to int8
+    and the products summed by VPDPBUSD (what `--quantize int8` runs there);
   - zeroqueue int4 g32 / g64: `zeroqueue.linear_int4` (kernels/linear_int4.cpp), symmetric int4 per group of 32 /
     64 inputs (quant.quantize_int4), two weights a byte in 16-column panels, turned into bf16 pairs in registers
     (or once per call into a buffer for more than 4 rows), each group's sum scaled into the row's accumulator;
@@ -36,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.kernel_speed import LAYER_SHAPES, LAYERS, BandwidthProbe, loaded_kernels, time_interleaved  # noqa: E402
 from services.inference.device import kernels  # noqa: E402
-from services.inference.device.quant import dequantize_int4, pack_int4, quantize_int4  # noqa: E402
+from services.inference.device.quant import dequantize_int4, pack_int4, pack_int8_vnni, quantize_int4  # noqa: E402
 from services.logs import configure_logging  # noqa: E402
 
 
@@ -68,7 +70,7 @@ class Layers:
     def __init__(self, ops: kernels.CpuOps, num_layers: int) -> None:
         gen = torch.Generator().manual_seed(1)
         self.ops = ops
-        self.bf16, self.int8, self.zq_int8, self.int4 = [], [], [], {32: [], 64: []}
+        self.bf16, self.int8, self.zq_int8, self.zq_vnni, self.int4 = [], [], [], [], {32: [], 64: []}
         self.zq_int4: dict[int, list] = {32: [], 64: []}
         self.bytes = {"bf16": 0, "int8": 0, 32: 0, 64: 0}
         for _ in range(num_layers):
@@ -79,6 +81,8 @@ class Layers:
                 q, s = int8_per_channel(w)
                 self.int8.append((q, s, k))
                 self.zq_int8.append((ops.pack_linear(q), s.float(), n, k))
+                if ops.isa == "avx512":
+                    self.zq_vnni.append((pack_int8_vnni(q), s.float(), n, k))
                 self.bytes["int8"] += n * k + 2 * n
                 for group, out in self.int4.items():
                     packed, sz, _ = int4_grouped(w, group)
@@ -95,6 +99,10 @@ class Layers:
 
         def zq_int8() -> None:
             for p, s, n, k in self.zq_int8:
+                ops.linear_int8(xs[k], p, s, None, n)
+
+        def zq_vnni() -> None:
+            for p, s, n, k in self.zq_vnni:
                 ops.linear_int8(xs[k], p, s, None, n)
 
         def zq_int4(group: int):
@@ -122,6 +130,7 @@ class Layers:
         return {
             "zeroqueue bf16": (bf16, self.bytes["bf16"]),
             "zeroqueue int8": (zq_int8, self.bytes["int8"]),
+            **({"zeroqueue int8 VNNI": (zq_vnni, self.bytes["int8"])} if self.zq_vnni else {}),
             "zeroqueue int4 g32": (zq_int4(32), self.bytes[32]),
             "zeroqueue int4 g64": (zq_int4(64), self.bytes[64]),
             "torch int8": (int8, self.bytes["int8"]),
@@ -145,6 +154,16 @@ def kernel_errors(ops: kernels.CpuOps) -> dict[str, float]:
         "zeroqueue int8": (
             ops.linear_int8(x, ops.pack_linear(q), s.float(), None, n),
             xf @ (q.float() * s.float()[:, None]).T,
+        ),
+        **(
+            {
+                "zeroqueue int8 VNNI": (
+                    ops.linear_int8(x, pack_int8_vnni(q), s.float(), None, n),
+                    xf @ (q.float() * s.float()[:, None]).T,
+                )
+            }
+            if ops.isa == "avx512"
+            else {}
         ),
         "zeroqueue int4 g64": (
             ops.linear_int4(x, *pack_int4(*q4, 64), None, n),

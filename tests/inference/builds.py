@@ -3,6 +3,7 @@ build is tested on an AVX-512 host too: the kernels' build is chosen once a proc
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -36,3 +37,12 @@ def loaded_isa() -> str:
     loaded = kernels.load_cpu_ops()
     assert loaded is not None, kernels.reason_unavailable()
     return loaded.isa
+
+
+def use_int8_path(monkeypatch, path: str) -> None:
+    """The engines built from now on in this test take int8 path `path` (CpuOps.int8_path), skipped where the loaded
+    build lacks it."""
+    ops = kernels.load_cpu_ops()
+    if path not in kernels.isa_named(ops.isa).int8_paths:
+        pytest.skip(f"the {ops.isa} build has no {path} int8 path")
+    monkeypatch.setattr(kernels, "load_cpu_ops", lambda: dataclasses.replace(ops, int8_path=path))

@@ -18,6 +18,7 @@ from services.inference.device.loader import load_checkpoint
 from services.inference.device.packed import Int4Linear, Int8Linear, KernelDecoderStack
 from services.inference.device.spec import ExecutorConfig
 from services.inference.replica import ServeConfig
+from tests.inference.builds import use_int8_path
 from tests.inference.conftest import Collector, make_engine, request, run_to_completion
 from tests.inference.harness import ServerThread
 from tests.inference.logits import prompt_logits
@@ -47,7 +48,8 @@ def test_the_layers_are_int4_the_lm_head_int8_and_the_embedding_neither(wide_hea
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_int4_logits_equal_the_fallback_and_stay_near_the_unquantized_model(wide_heads_dir, dtype):  # noqa: F811
+def test_int4_logits_equal_the_fallback_and_stay_near_the_unquantized_model(wide_heads_dir, dtype, monkeypatch):  # noqa: F811
+    use_int8_path(monkeypatch, "pairs")  # the int8 LM head as the fallback computes it (VNNI's: test_int8_weights.py)
     int4 = prompt_logits(make_engine(wide_heads_dir, dtype=dtype, quantize="int4").executor, TOKENS).float()
     fallback = make_engine(wide_heads_dir, dtype=dtype, quantize="int4", use_kernels=False)
     plain = prompt_logits(fallback.executor, TOKENS).float()

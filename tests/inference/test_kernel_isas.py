@@ -8,7 +8,9 @@ from services.inference.device import kernels
 
 ZEN3_FLAGS = "fpu sse2 avx avx2 fma f16c bmi2"
 CPUINFO_CASES = [
-    ("avx512f avx512bw avx512vl avx512dq avx512_bf16 " + ZEN3_FLAGS, "avx512"),  # Zen 4, Sapphire Rapids
+    ("avx512f avx512bw avx512vl avx512dq avx512_bf16 avx512_vnni " + ZEN3_FLAGS, "avx512"),  # Zen 4, Sapphire Rapids
+    ("avx512f avx512bw avx512vl avx512dq avx512_vnni " + ZEN3_FLAGS, "avx2"),  # Ice Lake: no avx512_bf16
+    ("avx512f avx512bw avx512vl avx512dq avx512_bf16 " + ZEN3_FLAGS, "avx2"),  # no such CPU: VNNI came before BF16
     ("avx512f avx512bw avx512vl avx512dq " + ZEN3_FLAGS, "avx2"),  # Skylake-X: no avx512_bf16
     (ZEN3_FLAGS, "avx2"),  # Zen 2/3
     ("fpu sse2 avx avx2 fma", None),  # no f16c
@@ -29,12 +31,12 @@ def test_load_takes_the_best_isa_the_cpu_runs(tmp_path, flags, expected):
 
 def test_an_isa_can_be_asked_for_by_name(tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text(f"flags\t\t: avx512f avx512bw avx512vl avx512dq avx512_bf16 {ZEN3_FLAGS}\n")
+    cpuinfo.write_text(f"flags\t\t: avx512f avx512bw avx512vl avx512dq avx512_bf16 avx512_vnni {ZEN3_FLAGS}\n")
     assert kernels.choose_isa(cpuinfo, wanted="avx2")[0] is kernels.AVX2
     cpuinfo.write_text(f"flags\t\t: {ZEN3_FLAGS}\n")
     assert kernels.choose_isa(cpuinfo, wanted="avx512") == (
         None,
-        "this CPU lacks avx512f, avx512bw, avx512vl, avx512dq, avx512_bf16 (avx512)",
+        "this CPU lacks avx512f, avx512bw, avx512vl, avx512dq, avx512_bf16, avx512_vnni (avx512)",
     )
     assert "no kernel build is named 'sse'" in kernels.choose_isa(cpuinfo, wanted="sse")[1]
 
@@ -48,7 +50,7 @@ def test_the_two_builds_differ_only_in_isa():
 
 def test_every_build_the_cpu_runs_is_offered_best_first(tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text(f"flags\t\t: avx512f avx512bw avx512vl avx512dq avx512_bf16 {ZEN3_FLAGS}\n")
+    cpuinfo.write_text(f"flags\t\t: avx512f avx512bw avx512vl avx512dq avx512_bf16 avx512_vnni {ZEN3_FLAGS}\n")
     assert kernels.runnable_isas(cpuinfo) == ((kernels.AVX512, kernels.AVX2), None)
     assert kernels.runnable_isas(cpuinfo, wanted="avx2") == ((kernels.AVX2,), None)
     cpuinfo.write_text("flags\t\t: fpu sse2 avx\n")

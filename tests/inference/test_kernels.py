@@ -186,6 +186,22 @@ def test_the_bf16_path_is_measured_or_forced(ops, monkeypatch):
         assert chosen == ("dot" if dot else "widen") or abs(rate - kernels.DOT_RATE_THRESHOLD) < 0.1
 
 
+def test_the_int8_path_is_the_builds_first_unless_forced(ops, monkeypatch):
+    """VNNI on AVX-512, pairs on AVX2 (which has no other); ZQ_LINEAR_INT8 forces one the build has, and an unknown or
+    missing name falls back to the build's first. The loaded ops pack for the path they took."""
+    assert (kernels.AVX512.int8_paths, kernels.AVX2.int8_paths) == (("vnni", "pairs"), ("pairs",))
+    monkeypatch.delenv(kernels.INT8_PATH_ENV, raising=False)
+    assert kernels.choose_int8_path(kernels.AVX512) == "vnni" and kernels.choose_int8_path(kernels.AVX2) == "pairs"
+    monkeypatch.setenv(kernels.INT8_PATH_ENV, "pairs")
+    assert kernels.choose_int8_path(kernels.AVX512) == "pairs"
+    for name in ("vnni", "amx", ""):
+        monkeypatch.setenv(kernels.INT8_PATH_ENV, name)
+        assert kernels.choose_int8_path(kernels.AVX2) == "pairs"
+    assert ops.int8_path in kernels.isa_named(ops.isa).int8_paths
+    q = torch.randint(-127, 128, (40, 24), dtype=torch.int8)
+    assert ops.pack_int8(q).shape == ((3, 6, 16, 4) if ops.int8_path == "vnni" else (3, 12, 16, 2))
+
+
 def test_avx2_build_widens_whatever_is_asked(ops, monkeypatch):
     """No VDPBF16PS, no AMX: the choice is the widening path even when forced, and linear refuses the others."""
     if ops.isa != "avx2":
@@ -237,5 +253,5 @@ def test_linear_rejects_mismatched_inputs(ops):
 def test_missing_cpu_flags_reads_cpuinfo(tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512bw avx512vl avx512dq fma avx2\n")
-    assert kernels.missing_cpu_flags(cpuinfo) == ("avx512_bf16",)
+    assert kernels.missing_cpu_flags(cpuinfo) == ("avx512_bf16", "avx512_vnni")
     assert kernels.missing_cpu_flags(tmp_path / "absent") == kernels.AVX512.cpu_flags

@@ -265,7 +265,7 @@ def random_layers(ops, dtype, layers=2, hidden=128, heads=4, kv_heads=2, head_di
             linears, layer_scales = [p for p, _ in packed], [scale for _, scale in packed]
         elif quant == "int8":
             quantized = [quantize_int8(w) for w in linears]
-            linears, layer_scales = [ops.pack_linear(q) for q, _ in quantized], [scale for _, scale in quantized]
+            linears, layer_scales = [ops.pack_int8(q) for q, _ in quantized], [scale for _, scale in quantized]
         else:
             linears, layer_scales = [ops.pack_linear(w) for w in linears], [None] * 4
         qkv, o, gate_up, down = linears
@@ -340,9 +340,7 @@ def test_ops_have_fake_implementations_for_torch_compile(ops):
     torch.library.opcheck(torch.ops.zeroqueue.linear.default, (x, packed, None, 20, ops.bf16_path), test_utils=checks)
     q8, s8 = quantize_int8(w)
     torch.library.opcheck(
-        torch.ops.zeroqueue.linear_int8.default,
-        (x, ops.pack_linear(q8), s8, None, 20, ops.bf16_path),
-        test_utils=checks,
+        torch.ops.zeroqueue.linear_int8.default, (x, ops.pack_int8(q8), s8, None, 20, ops.bf16_path), test_utils=checks
     )
     packed4, s4 = pack_int4(*quantize_int4(w, 4), 4)
     torch.library.opcheck(

@@ -47,11 +47,12 @@ class QuantizedLinear(nn.Module):
 
 class Int8Linear(QuantizedLinear):
     """int8 weights (quant.py's symmetric per-channel scheme, scales fp32 [out_features]): `stored` (q, scales) as a
-    pre-quantized checkpoint holds them, else quantized from `linear`'s weight (zeroqueue::linear_int8)."""
+    pre-quantized checkpoint holds them, else quantized from `linear`'s weight; packed for ops.int8_path
+    (zeroqueue::linear_int8)."""
 
     def __init__(self, linear: nn.Linear, ops: CpuOps, stored: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         q, scales = stored if stored is not None else quantize_int8(linear.weight)
-        super().__init__(linear, ops.linear_int8, ops.pack_linear(q), scales)
+        super().__init__(linear, ops.linear_int8, ops.pack_int8(q), scales)
 
 
 class Int4Linear(QuantizedLinear):

@@ -31,6 +31,37 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     return (q.float() * scale.float()[:, None]).to(dtype)
 
 
+def pack_int8_vnni(q: torch.Tensor, lanes: int = 16) -> torch.Tensor:
+    """q int8 [N, K] -> int8 [ceil(N/lanes), ceil(K/4), lanes, 4] as zeroqueue::linear_int8's VNNI path reads it: lane j
+    of step t holds q[n0 + j, 4t : 4t + 4], each byte q + 128 (VPDPBUSD's unsigned operand; the kernel takes the 128
+    back out). Padding is q = 0."""
+    n, k = q.shape
+    padded = nn.functional.pad(q, (0, -k % 4, 0, -n % lanes))
+    quads = padded.reshape(-1, lanes, padded.shape[1] // 4, 4).permute(0, 2, 1, 3).contiguous()
+    return quads.bitwise_xor(torch.tensor(-128, dtype=torch.int8))
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q int8 [M, K], scale fp32 [M]) as the VNNI path quantizes a call's rows: q = round(x * (127 /
+    amax)) to nearest even in fp32, scale amax / 127 (0 for a row of zeros, whose q are zeros)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1)
+    # a tensor over a tensor: `127 / amax` would be reciprocal(amax) * 127, rounded twice, not the kernel's division
+    inv = torch.where(amax > 0, torch.full_like(amax, INT8_MAX) / amax, torch.zeros_like(amax))
+    return torch.round(xf * inv[:, None]).to(torch.int8), amax / INT8_MAX
+
+
+def linear_int8_vnni_reference(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """What the VNNI path computes, in plain torch: x's rows quantized (quantize_rows_int8), the integer products
+    summed exactly, then times the row's and the column's factor, plus bias; in x's dtype."""
+    xq, xs = quantize_rows_int8(x)
+    acc = (xq.to(torch.int64) @ q.to(torch.int64).T).float()  # the exact sums, rounded to fp32 as the kernel does
+    y = acc * xs[:, None] * scale.float()[None, :]
+    return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
 # ---- int4: symmetric per group of INT4_GROUP inputs, 16 levels (-8..7), as llama.cpp's Q4_0 ----
 INT4_GROUP = 64  # inputs per scale: chosen by NLL on the bundled model (BENCHMARKS.md, "int4 weights")
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ..quant import pack_int8_vnni
 from .fakes import register_fakes
 
 SOURCE_DIR = Path(__file__).parent
@@ -43,6 +44,7 @@ DECODE_HEAD_DIMS = (32, 64, 128)  # head sizes decode_attention is compiled for
 DISABLE_ENV = "ZQ_DISABLE_KERNELS"
 BF16_PATH_ENV = "ZQ_LINEAR_BF16"  # "widen", "dot" or "amx": overrides the measured choice
 BF16_PATHS = ("widen", "dot", "amx")  # the kernels' bf16_path codes 0, 1, 2
+INT8_PATH_ENV = "ZQ_LINEAR_INT8"  # "vnni" or "pairs": overrides the build's default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +55,9 @@ class Isa:
     cpu_flags: tuple[str, ...]
     compile_flags: tuple[str, ...]
     bf16_paths: tuple[str, ...]
+    # how int8 weights are multiplied, preferred first: "vnni" quantizes x per row and sums int8 products exactly
+    # (VPDPBUSD); "pairs" converts the weights to bf16 in registers and multiplies as bf16_path does
+    int8_paths: tuple[str, ...] = ("pairs",)
 
     @property
     def extension_name(self) -> str:
@@ -66,7 +71,7 @@ class Isa:
 # Explicit ISA, never -march=native: images are built on one machine and run on another.
 AVX512 = Isa(
     name="avx512",
-    cpu_flags=("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma"),
+    cpu_flags=("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni", "fma"),
     compile_flags=(
         "-O3",
         "-mavx512f",
@@ -74,6 +79,7 @@ AVX512 = Isa(
         "-mavx512vl",
         "-mavx512dq",
         "-mavx512bf16",
+        "-mavx512vnni",
         "-mamx-tile",  # AMX instructions come only from amx.cpp's intrinsics, run only where the CPU has them
         "-mamx-bf16",
         "-mfma",
@@ -81,6 +87,7 @@ AVX512 = Isa(
         "-fvisibility-inlines-hidden",
     ),
     bf16_paths=BF16_PATHS,
+    int8_paths=("vnni", "pairs"),
 )
 # Zen 2/3 and the Intel cores without AVX-512: 16 lanes as two ymm, no VDPBF16PS, no AMX.
 AVX2 = Isa(
@@ -149,6 +156,7 @@ class CpuOps:
     library_path: str
     bf16_path: int = 0  # bf16 linears: 0 widened to fp32 FMAs, 1 VDPBF16PS, 2 AMX (see choose_bf16_path)
     isa: str = AVX512.name  # the build loaded: "avx512" or "avx2"
+    int8_path: str = "pairs"  # int8 linears: "vnni" or "pairs" (see Isa.int8_paths, choose_int8_path)
 
     @property
     def bf16_path_name(self) -> str:
@@ -170,11 +178,17 @@ class CpuOps:
         y = torch.ops.zeroqueue.linear.default(x.reshape(-1, x.shape[-1]), packed, bias, n, self.bf16_path)
         return y.reshape(*x.shape[:-1], n)
 
+    def pack_int8(self, q: torch.Tensor) -> torch.Tensor:
+        """int8 weights q [N, K] -> packed as int8_path reads them: VNNI quads (quant.pack_int8_vnni) or bf16-layout
+        pairs (pack_linear)."""
+        return pack_int8_vnni(q, LANES) if self.int8_path == "vnni" else self.pack_linear(q)
+
     def linear_int8(
         self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, n: int
     ) -> torch.Tensor:
-        """x [M, K] @ (q * scales[:, None]).T + bias -> [M, n] in x's dtype, for int8 weights q packed by pack_linear
-        with one fp32 scale per output channel; accumulated in fp32, bf16 x as bf16_path says."""
+        """x [M, K] @ (q * scales[:, None]).T + bias -> [M, n] in x's dtype, for int8 weights q packed by pack_int8
+        with one fp32 scale per output channel. The layout says the path: pairs are accumulated in fp32, bf16 x as
+        bf16_path says; VNNI quads quantize each row of x to int8 first (quant.linear_int8_vnni_reference)."""
         return torch.ops.zeroqueue.linear_int8.default(x, packed, scales, bias, n, self.bf16_path)
 
     def linear_int4(
@@ -316,7 +330,8 @@ def _load() -> tuple[CpuOps | None, str | None]:
     if isa is None:
         return None, found
     register_fakes(LANES)
-    return CpuOps(library_path=found, bf16_path=choose_bf16_path(isa), isa=isa.name), None
+    ops = CpuOps(library_path=found, bf16_path=choose_bf16_path(isa), isa=isa.name, int8_path=choose_int8_path(isa))
+    return ops, None
 
 
 def first_built(
@@ -352,6 +367,14 @@ def choose_bf16_path(isa: Isa) -> int:
         return BF16_PATHS.index("amx")
     dot = "dot" in isa.bf16_paths and torch.ops.zeroqueue.bf16_dot_rate.default() > DOT_RATE_THRESHOLD
     return BF16_PATHS.index("dot" if dot else "widen")
+
+
+def choose_int8_path(isa: Isa) -> str:
+    """How int8 linears multiply: $ZQ_LINEAR_INT8 where `isa`'s build has it, else the build's first. VNNI is first
+    on AVX-512: 1.65x our bf16 at 1, 8 and 32 rows against the pairs' 1.16x / 1.25x / 0.99x, the same NLL on the
+    bundled model (BENCHMARKS.md, "int8 on VNNI")."""
+    forced = os.environ.get(INT8_PATH_ENV)
+    return forced if forced in isa.int8_paths else isa.int8_paths[0]
 
 
 def load_cpu_ops() -> CpuOps | None:

@@ -1,12 +1,19 @@
 // zeroqueue::linear_int8: y[M, N] = (x[M, K] . q[N, K]^T) * scale[N] + bias with int8 weights (symmetric, one fp32
-// scale per output channel), packed by pack_linear in the bf16 layout, [NP][KP][16][2], fp32 accumulation.
+// scale per output channel), in one of two layouts, which the packed tensor's shape tells apart:
 //
-// Up to kDirectRows rows, every row block converts each step of the panels to bf16 in registers (exact: |q| <= 127
-// has 7 significant bits, bf16 8). Above, each thread turns one group of panels at a time into bf16 in a buffer of
-// its own that stays in L2, then runs tile.h's bf16 tiles over it for every row block, so a weight is converted once
-// a call, not once a row block. Either way the scale is applied after the K loop. bf16 x: VDPBF16PS or widened
-// FMAs as bf16_path says (AMX hosts take VDPBF16PS: the AMX kernel reads another layout); fp32 x: widened FMAs, the
-// fp32 products exactly. Batch invariant as tile.h: a row meets the same values and instructions whatever M.
+// Quads ([NP][KQ][16][4], quant.pack_int8_vnni; the AVX-512 build): x is quantized per row to int8 at the call and the
+// products are summed exactly in int32 by VPDPBUSD (Int8Vnni, below), then scaled by the row's and the column's
+// factor. Twice VDPBF16PS's multiply-adds an instruction and nothing to convert: 1.65x our bf16 at 1-32 rows.
+//
+// Pairs ([NP][KP][16][2], pack_linear's bf16 layout; every build): up to kDirectRows rows, every row block converts
+// each step of the panels to bf16 in registers (exact: |q| <= 127 has 7 significant bits, bf16 8). Above, each
+// thread turns one group of panels at a time into bf16 in a buffer of its own that stays in L2, then runs tile.h's
+// bf16 tiles over it for every row block, so a weight is converted once a call, not once a row block. Either way the
+// scale is applied after the K loop. bf16 x: VDPBF16PS or widened FMAs as bf16_path says (AMX hosts take VDPBF16PS:
+// the AMX kernel reads another layout); fp32 x: widened FMAs, the fp32 products exactly.
+//
+// Batch invariant as tile.h: a row meets the same values and instructions whatever M (and VNNI quantizes each row
+// on its own).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
@@ -97,6 +104,91 @@ struct Int8Dot {
     }
   }
 };
+
+
+// VNNI (AVX-512 VNNI's VPDPBUSD): x quantized per row to int8 at the call (symmetric, q = round(x * 127 / amax),
+// its factor amax / 127), the weights in quads, [NP][KQ][16][4] (KQ = ceil(K/4); lane j's 4 bytes are w[n0+j][4kq..
+// 4kq+3]), each stored as q + 128, VPDPBUSD's unsigned operand. One instruction multiplies 4 inputs of 16 columns and
+// adds them to int32 sums, exactly: twice VDPBF16PS's work and no conversion of the weights. A row's sum starts at
+// -128 * sum(its q) to take the + 128 back out, then is scaled by the row's factor and the column's.
+// acc += VPDPBUSD(w unsigned, x signed). Written in asm: GCC 12's _mm512_dpbusd_epi32 keeps its accumulator in
+// zmm0-15, so a tile of 24 spilled to the stack every step (1.5x slower at 32 rows).
+inline void dpbusd(__m512i& acc, __m512i w, __m512i x) { asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x)); }
+
+struct Int8Vnni {
+  using T = int8_t;
+  using X = int32_t;  // 4 int8 of x a word, one broadcast per step
+  static constexpr int64_t kStepElems = 4 * kLanes;
+  static constexpr int64_t kXPerStep = 1;
+  static constexpr bool kRowScaled = true;
+  template <int MR, int NR, class Tl>
+  static void sum(vf (&out)[MR][NR], const Tl& t) {
+    __m512i acc[MR][NR];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_set1_epi32(t.row_offset[i]);
+    for (int64_t s = 0; s < t.steps; ++s) {
+      prefetch_step<Int8Vnni, typename Tl::Out, NR>(t, s);
+      const int8_t* ws = t.w + s * kStepElems;
+      __m512i b[NR];
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) b[j] = _mm512_loadu_si512(ws + j * t.panel_stride);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        const __m512i a = _mm512_set1_epi32(t.x[i * t.ldx + s]);
+#pragma GCC unroll 4
+        for (int j = 0; j < NR; ++j) dpbusd(acc[i][j], b[j], a);
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const vf f = vset1(t.row_scale[i]);
+      for (int j = 0; j < NR; ++j) out[i][j] = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i][j]), f);
+    }
+  }
+};
+
+// x [M, K] quantized per row for Int8Vnni: the words [M][ldx] (zeros past K), each row's offset and factor
+struct QuantizedRows {
+  std::vector<int32_t> words;
+  std::vector<int32_t> offset;
+  std::vector<float> scale;
+};
+
+template <class In>
+QuantizedRows quantize_rows(const In* x, int64_t m, int64_t k, int64_t ldx) {
+  QuantizedRows out{std::vector<int32_t>(m * ldx, 0), std::vector<int32_t>(m), std::vector<float>(m)};
+  for (int64_t r = 0; r < m; ++r) {
+    const In* row = x + r * k;
+    vf top = vzero();
+    for (int64_t c = 0; c < k; c += kLanes) top = _mm512_max_ps(top, _mm512_abs_ps(load16(row + c, first_n(k - c))));
+    const float amax = reduce_max(top);
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int8_t* q = reinterpret_cast<int8_t*>(out.words.data() + r * ldx);
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t c = 0; c < k; c += kLanes) {
+      const mask16 mask = first_n(k - c);
+      const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load16(row + c, mask), vset1(inv)));  // to nearest, even
+      sum = _mm512_add_epi32(sum, v);
+      _mm512_mask_cvtsepi32_storeu_epi8(q + c, mask, v);
+    }
+    out.offset[r] = -128 * _mm512_reduce_add_epi32(sum);
+    out.scale[r] = amax / 127.0f;
+  }
+  return out;
+}
+
+template <class In>
+void run_vnni(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& bias,
+              at::Tensor& y) {
+  const int64_t m = x.size(0), np = packed.size(0), steps = packed.size(1), panel_stride = steps * Int8Vnni::kStepElems;
+  const QuantizedRows rows = quantize_rows(x.data_ptr<In>(), m, x.size(1), steps);
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const auto panels = [&](int64_t p, int64_t) { return std::pair{wp + p * panel_stride, panel_stride}; };
+  run_tiles<Int8Vnni, In>(rows.words.data(), m, steps, steps, np, panels, scales.data_ptr<float>(),
+                          bias.defined() ? bias.data_ptr<In>() : nullptr, y.data_ptr<In>(), y.size(1), 1, 0,
+                          RowFactors{rows.offset.data(), rows.scale.data()});
+}
 #endif
 
 // nr panels of int8 pairs (panel_stride elements apart) -> bf16 [nr][steps][16][2] at out, value for value
@@ -167,9 +259,12 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "linear_int8: x must be bfloat16 or float32");
   const int64_t m = x.size(0), k = x.size(1), np = packed.size(0);
+  // pairs [NP][ceil(K/2)][16][2] (pack_linear), or quads [NP][ceil(K/4)][16][4] for VNNI (quant.pack_int8_vnni)
+  const int64_t per_step = packed.dim() == 4 ? packed.size(3) : 0;
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.dim() == 4 &&
-                  packed.size(1) == ceil_div(k, 2) && packed.size(2) == kLanes && packed.size(3) == 2,
-              "linear_int8: packed ", packed.sizes(), " is not pack_linear's int8 output for K=", k);
+                  (per_step == 2 || per_step == 4) && packed.size(1) == ceil_div(k, per_step) &&
+                  packed.size(2) == kLanes,
+              "linear_int8: packed ", packed.sizes(), " is neither pack_linear's int8 pairs nor VNNI quads for K=", k);
   TORCH_CHECK(n > (np - 1) * kLanes && n <= np * kLanes, "linear_int8: n=", n, " does not match ", np, " panels");
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) == n, "linear_int8: scales must be [", n, "]");
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == n), "linear_int8: bias must be [", n, "]");
@@ -178,6 +273,16 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::
   const at::Tensor sc = scales.to(at::kFloat).contiguous();
   const at::Tensor bc = bias.has_value() ? bias->to(x.scalar_type()).contiguous() : at::Tensor();
   at::Tensor y = at::empty({m, n}, x.options());
+  if (per_step == 4) {
+#ifndef ZQ_AVX2
+    const at::Tensor xc = x.contiguous();
+    if (x.scalar_type() == at::kFloat) run_vnni<float>(xc, packed, sc, bc, y);
+    else run_vnni<BFloat16>(xc, packed, sc, bc, y);
+    return y;
+#else
+    TORCH_CHECK(false, "linear_int8: the AVX2 build has no VNNI kernel; pack int8 weights in pairs (pack_linear)");
+#endif
+  }
   if (x.scalar_type() == at::kFloat) {  // an odd K meets the weights' zero padding
     const at::Tensor xp = k % 2 ? at::constant_pad_nd(x, {0, 1}).contiguous() : x.contiguous();
     run<Bf16Widen, Int8Widen, float>(xp.data_ptr<float>(), m, k + k % 2, packed, sc, bc, y);

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -114,6 +115,7 @@ struct F32Weights {
 template <class Kn, class Y = typename Kn::T>
 struct Tile {
   using T = typename Kn::T;
+  using Out = Y;
   const typename Kn::X* x;  // row 0 of this tile, [rows][ldx], zero-padded to steps * kXPerStep columns
   int64_t ldx, steps;
   const T* w;            // first panel of this tile
@@ -125,7 +127,19 @@ struct Tile {
   Y* y;                  // [rows][ldy] at column n0
   int64_t ldy, n_left;   // n_left: valid output columns from n0 on
   int64_t groups = 1, group_steps = 0;  // grouped scales: groups per panel, steps per group
+  // a row-scaled Kn's (row_scaled_v): each row's integer start and factor, [rows] from this tile's row 0
+  const int32_t* row_offset = nullptr;
+  const float* row_scale = nullptr;
 };
+
+// A row-scaled Kn (linear_int8.cpp's Int8Vnni) sums integers: Kn::sum runs the K loop on accumulators that start at
+// the row's offset and gives them as floats times the row's factor, before the column scale and the bias.
+template <class Kn, class = void>
+struct row_scaled : std::false_type {};
+template <class Kn>
+struct row_scaled<Kn, std::void_t<decltype(Kn::kRowScaled)>> : std::bool_constant<Kn::kRowScaled> {};
+template <class Kn>
+constexpr bool row_scaled_v = row_scaled<Kn>::value;
 
 // y = acc (* scale, one factor per column) + bias, for MR rows x NR panels
 template <class Kn, class Y, int MR, int NR>
@@ -154,11 +168,15 @@ inline void prefetch_step(const Tile<Kn, Y>& t, int64_t s) {
 template <class Kn, class Y, int MR, int NR>
 void run_tile(const Tile<Kn, Y>& t) {
   vf acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = vzero();
-  for (int64_t s = 0; s < t.steps; ++s) {
-    prefetch_step<Kn, Y, NR>(t, s);
-    Kn::template step<MR, NR>(acc, t.x, t.ldx, s, t.w + s * Kn::kStepElems, t.panel_stride);
+  if constexpr (row_scaled_v<Kn>) {
+    Kn::template sum<MR, NR>(acc, t);  // its own integer accumulators, kept apart from vf so they stay in registers
+  } else {
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) acc[i][j] = vzero();
+    for (int64_t s = 0; s < t.steps; ++s) {
+      prefetch_step<Kn, Y, NR>(t, s);
+      Kn::template step<MR, NR>(acc, t.x, t.ldx, s, t.w + s * Kn::kStepElems, t.panel_stride);
+    }
   }
   store_tile(acc, t, t.scale);
 }
@@ -211,9 +229,16 @@ constexpr auto make_table(std::integer_sequence<int, Ns...>) {
 // contiguous part of the weights once; `panels(p, nr)` gives a group of nr panels from panel p as (first panel,
 // elements between panels), and every row block runs while that group is still in L1/L2. Grouped: scales grouped
 // along K (run_group_tile), `groups` of group_steps steps each; else one factor per column, or none.
+// Row-scaled Kn: rows gives each row's offset and factor ([m] each).
+struct RowFactors {
+  const int32_t* offset = nullptr;
+  const float* scale = nullptr;
+};
+
 template <class Kn, class Y, bool Grouped = false, class Panels>
 void run_tiles(const typename Kn::X* x, int64_t m, int64_t ldx, int64_t steps, int64_t np, const Panels& panels,
-               const float* scale, const Y* bias, Y* y, int64_t n, int64_t groups = 1, int64_t group_steps = 0) {
+               const float* scale, const Y* bias, Y* y, int64_t n, int64_t groups = 1, int64_t group_steps = 0,
+               RowFactors rows = {}) {
   constexpr int kRows = Grouped ? kGroupRows : kMaxRows;
   static constexpr auto table =
       make_table<Kn, Y, Grouped, kRows>(std::make_integer_sequence<int, Grouped ? kGroupPanels : kMaxPanels>{});
@@ -226,7 +251,8 @@ void run_tiles(const typename Kn::X* x, int64_t m, int64_t ldx, int64_t steps, i
         const int64_t mr = std::min<int64_t>(kRows, m - r);
         const Tile<Kn, Y> t{x + r * ldx, ldx, steps, w, panel_stride, scale ? scale + p * kLanes * groups : nullptr,
                             bias ? bias + p * kLanes : nullptr, y + r * n + p * kLanes, n, n - p * kLanes,
-                            groups, group_steps};
+                            groups, group_steps, rows.offset ? rows.offset + r : nullptr,
+                            rows.scale ? rows.scale + r : nullptr};
         table[nr - 1][mr - 1](t);
       }
     }
