@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.kernel_speed import LAYER_SHAPES, LAYERS, BandwidthProbe, loaded_kernels, time_interleaved  # noqa: E402
 from services.inference.device import kernels  # noqa: E402
-from services.inference.device.quant import dequantize_int4, pack_int4, pack_int8_vnni, quantize_int4  # noqa: E402
+from services.inference.device.quant import dequantize_int4, pack_int4, pack_int4_vnni, pack_int8_vnni, quantize_int4  # noqa: E402
 from services.logs import configure_logging  # noqa: E402
 
 
@@ -72,6 +72,7 @@ class Layers:
         self.ops = ops
         self.bf16, self.int8, self.zq_int8, self.zq_vnni, self.int4 = [], [], [], [], {32: [], 64: []}
         self.zq_int4: dict[int, list] = {32: [], 64: []}
+        self.zq_int4_vnni: list = []
         self.bytes = {"bf16": 0, "int8": 0, 32: 0, 64: 0}
         for _ in range(num_layers):
             for _, n, k in LAYER_SHAPES:
@@ -89,6 +90,8 @@ class Layers:
                     out.append((packed, sz, k))
                     self.bytes[group] += n * k // 2 + 4 * n * (k // group)
                     self.zq_int4[group].append((*pack_int4(*quantize_int4(w, group), group), n))
+                if ops.isa == "avx512":
+                    self.zq_int4_vnni.append((*pack_int4_vnni(*quantize_int4(w, 64), 64), n, k))
 
     def steps(self, xs: dict[int, torch.Tensor]) -> dict[str, object]:
         ops = self.ops
@@ -112,6 +115,10 @@ class Layers:
 
             return run
 
+        def zq_int4_vnni() -> None:
+            for p, s, n, k in self.zq_int4_vnni:
+                ops.linear_int4(xs[k], p, s, None, n)
+
         def int8() -> None:
             for q, s, k in self.int8:
                 torch.ops.aten._weight_int8pack_mm(xs[k], q, s)
@@ -133,6 +140,7 @@ class Layers:
             **({"zeroqueue int8 VNNI": (zq_vnni, self.bytes["int8"])} if self.zq_vnni else {}),
             "zeroqueue int4 g32": (zq_int4(32), self.bytes[32]),
             "zeroqueue int4 g64": (zq_int4(64), self.bytes[64]),
+            **({"zeroqueue int4 g64 VNNI": (zq_int4_vnni, self.bytes[64])} if self.zq_int4_vnni else {}),
             "torch int8": (int8, self.bytes["int8"]),
             "torch int4 g32": (int4(32), self.bytes[32]),
             "torch int4 g64": (int4(64), self.bytes[64]),

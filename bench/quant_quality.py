@@ -8,7 +8,8 @@
    share of tokens before the first that differs.
 
 Rows, every one through the replica's own executor:
-  - kernels bf16 / int8 / int4: what `zeroqueue serve [--quantize int8|int4]` runs on this CPU;
+  - kernels bf16 / int8 / int4: what `zeroqueue serve [--quantize int8|int4]` runs on this CPU, on the int path it
+    takes (VNNI on AVX-512, which also quantizes x per row; ZQ_LINEAR_INT=convert for the other);
   - plain bf16 / plain int8 per channel: the same on plain torch (quant.py's values, no kernels);
   - plain int8 per group of G inputs, plain int4 per group of G (asymmetric with a per-group minimum, or symmetric
     as quant.quantize_int4), the LM head kept or also int4: candidate schemes, quantized and dequantized in place
@@ -33,6 +34,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from services.inference.bundled_model import default_model  # noqa: E402
+from services.inference.device import kernels  # noqa: E402
 from services.inference.device.attention import AttentionMetadata  # noqa: E402
 from services.inference.device.executor import Executor  # noqa: E402
 from services.inference.device.loader import load_checkpoint  # noqa: E402
@@ -119,10 +121,12 @@ def agreement(tokens: list[list[int]], reference: list[list[int]]) -> tuple[int,
 def variants(groups: list[int]) -> list[tuple[str, dict, tuple | None]]:
     """(row name, ExecutorConfig fields, (bits, group, symmetric, LM head too) of a bench-only fake quantization or
     None)."""
+    ops = kernels.load_cpu_ops()
+    path = f", {ops.int_path}" if ops else ""  # VNNI also quantizes x per row (kernels.choose_int_path)
     rows = [
         ("kernels bf16", {}, None),
-        ("kernels int8 (per channel)", {"quantize": "int8"}, None),
-        ("kernels int4 (g64, head int8)", {"quantize": "int4"}, None),
+        (f"kernels int8 (per channel{path})", {"quantize": "int8"}, None),
+        (f"kernels int4 (g64, head int8{path})", {"quantize": "int4"}, None),
         ("plain bf16", {"use_kernels": False}, None),
         ("plain int8 per channel", {"use_kernels": False, "quantize": "int8"}, None),
         ("plain int4 (g64, head int8)", {"use_kernels": False, "quantize": "int4"}, None),

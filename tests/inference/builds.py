@@ -10,8 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from torch import nn
 
 from services.inference.device import kernels
+from services.inference.device.quant import quantize_rows_int8
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,10 +41,23 @@ def loaded_isa() -> str:
     return loaded.isa
 
 
-def use_int8_path(monkeypatch, path: str) -> None:
-    """The engines built from now on in this test take int8 path `path` (CpuOps.int8_path), skipped where the loaded
+def use_int_path(monkeypatch, path: str) -> None:
+    """The engines built from now on in this test take int8 path `path` (CpuOps.int_path), skipped where the loaded
     build lacks it."""
     ops = kernels.load_cpu_ops()
-    if path not in kernels.isa_named(ops.isa).int8_paths:
+    if path not in kernels.isa_named(ops.isa).int_paths:
         pytest.skip(f"the {ops.isa} build has no {path} int8 path")
-    monkeypatch.setattr(kernels, "load_cpu_ops", lambda: dataclasses.replace(ops, int8_path=path))
+    monkeypatch.setattr(kernels, "load_cpu_ops", lambda: dataclasses.replace(ops, int_path=path))
+
+
+def quantize_inputs(model: nn.Module) -> None:
+    """Every nn.Linear of `model` sees its input as the VNNI path multiplies it: each row quantized to int8
+    (quant.quantize_rows_int8) and scaled back."""
+
+    def quantized(_module, args):
+        x = args[0].reshape(-1, args[0].shape[-1])
+        q, scale = quantize_rows_int8(x)
+        return ((q.float() * scale[:, None]).to(x.dtype).reshape(args[0].shape),)
+
+    for linear in (m for m in model.modules() if isinstance(m, nn.Linear)):
+        linear.register_forward_pre_hook(quantized)

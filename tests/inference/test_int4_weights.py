@@ -18,11 +18,12 @@ from services.inference.device.loader import load_checkpoint
 from services.inference.device.packed import Int4Linear, Int8Linear, KernelDecoderStack
 from services.inference.device.spec import ExecutorConfig
 from services.inference.replica import ServeConfig
-from tests.inference.builds import use_int8_path
+from tests.inference.builds import quantize_inputs
 from tests.inference.conftest import Collector, make_engine, request, run_to_completion
 from tests.inference.harness import ServerThread
 from tests.inference.logits import prompt_logits
 from tests.inference.test_decode_layers import PROMPTS, wide_heads_dir  # noqa: F401 - a fixture
+from tests.inference.test_int8_weights import int_path  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.skipif(kernels.load_cpu_ops() is None, reason=f"{kernels.reason_unavailable()}")
 TOKENS = list(range(3, 60))
@@ -48,17 +49,25 @@ def test_the_layers_are_int4_the_lm_head_int8_and_the_embedding_neither(wide_hea
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_int4_logits_equal_the_fallback_and_stay_near_the_unquantized_model(wide_heads_dir, dtype, monkeypatch):  # noqa: F811
-    use_int8_path(monkeypatch, "pairs")  # the int8 LM head as the fallback computes it (VNNI's: test_int8_weights.py)
+def test_int4_logits_equal_the_fallback_and_stay_near_the_unquantized_model(wide_heads_dir, dtype, int_path):  # noqa: F811
     int4 = prompt_logits(make_engine(wide_heads_dir, dtype=dtype, quantize="int4").executor, TOKENS).float()
     fallback = make_engine(wide_heads_dir, dtype=dtype, quantize="int4", use_kernels=False)
+    if int_path == "vnni":
+        quantize_inputs(fallback.executor.model)
     plain = prompt_logits(fallback.executor, TOKENS).float()
     int8 = prompt_logits(make_engine(wide_heads_dir, dtype=dtype, quantize="int8").executor, TOKENS).float()
     full = prompt_logits(make_engine(wide_heads_dir, dtype=dtype).executor, TOKENS).float()
     scale = full.abs().max()
     # the same int4 values on both paths; what differs is the order of fp32 sums and, in bf16, the roundings between
-    # ops (as for int8, test_int8_weights.py)
-    assert (int4 - plain).abs().max() / scale < (1e-5 if dtype == "float32" else 5e-2)
+    # ops, and on VNNI an element of x that such a difference moves across a rounding boundary (as for int8,
+    # test_int8_weights.py)
+    rows = (int4 - plain).abs().amax(dim=1) / scale
+    if int_path == "convert":
+        assert rows.max() < (1e-5 if dtype == "float32" else 5e-2)
+    elif dtype == "float32":
+        assert rows.median() < 1e-5 and rows.max() < 3e-2
+    else:
+        assert rows.max() < 1e-1
     off4, off8 = (int4 - full).abs().max() / scale, (int8 - full).abs().max() / scale
     assert off8 < off4 < PARITY_TOLERANCE  # quantized more coarsely than int8, and not far off
 

@@ -3,7 +3,7 @@
 call's tokens do not depend on its batch neighbours; the logits equal the plain-torch fallback's (the same int8
 values; with the VNNI path's rows of x quantized as it does) within rounding and stay within a stated tolerance of the
 unquantized model; a gRPC replica serves and bills it and ListModels says int8. Each int8 path the loaded build has
-(CpuOps.int8_path: VNNI quads, bf16-layout pairs) is tested.
+(CpuOps.int_path: VNNI quads, bf16-layout pairs) is tested.
 
 The checkpoints have head_dim 32, so decode steps run through decode_layers (test_decode_layers.py's)."""
 
@@ -12,17 +12,16 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
-from torch import nn
 from zeroqueue.inference.v1 import inference_pb2 as pb
 
 from services.inference.device import kernels
 from services.inference.device.executor import Executor
 from services.inference.device.loader import load_checkpoint
 from services.inference.device.packed import Int8Linear, KernelDecoderStack
-from services.inference.device.quant import dequantize_int8, quantize_int8, quantize_rows_int8
+from services.inference.device.quant import dequantize_int8, quantize_int8
 from services.inference.device.spec import ExecutorConfig
 from services.inference.replica import ServeConfig
-from tests.inference.builds import use_int8_path
+from tests.inference.builds import quantize_inputs, use_int_path
 from tests.inference.conftest import Collector, make_engine, request, run_to_completion
 from tests.inference.harness import ServerThread
 from tests.inference.logits import prompt_logits
@@ -36,23 +35,10 @@ TOKENS = list(range(3, 60))
 PARITY_TOLERANCE = 0.08  # measured 0.03-0.045 here, fp32 and bf16
 
 
-@pytest.fixture(params=["vnni", "pairs"])
-def int8_path(request, monkeypatch) -> str:
-    use_int8_path(monkeypatch, request.param)
+@pytest.fixture(params=["vnni", "convert"])
+def int_path(request, monkeypatch) -> str:
+    use_int_path(monkeypatch, request.param)
     return request.param
-
-
-def quantize_inputs(model: nn.Module) -> None:
-    """Every nn.Linear of `model` sees its input as the VNNI path multiplies it: each row quantized to int8
-    (quant.quantize_rows_int8) and scaled back."""
-
-    def quantized(_module, args):
-        x = args[0].reshape(-1, args[0].shape[-1])
-        q, scale = quantize_rows_int8(x)
-        return ((q.float() * scale[:, None]).to(x.dtype).reshape(args[0].shape),)
-
-    for linear in (m for m in model.modules() if isinstance(m, nn.Linear)):
-        linear.register_forward_pre_hook(quantized)
 
 
 def test_quantize_int8_round_trips_within_half_a_step_and_keeps_zero_rows():
@@ -67,7 +53,7 @@ def test_quantize_int8_round_trips_within_half_a_step_and_keeps_zero_rows():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_linears_and_the_lm_head_are_int8_and_the_embedding_is_not(wide_heads_dir, dtype, int8_path):  # noqa: F811
+def test_the_linears_and_the_lm_head_are_int8_and_the_embedding_is_not(wide_heads_dir, dtype, int_path):  # noqa: F811
     engine = make_engine(wide_heads_dir, dtype=dtype, quantize="int8")
     model = engine.executor.model
     assert isinstance(model.layers, KernelDecoderStack)
@@ -76,23 +62,23 @@ def test_the_linears_and_the_lm_head_are_int8_and_the_embedding_is_not(wide_head
     assert all(s is not None and s.dtype == torch.float32 for s in model.layers.scales)
     assert isinstance(model.layers[0].mlp.down_proj, Int8Linear)
     assert isinstance(model.lm_head, Int8Linear) and model.lm_head.packed.dtype == torch.int8
-    per_step = 4 if int8_path == "vnni" else 2  # inputs a panel's step holds: quads or pairs
+    per_step = 4 if int_path == "vnni" else 2  # inputs a panel's step holds: quads or pairs
     assert all(w.shape[-1] == per_step for w in [*linears, model.lm_head.packed])
     # the tied embedding keeps its own weight for the lookup
     assert model.embed_tokens.weight.dtype == getattr(torch, dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_int8_logits_equal_the_fallback_and_stay_near_the_unquantized_model(wide_heads_dir, dtype, int8_path):  # noqa: F811
+def test_int8_logits_equal_the_fallback_and_stay_near_the_unquantized_model(wide_heads_dir, dtype, int_path):  # noqa: F811
     int8 = prompt_logits(make_engine(wide_heads_dir, dtype=dtype, quantize="int8").executor, TOKENS).float()
     fallback = make_engine(wide_heads_dir, dtype=dtype, quantize="int8", use_kernels=False)
-    if int8_path == "vnni":
+    if int_path == "vnni":
         quantize_inputs(fallback.executor.model)
     plain = prompt_logits(fallback.executor, TOKENS).float()
     full = prompt_logits(make_engine(wide_heads_dir, dtype=dtype).executor, TOKENS).float()
     scale = full.abs().max()
     rows = (int8 - plain).abs().amax(dim=1) / scale  # each position's largest difference
-    if int8_path == "pairs":
+    if int_path == "convert":
         # the same int8 values on both paths: what differs is the order of fp32 sums (measured 2e-6) and, in bf16,
         # the roundings between ops (0.02-0.025; the unquantized kernels differ from plain torch by 0.012-0.014)
         assert rows.max() < (1e-5 if dtype == "float32" else 5e-2)
@@ -106,7 +92,7 @@ def test_int8_logits_equal_the_fallback_and_stay_near_the_unquantized_model(wide
     assert 0 < (int8 - full).abs().max() / scale < PARITY_TOLERANCE  # quantized, and not far off
 
 
-@pytest.mark.parametrize("quantize", ["int8 vnni", "int8 pairs", "int4"])
+@pytest.mark.parametrize("quantize", ["int8 vnni", "int8 convert", "int4 vnni", "int4 convert"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_quantized_call_decodes_the_same_alone_and_among_calls(wide_heads_dir, dtype, quantize, monkeypatch):  # noqa: F811
     """Steps that mix its decodes with other calls' prompt chunks and decodes (batches of several row blocks) give a
@@ -114,7 +100,7 @@ def test_a_quantized_call_decodes_the_same_alone_and_among_calls(wide_heads_dir,
     kernels' own tests check a row against batches past int8's buffered threshold."""
     quantize, _, path = quantize.partition(" ")
     if path:
-        use_int8_path(monkeypatch, path)
+        use_int_path(monkeypatch, path)
 
     def tokens_of_the_call(sampling: dict, num_neighbours: int) -> list[int]:
         engine = make_engine(wide_heads_dir, dtype=dtype, max_batch=16, max_num_batched_tokens=40, quantize=quantize)

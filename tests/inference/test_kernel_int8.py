@@ -24,8 +24,8 @@ def cases_of(isa: str) -> list[tuple[str, torch.dtype, int]]:
     """(layout, x dtype, bf16 path) of every product check_int8 runs on the build `isa`: pairs with fp32 x and with
     bf16 x on each bf16 path (amx meaning VDPBF16PS for int8); VNNI quads with fp32 and bf16 x where it has them."""
     build = kernels.isa_named(isa)
-    pairs = [("pairs", torch.float32, 0)] + [("pairs", torch.bfloat16, p) for p in range(len(build.bf16_paths))]
-    quads = [("vnni", dtype, 0) for dtype in (torch.float32, torch.bfloat16)] if "vnni" in build.int8_paths else []
+    pairs = [("convert", torch.float32, 0)] + [("convert", torch.bfloat16, p) for p in range(len(build.bf16_paths))]
+    quads = [("vnni", dtype, 0) for dtype in (torch.float32, torch.bfloat16)] if "vnni" in build.int_paths else []
     return pairs + quads
 
 
@@ -41,8 +41,8 @@ def check_int8(isa: str, seed: int = 0) -> int:
     gen, checked = torch.Generator().manual_seed(seed), 0
     for n, k in SHAPES:
         q, scale = quantize_int8(torch.randn(n, k, generator=gen) * 0.02)
-        packed = {"pairs": torch.ops.zeroqueue.pack_linear(q), "vnni": pack_int8_vnni(q)}
-        assert packed["pairs"].dtype == torch.int8 and packed["pairs"].shape == (-(-n // 16), -(-k // 2), 16, 2)
+        packed = {"convert": torch.ops.zeroqueue.pack_linear(q), "vnni": pack_int8_vnni(q)}
+        assert packed["convert"].dtype == torch.int8 and packed["convert"].shape == (-(-n // 16), -(-k // 2), 16, 2)
         assert packed["vnni"].dtype == torch.int8 and packed["vnni"].shape == (-(-n // 16), -(-k // 4), 16, 4)
         for bias in (None, torch.randn(n, generator=gen)):
             for m in ROWS:
@@ -61,7 +61,7 @@ def check_int8(isa: str, seed: int = 0) -> int:
                         alone = torch.ops.zeroqueue.linear_int8(x[r : r + 1], packed[layout], scale, bias, n, path)
                         assert torch.equal(alone, y[r : r + 1]), f"{what}: row {r} moved"
                     checked += 1
-    if "vnni" not in kernels.isa_named(isa).int8_paths:
+    if "vnni" not in kernels.isa_named(isa).int_paths:
         with pytest.raises(RuntimeError, match="has no VNNI kernel"):
             torch.ops.zeroqueue.linear_int8(torch.randn(2, 8), pack_int8_vnni(q[:, :8]), scale, None, n)
     return checked

@@ -261,7 +261,7 @@ def random_layers(ops, dtype, layers=2, hidden=128, heads=4, kv_heads=2, head_di
             0.1 * randn(n, k, dtype=dtype, seed=seed + 2 + j) for j, (n, k) in enumerate(zip(out_features, in_features))
         ]
         if quant == "int4":
-            packed = [pack_int4(*quantize_int4(w, INT4_GROUP), INT4_GROUP) for w in linears]
+            packed = [ops.pack_int4(*quantize_int4(w, INT4_GROUP), INT4_GROUP) for w in linears]
             linears, layer_scales = [p for p, _ in packed], [scale for _, scale in packed]
         elif quant == "int8":
             quantized = [quantize_int8(w) for w in linears]
@@ -342,10 +342,10 @@ def test_ops_have_fake_implementations_for_torch_compile(ops):
     torch.library.opcheck(
         torch.ops.zeroqueue.linear_int8.default, (x, ops.pack_int8(q8), s8, None, 20, ops.bf16_path), test_utils=checks
     )
-    packed4, s4 = pack_int4(*quantize_int4(w, 4), 4)
-    torch.library.opcheck(
-        torch.ops.zeroqueue.linear_int4.default, (x, packed4, s4, None, 20, ops.bf16_path), test_utils=checks
-    )
+    for packed4, s4 in (pack_int4(*quantize_int4(w, 4), 4), ops.pack_int4(*quantize_int4(w, 16), 16)):
+        torch.library.opcheck(
+            torch.ops.zeroqueue.linear_int4.default, (x, packed4, s4, None, 20, ops.bf16_path), test_utils=checks
+        )
     torch.library.opcheck(
         torch.ops.zeroqueue.decode_attention.default,
         (q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0), tables, lengths, 0.5),

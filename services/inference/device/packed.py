@@ -10,7 +10,7 @@ from torch import nn
 from .attention import AttentionBackend, AttentionMetadata
 from .kernels import CpuOps
 from .model import Attention, DecoderStack, RMSNorm, RotaryEmbedding, SiluAndMul
-from .quant import INT4_GROUP, pack_int4, quantize_int4, quantize_int8
+from .quant import INT4_GROUP, quantize_int4, quantize_int8
 
 
 class PackedLinear(nn.Module):
@@ -47,7 +47,7 @@ class QuantizedLinear(nn.Module):
 
 class Int8Linear(QuantizedLinear):
     """int8 weights (quant.py's symmetric per-channel scheme, scales fp32 [out_features]): `stored` (q, scales) as a
-    pre-quantized checkpoint holds them, else quantized from `linear`'s weight; packed for ops.int8_path
+    pre-quantized checkpoint holds them, else quantized from `linear`'s weight; packed for ops.int_path
     (zeroqueue::linear_int8)."""
 
     def __init__(self, linear: nn.Linear, ops: CpuOps, stored: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
@@ -57,10 +57,11 @@ class Int8Linear(QuantizedLinear):
 
 class Int4Linear(QuantizedLinear):
     """int4 weights (quant.py's symmetric scheme, one scale per group of INT4_GROUP inputs), quantized from
-    `linear`'s weight: packed uint8 [NP, KQ, 16, 2], scales fp32 [NP, groups, 16] (zeroqueue::linear_int4)."""
+    `linear`'s weight, packed for ops.int_path (zeroqueue::linear_int4)."""
 
     def __init__(self, linear: nn.Linear, ops: CpuOps) -> None:
-        super().__init__(linear, ops.linear_int4, *pack_int4(*quantize_int4(linear.weight, INT4_GROUP), INT4_GROUP))
+        q, scale = quantize_int4(linear.weight, INT4_GROUP)
+        super().__init__(linear, ops.linear_int4, *ops.pack_int4(q, scale, INT4_GROUP))
 
 
 class KernelRMSNorm(nn.Module):

@@ -106,6 +106,40 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, group: int, lanes: int = 16)
     return packed, scales.reshape(panels, lanes, groups).permute(0, 2, 1).contiguous()
 
 
+def pack_int4_vnni(
+    q: torch.Tensor, scale: torch.Tensor, group: int, lanes: int = 16
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_int4's (q [N, K], scale [N, G]) -> the layout zeroqueue::linear_int4's VNNI path reads: packed uint8
+    [NP, G * group / 8, lanes, 4] (double step d, column j, byte b: w[8d + b] + 8 in the low nibble, w[8d + 4 + b] + 8
+    in the high) and scales fp32 [NP, G, lanes] as pack_int4's; columns past N and inputs past K are zero weights.
+    `group` must hold a multiple of 16 inputs (a vector of x)."""
+    if group % 16:
+        raise ValueError(f"the VNNI layout needs groups of a multiple of 16 inputs, not {group}")
+    n, k = q.shape
+    groups = scale.shape[1]
+    panels = -(-n // lanes)
+    biased = nn.functional.pad(q.to(torch.int16) + 8, (0, groups * group - k, 0, panels * lanes - n), value=8)
+    halves = biased.reshape(panels, lanes, -1, 2, 4)  # [NP, lanes, D, low / high, byte]
+    packed = (halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)).permute(0, 2, 1, 3).to(torch.uint8).contiguous()
+    scales = nn.functional.pad(scale.float(), (0, 0, 0, panels * lanes - n), value=1.0)
+    return packed, scales.reshape(panels, lanes, groups).transpose(1, 2).contiguous()
+
+
+def linear_int4_vnni_reference(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """What linear_int4's VNNI path computes, in plain torch: x's rows quantized (quantize_rows_int8), each group's
+    integer products summed exactly, times the group's scale per column and added up in fp32, then times the row's
+    factor, plus bias; in x's dtype."""
+    xq, xs = quantize_rows_int8(x)
+    y = torch.zeros(x.shape[0], q.shape[0])
+    for g in range(scale.shape[1]):
+        part = xq[:, g * group : (g + 1) * group].to(torch.int64) @ q[:, g * group : (g + 1) * group].to(torch.int64).T
+        y = y + part.float() * scale.float()[:, g]
+    y = y * xs[:, None]
+    return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
 def fake_quantize_linears(*modules: nn.Module, bits: int = 8) -> int:
     """The plain-torch fallback of --quantize int8 / int4 (no CPU kernels: another ISA, fp16, a GPU): every nn.Linear
     in `modules` (the decoder layers, the LM head) gets a new weight, its own quantized (`bits` 8 or 4) and

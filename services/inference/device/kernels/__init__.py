@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..quant import pack_int8_vnni
+from ..quant import pack_int4, pack_int4_vnni, pack_int8_vnni
 from .fakes import register_fakes
 
 SOURCE_DIR = Path(__file__).parent
@@ -44,7 +44,7 @@ DECODE_HEAD_DIMS = (32, 64, 128)  # head sizes decode_attention is compiled for
 DISABLE_ENV = "ZQ_DISABLE_KERNELS"
 BF16_PATH_ENV = "ZQ_LINEAR_BF16"  # "widen", "dot" or "amx": overrides the measured choice
 BF16_PATHS = ("widen", "dot", "amx")  # the kernels' bf16_path codes 0, 1, 2
-INT8_PATH_ENV = "ZQ_LINEAR_INT8"  # "vnni" or "pairs": overrides the build's default
+INT_PATH_ENV = "ZQ_LINEAR_INT"  # "vnni" or "convert": how int8 / int4 weights multiply, over the build's default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,9 +55,10 @@ class Isa:
     cpu_flags: tuple[str, ...]
     compile_flags: tuple[str, ...]
     bf16_paths: tuple[str, ...]
-    # how int8 weights are multiplied, preferred first: "vnni" quantizes x per row and sums int8 products exactly
-    # (VPDPBUSD); "pairs" converts the weights to bf16 in registers and multiplies as bf16_path does
-    int8_paths: tuple[str, ...] = ("pairs",)
+    # how int8 and int4 weights are multiplied, preferred first: "vnni" quantizes x per row to int8 and sums the
+    # integer products exactly (VPDPBUSD); "convert" turns the weights into bf16 (or fp32) in registers and multiplies
+    # them as bf16_path says
+    int_paths: tuple[str, ...] = ("convert",)
 
     @property
     def extension_name(self) -> str:
@@ -87,7 +88,7 @@ AVX512 = Isa(
         "-fvisibility-inlines-hidden",
     ),
     bf16_paths=BF16_PATHS,
-    int8_paths=("vnni", "pairs"),
+    int_paths=("vnni", "convert"),
 )
 # Zen 2/3 and the Intel cores without AVX-512: 16 lanes as two ymm, no VDPBF16PS, no AMX.
 AVX2 = Isa(
@@ -156,7 +157,7 @@ class CpuOps:
     library_path: str
     bf16_path: int = 0  # bf16 linears: 0 widened to fp32 FMAs, 1 VDPBF16PS, 2 AMX (see choose_bf16_path)
     isa: str = AVX512.name  # the build loaded: "avx512" or "avx2"
-    int8_path: str = "pairs"  # int8 linears: "vnni" or "pairs" (see Isa.int8_paths, choose_int8_path)
+    int_path: str = "convert"  # int8 / int4 linears: "vnni" or "convert" (see Isa.int_paths, choose_int_path)
 
     @property
     def bf16_path_name(self) -> str:
@@ -179,9 +180,16 @@ class CpuOps:
         return y.reshape(*x.shape[:-1], n)
 
     def pack_int8(self, q: torch.Tensor) -> torch.Tensor:
-        """int8 weights q [N, K] -> packed as int8_path reads them: VNNI quads (quant.pack_int8_vnni) or bf16-layout
+        """int8 weights q [N, K] -> packed as int_path reads them: VNNI quads (quant.pack_int8_vnni) or bf16-layout
         pairs (pack_linear)."""
-        return pack_int8_vnni(q, LANES) if self.int8_path == "vnni" else self.pack_linear(q)
+        return pack_int8_vnni(q, LANES) if self.int_path == "vnni" else self.pack_linear(q)
+
+    def pack_int4(self, q: torch.Tensor, scale: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """quant.quantize_int4's (q, scale) -> (packed, scales) as int_path reads them: quant.pack_int4_vnni, or
+        quant.pack_int4 (also for groups the VNNI layout cannot hold: not a multiple of 16 inputs)."""
+        if self.int_path == "vnni" and group % LANES == 0:
+            return pack_int4_vnni(q, scale, group, LANES)
+        return pack_int4(q, scale, group, LANES)
 
     def linear_int8(
         self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, n: int
@@ -195,7 +203,8 @@ class CpuOps:
         self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, n: int
     ) -> torch.Tensor:
         """x [M, K] @ dequantize_int4(q, scales).T + bias -> [M, n] in x's dtype, for int4 weights and their group
-        scales as quant.pack_int4 lays them out; accumulated in fp32, bf16 x as bf16_path says."""
+        scales as pack_int4 lays them out. The layout says the path: pack_int4's is accumulated in fp32, bf16 x as
+        bf16_path says; VNNI's quantizes each row of x to int8 first (quant.linear_int4_vnni_reference)."""
         return torch.ops.zeroqueue.linear_int4.default(x, packed, scales, bias, n, self.bf16_path)
 
     def decode_attention(
@@ -330,7 +339,7 @@ def _load() -> tuple[CpuOps | None, str | None]:
     if isa is None:
         return None, found
     register_fakes(LANES)
-    ops = CpuOps(library_path=found, bf16_path=choose_bf16_path(isa), isa=isa.name, int8_path=choose_int8_path(isa))
+    ops = CpuOps(library_path=found, bf16_path=choose_bf16_path(isa), isa=isa.name, int_path=choose_int_path(isa))
     return ops, None
 
 
@@ -369,12 +378,13 @@ def choose_bf16_path(isa: Isa) -> int:
     return BF16_PATHS.index("dot" if dot else "widen")
 
 
-def choose_int8_path(isa: Isa) -> str:
-    """How int8 linears multiply: $ZQ_LINEAR_INT8 where `isa`'s build has it, else the build's first. VNNI is first
-    on AVX-512: 1.65x our bf16 at 1, 8 and 32 rows against the pairs' 1.16x / 1.25x / 0.99x, the same NLL on the
-    bundled model (BENCHMARKS.md, "int8 on VNNI")."""
-    forced = os.environ.get(INT8_PATH_ENV)
-    return forced if forced in isa.int8_paths else isa.int8_paths[0]
+def choose_int_path(isa: Isa) -> str:
+    """How int8 and int4 linears multiply: $ZQ_LINEAR_INT where `isa`'s build has it, else the build's first. VNNI is
+    first on AVX-512 (bench/quant_linear.py, Zen 5, 2026-12-06): int8 1.65-1.8x our bf16 at 1 to 128 rows against
+    converting's 1.16x / 1.25x / 0.99x / 0.94x, int4 2.2x / 1.5x / 1.8x at 1 / 8 / 32 against 1.8x / 1.1x / 0.9x; the
+    bundled model's NLL within 0.01 % of the weights' own (BENCHMARKS.md, "VNNI")."""
+    forced = os.environ.get(INT_PATH_ENV)
+    return forced if forced in isa.int_paths else isa.int_paths[0]
 
 
 def load_cpu_ops() -> CpuOps | None:

@@ -25,6 +25,7 @@
 #include "ops.h"
 #include "simd.h"
 #include "tile.h"
+#include "vnni.h"
 
 namespace zq {
 namespace {
@@ -129,6 +130,61 @@ struct Int4Widen {
   }
 };
 
+#ifndef ZQ_AVX2
+// VNNI: x quantized per row to int8 (vnni.h), the weights in quant.pack_int4_vnni's layout: uint8 [NP][D][16][4],
+// D = groups * G / 8; lane j's 4 bytes at double step d hold inputs 8d..8d+3 of column j in their low nibbles and
+// 8d+4..8d+7 in their high ones, each weight + 8. One load gives two steps: the low nibbles (an and) and the high
+// (a shift and an and) are VPDPBUSD's unsigned bytes as they stand. Each group's products are summed exactly in int32
+// from -8 * (the group's sum of q), added to the row's fp32 accumulator times the group's scale per column, and the
+// row's factor applied last.
+struct Int4Vnni {
+  using T = uint8_t;
+  using X = int32_t;                                // 4 int8 of x a word, two words per double step
+  static constexpr int64_t kStepElems = 4 * kLanes;  // bytes of a double step of a panel
+  static constexpr int64_t kXPerStep = 2;
+  static constexpr bool kRowScaled = true;
+  template <int MR, int NR, class Tl>
+  static const float* sum(vf (&out)[MR][NR], const Tl& t) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) out[i][j] = vzero();
+    for (int64_t g = 0; g < t.groups; ++g) {
+      __m512i part[MR][NR];
+#pragma GCC unroll 4
+      for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NR; ++j) part[i][j] = _mm512_set1_epi32(t.row_offset[i * t.groups + g]);
+      const int64_t end = std::min(t.steps, (g + 1) * t.group_steps);
+      for (int64_t s = g * t.group_steps; s < end; ++s) {
+        prefetch_step<Int4Vnni, typename Tl::Out, NR>(t, s);
+        const uint8_t* ws = t.w + s * kStepElems;
+#pragma GCC unroll 4
+        for (int j = 0; j < NR; ++j) {
+          const __m512i v = _mm512_loadu_si512(ws + j * t.panel_stride);
+          const __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+#pragma GCC unroll 4
+          for (int i = 0; i < MR; ++i) {
+            vnni::dpbusd(part[i][j], lo, t.x + i * t.ldx + 2 * s);
+            vnni::dpbusd(part[i][j], hi, t.x + i * t.ldx + 2 * s + 1);
+          }
+        }
+      }
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) {
+        const vf f = load16(t.scale + (j * t.groups + g) * kLanes);
+        for (int i = 0; i < MR; ++i) out[i][j] = vfmadd(_mm512_cvtepi32_ps(part[i][j]), f, out[i][j]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) {
+      const vf f = vset1(t.row_scale[i]);
+      for (int j = 0; j < NR; ++j) out[i][j] = _mm512_mul_ps(out[i][j], f);
+    }
+    return nullptr;
+  }
+};
+#endif
+
 struct Operands {
   const uint8_t* w;
   int64_t np, steps, groups;
@@ -156,6 +212,19 @@ void run_widened(const at::Tensor& x, const Operands& o, at::Tensor& y) {
   run_direct<Kn, Y>(rows.data(), x.size(0), ldx, o, y);
 }
 
+#ifndef ZQ_AVX2
+template <class In>
+void run_vnni(const at::Tensor& x, const Operands& o, at::Tensor& y) {
+  const int64_t m = x.size(0), panel_stride = o.steps * Int4Vnni::kStepElems, group = 8 * o.steps / o.groups;
+  const vnni::QuantizedRows rows = vnni::quantize_rows(x.data_ptr<In>(), m, x.size(1), 2 * o.steps, group, 8);
+  const auto panels = [&](int64_t p, int64_t) { return std::pair{o.w + p * panel_stride, panel_stride}; };
+  run_tiles<Int4Vnni, In, true>(rows.words.data(), m, 2 * o.steps, o.steps, o.np, panels, o.scales,
+                                o.bias.defined() ? o.bias.data_ptr<In>() : nullptr, y.data_ptr<In>(), y.size(1),
+                                o.groups, o.steps / o.groups,
+                                RowFactors{rows.offset.data(), rows.scale.data(), rows.groups});
+}
+#endif
+
 }  // namespace
 
 at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
@@ -165,17 +234,21 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::
               "linear_int4: x, packed and scales must be on the CPU");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "linear_int4: x must be bfloat16 or float32");
+  // pack_int4's [NP, KQ, 16, 2] (steps of 4 inputs), or pack_int4_vnni's [NP, D, 16, 4] (double steps of 8)
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 4 &&
-                  packed.size(2) == kLanes && packed.size(3) == 2,
-              "linear_int4: packed must be pack_int4's uint8 [NP, KQ, 16, 2], got ", packed.sizes());
-  const int64_t m = x.size(0), k = x.size(1), np = packed.size(0), steps = packed.size(1);
+                  packed.size(2) == kLanes && (packed.size(3) == 2 || packed.size(3) == 4),
+              "linear_int4: packed must be pack_int4's uint8 [NP, KQ, 16, 2] or pack_int4_vnni's [NP, D, 16, 4], got ",
+              packed.sizes());
+  const bool quads = packed.size(3) == 4;
+  const int64_t m = x.size(0), k = x.size(1), np = packed.size(0), steps = packed.size(1), per_step = quads ? 8 : 4;
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 3 &&
                   scales.size(0) == np && scales.size(2) == kLanes && scales.size(1) > 0 && steps % scales.size(1) == 0,
               "linear_int4: scales must be fp32 [", np, ", groups, 16] with groups dividing ", steps, ", got ",
               scales.sizes());
-  const int64_t groups = scales.size(1), group = 4 * steps / groups;
-  TORCH_CHECK(k <= 4 * steps && k > 4 * steps - group, "linear_int4: x has K=", k, " but packed holds ", groups,
-              " groups of ", group);
+  const int64_t groups = scales.size(1), group = per_step * steps / groups;
+  TORCH_CHECK(k <= per_step * steps && k > per_step * steps - group, "linear_int4: x has K=", k, " but packed holds ",
+              groups, " groups of ", group);
+  TORCH_CHECK(!quads || group % kLanes == 0, "linear_int4: VNNI groups must hold a multiple of 16 inputs, not ", group);
   TORCH_CHECK(n > (np - 1) * kLanes && n <= np * kLanes, "linear_int4: n=", n, " does not match ", np, " panels");
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == n), "linear_int4: bias must be [", n, "]");
   TORCH_CHECK(bf16_path >= kBf16Widen && bf16_path <= kBf16Amx, "linear_int4: bf16_path must be 0, 1 or 2");
@@ -184,6 +257,15 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::
                    bias.has_value() ? bias->to(x.scalar_type()).contiguous() : at::Tensor()};
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({m, n}, x.options());
+  if (quads) {
+#ifndef ZQ_AVX2
+    if (x.scalar_type() == at::kFloat) run_vnni<float>(xc, o, y);
+    else run_vnni<BFloat16>(xc, o, y);
+    return y;
+#else
+    TORCH_CHECK(false, "linear_int4: the AVX2 build has no VNNI kernel; pack int4 weights with pack_int4");
+#endif
+  }
   if (x.scalar_type() == at::kFloat) {
     run_widened<Int4Widen, float>(xc, o, y);
     return y;

@@ -26,6 +26,7 @@
 #include "ops.h"
 #include "simd.h"
 #include "tile.h"
+#include "vnni.h"
 
 namespace zq {
 namespace {
@@ -111,10 +112,6 @@ struct Int8Dot {
 // 4kq+3]), each stored as q + 128, VPDPBUSD's unsigned operand. One instruction multiplies 4 inputs of 16 columns and
 // adds them to int32 sums, exactly: twice VDPBF16PS's work and no conversion of the weights. A row's sum starts at
 // -128 * sum(its q) to take the + 128 back out, then is scaled by the row's factor and the column's.
-// acc += VPDPBUSD(w unsigned, x signed). Written in asm: GCC 12's _mm512_dpbusd_epi32 keeps its accumulator in
-// zmm0-15, so a tile of 24 spilled to the stack every step (1.5x slower at 32 rows).
-inline void dpbusd(__m512i& acc, __m512i w, __m512i x) { asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x)); }
-
 struct Int8Vnni {
   using T = int8_t;
   using X = int32_t;  // 4 int8 of x a word, one broadcast per step
@@ -122,7 +119,7 @@ struct Int8Vnni {
   static constexpr int64_t kXPerStep = 1;
   static constexpr bool kRowScaled = true;
   template <int MR, int NR, class Tl>
-  static void sum(vf (&out)[MR][NR], const Tl& t) {
+  static const float* sum(vf (&out)[MR][NR], const Tl& t) {
     __m512i acc[MR][NR];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i)
@@ -137,7 +134,7 @@ struct Int8Vnni {
       for (int i = 0; i < MR; ++i) {
         const __m512i a = _mm512_set1_epi32(t.x[i * t.ldx + s]);
 #pragma GCC unroll 4
-        for (int j = 0; j < NR; ++j) dpbusd(acc[i][j], b[j], a);
+        for (int j = 0; j < NR; ++j) vnni::dpbusd(acc[i][j], b[j], a);
       }
     }
 #pragma GCC unroll 8
@@ -145,44 +142,15 @@ struct Int8Vnni {
       const vf f = vset1(t.row_scale[i]);
       for (int j = 0; j < NR; ++j) out[i][j] = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i][j]), f);
     }
+    return t.scale;
   }
 };
-
-// x [M, K] quantized per row for Int8Vnni: the words [M][ldx] (zeros past K), each row's offset and factor
-struct QuantizedRows {
-  std::vector<int32_t> words;
-  std::vector<int32_t> offset;
-  std::vector<float> scale;
-};
-
-template <class In>
-QuantizedRows quantize_rows(const In* x, int64_t m, int64_t k, int64_t ldx) {
-  QuantizedRows out{std::vector<int32_t>(m * ldx, 0), std::vector<int32_t>(m), std::vector<float>(m)};
-  for (int64_t r = 0; r < m; ++r) {
-    const In* row = x + r * k;
-    vf top = vzero();
-    for (int64_t c = 0; c < k; c += kLanes) top = _mm512_max_ps(top, _mm512_abs_ps(load16(row + c, first_n(k - c))));
-    const float amax = reduce_max(top);
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int8_t* q = reinterpret_cast<int8_t*>(out.words.data() + r * ldx);
-    __m512i sum = _mm512_setzero_si512();
-    for (int64_t c = 0; c < k; c += kLanes) {
-      const mask16 mask = first_n(k - c);
-      const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load16(row + c, mask), vset1(inv)));  // to nearest, even
-      sum = _mm512_add_epi32(sum, v);
-      _mm512_mask_cvtsepi32_storeu_epi8(q + c, mask, v);
-    }
-    out.offset[r] = -128 * _mm512_reduce_add_epi32(sum);
-    out.scale[r] = amax / 127.0f;
-  }
-  return out;
-}
 
 template <class In>
 void run_vnni(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& bias,
               at::Tensor& y) {
   const int64_t m = x.size(0), np = packed.size(0), steps = packed.size(1), panel_stride = steps * Int8Vnni::kStepElems;
-  const QuantizedRows rows = quantize_rows(x.data_ptr<In>(), m, x.size(1), steps);
+  const vnni::QuantizedRows rows = vnni::quantize_rows(x.data_ptr<In>(), m, x.size(1), steps, 4 * steps, 128);
   const int8_t* wp = packed.data_ptr<int8_t>();
   const auto panels = [&](int64_t p, int64_t) { return std::pair{wp + p * panel_stride, panel_stride}; };
   run_tiles<Int8Vnni, In>(rows.words.data(), m, steps, steps, np, panels, scales.data_ptr<float>(),

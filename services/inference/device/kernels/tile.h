@@ -127,13 +127,14 @@ struct Tile {
   Y* y;                  // [rows][ldy] at column n0
   int64_t ldy, n_left;   // n_left: valid output columns from n0 on
   int64_t groups = 1, group_steps = 0;  // grouped scales: groups per panel, steps per group
-  // a row-scaled Kn's (row_scaled_v): each row's integer start and factor, [rows] from this tile's row 0
+  // a row-scaled Kn's (row_scaled_v): each row's integer starts ([rows][groups] where grouped, else [rows]) and
+  // factor ([rows]), from this tile's row 0
   const int32_t* row_offset = nullptr;
   const float* row_scale = nullptr;
 };
 
-// A row-scaled Kn (linear_int8.cpp's Int8Vnni) sums integers: Kn::sum runs the K loop on accumulators that start at
-// the row's offset and gives them as floats times the row's factor, before the column scale and the bias.
+// A row-scaled Kn (Int8Vnni, Int4Vnni) sums integers: Kn::sum runs the K loop on accumulators that start at the row's
+// offsets, gives them as floats times the row's factor, and returns the column scale still to apply (or nullptr).
 template <class Kn, class = void>
 struct row_scaled : std::false_type {};
 template <class Kn>
@@ -169,7 +170,8 @@ template <class Kn, class Y, int MR, int NR>
 void run_tile(const Tile<Kn, Y>& t) {
   vf acc[MR][NR];
   if constexpr (row_scaled_v<Kn>) {
-    Kn::template sum<MR, NR>(acc, t);  // its own integer accumulators, kept apart from vf so they stay in registers
+    // its own integer accumulators, kept apart from vf so they stay in registers; it says which column scale is left
+    return store_tile(acc, t, Kn::template sum<MR, NR>(acc, t));
   } else {
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR; ++j) acc[i][j] = vzero();
@@ -210,7 +212,7 @@ using TileFn = void (*)(const Tile<Kn, Y>&);
 
 template <class Kn, class Y, bool Grouped, int MR, int NR>
 constexpr TileFn<Kn, Y> tile_fn() {
-  if constexpr (Grouped) return &run_group_tile<Kn, Y, MR, NR>;
+  if constexpr (Grouped && !row_scaled_v<Kn>) return &run_group_tile<Kn, Y, MR, NR>;  // a row-scaled Kn groups itself
   else return &run_tile<Kn, Y, MR, NR>;
 }
 
@@ -229,10 +231,11 @@ constexpr auto make_table(std::integer_sequence<int, Ns...>) {
 // contiguous part of the weights once; `panels(p, nr)` gives a group of nr panels from panel p as (first panel,
 // elements between panels), and every row block runs while that group is still in L1/L2. Grouped: scales grouped
 // along K (run_group_tile), `groups` of group_steps steps each; else one factor per column, or none.
-// Row-scaled Kn: rows gives each row's offset and factor ([m] each).
+// Row-scaled Kn: rows gives each row's offsets and factor.
 struct RowFactors {
-  const int32_t* offset = nullptr;
+  const int32_t* offset = nullptr;  // [m][offsets_per_row]
   const float* scale = nullptr;
+  int64_t offsets_per_row = 1;
 };
 
 template <class Kn, class Y, bool Grouped = false, class Panels>
@@ -251,7 +254,7 @@ void run_tiles(const typename Kn::X* x, int64_t m, int64_t ldx, int64_t steps, i
         const int64_t mr = std::min<int64_t>(kRows, m - r);
         const Tile<Kn, Y> t{x + r * ldx, ldx, steps, w, panel_stride, scale ? scale + p * kLanes * groups : nullptr,
                             bias ? bias + p * kLanes : nullptr, y + r * n + p * kLanes, n, n - p * kLanes,
-                            groups, group_steps, rows.offset ? rows.offset + r : nullptr,
+                            groups, group_steps, rows.offset ? rows.offset + r * rows.offsets_per_row : nullptr,
                             rows.scale ? rows.scale + r : nullptr};
         table[nr - 1][mr - 1](t);
       }
