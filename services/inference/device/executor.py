@@ -143,6 +143,7 @@ class Executor:
             kernels=self.cpu_ops is not None,
             kernels_isa=self.cpu_ops.isa if self.cpu_ops is not None else None,
             bf16_linears=self.cpu_ops.bf16_path_name if self.cpu_ops is not None else None,
+            int_linears=self.cpu_ops.int_path if self.cpu_ops is not None else None,
             quantize=self.quantize,
             graph_buckets=self.graphs.buckets if self.graphs else [],
             graph_contexts=self.graphs.context_buckets if self.graphs else [],

@@ -1,8 +1,14 @@
 // zeroqueue::linear_int4: y[M, N] = sum over groups g of (x[M, K_g] . q[N, K_g]^T) * scales[g][N] + bias, with int4
-// weights (symmetric, -8..7, one fp32 scale per output column and group of G inputs) as quant.pack_int4 lays them:
+// weights (symmetric, -8..7, one fp32 scale per output column and group of G inputs), in one of two layouts, which the
+// packed tensor's last dimension tells apart; scales fp32 [NP][groups][16] for both.
+//
+// VNNI (quant.pack_int4_vnni, [NP][D][16][4]; the AVX-512 build): x quantized per row to int8, two steps a 64-byte
+// load, the nibbles VPDPBUSD's unsigned bytes as they stand (Int4Vnni, below). 2.2x / 1.5x / 1.8x our bf16 at 1 / 8
+// / 32 rows on Zen 5 (bench/quant_linear.py, 2026-12-06), where converting was 1.8x / 1.1x / 0.9x.
+//
+// Converting (quant.pack_int4, every build):
 //   packed uint8 [NP][KQ][16][2], KQ = groups * G / 4: step t of panel p holds inputs 4t..4t+3 of columns 16p..16p+15,
-//   column j's two bytes w[4t] | w[4t+2] << 4 and w[4t+1] | w[4t+3] << 4, each weight + 8 (padding: zero weights);
-//   scales fp32 [NP][groups][16].
+//   column j's two bytes w[4t] | w[4t+2] << 4 and w[4t+1] | w[4t+3] << 4, each weight + 8 (padding: zero weights).
 // A step of a panel is 32 bytes, a quarter of bf16's for the same inputs. tile.h's grouped tiles sum each group's
 // products from zero, then add the sum times the group's scale: the integers are exact in bf16 and fp32, so only x
 // is rounded.
@@ -11,9 +17,10 @@
 // 16-bit words whose low nibbles are the pairs (4t, 4t+1) and high nibbles (4t+2, 4t+3): bf16 x on VDPBF16PS looks
 // both up as bf16 pairs (vpermw, one shift); widened x (fp32; bf16 on hosts that widen; the AVX2 build) takes each
 // input as fp32 and FMAs. This layout halved the conversion of the first one (a step of one k-pair, 16 bytes, took
-// a zero-extension, a shift, an or and a lookup per pair). Converting a panel group once a call into a buffer that every row block reads (as linear_int8.cpp does) was
-// slower at 8 and 32 rows on Zen 4: 9.5 and 26 ms against 6.8 and 22 (bench/quant_linear.py, 2026-12-06). A row
-// meets the same values and instructions whatever M, so its result does not depend on its batch.
+// a zero-extension, a shift, an or and a lookup per pair). Converting a panel group once a call into a buffer that
+// every row block reads (as linear_int8.cpp does) was slower at 8 and 32 rows on Zen 4: 9.5 and 26 ms against 6.8
+// and 22 (bench/quant_linear.py, 2026-12-06). A row meets the same values and instructions whatever M, so its result
+// does not depend on its batch.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
