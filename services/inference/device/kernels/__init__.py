@@ -382,7 +382,7 @@ def choose_int_path(isa: Isa) -> str:
     """How int8 and int4 linears multiply: $ZQ_LINEAR_INT where `isa`'s build has it, else the build's first. VNNI is
     first on AVX-512 (bench/quant_linear.py, Zen 5, 2026-12-06): int8 1.65-1.8x our bf16 at 1 to 128 rows against
     converting's 1.16x / 1.25x / 0.99x / 0.94x, int4 2.2x / 1.5x / 1.8x at 1 / 8 / 32 against 1.8x / 1.1x / 0.9x; the
-    bundled model's NLL within 0.01 % of the weights' own (BENCHMARKS.md, "VNNI")."""
+    bundled model's NLL within 0.01 % of the weights' own (BENCHMARKS.md, "int8 and int4 on VNNI")."""
     forced = os.environ.get(INT_PATH_ENV)
     return forced if forced in isa.int_paths else isa.int_paths[0]
 
