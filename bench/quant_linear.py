@@ -8,8 +8,8 @@ anyone), at M = 1, 8, 32 rows, ms per pass, median (min):
   - zeroqueue int8: `zeroqueue.linear_int8` (kernels/linear_int8.cpp), the same int8 weights in the bf16 layout's
     panels, converted to bf16 in registers for one row block and once per call into a cached buffer for more, then
     multiplied as our bf16 is (VDPBF16PS or widened FMAs), the scale applied after the K loop;
-  - zeroqueue int8 VNNI (AVX-512 builds): the same op on `quant.pack_int8_vnni`'s quads, x quantized per row to int8
-    and the products summed by VPDPBUSD (what `--quantize int8` runs there);
+  - zeroqueue int8 VNNI: the same op on `quant.pack_int8_vnni`'s quads, x quantized per row to int8 and the
+    products summed by VPDPBUSD (the AVX-512 build) or VPMADDUBSW (the AVX2 build): the `vnni` int path;
   - zeroqueue int4 g32 / g64: `zeroqueue.linear_int4` (kernels/linear_int4.cpp), symmetric int4 per group of 32 /
     64 inputs (quant.quantize_int4), two weights a byte in 16-column panels, turned into bf16 pairs in registers
     (or once per call into a buffer for more than 4 rows), each group's sum scaled into the row's accumulator;
@@ -82,16 +82,14 @@ class Layers:
                 q, s = int8_per_channel(w)
                 self.int8.append((q, s, k))
                 self.zq_int8.append((ops.pack_linear(q), s.float(), n, k))
-                if ops.isa == "avx512":
-                    self.zq_vnni.append((pack_int8_vnni(q), s.float(), n, k))
+                self.zq_vnni.append((pack_int8_vnni(q), s.float(), n, k))
                 self.bytes["int8"] += n * k + 2 * n
                 for group, out in self.int4.items():
                     packed, sz, _ = int4_grouped(w, group)
                     out.append((packed, sz, k))
                     self.bytes[group] += n * k // 2 + 4 * n * (k // group)
                     self.zq_int4[group].append((*pack_int4(*quantize_int4(w, group), group), n))
-                if ops.isa == "avx512":
-                    self.zq_int4_vnni.append((*pack_int4_vnni(*quantize_int4(w, 64), 64), n, k))
+                self.zq_int4_vnni.append((*pack_int4_vnni(*quantize_int4(w, 64), 64), n, k))
 
     def steps(self, xs: dict[int, torch.Tensor]) -> dict[str, object]:
         ops = self.ops
@@ -163,15 +161,9 @@ def kernel_errors(ops: kernels.CpuOps) -> dict[str, float]:
             ops.linear_int8(x, ops.pack_linear(q), s.float(), None, n),
             xf @ (q.float() * s.float()[:, None]).T,
         ),
-        **(
-            {
-                "zeroqueue int8 VNNI": (
-                    ops.linear_int8(x, pack_int8_vnni(q), s.float(), None, n),
-                    xf @ (q.float() * s.float()[:, None]).T,
-                )
-            }
-            if ops.isa == "avx512"
-            else {}
+        "zeroqueue int8 VNNI": (
+            ops.linear_int8(x, pack_int8_vnni(q), s.float(), None, n),
+            xf @ (q.float() * s.float()[:, None]).T,
         ),
         "zeroqueue int4 g64": (
             ops.linear_int4(x, *pack_int4(*q4, 64), None, n),

@@ -77,9 +77,6 @@ def check_int4(isa: str, seed: int = 0) -> int:
                         alone = torch.ops.zeroqueue.linear_int4(x[r : r + 1], *packed[layout], bias, n, path)
                         assert torch.equal(alone, y[r : r + 1]), f"{what}: row {r} moved"
                     checked += 1
-    if "vnni" not in kernels.isa_named(isa).int_paths:
-        with pytest.raises(RuntimeError, match="has no VNNI kernel"):
-            torch.ops.zeroqueue.linear_int4(torch.randn(2, 64), *pack_int4_vnni(*quantize_int4(w[:, :64]), 64), None, n)
     return checked
 
 

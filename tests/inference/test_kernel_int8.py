@@ -2,8 +2,8 @@
 and scales, at every linear shape of the bundled model and the SmolLM2-135M shape and at ragged ones, for ragged
 batches, on both layouts (bf16-layout pairs; VNNI quads, whose rows of x are quantized, against
 quant.linear_int8_vnni_reference); and its batch invariance. The build this process loaded runs here; every other
-build this CPU runs is checked in a child process that loads it (ZQ_KERNELS_ISA), so the AVX2 build is tested on an
-AVX-512 host too."""
+build this CPU runs is checked in a child process that loads it (ZQ_KERNELS_ISA), so the AVX2 build (its quads on
+VPMADDUBSW) is tested on an AVX-512 host too."""
 
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ def check_int8(isa: str, seed: int = 0) -> int:
     gen, checked = torch.Generator().manual_seed(seed), 0
     for n, k in SHAPES:
         q, scale = quantize_int8(torch.randn(n, k, generator=gen) * 0.02)
+        q[0, :5] = -128  # never made here, but a pre-quantized checkpoint may hold it (the AVX2 quads take |q|)
         packed = {"convert": torch.ops.zeroqueue.pack_linear(q), "vnni": pack_int8_vnni(q)}
         assert packed["convert"].dtype == torch.int8 and packed["convert"].shape == (-(-n // 16), -(-k // 2), 16, 2)
         assert packed["vnni"].dtype == torch.int8 and packed["vnni"].shape == (-(-n // 16), -(-k // 4), 16, 4)
@@ -61,9 +62,6 @@ def check_int8(isa: str, seed: int = 0) -> int:
                         alone = torch.ops.zeroqueue.linear_int8(x[r : r + 1], packed[layout], scale, bias, n, path)
                         assert torch.equal(alone, y[r : r + 1]), f"{what}: row {r} moved"
                     checked += 1
-    if "vnni" not in kernels.isa_named(isa).int_paths:
-        with pytest.raises(RuntimeError, match="has no VNNI kernel"):
-            torch.ops.zeroqueue.linear_int8(torch.randn(2, 8), pack_int8_vnni(q[:, :8]), scale, None, n)
     return checked
 
 

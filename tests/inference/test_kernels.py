@@ -187,16 +187,16 @@ def test_the_bf16_path_is_measured_or_forced(ops, monkeypatch):
 
 
 def test_the_int_path_is_the_builds_first_unless_forced(ops, monkeypatch):
-    """VNNI on AVX-512, pairs on AVX2 (which has no other); ZQ_LINEAR_INT forces one the build has, and an unknown or
-    missing name falls back to the build's first. The loaded ops pack for the path they took."""
-    assert (kernels.AVX512.int_paths, kernels.AVX2.int_paths) == (("vnni", "convert"), ("convert",))
+    """VNNI's quads first on both builds (VPDPBUSD on AVX-512, VPMADDUBSW on AVX2); ZQ_LINEAR_INT forces one the build
+    has, and an unknown or missing name falls back to the build's first. The loaded ops pack for the path they took."""
+    assert kernels.AVX512.int_paths == kernels.AVX2.int_paths == ("vnni", "convert")
     monkeypatch.delenv(kernels.INT_PATH_ENV, raising=False)
-    assert kernels.choose_int_path(kernels.AVX512) == "vnni" and kernels.choose_int_path(kernels.AVX2) == "convert"
+    assert kernels.choose_int_path(kernels.AVX512) == "vnni" and kernels.choose_int_path(kernels.AVX2) == "vnni"
     monkeypatch.setenv(kernels.INT_PATH_ENV, "convert")
-    assert kernels.choose_int_path(kernels.AVX512) == "convert"
-    for name in ("vnni", "amx", ""):
+    assert kernels.choose_int_path(kernels.AVX512) == "convert" and kernels.choose_int_path(kernels.AVX2) == "convert"
+    for name in ("amx", "VNNI", ""):
         monkeypatch.setenv(kernels.INT_PATH_ENV, name)
-        assert kernels.choose_int_path(kernels.AVX2) == "convert"
+        assert kernels.choose_int_path(kernels.AVX2) == "vnni"
     assert ops.int_path in kernels.isa_named(ops.isa).int_paths
     q = torch.randint(-127, 128, (40, 24), dtype=torch.int8)
     assert ops.pack_int8(q).shape == ((3, 6, 16, 4) if ops.int_path == "vnni" else (3, 12, 16, 2))

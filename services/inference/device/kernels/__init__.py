@@ -56,9 +56,9 @@ class Isa:
     compile_flags: tuple[str, ...]
     bf16_paths: tuple[str, ...]
     # how int8 and int4 weights are multiplied, preferred first: "vnni" quantizes x per row to int8 and sums the
-    # integer products exactly (VPDPBUSD); "convert" turns the weights into bf16 (or fp32) in registers and multiplies
-    # them as bf16_path says
-    int_paths: tuple[str, ...] = ("convert",)
+    # integer products exactly (VPDPBUSD on AVX-512, VPMADDUBSW and VPMADDWD on AVX2: vnni.h); "convert" turns the
+    # weights into bf16 (or fp32) in registers and multiplies them as bf16_path says
+    int_paths: tuple[str, ...] = ("vnni", "convert")
 
     @property
     def extension_name(self) -> str:
@@ -88,7 +88,6 @@ AVX512 = Isa(
         "-fvisibility-inlines-hidden",
     ),
     bf16_paths=BF16_PATHS,
-    int_paths=("vnni", "convert"),
 )
 # Zen 2/3 and the Intel cores without AVX-512: 16 lanes as two ymm, no VDPBF16PS, no AMX.
 AVX2 = Isa(
@@ -380,9 +379,10 @@ def choose_bf16_path(isa: Isa) -> int:
 
 def choose_int_path(isa: Isa) -> str:
     """How int8 and int4 linears multiply: $ZQ_LINEAR_INT where `isa`'s build has it, else the build's first. VNNI is
-    first on AVX-512 (bench/quant_linear.py, Zen 5, 2026-12-06): int8 1.65-1.8x our bf16 at 1 to 128 rows against
-    converting's 1.16x / 1.25x / 0.99x / 0.94x, int4 2.2x / 1.5x / 1.8x at 1 / 8 / 32 against 1.8x / 1.1x / 0.9x; the
-    bundled model's NLL within 0.01 % of the weights' own (BENCHMARKS.md, "int8 and int4 on VNNI")."""
+    first on both builds (bench/quant_linear.py, BENCHMARKS.md, "int8 and int4 on VNNI"). AVX-512, Zen 5: int8
+    1.65-1.8x our bf16 at 1 to 128 rows against converting's 1.16x / 1.25x / 0.99x / 0.94x, int4 2.2x / 1.5x / 1.8x
+    at 1 / 8 / 32 against 1.8x / 1.1x / 0.9x. AVX2 on Zen 4: the quads were faster than converting at every row count
+    measured. The bundled model's NLL is within 0.01 % of the weights' own."""
     forced = os.environ.get(INT_PATH_ENV)
     return forced if forced in isa.int_paths else isa.int_paths[0]
 

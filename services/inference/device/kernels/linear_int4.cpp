@@ -2,9 +2,10 @@
 // weights (symmetric, -8..7, one fp32 scale per output column and group of G inputs), in one of two layouts, which the
 // packed tensor's last dimension tells apart; scales fp32 [NP][groups][16] for both.
 //
-// VNNI (quant.pack_int4_vnni, [NP][D][16][4]; the AVX-512 build): x quantized per row to int8, two steps a 64-byte
-// load, the nibbles VPDPBUSD's unsigned bytes as they stand (Int4Vnni, below). 2.2x / 1.5x / 1.8x our bf16 at 1 / 8
-// / 32 rows on Zen 5 (bench/quant_linear.py, 2026-12-06), where converting was 1.8x / 1.1x / 0.9x.
+// VNNI (quant.pack_int4_vnni, [NP][D][16][4]; both builds): x quantized per row to int8, two steps a 64-byte load,
+// the nibbles the unsigned bytes of VPDPBUSD (Int4Vnni) or, on AVX2, VPMADDUBSW (Int4Madd) as they stand. 2.2x / 1.5x
+// / 1.8x our bf16 at 1 / 8 / 32 rows on Zen 5 (bench/quant_linear.py, 2026-12-06), where converting was 1.8x / 1.1x /
+// 0.9x.
 //
 // Converting (quant.pack_int4, every build):
 //   packed uint8 [NP][KQ][16][2], KQ = groups * G / 4: step t of panel p holds inputs 4t..4t+3 of columns 16p..16p+15,
@@ -190,6 +191,63 @@ struct Int4Vnni {
     return nullptr;
   }
 };
+using Int4Quads = Int4Vnni;
+#else
+// The same on AVX2 (vnni.h): per half panel (8 columns, 32 bytes of a double step), VPMADDUBSW multiplies the low
+// nibbles by x's first word and the high by its second; the two int16 results (each |.| <= 2 * 15 * 127) are added,
+// and VPMADDWD with ones sums them into the 8 int32 lanes. The same int32 sums as VPDPBUSD's, so the same results.
+struct Int4Madd {
+  using T = uint8_t;
+  using X = int32_t;
+  static constexpr int64_t kStepElems = 4 * kLanes;
+  static constexpr int64_t kXPerStep = 2;
+  static constexpr bool kRowScaled = true;
+  template <int MR, int NR, class Tl>
+  static const float* sum(vf (&out)[MR][NR], const Tl& t) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) out[i][j] = vzero();
+    for (int64_t g = 0; g < t.groups; ++g) {
+      __m256i part[MR][NR][2];
+#pragma GCC unroll 4
+      for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NR; ++j) part[i][j][0] = part[i][j][1] = _mm256_set1_epi32(t.row_offset[i * t.groups + g]);
+      const int64_t end = std::min(t.steps, (g + 1) * t.group_steps);
+      for (int64_t s = g * t.group_steps; s < end; ++s) {
+        prefetch_step<Int4Madd, typename Tl::Out, NR>(t, s);
+        const uint8_t* ws = t.w + s * kStepElems;
+#pragma GCC unroll 4
+        for (int j = 0; j < NR; ++j)
+#pragma GCC unroll 2
+          for (int h = 0; h < 2; ++h) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + j * t.panel_stride + 32 * h));
+            const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+#pragma GCC unroll 4
+            for (int i = 0; i < MR; ++i) {
+              const int32_t* x = t.x + i * t.ldx + 2 * s;
+              const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x[0])),
+                                                 _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x[1])));
+              part[i][j][h] = _mm256_add_epi32(part[i][j][h], _mm256_madd_epi16(p, ones));
+            }
+          }
+      }
+      for (int j = 0; j < NR; ++j) {
+        const vf f = load16(t.scale + (j * t.groups + g) * kLanes);
+        for (int i = 0; i < MR; ++i) {
+          const vf sums{_mm256_cvtepi32_ps(part[i][j][0]), _mm256_cvtepi32_ps(part[i][j][1])};
+          out[i][j] = vfmadd(sums, f, out[i][j]);
+        }
+      }
+    }
+    for (int i = 0; i < MR; ++i) {
+      const vf f = vset1(t.row_scale[i]);
+      for (int j = 0; j < NR; ++j) out[i][j] = vmul(out[i][j], f);
+    }
+    return nullptr;
+  }
+};
+using Int4Quads = Int4Madd;
 #endif
 
 struct Operands {
@@ -219,18 +277,16 @@ void run_widened(const at::Tensor& x, const Operands& o, at::Tensor& y) {
   run_direct<Kn, Y>(rows.data(), x.size(0), ldx, o, y);
 }
 
-#ifndef ZQ_AVX2
 template <class In>
 void run_vnni(const at::Tensor& x, const Operands& o, at::Tensor& y) {
-  const int64_t m = x.size(0), panel_stride = o.steps * Int4Vnni::kStepElems, group = 8 * o.steps / o.groups;
+  const int64_t m = x.size(0), panel_stride = o.steps * Int4Quads::kStepElems, group = 8 * o.steps / o.groups;
   const vnni::QuantizedRows rows = vnni::quantize_rows(x.data_ptr<In>(), m, x.size(1), 2 * o.steps, group, 8);
   const auto panels = [&](int64_t p, int64_t) { return std::pair{o.w + p * panel_stride, panel_stride}; };
-  run_tiles<Int4Vnni, In, true>(rows.words.data(), m, 2 * o.steps, o.steps, o.np, panels, o.scales,
-                                o.bias.defined() ? o.bias.data_ptr<In>() : nullptr, y.data_ptr<In>(), y.size(1),
-                                o.groups, o.steps / o.groups,
-                                RowFactors{rows.offset.data(), rows.scale.data(), rows.groups});
+  run_tiles<Int4Quads, In, true>(rows.words.data(), m, 2 * o.steps, o.steps, o.np, panels, o.scales,
+                                 o.bias.defined() ? o.bias.data_ptr<In>() : nullptr, y.data_ptr<In>(), y.size(1),
+                                 o.groups, o.steps / o.groups,
+                                 RowFactors{rows.offset.data(), rows.scale.data(), rows.groups});
 }
-#endif
 
 }  // namespace
 
@@ -265,13 +321,9 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({m, n}, x.options());
   if (quads) {
-#ifndef ZQ_AVX2
     if (x.scalar_type() == at::kFloat) run_vnni<float>(xc, o, y);
     else run_vnni<BFloat16>(xc, o, y);
     return y;
-#else
-    TORCH_CHECK(false, "linear_int4: the AVX2 build has no VNNI kernel; pack int4 weights with pack_int4");
-#endif
   }
   if (x.scalar_type() == at::kFloat) {
     run_widened<Int4Widen, float>(xc, o, y);

@@ -1,9 +1,10 @@
 // zeroqueue::linear_int8: y[M, N] = (x[M, K] . q[N, K]^T) * scale[N] + bias with int8 weights (symmetric, one fp32
 // scale per output channel), in one of two layouts, which the packed tensor's shape tells apart:
 //
-// Quads ([NP][KQ][16][4], quant.pack_int8_vnni; the AVX-512 build): x is quantized per row to int8 at the call and the
-// products are summed exactly in int32 by VPDPBUSD (Int8Vnni, below), then scaled by the row's and the column's
-// factor. Twice VDPBF16PS's multiply-adds an instruction and nothing to convert: 1.65x our bf16 at 1-32 rows.
+// Quads ([NP][KQ][16][4], quant.pack_int8_vnni; both builds): x is quantized per row to int8 at the call and the
+// products are summed exactly in int32 by VPDPBUSD (Int8Vnni, below; on AVX2 VPMADDUBSW and VPMADDWD, Int8Madd),
+// then scaled by the row's and the column's factor. Twice VDPBF16PS's multiply-adds an instruction and nothing to
+// convert: 1.65x our bf16 at 1-32 rows.
 //
 // Pairs ([NP][KP][16][2], pack_linear's bf16 layout; every build): up to kDirectRows rows, every row block converts
 // each step of the panels to bf16 in registers (exact: |q| <= 127 has 7 significant bits, bf16 8). Above, each
@@ -146,18 +147,72 @@ struct Int8Vnni {
   }
 };
 
+using Int8Quads = Int8Vnni;
+#else
+// The same quads on AVX2 (vnni.h): VPMADDUBSW's unsigned operand is |w| (the stored byte ^ 0x80 is w; |-128| is 128
+// as an unsigned byte) and its signed one x with w's sign (|q| <= 127, so it cannot overflow). A pair of products is
+// then at most 2 * 128 * 127, inside int16; VPMADDWD with ones sums the pairs into int32. No bias to take out: the
+// rows are quantized with bias_unit 0.
+struct Int8Madd {
+  using T = int8_t;
+  using X = int32_t;
+  static constexpr int64_t kStepElems = 4 * kLanes;
+  static constexpr int64_t kXPerStep = 1;
+  static constexpr bool kRowScaled = true;
+  template <int MR, int NR, class Tl>
+  static const float* sum(vf (&out)[MR][NR], const Tl& t) {
+    const __m256i flip = _mm256_set1_epi8(-128), ones = _mm256_set1_epi16(1);
+    __m256i acc[MR][NR][2];
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_set1_epi32(t.row_offset[i]);
+    for (int64_t s = 0; s < t.steps; ++s) {
+      prefetch_step<Int8Madd, typename Tl::Out, NR>(t, s);
+      const int8_t* ws = t.w + s * kStepElems;
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j)
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const __m256i w = _mm256_xor_si256(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + j * t.panel_stride + 32 * h)), flip);
+          const __m256i magnitude = _mm256_abs_epi8(w);
+#pragma GCC unroll 4
+          for (int i = 0; i < MR; ++i) {
+            const __m256i a = _mm256_sign_epi8(_mm256_set1_epi32(t.x[i * t.ldx + s]), w);
+            acc[i][j][h] = _mm256_add_epi32(acc[i][j][h], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, a), ones));
+          }
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) {
+      const vf f = vset1(t.row_scale[i]);
+      for (int j = 0; j < NR; ++j)
+        out[i][j] = vmul(vf{_mm256_cvtepi32_ps(acc[i][j][0]), _mm256_cvtepi32_ps(acc[i][j][1])}, f);
+    }
+    return t.scale;
+  }
+};
+using Int8Quads = Int8Madd;
+#endif
+
+// the rows' sums start at -bias_unit * their sum of q: VPDPBUSD reads the stored q + 128, VPMADDUBSW |q| and q's sign
+#ifndef ZQ_AVX2
+constexpr int32_t kQuadBias = 128;
+#else
+constexpr int32_t kQuadBias = 0;
+#endif
+
 template <class In>
 void run_vnni(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& bias,
               at::Tensor& y) {
-  const int64_t m = x.size(0), np = packed.size(0), steps = packed.size(1), panel_stride = steps * Int8Vnni::kStepElems;
-  const vnni::QuantizedRows rows = vnni::quantize_rows(x.data_ptr<In>(), m, x.size(1), steps, 4 * steps, 128);
+  const int64_t m = x.size(0), np = packed.size(0), steps = packed.size(1), panel_stride = steps * Int8Quads::kStepElems;
+  const vnni::QuantizedRows rows = vnni::quantize_rows(x.data_ptr<In>(), m, x.size(1), steps, 4 * steps, kQuadBias);
   const int8_t* wp = packed.data_ptr<int8_t>();
   const auto panels = [&](int64_t p, int64_t) { return std::pair{wp + p * panel_stride, panel_stride}; };
-  run_tiles<Int8Vnni, In>(rows.words.data(), m, steps, steps, np, panels, scales.data_ptr<float>(),
-                          bias.defined() ? bias.data_ptr<In>() : nullptr, y.data_ptr<In>(), y.size(1), 1, 0,
-                          RowFactors{rows.offset.data(), rows.scale.data()});
+  run_tiles<Int8Quads, In>(rows.words.data(), m, steps, steps, np, panels, scales.data_ptr<float>(),
+                           bias.defined() ? bias.data_ptr<In>() : nullptr, y.data_ptr<In>(), y.size(1), 1, 0,
+                           RowFactors{rows.offset.data(), rows.scale.data()});
 }
-#endif
 
 // nr panels of int8 pairs (panel_stride elements apart) -> bf16 [nr][steps][16][2] at out, value for value
 void dequantize(const int8_t* w, int64_t panel_stride, int64_t nr, BFloat16* out) {
@@ -242,14 +297,10 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::
   const at::Tensor bc = bias.has_value() ? bias->to(x.scalar_type()).contiguous() : at::Tensor();
   at::Tensor y = at::empty({m, n}, x.options());
   if (per_step == 4) {
-#ifndef ZQ_AVX2
     const at::Tensor xc = x.contiguous();
     if (x.scalar_type() == at::kFloat) run_vnni<float>(xc, packed, sc, bc, y);
     else run_vnni<BFloat16>(xc, packed, sc, bc, y);
     return y;
-#else
-    TORCH_CHECK(false, "linear_int8: the AVX2 build has no VNNI kernel; pack int8 weights in pairs (pack_linear)");
-#endif
   }
   if (x.scalar_type() == at::kFloat) {  // an odd K meets the weights' zero padding
     const at::Tensor xp = k % 2 ? at::constant_pad_nd(x, {0, 1}).contiguous() : x.contiguous();
