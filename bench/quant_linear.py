@@ -135,10 +135,10 @@ class Layers:
         return {
             "zeroqueue bf16": (bf16, self.bytes["bf16"]),
             "zeroqueue int8": (zq_int8, self.bytes["int8"]),
-            **({"zeroqueue int8 VNNI": (zq_vnni, self.bytes["int8"])} if self.zq_vnni else {}),
+            "zeroqueue int8 VNNI": (zq_vnni, self.bytes["int8"]),
             "zeroqueue int4 g32": (zq_int4(32), self.bytes[32]),
             "zeroqueue int4 g64": (zq_int4(64), self.bytes[64]),
-            **({"zeroqueue int4 g64 VNNI": (zq_int4_vnni, self.bytes[64])} if self.zq_int4_vnni else {}),
+            "zeroqueue int4 g64 VNNI": (zq_int4_vnni, self.bytes[64]),
             "torch int8": (int8, self.bytes["int8"]),
             "torch int4 g32": (int4(32), self.bytes[32]),
             "torch int4 g64": (int4(64), self.bytes[64]),

@@ -119,6 +119,7 @@ struct Int8Vnni {
   static constexpr int64_t kStepElems = 4 * kLanes;
   static constexpr int64_t kXPerStep = 1;
   static constexpr bool kRowScaled = true;
+  static constexpr int32_t kBiasUnit = 128;  // what the stored bytes add to q (quantize_rows takes it out)
   template <int MR, int NR, class Tl>
   static const float* sum(vf (&out)[MR][NR], const Tl& t) {
     __m512i acc[MR][NR];
@@ -151,14 +152,14 @@ using Int8Quads = Int8Vnni;
 #else
 // The same quads on AVX2 (vnni.h): VPMADDUBSW's unsigned operand is |w| (the stored byte ^ 0x80 is w; |-128| is 128
 // as an unsigned byte) and its signed one x with w's sign (|q| <= 127, so it cannot overflow). A pair of products is
-// then at most 2 * 128 * 127, inside int16; VPMADDWD with ones sums the pairs into int32. No bias to take out: the
-// rows are quantized with bias_unit 0.
+// then at most 2 * 128 * 127, inside int16; VPMADDWD with ones sums the pairs into int32.
 struct Int8Madd {
   using T = int8_t;
   using X = int32_t;
   static constexpr int64_t kStepElems = 4 * kLanes;
   static constexpr int64_t kXPerStep = 1;
   static constexpr bool kRowScaled = true;
+  static constexpr int32_t kBiasUnit = 0;  // it reads |q| and q's sign, not the stored q + 128
   template <int MR, int NR, class Tl>
   static const float* sum(vf (&out)[MR][NR], const Tl& t) {
     const __m256i flip = _mm256_set1_epi8(-128), ones = _mm256_set1_epi16(1);
@@ -195,18 +196,13 @@ struct Int8Madd {
 using Int8Quads = Int8Madd;
 #endif
 
-// the rows' sums start at -bias_unit * their sum of q: VPDPBUSD reads the stored q + 128, VPMADDUBSW |q| and q's sign
-#ifndef ZQ_AVX2
-constexpr int32_t kQuadBias = 128;
-#else
-constexpr int32_t kQuadBias = 0;
-#endif
-
 template <class In>
 void run_vnni(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& bias,
               at::Tensor& y) {
-  const int64_t m = x.size(0), np = packed.size(0), steps = packed.size(1), panel_stride = steps * Int8Quads::kStepElems;
-  const vnni::QuantizedRows rows = vnni::quantize_rows(x.data_ptr<In>(), m, x.size(1), steps, 4 * steps, kQuadBias);
+  const int64_t m = x.size(0), np = packed.size(0), steps = packed.size(1);
+  const int64_t panel_stride = steps * Int8Quads::kStepElems;
+  const vnni::QuantizedRows rows =
+      vnni::quantize_rows(x.data_ptr<In>(), m, x.size(1), steps, 4 * steps, Int8Quads::kBiasUnit);
   const int8_t* wp = packed.data_ptr<int8_t>();
   const auto panels = [&](int64_t p, int64_t) { return std::pair{wp + p * panel_stride, panel_stride}; };
   run_tiles<Int8Quads, In>(rows.words.data(), m, steps, steps, np, panels, scales.data_ptr<float>(),
