@@ -223,6 +223,40 @@ def run_zeroqueue(args, loads, capacity, vocab, out, rows) -> None:
         log(f"zeroqueue stopped (log {replica.log_path})")
 
 
+def start_server(cmd: list[str], url: str, log_path: Path, timeout_s: float, name: str) -> subprocess.Popen:
+    """Starts a peer's OpenAI server (its own process group, output to `log_path`) and waits until `url`/v1/models
+    answers 200; SystemExit if it exits first or is not ready in `timeout_s`."""
+    started = time.monotonic()
+    with open(log_path, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"{name} exited with {proc.returncode}; see {log_path}")
+            try:
+                if httpx.get(url + "/v1/models", timeout=2, trust_env=False).status_code == 200:
+                    return proc
+            except httpx.TransportError:
+                pass
+            if time.monotonic() - started > timeout_s:
+                raise SystemExit(f"{name} not ready after {timeout_s} s; see {log_path}")
+            time.sleep(1.0)
+    except BaseException:
+        stop_server(proc)
+        raise
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group, SIGKILL after 30 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
 def run_vllm(args, loads, capacity, vocab, out, rows) -> None:
     url = f"http://127.0.0.1:{args.vllm_port}"
     log_path = out / "vllm.log"
@@ -238,33 +272,15 @@ def run_vllm(args, loads, capacity, vocab, out, rows) -> None:
     ]
     log(f"vllm: {' '.join(cmd)}")
     started = time.monotonic()
-    with open(log_path, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = start_server(cmd, url, log_path, args.vllm_timeout, "vLLM")
     try:
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"vLLM exited with {proc.returncode}; see {log_path}")
-            try:
-                if httpx.get(url + "/v1/models", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() - started > args.vllm_timeout:
-                raise SystemExit(f"vLLM not ready after {args.vllm_timeout} s; see {log_path}")
-            time.sleep(1.0)
         log(f"  vLLM ready in {time.monotonic() - started:.0f} s")
         asyncio.run(_warm(url, "none", "peer", vocab))
         http_client.GRACE_S = 0.0  # the client's timeout is the call's deadline: no waiting for a 504 vLLM never sends
         run_loads("vllm", url, "none", "peer", None, loads, capacity, args, vocab, out, rows)
     finally:
         http_client.GRACE_S = 1.0
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stop_server(proc)
         log("vllm stopped")
 
 
