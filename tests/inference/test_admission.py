@@ -151,7 +151,9 @@ def test_newcomer_may_not_push_an_admitted_request_past_its_deadline():
     # the newcomer's own deadline is generous, but at batch 2 "tight" would take 340 ms
     decision = c.decide(commit("late", prompt=1, max_tokens=10, deadline_ms=10_000), 0)
     assert isinstance(decision, Reject)
-    assert decision.retry_after_ms == 120
+    # "tight" began a step when it was admitted: a 1-row step of 10 ms that brings its first token, so its slot
+    # frees after that step and 9 more, at 100 ms (the newcomer would only join after the step in flight)
+    assert decision.retry_after_ms == 100
 
 
 def test_a_rejected_call_reserves_capacity_for_its_retry():

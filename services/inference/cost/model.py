@@ -82,6 +82,22 @@ class CostModel:
         """Extra time of one more row in a step that already has `num_rows`."""
         return max(self.step_us(num_rows + 1) - self.step_us(num_rows), 0.0)
 
+    def prefill_us(self, num_rows: int, num_tokens: int, chunk_rows: int, free_rows: int = 0) -> float:
+        """Cautious extra time of `num_tokens` prompt rows prefilled in chunks of at most `chunk_rows`, each in a
+        step of `num_rows` other rows whose first `free_rows` prompt rows cost nothing more (a paced step is padded
+        to them): a chunk of c rows adds T(num_rows + max(c, free_rows)) - T(num_rows + free_rows). Priced by the
+        chunk, not by the marginal row of the small batch: the calibration is not a line, and a 256-row chunk costs
+        more a row than the second row of a step does on a CPU (compute-bound), less on a GPU."""
+        if num_tokens <= 0:
+            return 0.0
+        chunk_rows = max(chunk_rows, 1)
+        num_full, last = divmod(num_tokens, chunk_rows)
+        raw = self.raw_step_us  # one factor for all three: step_us's, on the refusal path
+        base_us = raw(num_rows + free_rows)
+        extra_us = num_full * max(raw(num_rows + max(chunk_rows, free_rows)) - base_us, 0.0)
+        extra_us += max(raw(num_rows + max(last, free_rows)) - base_us, 0.0) if last else 0.0
+        return extra_us * (self.ratio + self.num_deviations * self.deviation)
+
     def observe(self, num_rows: int, context_tokens: int, measured_us: int, extra_us: float = 0.0) -> None:
         """A measured step; `extra_us` is the calibrated host time of its masked and log-probability rows."""
         raw = self.raw_step_us(num_rows, context_tokens) + extra_us
