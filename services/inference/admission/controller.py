@@ -95,7 +95,7 @@ class AdmissionController:
         """`c` may join a step from `at_ns`; an idle engine begins one at once (a held call's later start is
         the service's to hand over, and no step is known to begin then)."""
         c.admitted_ns = at_ns
-        if at_ns <= now_ns and not any(r is not c and r.reserved_from_ns is None for r in self.commitments.values()):
+        if at_ns <= now_ns and self.predictor.step_end_ns == 0:  # no step in flight when it was decided: idle
             self._step_began_ns = max(self._step_began_ns, at_ns)
 
     def _step_in_flight(self, now_ns: int) -> tuple[int, dict[str, int]]:
