@@ -43,9 +43,8 @@ def test_a_call_decided_during_a_long_prompt_chunk_is_predicted_after_it():
     assert isinstance(c.decide(Commitment("long", 200, 10, 10_000 * MS), 0), Admit)  # its 209-ms chunk begins
     short = c.decide(Commitment("short", 1, 1, 10_000 * MS), 5 * MS)
     assert isinstance(short, Admit)
-    # it joins the step after the chunk (209 ms), a step of two rows (11 ms; its prompt row priced at the
-    # batch's marginal row, 1 ms, as well): not 5 ms + a step from now
-    assert (209 + 11) * MS <= short.predicted_finish_ns <= (209 + 12) * MS
+    # it joins the step after the chunk (209 ms), a step of two rows (11 ms): not 5 ms + a step from now
+    assert short.predicted_finish_ns == (209 + 11) * MS
 
 
 def test_the_step_in_flight_is_the_one_the_engine_last_reported_beginning():
@@ -54,7 +53,7 @@ def test_the_step_in_flight_is_the_one_the_engine_last_reported_beginning():
     c.on_progress("long", 1)
     c.step_ended(209 * MS)  # the chunk ended with its first token; a decode step of 10 ms began
     short = c.decide(Commitment("short", 1, 1, 10_000 * MS), 214 * MS)
-    assert isinstance(short, Admit) and (219 + 11) * MS <= short.predicted_finish_ns <= (219 + 12) * MS
+    assert isinstance(short, Admit) and short.predicted_finish_ns == (219 + 11) * MS
     # a step overdue adds nothing: nothing is known of when it ends, so the call is predicted as from now
     c.step_ended(240 * MS)
     later = Commitment("later", 1, 1, 10_000 * MS)
@@ -83,8 +82,8 @@ def test_a_long_prompt_is_priced_by_its_chunks_where_the_step_time_bends_up():
     device_us = 3 * cost.raw_step_us(256) + cost.raw_step_us(232) + 3 * cost.raw_step_us(1)
     assert finish_ns >= device_us * 1000
     assert finish_ns <= 1.02 * device_us * 1000  # and not far above it
-    # the marginal row of the batch would have said about a tenth of that
-    assert 1000 * cost.marginal_row_us(1) * 1000 < 0.2 * finish_ns
+    # the marginal row of the batch (its second row's time, a row) would have said about a tenth of that
+    assert 1000 * (cost.raw_step_us(2) - cost.raw_step_us(1)) * 1000 < 0.2 * finish_ns
 
 
 @pytest.mark.parametrize("seed", [1, 2])

@@ -111,12 +111,9 @@ class Predictor:
         # than the batch's next row where the calibration bends up (a long prompt on a CPU), less where it bends
         # down, where the marginal row keeps the slack that calls joining meanwhile take. Paced, a step costs at
         # least as much as with `pace` prompt tokens: those come at no extra cost
-        mean_us = max(prefill_tokens - pace, 0) * cost.marginal_row_us(n + pace) if prefill_tokens else 0.0
-        if prefills:
-            chunk_rows, chunks_us = budget - num_decoding, 0.0
-            for p in prefills:
-                chunks_us += cost.prefill_us(n, p, chunk_rows, pace)
-            mean_us = max(mean_us, chunks_us)
+        mean_us, chunk_rows = 0.0, budget - num_decoding
+        for p in prefills:
+            mean_us += cost.prefill_us(n, p, chunk_rows, pace)
         mean_us += (self.step_end_ns - now_ns) / 1000 if in_flight else 0.0
         mean_us += cached_reads * cost.us_per_prefill_context_token * cost.ratio
         finish, var_us2, done_steps, k, steps_us = {}, 0.0, 0, cost.num_deviations, cost.steps_us

@@ -80,10 +80,6 @@ class CostModel:
         raw = self.raw_step_us(num_rows, context_tokens)
         return num_steps * raw * self.ratio, num_steps * (raw * self.deviation) ** 2
 
-    def marginal_row_us(self, num_rows: int) -> float:
-        """Extra time of one more row in a step that already has `num_rows`."""
-        return max(self.step_us(num_rows + 1) - self.step_us(num_rows), 0.0)
-
     def prefill_us(self, num_rows: int, num_tokens: int, chunk_rows: int, free_rows: int = 0) -> float:
         """Cautious extra time of `num_tokens` prompt rows prefilled in chunks of at most `chunk_rows`, each in a
         step of `num_rows` other rows whose first `free_rows` prompt rows cost nothing more (a paced step is padded
