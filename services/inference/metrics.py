@@ -313,13 +313,19 @@ class StepStats:
     def _observe_cost(self, digest: StepDigest) -> None:
         cost = self.cost
         if not self.pace_tokens:
-            extra_us = cost.host_us(digest.num_masked_rows, digest.num_logprob_rows)
+            extra_us = (
+                cost.host_us(digest.num_masked_rows, digest.num_logprob_rows)
+                + digest.prefill_context_tokens * cost.us_per_prefill_context_token
+            )
             cost.observe(digest.num_tokens, digest.context_tokens, digest.interval_ns // 1000, extra_us)
             return
         last = self._last
         if last is not None:
             rows = max(last.num_tokens, last.num_seqs + self.pace_tokens)
-            extra_us = cost.host_us(last.num_masked_rows, last.num_logprob_rows)
+            extra_us = (
+                cost.host_us(last.num_masked_rows, last.num_logprob_rows)
+                + last.prefill_context_tokens * cost.us_per_prefill_context_token
+            )
             cost.observe(rows, last.context_tokens, (last.interval_ns + digest.paced_ns) // 1000, extra_us)
 
     def on_idle(self, now_ns: int) -> None:

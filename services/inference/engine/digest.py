@@ -36,6 +36,7 @@ class StepDigest(NamedTuple):
     paced_ns: int = 0  # idle on purpose before this step (paced steps): billed to no one
     num_masked_rows: int = 0  # rows drawn under a grammar's mask (structured output)
     num_logprob_rows: int = 0  # rows that reported log-probabilities
+    prefill_context_tokens: int = 0  # cache positions before their chunk the prompt rows read, summed over rows
     # the KV block pool after the step (Scheduler.kv_counts): blocks held and cached now, then running totals
     kv_blocks_used: int = 0
     kv_blocks_cached: int = 0
@@ -60,8 +61,8 @@ class StepDigest(NamedTuple):
     @classmethod
     def from_wire(cls, wire: tuple) -> StepDigest:
         """The digest that `step_wire` shipped, rebuilt in the server process (off the engine's core)."""
-        # the fields after the ended requests (unfinished, free slots, paced ns, masked and logprob rows, the KV
-        # pool's counts) travel as they are, in the digest's order
+        # the fields after the ended requests (unfinished, free slots, paced ns, masked and logprob rows, the
+        # prompt rows' reads of earlier positions, the KV pool's counts) travel as they are, in the digest's order
         began_ns, ended_ns, ran, decode_ids, prefills, context_tokens, ended, *counts = wire
         work = tuple([(rid, 1) for rid in decode_ids]) + prefills
         ended = tuple(
@@ -108,6 +109,7 @@ def step_wire(report, num_free_slots: int) -> tuple:
         num_free_slots,
         report.paced_ns,
         *report.host_rows,
+        report.scheduled.prefill_context_tokens,
         *report.kv_counts,
     )
 
@@ -193,6 +195,7 @@ class Observers:
             num_free_slots,
             report.paced_ns,
             *report.host_rows,
+            report.scheduled.prefill_context_tokens,
             *report.kv_counts,
         )
         for observer in self.observers:

@@ -71,6 +71,12 @@ class SchedulerOutput:
         """Cache positions the decode rows attend to, summed (each also attends to its own new token)."""
         return sum([s.start_pos for s in self.decodes]) + len(self.decodes)
 
+    @property
+    def prefill_context_tokens(self) -> int:
+        """Cache positions before its chunk that each prompt row attends to (a cached prefix, earlier chunks),
+        summed over the rows: the attention a chunk does beyond a cold chunk of its size."""
+        return sum([s.num_tokens * s.start_pos for s in self.prefills]) if self.prefills else 0
+
 
 @dataclass(frozen=True)
 class StepUpdate:
