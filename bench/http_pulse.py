@@ -180,9 +180,7 @@ def run_loads(engine, url, api_key, model_name, metrics_url, loads, capacity, ar
         after = scrape_http(metrics_url)
         row = summary_row(engine, load, qps, requests, traces, args.duration, before, after, la, t0, utc())
         rows.append(row)
-        with open(out / f"trace-{engine}-{load}x.jsonl", "w") as f:
-            for t in traces:
-                f.write(json.dumps({**t.__dict__, "outcome": t.outcome.value}) + "\n")
+        write_traces(out / f"trace-{engine}-{load}x.jsonl", traces)
         log(
             f"  goodput {row['goodput_rps']:.2f} req/s, in deadline {row['in_deadline']}/{row['sent']}, "
             f"refused first {row['rejection_rate']}, timed out {row['timed_out']}, late {row['completed_late']}, "
@@ -221,6 +219,13 @@ def run_zeroqueue(args, loads, capacity, vocab, out, rows) -> None:
     finally:
         replica.stop()
         log(f"zeroqueue stopped (log {replica.log_path})")
+
+
+def write_traces(path: Path, traces) -> None:
+    """One JSON line per call: its trace, its outcome by name."""
+    with open(path, "w") as f:
+        for t in traces:
+            f.write(json.dumps({**t.__dict__, "outcome": t.outcome.value}) + "\n")
 
 
 def start_server(cmd: list[str], url: str, log_path: Path, timeout_s: float, name: str) -> subprocess.Popen:

@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from decode import make_model  # noqa: E402
-from http_pulse import ModelNamed, log, scrape_http, start_server, stop_server, summary_row, utc  # noqa: E402
+from http_pulse import ModelNamed, log, scrape_http, start_server, stop_server, summary_row, utc, write_traces  # noqa: E402
 from prefix_cache_load import SERVE_ARGS  # noqa: E402
 from prefix_table import ENGINES, goal, table, warm_table  # noqa: E402
 from shared_prefix_calls import document  # noqa: E402
@@ -208,9 +208,7 @@ def run_load(engine: Engine, args, load: float, knee: float, run: int) -> dict:
     row = summary_row(engine.name, load, qps, requests, traces, args.duration, before, after, la, t0, utc())
     row |= extra_fields(traces, cached, id_prefix)
     if args.out:
-        with open(args.out / f"trace-{engine.name}-{load:g}x.jsonl", "w") as f:
-            for t in traces:
-                f.write(json.dumps({**t.__dict__, "outcome": t.outcome.value}) + "\n")
+        write_traces(args.out / f"trace-{engine.name}-{load:g}x.jsonl", traces)
     log(
         f"  goodput {row['goodput_rps']:.2f}/s, in deadline {row['in_deadline']}/{row['sent']}, refused "
         f"{row['refused']} {row['refused_by_cause']}, timed out {row['timed_out']}, TTFT P50/P99 "
