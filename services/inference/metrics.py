@@ -304,20 +304,19 @@ class StepStats:
     def _observe_cost(self, digest: StepDigest) -> None:
         cost = self.cost
         if not self.pace_tokens:
-            extra_us = (
-                cost.host_us(digest.num_masked_rows, digest.num_logprob_rows)
-                + digest.prefill_context_tokens * cost.us_per_prefill_context_token
-            )
-            cost.observe(digest.num_tokens, digest.context_tokens, digest.interval_ns // 1000, extra_us)
+            cost.observe(digest.num_tokens, digest.context_tokens, digest.interval_ns // 1000, self._extra_us(digest))
             return
         last = self._last
         if last is not None:
             rows = max(last.num_tokens, last.num_seqs + self.pace_tokens)
-            extra_us = (
-                cost.host_us(last.num_masked_rows, last.num_logprob_rows)
-                + last.prefill_context_tokens * cost.us_per_prefill_context_token
-            )
-            cost.observe(rows, last.context_tokens, (last.interval_ns + digest.paced_ns) // 1000, extra_us)
+            cost.observe(rows, last.context_tokens, (last.interval_ns + digest.paced_ns) // 1000, self._extra_us(last))
+
+    def _extra_us(self, digest: StepDigest) -> float:
+        """Calibrated time a step takes beyond its calibrated rows: its masked and log-probability rows' host work,
+        and its prompt chunks' reads of the positions before them."""
+        cost = self.cost
+        host_us = cost.host_us(digest.num_masked_rows, digest.num_logprob_rows)
+        return host_us + digest.prefill_context_tokens * cost.us_per_prefill_context_token
 
     def on_idle(self, now_ns: int) -> None:
         self.metrics.free_slots.set(self.num_slots)  # idle: nothing holds a slot
