@@ -133,6 +133,21 @@ def test_expired_requests_end_before_the_step_and_free_their_slot():
     assert [d.request.call_id for d in out.decodes] == ["ok"] and s.num_free_slots == 3
 
 
+def test_next_step_size_is_the_step_that_follows_when_nothing_waits_for_a_slot():
+    s = make(num_slots=4, budget=16)
+    s.add_request(req("long", 20, max_tokens=10))  # 16 of its prompt now, 4 next step
+    s.add_request(req("short", 3, max_tokens=10))
+    assert s.next_step_size() == (16, 0)  # 23 prompt tokens wait: the budget takes 16
+    fake_step(s)
+    s.add_request(req("new", 5, max_tokens=10))
+    size = s.next_step_size()
+    out, _ = fake_step(s)
+    assert size == (out.num_tokens, out.context_tokens) == (4 + 3 + 5, 0)
+    size = s.next_step_size()  # three decodes: context 20 + 3 + 5 positions, and each its own new token
+    out, _ = fake_step(s)
+    assert size == (out.num_tokens, out.context_tokens) == (3, 28 + 3)
+
+
 def test_cancel_of_a_waiting_request_removes_it():
     s = make(num_slots=1)
     s.add_request(req("a", 3, max_tokens=5))
@@ -162,8 +177,9 @@ def test_every_request_ends_and_slots_are_conserved(plan, budget):
     s = make(num_slots=3, max_seq_len=64, budget=budget)
     for i, (n_prompt, max_tokens, fate) in enumerate(plan):
         s.add_request(req(f"r{i}", n_prompt, max_tokens))
+        rows, context_tokens = s.next_step_size()
         out, _ = fake_step(s)
-        assert out.num_tokens <= budget
+        assert out.num_tokens <= min(rows, budget) and out.context_tokens == context_tokens  # a bound for expiry
         if fate == "cancel":
             s.finish_requests([f"r{i}"], RequestStatus.FINISHED_CANCELLED)
         assert s.num_free_slots + len(s.running) == 3

@@ -137,7 +137,7 @@ def build_engine(
         kv_block_size=executor.block_size,
         weight_dtype=executor.weight_dtype,
     )
-    cost, pacer = None, None
+    cost, pacer, step_cost = None, None, None
     if spec.calibrate:
         cost = calibrate(warming)
         ready = replace(
@@ -149,6 +149,13 @@ def build_engine(
             cost_us_per_logprob_row=cost.us_per_logprob_row,
             cost_us_per_prefill_context_token=cost.us_per_prefill_context_token,
         )
+        # the engine's own copy: its running ratio, learnt from the engine's steps, forecasts each step for expiry
+        step_cost = CostModel(
+            list(cost.rows),
+            list(cost.row_us),
+            cost.us_per_context_token,
+            us_per_prefill_context_token=cost.us_per_prefill_context_token,
+        )
         if spec.pace_tokens:  # a copy of the calibration, which the pacer scales by the steps it measures
             pacer = Pacer(CostModel(list(cost.rows), list(cost.row_us), cost.us_per_context_token), spec.pace_tokens)
     watchdog = None
@@ -159,7 +166,7 @@ def build_engine(
     else:
         executor = _faulty(executor, spec.fault)
     warming.grammars.close()  # its compiles were calibration's
-    engine = make_engine(executor, sink=sink, pacer=pacer, watchdog=watchdog, on_lost=on_lost)
+    engine = make_engine(executor, sink=sink, pacer=pacer, watchdog=watchdog, on_lost=on_lost, step_cost=step_cost)
     if watchdog is not None:
         watchdog.start()
     return engine, ready

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import structlog
 
+from ..cost.model import CostModel
 from ..device.spec import is_device_fault
 from ..grammar import GrammarLimits
 from ..health.watchdog import Watchdog
@@ -64,6 +65,7 @@ class Engine:
         watchdog: Watchdog | None = None,
         on_lost: Callable[[str], None] | None = None,
         grammars: GrammarBook | None = None,
+        step_cost: CostModel | None = None,
     ) -> None:
         self.executor = executor
         self.tokenizer = tokenizer
@@ -80,7 +82,10 @@ class Engine:
         self.clock = clock
         self.observers = list(observers)
         self.sink: StepSink = Observers(self.observers) if sink is None else sink  # where each step goes
-        self.expiry_guard_ns = 0  # the service sets this to about one step
+        self.expiry_guard_ns = 0  # the service sets this to about one step: the guard of an uncalibrated engine
+        # a copy of the calibration, its running ratio learnt from this engine's own steps: how long the step about
+        # to start should take (None: uncalibrated)
+        self.step_cost = step_cost
         self.last_interval_ns = 0
         self.idle_tick_s = 1.0  # how often observers hear of idle time while there is no work
         self.pacer = pacer  # paced steps (pacing.py); None: each step starts when the last ends
@@ -143,9 +148,7 @@ class Engine:
     def _step(self) -> StepReport | None:
         began_ns = self.clock()
         cancelled = self._drain_inbox()
-        # a request whose deadline falls before the next step could end is over: end it now, so its caller
-        # hears DEADLINE_EXCEEDED from us before its own timer fires
-        guard_ns = max(self.expiry_guard_ns, self.last_interval_ns * 3 // 2)
+        guard_ns = self.expiry_guard()
         if self.grammars.waiting:
             cancelled += self.grammars.schedule_compiled(self.scheduler, began_ns, guard_ns)
         scheduled = self.scheduler.schedule(began_ns, guard_ns)
@@ -184,6 +187,8 @@ class Engine:
         self._paced_ns = 0
         if result is not None:
             self.last_interval_ns = report.interval_ns
+            if self.step_cost is not None:
+                self._learn_speed(scheduled, report.interval_ns)
         self.sink.report(report, self.scheduler.num_free_slots)
         for request in closed:
             self._close(request, ended_ns)
@@ -192,6 +197,27 @@ class Engine:
             call_id = update.request.call_id
             self._emit(update, texts.get(call_id, ""), ended_ns, logprobs.get(call_id))
         return report
+
+    def expiry_guard(self) -> int:
+        """A request whose deadline falls within this of the step about to start cannot get its next token in time:
+        it ends now, so its caller hears DEADLINE_EXCEEDED from us before its own timer fires. Calibrated, the
+        guard is the expected time of this step's own rows (a token per decoding request, and as much waiting
+        prompt as the step's budget takes) at the speed this engine's steps have run. A guard taken from the last
+        step, when that one filled a prompt, is several decode steps long: it ended calls that had time to finish
+        (on a 2-core replica at 2x its capacity, 2-3 % of the admitted calls, most with one token left).
+        Too short a guard costs only a cleaner ending: a call it misses still misses, by its caller's timer.
+        Uncalibrated: the service's guard, or 1.5 x the last step if that was longer."""
+        if self.step_cost is None:
+            return max(self.expiry_guard_ns, self.last_interval_ns * 3 // 2)
+        num_rows, context_tokens = self.scheduler.next_step_size()
+        return int(self.step_cost.raw_step_us(num_rows, context_tokens) * self.step_cost.ratio * 1000)
+
+    def _learn_speed(self, scheduled: SchedulerOutput, interval_ns: int) -> None:
+        """The step's measured time against its calibrated time (a chunk's reads of the positions before it apart,
+        as the server's running ratio takes them): the speed the next guard is forecast at."""
+        cost = self.step_cost
+        reads_us = scheduled.prefill_context_tokens * cost.us_per_prefill_context_token
+        cost.observe(scheduled.num_tokens, scheduled.context_tokens, interval_ns // 1000, reads_us)
 
     def pace(self, report: StepReport | None) -> None:
         """With a pacer, idles out the rest of the floor of a step that ran while requests are still in flight;

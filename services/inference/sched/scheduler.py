@@ -124,6 +124,25 @@ class Scheduler:
                 ended.append(request)
         return ended
 
+    def next_step_size(self) -> tuple[int, int]:
+        """(rows, context tokens) of the next step if no request ends before it: a token of each decoding request
+        and as much prompt still to fill as the step's token budget takes. A bound from above: requests that end
+        first, or wait for a slot or blocks, only make the step smaller."""
+        num_decodes = context_tokens = num_pending = 0
+        for r in self.running:
+            if r.is_prefilling:
+                num_pending += r.num_remaining_prompt_tokens
+            else:
+                num_decodes += 1
+                context_tokens += r.num_computed_tokens + 1  # as SchedulerOutput.context_tokens counts it
+        room = max(self.config.max_num_batched_tokens - num_decodes, 0)
+        if self.free_slots:
+            for r in self.waiting:
+                if num_pending >= room:
+                    break
+                num_pending += r.num_remaining_prompt_tokens
+        return num_decodes + min(num_pending, room), context_tokens
+
     def schedule(self, now_ns: int, expiry_guard_ns: int = 0) -> SchedulerOutput:
         """Picks the next step's work; requests whose deadline falls within `expiry_guard_ns` end first."""
         expired = [
