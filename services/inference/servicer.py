@@ -32,6 +32,27 @@ from .policy import PolicyBook, class_of
 from .sched.request import FinishReason
 from .service import InferenceService, WarmupState
 
+
+def caller_budget_s(time_remaining_s: float | None) -> float | None:
+    """The caller's budget from this server's view of its gRPC deadline (None: it set none). gRPC's core library
+    (the Python, C++, Ruby and PHP clients) sends a deadline as a timeout rounded up to a unit of 1 ms below 1 s,
+    10 ms below 10 s, 100 ms below 100 s and coarser beyond (its timeout_encoding.cc): a 2-s deadline arrives
+    here as 2.009 s. A call planned on that would be on time by our clock and late by its caller's, so the budget
+    is what remains less one unit, when the caller's own timer may fire. A client that rounds finer (grpc-js to
+    1 ms, grpc-go to 1 µs) loses at most that unit of its budget."""
+    if time_remaining_s is None:
+        return None
+    if time_remaining_s < 1:
+        unit_s = 0.001
+    elif time_remaining_s < 10:
+        unit_s = 0.01
+    elif time_remaining_s < 100:
+        unit_s = 0.1
+    else:
+        unit_s = time_remaining_s / 100  # seconds and coarser units: at most 1 % of what remains
+    return time_remaining_s - unit_s if time_remaining_s > unit_s else time_remaining_s
+
+
 _FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}
 _STATE = {
     WarmupState.WARMING_UP: pb.WARMUP_STATE_WARMING_UP,
@@ -192,7 +213,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 self.service.metrics.refusal_reply_time.observe((time.monotonic_ns() - received_ns) / 1e9)
 
         async with rpc_errors(context, "Generate", clip(request.request_id, 128), before_abort=time_refusal):
-            metadata, budget_s = context.invocation_metadata(), context.time_remaining()
+            metadata, budget_s = context.invocation_metadata(), caller_budget_s(context.time_remaining())
             ticket = await self.admit(request, metadata, budget_s, BudgetSource.CLIENT_DEADLINE, received_ns)
 
         def close_first(code: grpc.StatusCode) -> None:
