@@ -103,3 +103,19 @@ def test_an_uncalibrated_engine_keeps_the_service_guard_and_the_last_step(llama_
     engine.add_request(call, sink)
     run(engine, 2)  # 1.5 x the 40-ms prefill step is past its 10 ms left: without a forecast, it ends
     assert sink.finish_reason("d") == "deadline_exceeded"
+
+
+def test_a_device_that_has_just_slowed_down_is_forecast_at_its_last_step(llama_dir):
+    engine, clock = timed_engine(llama_dir, calibration())
+    sink = Collector()
+    warm = request("warm", list(range(3, 43)), max_tokens=100, ignore_eos=True)
+    engine.add_request(warm, sink)
+    run(engine, 20)  # steps as calibrated: the running ratio is 1
+    engine.executor.ms_per_row = 10.0  # now ten times slower
+    run(engine, 1)
+    # the running ratio has barely moved (0.05 a step); the last step says 10 ms a decode step
+    assert engine.step_cost.ratio < 1.5 and engine.expiry_guard() == pytest.approx(10 * MS, rel=0.05)
+    call = request("e", list(range(3, 43)), deadline_ns=clock.now_ns + 100 * MS, max_tokens=5, ignore_eos=True)
+    engine.add_request(call, sink)
+    run(engine, 1)  # its 40-row prefill beside warm's decode: 410 ms at the new speed, 60 at the running ratio
+    assert call.status == RequestStatus.FINISHED_EXPIRED

@@ -86,6 +86,7 @@ class Engine:
         # a copy of the calibration, its running ratio learnt from this engine's own steps: how long the step about
         # to start should take (None: uncalibrated)
         self.step_cost = step_cost
+        self._last_step_ratio = 1.0  # the last step's measured time over its calibrated time
         self.last_interval_ns = 0
         self.idle_tick_s = 1.0  # how often observers hear of idle time while there is no work
         self.pacer = pacer  # paced steps (pacing.py); None: each step starts when the last ends
@@ -202,7 +203,8 @@ class Engine:
         """A request whose deadline falls within this of the step about to start cannot get its next token in time:
         it ends now, so its caller hears DEADLINE_EXCEEDED from us before its own timer fires. Calibrated, the
         guard is the expected time of this step's own rows (a token per decoding request, and as much waiting
-        prompt as the step's budget takes) at the speed this engine's steps have run. A guard taken from the last
+        prompt as the step's budget takes) at the speed this engine's steps have run: their running ratio, or the
+        last step's alone if slower (a device that has just slowed down). A guard taken from the last
         step, when that one filled a prompt, is several decode steps long: it ended calls that had time to finish
         (on a 2-core replica at 2x its capacity, 2-3 % of the admitted calls, most with one token left).
         Too short a guard costs only a cleaner ending: a call it misses still misses, by its caller's timer.
@@ -210,13 +212,16 @@ class Engine:
         if self.step_cost is None:
             return max(self.expiry_guard_ns, self.last_interval_ns * 3 // 2)
         num_rows, context_tokens = self.scheduler.next_step_size()
-        return int(self.step_cost.raw_step_us(num_rows, context_tokens) * self.step_cost.ratio * 1000)
+        speed = max(self.step_cost.ratio, self._last_step_ratio)
+        return int(self.step_cost.raw_step_us(num_rows, context_tokens) * speed * 1000)
 
     def _learn_speed(self, scheduled: SchedulerOutput, interval_ns: int) -> None:
         """The step's measured time against its calibrated time (a chunk's reads of the positions before it apart,
         as the server's running ratio takes them): the speed the next guard is forecast at."""
         cost = self.step_cost
         reads_us = scheduled.prefill_context_tokens * cost.us_per_prefill_context_token
+        calibrated_us = cost.raw_step_us(scheduled.num_tokens, scheduled.context_tokens) + reads_us
+        self._last_step_ratio = interval_ns / 1000 / calibrated_us if calibrated_us > 0 else 1.0
         cost.observe(scheduled.num_tokens, scheduled.context_tokens, interval_ns // 1000, reads_us)
 
     def pace(self, report: StepReport | None) -> None:
