@@ -277,10 +277,17 @@ class StepStats:
     the next step), against the step padded with a prompt chunk: that is what admission predicts then."""
 
     def __init__(
-        self, cost: CostModel | None, metrics: ServiceMetrics, num_slots: int, steps: StepLog, pace_tokens: int = 0
+        self,
+        cost: CostModel | None,
+        metrics: ServiceMetrics,
+        num_slots: int,
+        steps: StepLog,
+        pace_tokens: int = 0,
+        step_ended: Callable[[int], None] | None = None,
     ) -> None:
         self.cost, self.metrics, self.num_slots, self.steps = cost, metrics, num_slots, steps
         self.pace_tokens = pace_tokens
+        self.step_ended = step_ended  # admission's: the engine, busy, began its next step when this one ended
         self.kv_counts: tuple[int, ...] = (0,) * 7  # the engine's pool as the last step left it (BlockPool.counts)
         self._last: StepDigest | None = None  # the step whose period ends when the next one begins
 
@@ -289,6 +296,8 @@ class StepStats:
         self.kv_counts = digest[-7:]  # the digest's last seven fields are BlockPool.counts
         if not digest.ran:
             return
+        if digest.num_unfinished and self.step_ended is not None:
+            self.step_ended(digest.ended_ns)
         self.steps.add(digest.began_ns)
         interval_us = digest.interval_ns // 1000
         if self.cost is not None:  # before _last moves on to this step

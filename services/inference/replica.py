@@ -275,7 +275,7 @@ class Replica:
         admission, observed_cost, kv = self._admission(ready, cost, engine)
         steps = StepLog()
         pace_tokens = self.config.pace_tokens
-        stats = StepStats(observed_cost, self.metrics, ready.num_slots, steps, pace_tokens)
+        stats = StepStats(observed_cost, self.metrics, ready.num_slots, steps, pace_tokens, admission.step_ended)
         engine.observers.append(stats)
         pool = kv.pool if kv is not None else None
         self.metrics.kv_pool.watch(ready.num_kv_blocks, (lambda: pool.counts) if pool else (lambda: stats.kv_counts))

@@ -39,6 +39,9 @@ def overload(
                 for c in controllers:
                     c.on_progress(r, running[r])
             next_step_ns += 6 * MS
+            for c in controllers:  # that step ended and the next began (a tree before step_ended has none to tell)
+                if hasattr(c, "step_ended"):
+                    c.step_ended(next_step_ns - 6 * MS)
         decisions = [c.decide(Commitment(rid, 64, 32, deadline_ns), at_ns) for c in controllers]
         yield decisions
         if isinstance(decisions[0], Admit):

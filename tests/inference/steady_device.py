@@ -160,6 +160,7 @@ def run(
         while arrivals and arrivals[0][0] < end_ns:  # decided during the step: they join a later one
             arrive()
         now_ns = end_ns
+        controller.step_ended(end_ns)  # as the service's step observer tells it, before the step's tokens
         for rid in list(generated):
             generated[rid] += 1
         for rid in joining:

@@ -146,12 +146,14 @@ def test_full_slots_reject_with_the_time_the_first_slot_frees():
 def test_newcomer_may_not_push_an_admitted_request_past_its_deadline():
     slow = CostModel(rows=[1, 2], row_us=[10_000, 30_000], us_per_context_token=0.0, num_deviations=0, deviation=0)
     c = AdmissionController(slow, AdmissionConfig(4, 256, margin_ms=0, margin_fraction=0), REFUSING)
-    # one prompt token costs the marginal row (20 ms), then 10 steps of 10 ms
-    assert c.decide(commit("tight", prompt=1, max_tokens=10, deadline_ms=150), 0) == Admit(120 * MS)
+    # a one-token prompt is its own row of its first step: 10 steps of 10 ms
+    assert c.decide(commit("tight", prompt=1, max_tokens=10, deadline_ms=150), 0) == Admit(100 * MS)
     # the newcomer's own deadline is generous, but at batch 2 "tight" would take 340 ms
     decision = c.decide(commit("late", prompt=1, max_tokens=10, deadline_ms=10_000), 0)
     assert isinstance(decision, Reject)
-    assert decision.retry_after_ms == 120
+    # "tight" began a step when it was admitted: a 1-row step of 10 ms that brings its first token, so its slot
+    # frees after that step and 9 more, at 100 ms (the newcomer would only join after the step in flight)
+    assert decision.retry_after_ms == 100
 
 
 def test_a_rejected_call_reserves_capacity_for_its_retry():

@@ -190,10 +190,10 @@ def test_paced_admission_predicts_padded_steps_and_absorbs_a_chunk_sized_prompt(
     new = Commitment("b", 16, 10, 10**12)
     # paced: 9 steps of 2 sequences and 1 of b alone, each padded by 16 rows; b's 16-token prompt fits the padding
     assert paced.finish_times([*running, new], 0)["b"] == (9 * (200 + 18 * 100) + (200 + 17 * 100)) * 1000
-    # unpaced: the same steps unpadded, plus the prompt's marginal cost
-    assert unpaced.finish_times([*running, new], 0)["b"] == (16 * 100 + 9 * (200 + 2 * 100) + 300) * 1000
-    longer = Commitment("c", 40, 10, 10**12)  # 24 tokens past the padding cost their marginal time
-    assert paced.finish_times([*running, longer], 0)["c"] == (24 * 100 + 9 * 2000 + 1900) * 1000
+    # unpaced: the same steps unpadded, plus what its prompt's chunk adds (its last row is its row of the step)
+    assert unpaced.finish_times([*running, new], 0)["b"] == (15 * 100 + 9 * (200 + 2 * 100) + 300) * 1000
+    longer = Commitment("c", 40, 10, 10**12)  # 23 rows past the padding (and its own row) cost their chunk's time
+    assert paced.finish_times([*running, longer], 0)["c"] == (23 * 100 + 9 * 2000 + 1900) * 1000
 
 
 def test_paced_steps_need_the_calibrated_cost_model(llama_dir):

@@ -13,6 +13,7 @@ from ..cost.model import CostModel
 from .checks import Arrival, Calendar, Scene, infeasible, kept_for_others
 from .decisions import AdmissionConfig, Admit, Commitment, Decision, Infeasible, RefusalCause, Reject
 from .estimators import Estimators
+from .predictor import step_in_flight
 from .refusals import Promises
 from .settings import DEFAULT_SETTINGS, AdmissionSettings
 
@@ -42,6 +43,8 @@ class AdmissionController:
         # the promises' state, read by the metrics (events) and the tests
         self.commitments, self.turns, self.events = self.promises.commitments, self.promises.turns, self.promises.events
         self.saturations = self.promises.saturations
+        # when the step the engine runs now began: the last step's end, or the moment a call joined an idle engine
+        self._step_began_ns = 0
 
     @property
     def fair(self) -> bool:
@@ -69,6 +72,8 @@ class AdmissionController:
         first = new.attempt == 0 and not call.on_time
         self.shares.arrive(new.tenant, now_ns, first)
         decision = self._decide(call)
+        if isinstance(decision, Admit):
+            self._joins(new, decision.start_ns or now_ns, now_ns)
         if not isinstance(decision, Infeasible):  # a call no idle replica could serve in time needs no headroom
             self.priorities.arrive(new, now_ns, first)
         if isinstance(decision, Admit):  # its slot's expected hold: the prediction, as late as calls really finish
@@ -81,6 +86,21 @@ class AdmissionController:
             self.events["taken" if isinstance(decision, Admit) else "taken_refused"] += 1
         return decision
 
+    def step_ended(self, ended_ns: int) -> None:
+        """The engine ended a step at `ended_ns` (its clock) and, busy, began the next. Called by the step
+        observer, on the engine's thread when the engine runs on one: a single int written, read on the loop."""
+        self._step_began_ns = ended_ns
+
+    def _joins(self, c: Commitment, at_ns: int, now_ns: int) -> None:
+        """`c` may join a step from `at_ns`; an idle engine begins one at once (a held call's later start is
+        the service's to hand over, and no step is known to begin then)."""
+        c.admitted_ns = at_ns
+        if at_ns <= now_ns and self.predictor.step_end_ns == 0:  # no step in flight when it was decided: idle
+            self._step_began_ns = max(self._step_began_ns, at_ns)
+
+    def _step_in_flight(self, now_ns: int) -> tuple[int, dict[str, int]]:
+        return step_in_flight(self.predictor, self.commitments.values(), self._step_began_ns, now_ns)
+
     def _decide(self, call: Arrival) -> Decision:
         """The checks in their order (checks.py), then the outcome (refusals.py)."""
         new, now_ns = call.new, call.now_ns
@@ -89,6 +109,8 @@ class AdmissionController:
         if (never := infeasible(self.idle, new, now_ns)) is not None:
             return never
         running = [c for c in self.commitments.values() if c.reserved_from_ns is None]
+        # the step the engine runs now: a call decided during it joins only the step after it
+        self.predictor.step_end_ns, self.predictor.in_flight_rows = self._step_in_flight(now_ns)
         finishes = self.predictor.finish_times(running, now_ns)
         # 2. headroom kept for others: free slots, room in time and in the next step, for tenants and classes
         room = self.estimators.headroom(call)
@@ -132,11 +154,13 @@ class AdmissionController:
             others = [r for r in self.promises.reservations() if r is not c]
             if self.calendar.full_at(now_ns, len(running), others):
                 break
+            self.predictor.step_end_ns, self.predictor.in_flight_rows = self._step_in_flight(now_ns)
             now = Scene(now_ns, running, self.predictor.finish_times(running, now_ns), others)
             why, finish_ns = self.calendar.fits_at(c, now)
             if why is not None:
                 break  # in order: a later one starting first would take the slot planned for this one
             self.promises.start_now(c, now_ns, finish_ns)
+            self._joins(c, now_ns, now_ns)
             started.append(c.key)
         return started
 

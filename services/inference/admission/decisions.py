@@ -37,6 +37,9 @@ class Commitment:
     # leading prompt tokens the prefix cache holds for it, pinned when it is admitted: never prefilled, though its
     # attention still reads them (the context is the whole prompt)
     num_cached_tokens: int = 0
+    # when it may first join a step (engine clock): its admission, or its held start; a step that began before
+    # then does not hold its prompt (AdmissionController.step_ended)
+    admitted_ns: int = 0
 
     @property
     def is_reservation(self) -> bool:

@@ -33,6 +33,9 @@ class FifoAdmission:
     def on_progress(self, key: str, num_generated: int) -> None:
         pass
 
+    def step_ended(self, ended_ns: int) -> None:
+        pass  # predicts nothing, so nothing waits on the step in flight
+
     def observe_finish(self, predicted_ns: int, actual_ns: int) -> None:
         pass
 

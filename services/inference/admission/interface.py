@@ -42,6 +42,11 @@ class Admission(Protocol):
         """The admitted call under `key` (call.py `admission_key`) has generated `num_generated` tokens."""
         ...
 
+    def step_ended(self, ended_ns: int) -> None:
+        """The engine ended a step at `ended_ns` and began the next if it has work: a call decided while that one
+        runs joins only the step after it. May be called on the engine's thread."""
+        ...
+
     def observe_finish(self, predicted_ns: int, actual_ns: int) -> None:
         """A call admitted with `predicted_ns` to go took `actual_ns`."""
         ...

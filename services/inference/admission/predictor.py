@@ -13,6 +13,7 @@ The running calls and reserved retries as a prediction at a later time must see 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from operator import itemgetter
 
 from ..cost.model import CostModel
@@ -65,6 +66,10 @@ class Predictor:
         self.config = config
         self._max_batch = max_batch or 2 * config.num_slots + 1  # most commitments in one prediction
         self._cheapest_us: float | None = None
+        # the engine's step in flight (`step_in_flight`, set before each decision): when it ends (engine clock;
+        # 0: none), and the prompt rows it runs by call; nothing decided before its end joins a step
+        self.step_end_ns: int = 0
+        self.in_flight_rows: dict[str, int] = {}
 
     def finish_times(self, commitments: list[Commitment], now_ns: int) -> dict[str, int]:
         """Predicted finish (engine clock) of every commitment if all run from now and nothing else joins."""
@@ -73,14 +78,25 @@ class Predictor:
         # Runs on every decision, several times on a refusal: one pass over plain tuples, no properties, no
         # calls per commitment (the step count is _steps_left's, inline); a finish per phase, not per call.
         budget, pace, cost = self.config.max_num_batched_tokens, self.config.pace_tokens, self.cost
-        prefill_tokens, cached_reads, context_left, extra_left, order = 0, 0, 0, 0.0, []
+        prefill_tokens, prefills, cached_reads, context_left, extra_left, num_decoding, order = 0, [], 0, 0, 0.0, 0, []
         masked_us, logprob_us = cost.us_per_masked_row, cost.us_per_logprob_row
+        # a step in flight comes first: it brings a token to every decoding call, runs a chunk of the prompts
+        # that joined before it, and the first token of those it ends
+        in_flight, chunks = self.step_end_ns > now_ns, self.in_flight_rows
         for c in commitments:
             generated, prompt, max_tokens = c.num_generated, c.num_prompt_tokens, c.max_tokens
             remaining = max_tokens - generated if max_tokens > generated else 0
-            if generated == 0:
+            if generated:
+                num_decoding += 1
+                remaining -= 1 if in_flight and remaining else 0
+            else:
                 prefill = prompt - c.num_cached_tokens  # the cached prefix is read, never computed
+                if in_flight and (ran := chunks.get(c.key, 0)):
+                    prefill = max(prefill - ran, 0)
+                    remaining -= 1 if prefill == 0 and remaining else 0
                 prefill_tokens += prefill
+                if prefill > 1:  # its last row is its row of the step, counted in n
+                    prefills.append(prefill - 1)
                 cached_reads += _prefill_reads(prefill, c.num_cached_tokens, budget)
                 if prefill > budget:
                     remaining += (prefill - 1) // budget  # chunk steps before the first token
@@ -90,8 +106,15 @@ class Predictor:
             order.append((remaining, prompt + max_tokens, c.key, extra))
         order.sort(key=itemgetter(0))
         n = len(order)
-        # paced, a step costs at least as much as with `pace` prompt tokens: those come at no extra cost
-        mean_us = max(prefill_tokens - pace, 0) * cost.marginal_row_us(n + pace)
+        # each prompt in chunks of its own, of what the step budget leaves the decoding rows, or at the marginal row
+        # of the batch, whichever is more: the step time is not a line in its rows, and a chunk costs more a row
+        # than the batch's next row where the calibration bends up (a long prompt on a CPU), less where it bends
+        # down, where the marginal row keeps the slack that calls joining meanwhile take. Paced, a step costs at
+        # least as much as with `pace` prompt tokens: those come at no extra cost
+        mean_us, chunk_rows = 0.0, budget - num_decoding
+        for p in prefills:
+            mean_us += cost.prefill_us(n, p, chunk_rows, pace)
+        mean_us += (self.step_end_ns - now_ns) / 1000 if in_flight else 0.0
         mean_us += cached_reads * cost.us_per_prefill_context_token * cost.ratio
         finish, var_us2, done_steps, k, steps_us = {}, 0.0, 0, cost.num_deviations, cost.steps_us
         finish_ns = _finish_ns(now_ns, mean_us, var_us2, k)
@@ -168,6 +191,35 @@ def progressed(admitted: list[Commitment], finishes: dict[str, int], now_ns: int
             )
         )
     return later
+
+
+def step_in_flight(
+    predictor: Predictor, commitments: Iterable[Commitment], began_ns: int, now_ns: int
+) -> tuple[int, dict[str, int]]:
+    """The step the engine runs now, begun at `began_ns`: when it ends (0: none runs), and the prompt rows it runs
+    by call. Its rows: a token of every decoding call, then the prompts that joined before it began (held calls
+    past their start too), in order, in the chunk the step budget leaves them; its time is cautious, as every
+    step's. What it brings the calls in it is not counted again (`Predictor.finish_times`)."""
+    num_decoding, context, pending = 0, 0, []
+    for c in commitments:
+        if c.reserved_from_ns is not None and not (c.held and c.reserved_from_ns <= now_ns):
+            continue  # a reservation, or a held call before its start: not the engine's yet
+        generated = c.num_generated
+        context += c.num_prompt_tokens + generated
+        if generated:
+            num_decoding += 1
+        elif c.admitted_ns <= began_ns:
+            pending.append(c)
+    room, rows = max(predictor.config.max_num_batched_tokens - num_decoding, 0), {}
+    for c in pending:
+        if room <= 0:
+            break
+        rows[c.key] = min(c.num_prompt_tokens - c.num_cached_tokens, room)
+        room -= rows[c.key]
+    num_rows = num_decoding + sum(rows.values())
+    if num_rows == 0:
+        return 0, rows
+    return began_ns + int(predictor.cost.step_us(num_rows, context) * 1000), rows
 
 
 def from_their_time(predictor: Predictor, due: list[Commitment], at_ns: int, num_rows: int) -> list[Commitment]:

@@ -38,8 +38,11 @@ class AdmissionSettings:
     # refusing with a reserved retry delivered 1.00-1.06x (BENCHMARKS.md, "Holding calls in their slack")
     hold_in_slack: bool = False
     # a held call's predicted run from its start must leave this many runs again spare in its budget, whoever
-    # lent it slots: its start is planned without the calls that will join beside it before then
-    hold_slack_runs: float = 0.5
+    # lent it slots: its start is planned without the calls that will join beside it before then. 0.5 sufficed
+    # while prompts were priced at the marginal row, which overpriced them on the virtual replica's calibration;
+    # priced by their chunks (as the device runs them), the flood beside a modest tenant at 4x let 6 admitted calls
+    # miss with 0.5 and 0.75, none with 1 (test_hold.py)
+    hold_slack_runs: float = 1.0
     # a call that fits beside the running calls but whose prompt must wait a few steps for room in the step's token
     # budget (a burst's prompts start a few per step) is admitted now, its prefill behind those ahead of it, if its
     # run from then leaves hold_slack_runs spare, rather than refused for the step budget with a held turn. The wait

@@ -38,6 +38,8 @@ class CostModel:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     # calibrated time by row count: admission asks for the same few counts thousands of times a second
     _base_us: dict[int, float] = field(default_factory=dict, repr=False, compare=False)
+    # calibrated extra time of a prompt's chunks by (rows, prompt rows, chunk rows, free rows), likewise
+    _chunks_us: dict[tuple[int, int, int, int], float] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.rows or len(self.rows) != len(self.row_us) or self.rows != sorted(set(self.rows)):
@@ -78,9 +80,29 @@ class CostModel:
         raw = self.raw_step_us(num_rows, context_tokens)
         return num_steps * raw * self.ratio, num_steps * (raw * self.deviation) ** 2
 
-    def marginal_row_us(self, num_rows: int) -> float:
-        """Extra time of one more row in a step that already has `num_rows`."""
-        return max(self.step_us(num_rows + 1) - self.step_us(num_rows), 0.0)
+    def prefill_us(self, num_rows: int, num_tokens: int, chunk_rows: int, free_rows: int = 0) -> float:
+        """Cautious extra time of `num_tokens` prompt rows prefilled in chunks of at most `chunk_rows`, each in a
+        step of `num_rows` other rows whose first `free_rows` prompt rows cost nothing more (a paced step is padded
+        to them): a chunk of c rows adds T(num_rows + max(c, free_rows)) - T(num_rows + free_rows). Priced by the
+        chunk, not by the marginal row of the small batch: the calibration is not a line, and a 256-row chunk costs
+        more a row than the second row of a step does on a CPU (compute-bound), less on a GPU."""
+        key = (num_rows, num_tokens, chunk_rows, free_rows)
+        extra_us = self._chunks_us.get(key)
+        if extra_us is None:  # calibrated, so kept: admission asks for the same few prompts many times a decision
+            if len(self._chunks_us) >= 4096:
+                self._chunks_us.clear()
+            extra_us = self._chunks_us[key] = self._raw_chunks_us(*key)
+        return extra_us * (self.ratio + self.num_deviations * self.deviation)
+
+    def _raw_chunks_us(self, num_rows: int, num_tokens: int, chunk_rows: int, free_rows: int) -> float:
+        if num_tokens <= 0:
+            return 0.0
+        chunk_rows = max(chunk_rows, 1)
+        num_full, last = divmod(num_tokens, chunk_rows)
+        raw = self.raw_step_us
+        base_us = raw(num_rows + free_rows)
+        extra_us = num_full * max(raw(num_rows + max(chunk_rows, free_rows)) - base_us, 0.0)
+        return extra_us + (max(raw(num_rows + max(last, free_rows)) - base_us, 0.0) if last else 0.0)
 
     def observe(self, num_rows: int, context_tokens: int, measured_us: int, extra_us: float = 0.0) -> None:
         """A measured step; `extra_us` is the calibrated host time of its masked and log-probability rows."""
