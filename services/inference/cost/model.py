@@ -104,16 +104,18 @@ class CostModel:
         extra_us = num_full * max(raw(num_rows + max(chunk_rows, free_rows)) - base_us, 0.0)
         return extra_us + (max(raw(num_rows + max(last, free_rows)) - base_us, 0.0) if last else 0.0)
 
-    def observe(self, num_rows: int, context_tokens: int, measured_us: int, extra_us: float = 0.0) -> None:
-        """A measured step; `extra_us` is the calibrated host time of its masked and log-probability rows."""
+    def observe(self, num_rows: int, context_tokens: int, measured_us: int, extra_us: float = 0.0) -> float:
+        """A measured step; `extra_us` is the calibrated host time of its masked and log-probability rows. Returns
+        the step's own measured / calibrated time, before the running ratio's cap (1.0 if nothing was calibrated)."""
         raw = self.raw_step_us(num_rows, context_tokens) + extra_us
         if raw <= 0:
-            return
+            return 1.0
         with self._lock:
             ratio = min(measured_us / raw, self.ratio * MAX_STEP_JUMP)
             self.num_observed += 1
             self.ratio += self.alpha * (ratio - self.ratio)
             self.deviation += self.alpha * (abs(ratio - self.ratio) - self.deviation)
+        return measured_us / raw
 
     def follow(self, ratio: float) -> None:
         """The device runs `ratio` times its calibrated speed, as its watchdog measured over its last steps:

@@ -220,9 +220,9 @@ class Engine:
         as the server's running ratio takes them): the speed the next guard is forecast at."""
         cost = self.step_cost
         reads_us = scheduled.prefill_context_tokens * cost.us_per_prefill_context_token
-        calibrated_us = cost.raw_step_us(scheduled.num_tokens, scheduled.context_tokens) + reads_us
-        self._last_step_ratio = interval_ns / 1000 / calibrated_us if calibrated_us > 0 else 1.0
-        cost.observe(scheduled.num_tokens, scheduled.context_tokens, interval_ns // 1000, reads_us)
+        self._last_step_ratio = cost.observe(
+            scheduled.num_tokens, scheduled.context_tokens, interval_ns // 1000, reads_us
+        )
 
     def pace(self, report: StepReport | None) -> None:
         """With a pacer, idles out the rest of the floor of a step that ran while requests are still in flight;
