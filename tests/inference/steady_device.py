@@ -46,13 +46,16 @@ def run(
     streams: dict[str, tuple[str, int, int]] | None = None,
     device: tuple[CostModel, int, int] | None = None,
     cached_tokens: int = 0,
+    burst_every_s: float | None = None,
 ) -> Tally:
     """`rate_per_s`: one tenant's ("t") rate, or each stream's. A stream is a tenant's calls of one class: by
     default its name is its tenant's, of priority 0 and `budget_ms`; `streams` names (tenant, priority, budget_ms)
     for others. The Tally's by_tenant is by stream. `device`: (cost model, slots, step token budget), for a FIFO
     controller, which knows none of them; its calls' clients give up at their deadline (a call waiting or running
     then leaves the engine, as a cancelled gRPC call does), and each is counted a miss. `cached_tokens`: each call's
-    leading prompt tokens the prefix cache holds: admission is told, and the device never runs them."""
+    leading prompt tokens the prefix cache holds: admission is told, and the device never runs them.
+    `burst_every_s`: instead of Poisson, a period's worth of each stream's calls arrives at once, every period (the
+    board's bursts, `bench/board.py --arrivals burst`)."""
     streams = streams or {}
     if device is None:
         cost, num_slots, budget = (
@@ -69,9 +72,15 @@ def run(
     for stream, rate in rates.items():
         tally.by_tenant[stream] = Counter()
         stream_budget_ms = streams.get(stream, (stream, 0, budget_ms))[2]
-        t_s = 0.0
+        t_s, num_calls, per_burst = 0.0, 0, max(round(rate * (burst_every_s or 0)), 1)
         while t_s < seconds:
-            t_s += rng.expovariate(rate)
+            if burst_every_s:
+                t_s = num_calls // per_burst * burst_every_s
+                if t_s >= seconds:
+                    break
+            else:
+                t_s += rng.expovariate(rate)
+            num_calls += 1
             rid = f"{stream}/r{len(arrivals)}"
             arrivals.append((int(t_s * 1e9), len(arrivals), rid, int(t_s * 1e9) + stream_budget_ms * MS, 0, False))
             tally.by_tenant[stream]["calls"] += 1
