@@ -158,8 +158,9 @@ class Predictor:
         if after[new.key] > new.deadline_ns - self.margin_for(new, at_ns):
             return False, after[new.key]
         for c in commitments:
-            limit = c.deadline_ns - self.margin_for(c, at_ns)
-            if after[c.key] > limit and before.get(c.key, 0) <= limit:
+            limit, was = c.deadline_ns - self.margin_for(c, at_ns), before.get(c.key, 0)
+            # a call the safety margin still covers is kept there: not pushed any later
+            if after[c.key] > limit and (was <= limit or after[c.key] > was and was <= c.deadline_ns):
                 return False, after[new.key]
         return True, after[new.key]
 
