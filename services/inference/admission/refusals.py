@@ -119,7 +119,7 @@ class Promises:
             frees_ms = self._frees_ms(finishes, now_ns)
             return Reject(frees_ms, finish_ns, within_budget=False, reason=why, elsewhere=self.elsewhere)
         at_ns, retry_finish_ns = retry
-        if call.on_time and at_ns - now_ns <= self.retry_hold_ns:  # its slot frees a little late: held for it
+        if call.on_time and why == RefusalCause.SLOTS_FULL and at_ns - now_ns <= self.retry_hold_ns:
             self.commitments[new.key] = new
             self.events["retry_held"] += 1
             return Admit(retry_finish_ns)
