@@ -7,7 +7,14 @@ import collections
 
 import pytest
 
-from services.inference.admission import AdmissionConfig, AdmissionController, AdmissionSettings, Admit, Reject
+from services.inference.admission import (
+    AdmissionConfig,
+    AdmissionController,
+    AdmissionSettings,
+    Admit,
+    RefusalCause,
+    Reject,
+)
 from services.inference.admission.history import Lateness, Saturation
 from services.inference.cost.model import CostModel
 from tests.inference.overload import overload
@@ -155,3 +162,19 @@ def test_slots_are_expected_to_free_as_late_as_calls_have_been_finishing():
     assert late.factor == 1.0
     spread = Lateness(alpha=0.5, num_deviations=2.0, mean=1.2, deviation=0.1)
     assert spread.factor == 1.2 + 2 * 0.1  # the constructor's values count
+
+
+def test_a_retry_on_time_is_not_admitted_at_once_where_joining_now_would_make_a_running_call_late():
+    """A reserved retry that comes while joining would push a running call past its deadline (its reservation
+    begins when that call ends) is refused again, with its reservation, not admitted at once because its slot frees
+    within retry_hold_ms: admitted, it would share the running call's steps now and make it late."""
+    # one row a step takes 10 ms, two 20 ms: a call that joins doubles a lone call's step time
+    doubling = CostModel([1, 2, 256], [10_000.0, 20_000.0, 20_000.0], 0.0, num_deviations=0.0, deviation=0.0)
+    c = AdmissionController(doubling, AdmissionConfig(2, 256, margin_ms=0, margin_fraction=0), REFUSING)
+    assert isinstance(c.decide(commit("a", max_tokens=10, deadline_ms=115), 0), Admit)  # alone: done at 100 ms
+    refused = c.decide(commit("r", max_tokens=5), 0)
+    assert isinstance(refused, Reject) and refused.reason == RefusalCause.DELAYS_ADMITTED and c.num_reserved == 1
+    for n in range(1, 7):  # a has run 6 steps by 60 ms
+        c.on_progress("a", n)
+    again = c.decide(commit("r", max_tokens=5, deadline_ms=940, now_ms=60), 60 * MS)  # a would end at 140 ms
+    assert isinstance(again, Reject) and again.retry_after_ms == 40 and c.num_reserved == 1
