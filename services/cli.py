@@ -47,9 +47,9 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--hold-prompts",
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=True,
         help="deadline admission admits a call whose prompt waits a few steps for room in the step's token budget "
-        "(a burst's prompts), when it still finishes in time, instead of refusing it with a held turn",
+        "(a burst's prompts), when it still finishes in time; --no-hold-prompts refuses it with a held turn",
     )
     p.add_argument(
         "--elsewhere",

@@ -81,7 +81,7 @@ class ServeConfig:
     admission: str = "deadline"  # deadline | fifo
     fair_share: bool = True  # deadline mode: fair share between tenants and class priority; False: first come
     hold: bool = False  # deadline mode: a call that fits later inside its slack is held for its slot; False: refused
-    hold_prompts: bool = False  # deadline mode: a prompt that waits a few steps for the step budget is admitted
+    hold_prompts: bool = True  # deadline mode: a prompt that waits a few steps for the step budget is admitted
     elsewhere: bool = False  # other replicas serve the same model: saturated, point retries at them; False: alone
     default_deadline_ms: int = 30_000
     metrics_port: int | None = None

@@ -50,8 +50,8 @@ def test_a_replica_is_alone_unless_told_it_has_others_beside_it():
     assert with_others.elsewhere and with_others.admission_settings().elsewhere
     assert with_others.admission_settings().hold_in_slack and not alone.admission_settings().hold_in_slack
     assert not config("--elsewhere", "--no-elsewhere").admission_settings().elsewhere
-    assert config("--hold-prompts").admission_settings().hold_for_prompts
-    assert not alone.admission_settings().hold_for_prompts
+    assert alone.admission_settings().hold_for_prompts  # a burst's prompts are admitted behind those ahead
+    assert not config("--no-hold-prompts").admission_settings().hold_for_prompts
 
 
 @pytest.mark.parametrize(

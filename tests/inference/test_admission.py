@@ -25,9 +25,10 @@ from services.inference.admission.fifo import FifoAdmission
 from services.inference.cost.model import CostModel, fit_context_cost
 
 MS = 1_000_000
-# the refusal's own contract (its hint, its reservation): a call that could be held in its slack is refused here,
-# as with `zeroqueue serve --no-hold`; test_hold.py judges the hold
-REFUSING = AdmissionSettings(hold_in_slack=False)
+# the refusal's own contract (its hint, its reservation, its held turn): a call that could be held in its slack, or
+# whose prompt waits for the step budget, is refused here, as with `zeroqueue serve --no-hold --no-hold-prompts`;
+# test_hold.py judges the hold, test_burst_prompts.py the prompts admitted behind a burst's
+REFUSING = AdmissionSettings(hold_in_slack=False, hold_for_prompts=False)
 
 
 def flat_cost(step_ms=10.0):

@@ -5,6 +5,8 @@ while it can reserve its retry a slot inside the caller's budget; one with other
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from services import errors
@@ -63,7 +65,9 @@ def test_alone_and_saturated_no_retry_is_invited_where_none_fits_the_budget():
 
 
 def test_alone_and_saturated_a_call_refused_for_the_step_budget_keeps_its_turn():
-    c = controller(slots=8, settings=ALONE)  # step budget 256 tokens, 10 ms steps
+    """`serve --no-hold-prompts`: a prompt that waits for the step budget is refused with a held turn (by default
+    it is admitted behind those ahead when it leaves the saturated replica's runs spare: test_burst_prompts.py)."""
+    c = controller(slots=8, settings=replace(ALONE, hold_for_prompts=False))  # step budget 256 tokens, 10 ms steps
     for rid in "abcd":  # four 80-token prompts not yet begun: 320 tokens
         c.commitments[rid] = commit(rid, prompt=80)
     saturate(c)
@@ -71,7 +75,7 @@ def test_alone_and_saturated_a_call_refused_for_the_step_budget_keeps_its_turn()
     assert held == Reject(10, held.predicted_finish_ns, reason=RefusalCause.STEP_BUDGET, reserved=True)
     refused = c.decide(commit("f", prompt=80), 0)  # at most one turn held (max_reservations)
     assert isinstance(refused, Reject) and refused.saturated and not refused.within_budget
-    with_others = controller(slots=8, settings=WITH_OTHERS)
+    with_others = controller(slots=8, settings=replace(WITH_OTHERS, hold_for_prompts=False))
     with_others.commitments.update(c.commitments)
     saturate(with_others)
     assert with_others.decide(commit("g", prompt=80), 0).saturated and not with_others.turns

@@ -118,7 +118,8 @@ DEVICE = (CostModel(list(ROWS), list(ROW_US), 1.975), 32, 256)
 def test_at_capacity_holding_serves_at_least_what_a_fifo_queue_does_and_every_admitted_call_in_time(budget_ms, seed):
     rate = CAPACITY_PER_S
     fifo = run(FifoAdmission(), rate, 30.0, seed=seed, max_attempts=1, budget_ms=budget_ms, device=DEVICE)
-    refusing = run(replica(hold=False), rate, 30.0, seed=seed, max_attempts=1, budget_ms=budget_ms)
+    # refusing both what fits later and what waits for the step budget (`--no-hold --no-hold-prompts`)
+    refusing = run(replica(hold=False, prompts=False), rate, 30.0, seed=seed, max_attempts=1, budget_ms=budget_ms)
     held = run(controller := replica(hold=True), rate, 30.0, seed=seed, max_attempts=1, budget_ms=budget_ms)
     assert held.misses == []
     assert held.goodput(30.0) >= fifo.goodput(30.0)

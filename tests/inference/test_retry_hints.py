@@ -114,7 +114,7 @@ def test_a_refusal_for_the_step_budget_holds_its_turn_while_turns_last():
     c = AdmissionController(
         flat_cost(),
         AdmissionConfig(8, 256, margin_ms=0, margin_fraction=0),
-        AdmissionSettings(max_reservations=1, hold_in_slack=False),
+        AdmissionSettings(max_reservations=1, hold_in_slack=False, hold_for_prompts=False),  # `--no-hold-prompts`
     )
     for rid in "abcd":  # four 80-token prompts not yet begun: the next step cannot take a fifth
         c.decide(commit(rid, prompt=80), 0)

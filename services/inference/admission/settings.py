@@ -47,10 +47,11 @@ class AdmissionSettings:
     # budget (a burst's prompts start a few per step) is admitted now, its prefill behind those ahead of it, if its
     # run from then leaves hold_slack_runs spare, rather than refused for the step budget with a held turn. The wait
     # is a few steps, bounded by the call's own deadline, and the engine's scheduler chunks prompts in arrival
-    # order anyway. Off by default: on the virtual SmolLM2-135M replica at 2x with retries it let 4 of 452 admitted
-    # calls miss (a start planned a few steps ahead is predicted without the calls that join meanwhile);
-    # and on bursts at capacity it won nothing back (BENCHMARKS.md, "Holding prompts, or calls, in bursts")
-    hold_for_prompts: bool = False
+    # order anyway. On by default since its wait is priced as the device runs it (refusals.py `_prompt_wait`): on
+    # the virtual replica, bursts from clients that never retry went from 4 calls a burst to all the slots hold
+    # (a FIFO queue's 12 of 12 at 0.7x), with no admitted miss (test_burst_prompts.py); BENCHMARKS.md, "A burst's
+    # prompts". Off (`serve --no-hold-prompts`): refused with a held turn, the hint a few steps away
+    hold_for_prompts: bool = True
     # tenants whose saturation and follow-through are remembered: bounded, the least recently seen go first
     max_tenants: int = 1024
     # other replicas serve the same model behind the same address or balancer (`zeroqueue serve --elsewhere`): a
