@@ -73,10 +73,13 @@ def _completion(answer: Complete, seen: SeenRequest, number: int) -> tuple[dict[
 
 
 class FakeHttpDoor:
-    """Answers each POST with the script's next answer (Complete() once it runs out); `seen` holds every request."""
+    """Answers each POST with the script's next answer (Complete() once it runs out); `seen` holds every request.
+    With `retries_complete`, a retry (x-stainless-retry-count other than 0) is completed without taking an answer
+    from the script, so the script answers the schedule's calls whatever order a loaded host delivers them in."""
 
-    def __init__(self, script: list | None = None) -> None:
+    def __init__(self, script: list | None = None, retries_complete: bool = False) -> None:
         self.script = list(script or [])
+        self.retries_complete = retries_complete
         self.seen: list[SeenRequest] = []
         self.lock = threading.Lock()
         door = self
@@ -90,7 +93,8 @@ class FakeHttpDoor:
                 seen = SeenRequest(self.path, headers, json.loads(self.rfile.read(length)), time.monotonic())
                 with door.lock:
                     door.seen.append(seen)
-                    answer = door.script.pop(0) if door.script else Complete()
+                    retry = door.retries_complete and headers.get("x-stainless-retry-count", "0") != "0"
+                    answer = door.script.pop(0) if door.script and not retry else Complete()
                     number = len(door.seen)
                 if isinstance(answer, Complete):
                     status, (headers, body) = 200, _completion(answer, seen, number)

@@ -12,7 +12,7 @@ import pytest
 from services.cli import main
 from services.pulse import cli as pulse_cli
 from services.pulse import replicas
-from tests.client.fake_http_door import Complete, FakeHttpDoor, Refuse
+from tests.client.fake_http_door import FakeHttpDoor, Refuse
 from tests.client.fakes import FakeReplicas
 
 SCHEDULE = ["--qps", "10", "--duration", "2", "--arrival", "constant", "--prompt-tokens", "5", "--max-tokens", "2"]
@@ -25,8 +25,10 @@ def pulse(tmp_path: Path, *args: str) -> dict:
 
 
 def test_http_sends_the_schedule_through_the_door(tmp_path, capsys):
-    script = [Refuse(hint_ms=20), Complete(), Refuse(400, "DEADLINE_INFEASIBLE", None, should_retry=False)]
-    with FakeReplicas([[]]) as fakes, FakeHttpDoor(script) as door:
+    # the first call refused with a hint (its retry completed), the second infeasible, whichever reaches the door
+    # first: on a loaded host the schedule's second call may come before the first's retry
+    script = [Refuse(hint_ms=20), Refuse(400, "DEADLINE_INFEASIBLE", None, should_retry=False)]
+    with FakeReplicas([[]]) as fakes, FakeHttpDoor(script, retries_complete=True) as door:
         doc = pulse(tmp_path, "--endpoint", fakes.addresses[0], "--http-endpoint", door.url, "--http")
         grpc_calls, seen = fakes[0].calls, door.seen
     assert grpc_calls == []  # only ListModels went over gRPC
