@@ -124,11 +124,12 @@ class Promises:
         num_steps = steps_until_room(admitted, self.by.config.max_num_batched_tokens)
         if not num_steps:
             return 0, 0
+        room_ns = num_steps * self._full_step_ns()
         if self.settings.hold_in_slack:
-            return num_steps * self._full_step_ns(), num_steps * self._full_step_ns()
+            return room_ns, room_ns
         context = sum(c.num_prompt_tokens + c.num_generated for c in admitted)
         batch_step_us = self.by.predictor.cost.step_us(len(admitted) + 1, context)
-        return num_steps * self._full_step_ns(), num_steps * int(batch_step_us * 1000)
+        return room_ns, num_steps * int(batch_step_us * 1000)
 
     def refuse(
         self, call: Arrival, finishes: dict[str, int], retry: tuple[int, int] | None, why: RefusalCause, finish_ns: int
