@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from services.inference.bundled_model import BUNDLED_MODEL  # noqa: E402
 from services.inference.device.executor import ExecutorConfig  # noqa: E402
-from services.inference.replica import ServeConfig  # noqa: E402
+from services.inference.serve_config import ServeConfig  # noqa: E402
 from services.logs import configure_logging  # noqa: E402
 from tests.fuzz_generate import GenerateFuzzer, Tally, send  # noqa: E402
 from tests.inference.harness import ServerThread  # noqa: E402

@@ -232,7 +232,7 @@ def serve_config(args: argparse.Namespace):
     """The replica's ServeConfig from `zeroqueue serve`'s options."""
     from services.inference.device.spec import ExecutorConfig
     from services.inference.policy.gate import PrefixCachePolicy
-    from services.inference.replica import ServeConfig
+    from services.inference.serve_config import ServeConfig
 
     return ServeConfig(
         model_dir=args.model,

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from services.inference.device.executor import Executor, ExecutorConfig
-from services.inference.replica import Replica, ServeConfig
+from services.inference.replica import Replica
+from services.inference.serve_config import ServeConfig
 from tests.checkpoints import save_hf_checkpoint
 from tests.inference.harness import ServerThread
 

@@ -9,7 +9,7 @@ import pytest
 
 from services.inference.bundled_model import BUNDLED_MODEL
 from services.inference.device.spec import ExecutorConfig
-from services.inference.replica import ServeConfig
+from services.inference.serve_config import ServeConfig
 from tests.checkpoints import save_chatml_checkpoint, save_hf_checkpoint
 from tests.inference.harness import ServerThread
 from tests.inference.test_usage import outbox_pending

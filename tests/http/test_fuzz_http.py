@@ -24,7 +24,7 @@ from zeroqueue.inference.v1 import inference_pb2_grpc
 
 from billing import commands
 from services.inference.device.spec import ExecutorConfig
-from services.inference.replica import ServeConfig
+from services.inference.serve_config import ServeConfig
 from tests.billing.conftest import ledger, postgres_schema_url, sqlite_template  # noqa: F401 - fixtures
 from tests.fuzz_http import SLOW_BODY_S, HttpCase, HttpFuzzer
 from tests.inference.harness import ServerThread

@@ -12,7 +12,7 @@ import pytest
 
 from billing import commands
 from services.inference.device.spec import ExecutorConfig
-from services.inference.replica import ServeConfig
+from services.inference.serve_config import ServeConfig
 from tests.http.conftest import STEP_S, post
 from tests.inference.harness import ServerThread
 from tests.inference.test_quotas import set_policy

@@ -25,7 +25,8 @@ from zeroqueue.inference.v1 import inference_pb2_grpc
 from billing import commands
 from services.client.auth import authorized_channel
 from services.inference.device.executor import Executor
-from services.inference.replica import Replica, ServeConfig
+from services.inference.replica import Replica
+from services.inference.serve_config import ServeConfig
 
 
 class ServerThread:

@@ -15,7 +15,7 @@ from services.inference.bundled_model import BUNDLED_MODEL
 from services.inference.chat import ChatMessage
 from services.inference.device.executor import ExecutorConfig
 from services.inference.generate_request import to_spec
-from services.inference.replica import ServeConfig
+from services.inference.serve_config import ServeConfig
 from tests.checkpoints import CHATML_TOKENS
 from tests.inference.harness import ServerThread, status_details
 from tests.inference.test_usage import ledger_rows

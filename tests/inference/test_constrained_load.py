@@ -15,7 +15,7 @@ from zeroqueue.inference.v1 import inference_pb2_grpc
 
 from services.inference.bundled_model import BUNDLED_MODEL
 from services.inference.device.executor import ExecutorConfig
-from services.inference.replica import ServeConfig
+from services.inference.serve_config import ServeConfig
 from tests.inference.harness import ServerThread
 
 SLOTS = 4

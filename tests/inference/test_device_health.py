@@ -18,7 +18,7 @@ from services.inference.device.executor import ExecutorConfig
 from services.inference.health.faults import Fault, FaultKind
 from services.inference.health.state import DeviceState
 from services.inference.health.watchdog import WatchdogConfig
-from services.inference.replica import ServeConfig
+from services.inference.serve_config import ServeConfig
 from tests.inference.harness import ServerThread, status_details
 from tests.inference.test_usage import ledger_rows
 

@@ -23,8 +23,8 @@ from services.inference.engine.core import Relay
 from services.inference.engine.digest import Observers, StepDigest
 from services.inference.engine.engine import Engine
 from services.inference.engine.messages import DEVICE_FAULT_EXIT, EngineFailed, EngineSpec
-from services.inference.replica import ServeConfig
 from services.inference.sched.request import Request, RequestStatus, SamplingParams
+from services.inference.serve_config import ServeConfig
 from tests.inference.harness import ServerThread, status_details
 from tests.inference.test_usage import ledger_rows
 

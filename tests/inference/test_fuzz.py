@@ -15,7 +15,7 @@ from zeroqueue.inference.v1 import inference_pb2_grpc
 
 from billing import commands
 from services.inference.device.executor import ExecutorConfig
-from services.inference.replica import ServeConfig
+from services.inference.serve_config import ServeConfig
 from tests.billing.conftest import ledger, postgres_schema_url, sqlite_template  # noqa: F401 - fixtures
 from tests.fuzz_generate import GenerateFuzzer, Tally, send
 from tests.inference.harness import ServerThread

@@ -19,7 +19,8 @@ from services import errors
 from services.inference import generate_request as request_module
 from services.inference.device.executor import ExecutorConfig
 from services.inference.generate_request import RequestLimits, to_spec
-from services.inference.replica import ServeConfig, receive_limit
+from services.inference.replica import receive_limit
+from services.inference.serve_config import ServeConfig
 from services.metering.server import MAX_MESSAGE_BYTES as METERING_MAX_MESSAGE_BYTES
 from tests.fuzz_generate import GENERATE, delimited, tag, varint
 from tests.inference.harness import ServerThread, status_details

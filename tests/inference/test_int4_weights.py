@@ -17,7 +17,7 @@ from services.inference.device.executor import Executor
 from services.inference.device.loader import load_checkpoint
 from services.inference.device.packed import Int4Linear, Int8Linear, KernelDecoderStack
 from services.inference.device.spec import ExecutorConfig
-from services.inference.replica import ServeConfig
+from services.inference.serve_config import ServeConfig
 from tests.inference.builds import quantize_inputs
 from tests.inference.conftest import Collector, make_engine, request, run_to_completion
 from tests.inference.harness import ServerThread

@@ -20,7 +20,7 @@ from services.inference.device.loader import load_checkpoint
 from services.inference.device.packed import Int8Linear, KernelDecoderStack
 from services.inference.device.quant import dequantize_int8, quantize_int8
 from services.inference.device.spec import ExecutorConfig
-from services.inference.replica import ServeConfig
+from services.inference.serve_config import ServeConfig
 from tests.inference.builds import quantize_inputs, use_int_path
 from tests.inference.conftest import Collector, make_engine, request, run_to_completion
 from tests.inference.harness import ServerThread

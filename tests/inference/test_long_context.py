@@ -16,7 +16,7 @@ from zeroqueue.inference.v1 import inference_pb2 as pb
 from services.inference.device.attention import KVCache
 from services.inference.device.executor import Executor, ExecutorConfig
 from services.inference.device.loader import load_checkpoint
-from services.inference.replica import ServeConfig
+from services.inference.serve_config import ServeConfig
 from tests.inference.harness import ServerThread, status_details
 
 CONTEXT = 512  # the tiny checkpoint's max_position_embeddings: its full context

@@ -15,7 +15,7 @@ from zeroqueue.inference.v1 import inference_pb2 as pb
 from zeroqueue.inference.v1 import inference_pb2_grpc
 
 from services.inference.device.executor import ExecutorConfig
-from services.inference.replica import ServeConfig
+from services.inference.serve_config import ServeConfig
 from tests.inference.harness import ServerThread, status_details
 
 STEP_S = 0.02

@@ -12,7 +12,7 @@ from zeroqueue.inference.v1 import inference_pb2 as pb
 from billing import commands
 from services.inference.device.executor import ExecutorConfig
 from services.inference.policy import PrefixCachePolicy
-from services.inference.replica import ServeConfig
+from services.inference.serve_config import ServeConfig
 from tests.inference.harness import ServerThread
 from tests.inference.test_overload import wait_until
 from tests.inference.test_usage import ledger_rows

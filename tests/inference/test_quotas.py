@@ -21,7 +21,7 @@ from services import errors
 from services.client import Client, QuotaExceeded
 from services.inference.device.executor import ExecutorConfig
 from services.inference.policy import PolicyBook, QuotaGate, weights_of
-from services.inference.replica import ServeConfig
+from services.inference.serve_config import ServeConfig
 from tests.inference.harness import ServerThread, status_details
 from tests.inference.test_overload import wait_until
 from tests.inference.test_service_class import ledger

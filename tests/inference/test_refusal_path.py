@@ -18,7 +18,7 @@ from zeroqueue.inference.v1 import inference_pb2 as pb
 
 from services import status as status_module
 from services.inference.device.executor import ExecutorConfig
-from services.inference.replica import ServeConfig
+from services.inference.serve_config import ServeConfig
 from tests.inference.harness import ServerThread
 
 # Python functions entered by one refusal for a full replica (slots taken, no retry reserved), counted as below:

@@ -184,7 +184,7 @@ def test_a_stream_interval_holds_later_tokens_but_never_the_first_or_the_end():
 
 def test_a_replica_with_a_stream_interval_sends_the_same_tokens_in_fewer_messages(llama_dir):
     from services.inference.device.executor import ExecutorConfig
-    from services.inference.replica import ServeConfig
+    from services.inference.serve_config import ServeConfig
     from tests.inference.conftest import Collector, make_engine, request, run_to_completion
     from tests.inference.harness import ServerThread
     from tests.inference.test_server import PROMPT, generate

@@ -15,8 +15,8 @@ from zeroqueue.inference.v1 import inference_pb2 as pb
 from services import errors
 from services.inference.call import BudgetSource, GenerateSpec
 from services.inference.device.executor import ExecutorConfig
-from services.inference.replica import ServeConfig
 from services.inference.sched.request import SamplingParams
+from services.inference.serve_config import ServeConfig
 from services.status import status_for
 from tests.inference.conftest import Collector, make_engine, request, run_to_completion
 from tests.inference.harness import ServerThread, status_details

@@ -21,7 +21,7 @@ from services.inference.call import BudgetSource
 from services.inference.device.checkpoint import read_header
 from services.inference.device.executor import ExecutorConfig
 from services.inference.policy import class_of
-from services.inference.replica import ServeConfig
+from services.inference.serve_config import ServeConfig
 from tests.inference.harness import ServerThread, status_details
 from tests.inference.test_overload import wait_until
 from tests.inference.test_usage import ledger_rows

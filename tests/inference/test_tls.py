@@ -13,7 +13,7 @@ from zeroqueue.inference.v1 import inference_pb2_grpc
 
 from services.client.auth import BearerAuth
 from services.inference.device.executor import ExecutorConfig
-from services.inference.replica import ServeConfig
+from services.inference.serve_config import ServeConfig
 from tests.inference.harness import ServerThread
 
 

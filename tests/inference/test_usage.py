@@ -24,8 +24,8 @@ from billing.records import Door
 from services.client.auth import authorized_channel
 from services.inference.call import BudgetSource, GenerateSpec
 from services.inference.device.executor import ExecutorConfig
-from services.inference.replica import ServeConfig
 from services.inference.sched.request import SamplingParams
+from services.inference.serve_config import ServeConfig
 from tests.inference.harness import ServerThread
 from tests.inference.test_overload import fill, start_slow_server, wait_until
 from tests.metering.harness import MeteringThread

@@ -83,7 +83,7 @@ def walk(model_dir: str | Path) -> list[str]:
     every path (so that nothing first-time, such as a cache fill, is counted)."""
     from zeroqueue.inference.v1 import inference_pb2 as pb
 
-    from services.inference.replica import ServeConfig
+    from services.inference.serve_config import ServeConfig
     from tests.inference.harness import ServerThread
 
     tracer = Tracer()
