@@ -35,8 +35,11 @@ def test_a_retry_on_time_goes_ahead_of_reservations_planned_behind_it():
     c.release("a")
     cost.ratio = 1.5  # the device slowed down since: b's run now ends at 250 ms, into q's reservation
     retry = c.decide(commit("b", max_tokens=10, deadline_ms=4900, now_ms=100), 100 * MS)
-    assert isinstance(retry, Admit)  # b came on time: q is the one to wait
-    assert isinstance(c.decide(commit("q", max_tokens=10, deadline_ms=4800, now_ms=200), 200 * MS), Reject)
+    assert isinstance(retry, Admit) and retry.start_ns is None  # b came on time: q is the one to wait
+    q_retry = c.decide(commit("q", max_tokens=10, deadline_ms=4800, now_ms=200), 200 * MS)
+    # q came on time too: not refused, but held for the slot after b's, its promise kept late (issue 35)
+    assert isinstance(q_retry, Admit) and q_retry.start_ns >= 250 * MS
+    assert c.num_admitted == 2 and c.num_reserved == 0 and c.events["retry_held_later"] == 1
 
 
 def test_a_retry_on_time_is_held_for_a_slot_that_frees_a_little_late():
@@ -50,14 +53,28 @@ def test_a_retry_on_time_is_held_for_a_slot_that_frees_a_little_late():
     assert isinstance(stranger, Reject), "the slot that frees at 70 ms is b's"
 
 
-def test_a_retry_whose_slot_frees_later_than_the_hold_is_refused_again():
+def test_a_retry_whose_slot_frees_later_than_the_hold_is_held_for_that_slot_not_refused_again():
+    """Issue 35: a promise kept late rather than broken. The retry came when told to; the slot it was promised frees
+    later than planned, so it is admitted and held for it (as a held call: the service hands it to the engine
+    then), not sent away with a second hint, which a client could only read as the first one's failure."""
     c = controller(slots=1)
     c.decide(commit("a", max_tokens=10), 0)  # predicted 0-100 ms
     assert c.decide(commit("b", max_tokens=5), 0).retry_after_ms == 100
     c.on_progress("a", 3)  # at 100 ms a still needs 7 steps: its slot frees at 170 ms
     again = c.decide(commit("b", max_tokens=5, deadline_ms=900, now_ms=100), 100 * MS)
-    assert isinstance(again, Reject) and again.retry_after_ms == 70
-    assert c.num_reserved == 1 and c.num_admitted == 1  # a new reservation, from 170 ms
+    assert again == Admit(220 * MS, start_ns=170 * MS)  # held for a's slot, then its 5 steps
+    assert c.num_reserved == 0 and c.num_admitted == 2 and c.events["retry_held_later"] == 1
+    stranger = c.decide(commit("s", max_tokens=5, now_ms=100), 100 * MS)
+    assert isinstance(stranger, Reject) and stranger.retry_after_ms == 120, "the slot from 170 ms is b's"
+
+
+def test_a_retry_whose_slot_is_gone_past_its_budget_is_refused_saying_so():
+    c = controller(slots=1)
+    c.decide(commit("a", max_tokens=10), 0)  # predicted 0-100 ms
+    assert c.decide(commit("b", max_tokens=5, deadline_ms=400), 0).retry_after_ms == 100
+    c.on_progress("a", 1)  # at 100 ms a still needs 9 steps: its slot frees at 190 ms, b's run would end at 240
+    again = c.decide(commit("b", max_tokens=5, deadline_ms=150, now_ms=100), 100 * MS)
+    assert isinstance(again, Reject) and not again.within_budget and c.num_admitted == 1
 
 
 def test_a_retry_on_time_is_held_for_the_step_room_its_prompt_needs():
@@ -166,8 +183,8 @@ def test_slots_are_expected_to_free_as_late_as_calls_have_been_finishing():
 
 def test_a_retry_on_time_is_not_admitted_at_once_where_joining_now_would_make_a_running_call_late():
     """A reserved retry that comes while joining would push a running call past its deadline (its reservation
-    begins when that call ends) is refused again, with its reservation, not admitted at once because its slot frees
-    within retry_hold_ms: admitted, it would share the running call's steps now and make it late."""
+    begins when that call ends) is held for the moment that call ends, not admitted at once because its slot frees
+    within retry_hold_ms: joining now, it would share the running call's steps and make it late."""
     # one row a step takes 10 ms, two 20 ms: a call that joins doubles a lone call's step time
     doubling = CostModel([1, 2, 256], [10_000.0, 20_000.0, 20_000.0], 0.0, num_deviations=0.0, deviation=0.0)
     c = AdmissionController(doubling, AdmissionConfig(2, 256, margin_ms=0, margin_fraction=0), REFUSING)
@@ -177,4 +194,5 @@ def test_a_retry_on_time_is_not_admitted_at_once_where_joining_now_would_make_a_
     for n in range(1, 7):  # a has run 6 steps by 60 ms
         c.on_progress("a", n)
     again = c.decide(commit("r", max_tokens=5, deadline_ms=940, now_ms=60), 60 * MS)  # a would end at 140 ms
-    assert isinstance(again, Reject) and again.retry_after_ms == 40 and c.num_reserved == 1
+    assert again == Admit(160 * MS, start_ns=100 * MS)  # from when a ends, at 100 ms as it was predicted alone
+    assert c.num_reserved == 0 and c.num_admitted == 2

@@ -81,3 +81,18 @@ def test_under_overload_with_retries_no_admitted_call_misses(device, load, seed,
     tally = run(replica(device), load * capacity, 20.0, seed=seed, max_attempts=8, budget_ms=budget_ms)
     assert tally.misses == []
     assert tally.goodput(20.0) >= 0.9 * capacity
+
+
+def test_a_reserved_retry_that_comes_on_time_is_served_on_a_device_that_runs_as_calibrated():
+    """Issue 35, first-retry success: a retry that comes for its reservation is admitted, at once or held for the slot
+    that frees next inside its budget, even where the calendar's plan for its slot has moved since (runs end later
+    than the lateness stretch allowed for, calls planned since took the slot first). The bundled model's replica at
+    2x and 4x with 4-s budgets, clients retrying at the hint: 146 of 1,201 were refused on arrival before (12 %);
+    now 19 of 1,163. No admitted call misses its deadline."""
+    taken = refused = 0
+    for load in (2.0, 4.0):
+        controller = replica("bundled")
+        tally = run(controller, load * DEVICES["bundled"][2], 20.0, seed=1, max_attempts=8, budget_ms=4000)
+        taken, refused = taken + controller.events["taken"], refused + controller.events["taken_refused"]
+        assert not tally.misses and controller.events["retry_held_later"] > 0
+    assert taken > 1000 and refused <= 0.03 * (taken + refused), (taken, refused)

@@ -168,6 +168,7 @@ class AdmissionController:
         c = self.commitments.get(key)
         if c is not None and not c.is_reservation:
             del self.commitments[key]
+            self.promises.waiting.discard(key)
             self.shares.release(c.tenant)
             self.priorities.release(c.priority)
             if self.num_admitted == 0:  # drained: a saturation verdict must not outlive the burst behind it

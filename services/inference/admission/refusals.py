@@ -34,8 +34,9 @@ class Promises:
     A reservation is a promise both ways: it waits `reservation_grace_ms` past its time for a retry that comes
     late, and a retry that comes on time while its slot (or the step's room for its prompt) is still taken,
     because the device ran slower than predicted, is admitted if that frees within `retry_hold_ms` and its
-    deadline still holds. A call refused only because the next step's token budget was taken holds no slot,
-    but keeps its turn: its retry, on time, may wait up to `retry_hold_ms` for that room."""
+    deadline still holds; where its slot frees later, inside its budget, it is admitted and held for that slot.
+    A call refused only because the next step's token budget was taken holds no slot, but keeps its turn: its
+    retry, on time, may wait up to `retry_hold_ms` for that room."""
 
     def __init__(self, settings: AdmissionSettings, judged_with: Estimators) -> None:
         self.by = judged_with
@@ -46,6 +47,7 @@ class Promises:
         self.retry_hold_ns = int(settings.retry_hold_ms * NS_PER_MS)
         self.commitments: dict[str, Commitment] = {}  # admission key -> its admitted call or reserved retry
         self.turns: dict[str, int] = {}  # refused for the step budget: admission key -> when its turn lapses
+        self.waiting: set[str] = set()  # admission keys of held calls that have not begun (`Commitment.is_waiting`)
         self.events: Counter[str] = Counter()
         self.elsewhere = settings.elsewhere  # other replicas serve the same model: saturation points at them
         s = settings
@@ -151,6 +153,12 @@ class Promises:
         saturated = self.saturated_for(new.tenant, now_ns)
         if saturated and self.elsewhere:
             return self._saturated(at_ns - now_ns, finish_ns, why)
+        # later than that, or where joining now would push a running call late: held for the slot that frees inside
+        # its budget, as a held call is, rather than refused. Its caller came back when told to, and the calendar's
+        # plan for its slot moved (runs ended later than the lateness stretch allowed for; calls planned since took
+        # the slot first): a refusal now would break the promise its hint made
+        if call.on_time:
+            return self.hold(new, at_ns, retry_finish_ns, event="retry_held_later")
         if self.settings.hold_in_slack:  # `retry` left the held calls' slack (slack_runs): hold it for that slot
             return self.hold(new, at_ns, retry_finish_ns)
         # at most max_reservations, so a storm cannot grow every decision's work: past that, a best guess; and
@@ -167,7 +175,7 @@ class Promises:
         self.events["reserved" if reserved else "unbacked"] += 1
         return Reject(_ms(at_ns - now_ns), finish_ns, reason=why, reserved=reserved, elsewhere=self.elsewhere)
 
-    def hold(self, new: Commitment, at_ns: int, finish_ns: int) -> Admit:
+    def hold(self, new: Commitment, at_ns: int, finish_ns: int, event: str = "held") -> Admit:
         """`new` admitted, held for the slot predicted to free at `at_ns` (inside its slack, as `earliest_retry`
         found it): the calendar keeps that slot for it as for a reservation, and the service hands it to the engine
         then, or sooner when a slot frees early (`AdmissionController.due`); once its request has begun (`begun`)
@@ -175,7 +183,8 @@ class Promises:
         new.held = True
         new.reserved_from_ns, new.reserved_until_ns = at_ns, self.by.lateness.stretch(at_ns, finish_ns)
         self.commitments[new.key] = new
-        self.events["held"] += 1
+        self.waiting.add(new.key)
+        self.events[event] += 1
         return Admit(finish_ns, start_ns=at_ns)
 
     def slack_runs(self, tenant: str, now_ns: int) -> float:
@@ -215,10 +224,9 @@ class Promises:
     def keep_waiting_in_time(self, now_ns: int) -> None:
         """A held call past its start that has not begun waits for a slot that frees late (the device ran slower
         than predicted): its window moves with it, so the calendar does not free its slot early."""
-        if not self.settings.hold_in_slack:
-            return  # nothing is ever held: no walk over the commitments on every decision
-        for c in self.commitments.values():
-            if c.is_waiting and c.reserved_from_ns < now_ns:
+        for key in self.waiting:  # the held calls only: no walk over the commitments on every decision
+            c = self.commitments[key]
+            if c.reserved_from_ns < now_ns:
                 c.reserved_until_ns += now_ns - c.reserved_from_ns
                 c.reserved_from_ns = now_ns
 
@@ -227,10 +235,10 @@ class Promises:
         c.reserved_from_ns, c.reserved_until_ns = now_ns, self.by.lateness.stretch(now_ns, finish_ns)
         self.events["held_started_early"] += 1
 
-    @staticmethod
-    def begun(c: Commitment) -> None:
+    def begun(self, c: Commitment) -> None:
         """The held call `c` has begun in the engine (its first token came back): its window is its run now."""
         c.reserved_from_ns = c.reserved_until_ns = None
+        self.waiting.discard(c.key)
 
     def refuse_for_headroom(
         self, call: Arrival, finishes: dict[str, int], finish_ns: int, cause: RefusalCause

@@ -17,7 +17,8 @@ class AdmissionSettings:
     # network add a few ms, and a reservation that lapses a moment early wastes the slot it held
     reservation_grace_ms: float = 50.0
     # a retry on time whose slot (or step room) is still taken, because the device ran slower than predicted, is
-    # admitted if that frees within this: it joins when the slot frees rather than being sent away again
+    # admitted if that frees within this: it joins when the slot frees rather than being sent away again (a slot
+    # that frees later still, inside its budget, is held for it: refusals.py `Promises.refuse`)
     retry_hold_ms: float = 50.0
     # a rejection storm must not grow the work of every decision: at most this many reservations (None: one per
     # slot, the most that can be taken up at once)
