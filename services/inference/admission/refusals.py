@@ -225,8 +225,8 @@ class Promises:
         """A held call past its start that has not begun waits for a slot that frees late (the device ran slower
         than predicted): its window moves with it, so the calendar does not free its slot early."""
         for key in self.waiting:  # the held calls only: no walk over the commitments on every decision
-            c = self.commitments[key]
-            if c.reserved_from_ns < now_ns:
+            c = self.commitments.get(key)
+            if c is not None and c.is_waiting and c.reserved_from_ns < now_ns:
                 c.reserved_until_ns += now_ns - c.reserved_from_ns
                 c.reserved_from_ns = now_ns
 
