@@ -51,6 +51,9 @@ class Promises:
         self.events: Counter[str] = Counter()
         self.elsewhere = settings.elsewhere  # other replicas serve the same model: saturation points at them
         s = settings
+        # the latest lapsed reservations' admission keys, so that a retry that comes after its reservation lapsed
+        # is told apart from one that never comes (`retry_after_lapse`: a client that retries late, loaded or far)
+        self.lapsed: dict[str, None] = {}
         self.follow = FollowThrough(s.follow_alpha, s.follow_threshold_share, s.follow_explore_every, s.max_tenants)
         # per tenant: a flood saturates its sender, not the modest tenant beside it (`Saturation` in history.py)
         self.saturations: dict[str, Saturation] = {}
@@ -80,6 +83,9 @@ class Promises:
         has_turn = on_time or self.turns.pop(new.key, None) is not None
         if has_turn and not on_time:
             self.events["turn_retry"] += 1
+        if not on_time and self.lapsed and new.key in self.lapsed:
+            del self.lapsed[new.key]
+            self.events["retry_after_lapse"] += 1
         return Arrival(new, now_ns, on_time, has_turn)
 
     def admit(self, call: Arrival, admitted: list[Commitment], finish_ns: int) -> Decision:
@@ -290,6 +296,9 @@ class Promises:
             lapsed = self.commitments.pop(key)
             self.follow.observe(lapsed.tenant, lapsed.again, came=False)
             self.events["lapsed"] += 1
+            self.lapsed[key] = None
+            if len(self.lapsed) > 4 * self.max_reservations:  # the oldest first: a late retry comes soon or never
+                del self.lapsed[next(iter(self.lapsed))]
         for key in [k for k, expires_ns in self.turns.items() if expires_ns <= now_ns]:
             del self.turns[key]
             self.events["turn_lapsed"] += 1
