@@ -117,7 +117,7 @@ class Overloaded(ServiceError):
         self.retry_after_ms = retry_after_ms
         why = _WHY.get(cause, _WHY[RefusalCause.DEADLINE]).format(finish=predicted_finish_ms, budget=budget_ms)
         super().__init__(
-            f"{why}; {self._next_step(cause == RefusalCause.STEP_BUDGET, cause in _HOLDS_NOTHING)}",
+            f"{why}; {self._next_step(cause, cause in _HOLDS_NOTHING)}",
             {
                 "retry_after_ms": str(retry_after_ms),
                 "predicted_finish_ms": str(predicted_finish_ms),
@@ -130,8 +130,8 @@ class Overloaded(ServiceError):
             },
         )
 
-    def _next_step(self, for_turn: bool, holds_nothing: bool) -> str:
-        hint, held = self.retry_after_ms, "its turn is held" if for_turn else "a slot is reserved for it"
+    def _next_step(self, cause: RefusalCause, holds_nothing: bool) -> str:
+        hint, held = self.retry_after_ms, _HELD.get(cause, "a slot is reserved for it")
         go = "try another replica" if self.elsewhere else "there is no other replica to try"
         if self.saturated and self.elsewhere:
             return (
@@ -161,6 +161,11 @@ class Overloaded(ServiceError):
         return self.retry_after_ms if self.within_budget else -1
 
 
+# What a reservation holds, where it is not a slot alone.
+_HELD = {
+    RefusalCause.STEP_BUDGET: "its turn is held",
+    RefusalCause.KV_BLOCKS: "a slot and its KV blocks are reserved for it",
+}
 # Causes whose refusal never reserves: the room it was refused is kept for others.
 _HOLDS_NOTHING = frozenset({RefusalCause.OVER_SHARE, RefusalCause.PRIORITY})
 _WHY = {

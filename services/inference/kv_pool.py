@@ -10,26 +10,45 @@ only once the engine has computed it, so a block a cancelled call's last step ma
 The pool is sized with room for the calls admitted into slots that free at the end of the running step (their
 predecessors still hold blocks until their end arrives): the executor allocates twice the blocks of every slot at
 the longest context where memory allows (device/executor.py). Where it does not (a long max_seq_len), the slots can
-hold more calls than the pool has blocks for: a call the pool cannot take now is refused for blocks, its hint the
-predicted finish of the running calls whose blocks it needs back (`ready_at_ns`).
+hold more calls than the pool has blocks for, and admission plans the blocks on its calendar beside the slots
+(`planned`): a call whose blocks are not free for its whole run is refused for blocks with the time they are, and
+they are reserved for its retry as a slot is. A call admitted that the pool still cannot take now (a call that has
+ended later than its predicted finish has not given its blocks back yet; a shared prefix is given back only by the
+last call that holds it) is refused for blocks without a reservation, its hint the predicted finish of the running
+calls whose blocks it needs back (`ready_at_ns`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from services import errors
+
+from .admission import RefusalCause
 from .call import Ticket
 from .sched.blocks import BlockPool
 from .sched.request import FinishReason, Request
 
 
 class KvReservations:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.pool = BlockPool(num_blocks, block_size)
+    """`planned`: the pool has fewer blocks than the slots could fill at the longest context, so admission plans
+    its blocks on the calendar beside the slots (a call's `num_blocks`, `num_free`), and a refusal for blocks
+    reserves them for the retry. Where it holds every slot's longest call, the slots bind first and blocks are not
+    planned (the executor sizes it at twice that where memory allows)."""
 
-    def cached_tokens(self, prompt: tuple[int, ...], salt: bytes | None) -> int:
-        """What admission predicts with: the prompt's leading tokens cached now (nothing pinned yet)."""
-        return self.pool.cached_tokens(prompt, salt)
+    def __init__(self, num_blocks: int, block_size: int, num_slots: int = 0, max_seq_len: int = 0) -> None:
+        self.pool = BlockPool(num_blocks, block_size)
+        self.planned = num_blocks < num_slots * self.pool.blocks_for(max_seq_len)
+
+    @property
+    def num_free(self) -> int:
+        """Blocks a call could take now (free, or cached and evictable)."""
+        return self.pool.num_free
+
+    def lookup(self, prompt: tuple[int, ...], max_tokens: int, salt: bytes | None) -> tuple[int, int]:
+        """What admission predicts and plans with: the prompt's leading tokens cached now, and the blocks the call
+        would take off the pool's free ones (nothing pinned yet)."""
+        return self.pool.lookup(prompt, len(prompt) + max_tokens, salt)
 
     def reserve(self, request: Request) -> bool:
         """Reserves the admitted call's blocks, its cached prefix pinned; False when the pool lacks them now."""
@@ -40,6 +59,27 @@ class KvReservations:
         request.block_ids, request.blocks_reserved = allocation.block_ids, True
         request.num_cached_tokens = request.num_computed_tokens = allocation.num_cached_tokens
         return True
+
+    def take_at_start(self, ticket: Ticket) -> bool:
+        """A held call's start has come: its blocks are reserved now, where admission planned them for its start
+        (else it took them when admitted). False: the running calls have not given them back yet (one ended later
+        than predicted), and it waits for them."""
+        if ticket.request.blocks_reserved:
+            return True
+        if not self.reserve(ticket.request):
+            return False
+        ticket.kv_blocks = ticket.request.block_ids
+        return True
+
+    def refusal(
+        self, request: Request, running: Iterable[Ticket], finish_ns: int, now_ns: int, budget_ns: int
+    ) -> errors.Overloaded:
+        """The refusal of a call admitted that the pool cannot take now (`reserve` said False): no reservation,
+        its hint when the running calls whose blocks it needs are predicted to give them back."""
+        ready_ns = self.ready_at_ns(request, running) or finish_ns
+        retry_ms = max(-(-(ready_ns - now_ns) // 1_000_000), 1)
+        run_ms = (finish_ns - now_ns) // 1_000_000
+        return errors.Overloaded(retry_ms, run_ms, budget_ns // 1_000_000, cause=RefusalCause.KV_BLOCKS)
 
     def ready_at_ns(self, request: Request, running: Iterable[Ticket]) -> int | None:
         """When the pool could give `request` its blocks, counting the blocks each running call gives back at its

@@ -277,10 +277,13 @@ class Replica:
             config.margin_fraction,
             pace_tokens=config.pace_tokens,
         )
-        admission = AdmissionController(cost, admission_config, config.admission_settings())
+        kv = KvReservations(ready.num_kv_blocks, ready.kv_block_size, ready.num_slots, ready.max_seq_len)
+        admission = AdmissionController(
+            cost, admission_config, config.admission_settings(), kv=kv if kv.planned else None
+        )
         self.metrics.watch_reservations(admission.events)
         engine.set_expiry_guard(int(cost.step_us(ready.num_slots) * 1000))
-        return admission, cost, KvReservations(ready.num_kv_blocks, ready.kv_block_size)
+        return admission, cost, kv
 
     def _grammar_compiler(self) -> GrammarCompiler:
         """The server's grammar compiler, its compile times calibrated (on the warm-up thread)."""

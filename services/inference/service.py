@@ -61,19 +61,6 @@ class ModelCard:
     weight_dtype: str = ""  # the decoder layers' linear weights: "int8" when quantized, else dtype
 
 
-def _merged(outputs: list[RequestOutput]) -> RequestOutput:
-    """Consecutive outputs of one call as one: their tokens and text in order, the time of the first (when
-    the message's first token was produced), the state of the last."""
-    first = outputs[0]
-    return outputs[-1]._replace(
-        token_ids=tuple(t for o in outputs for t in o.token_ids),
-        logprobs=tuple(lp for o in outputs for lp in o.logprobs),
-        text="".join(o.text for o in outputs),
-        time_ns=first.time_ns,
-        first_scheduled_ns=first.first_scheduled_ns,
-    )
-
-
 def _attempt_label(attempt: int) -> str:
     return str(attempt) if attempt < 3 else "3+"
 
@@ -114,6 +101,9 @@ class InferenceService:
         # admission key -> an admitted call held for a later start (`Admit.start_ns`): it reaches the engine then,
         # or sooner if admission says a slot freed early (`Admission.due`)
         self.held: dict[str, tuple[Ticket, LoopSink, asyncio.TimerHandle]] = {}
+        # held calls past their start whose KV blocks the running calls have not given back yet (later than
+        # predicted): each starts as soon as an ending call gives them back, first come first
+        self.awaiting_blocks: dict[str, None] = {}
         self.drained = asyncio.Event()
 
     @property
@@ -162,6 +152,9 @@ class InferenceService:
                 raise
         deadline_ns = received_ns + budget_ns
         salt = self.prefix_cache.salt(tenant, klass)
+        num_cached, num_blocks = 0, 0
+        if self.kv is not None:
+            num_cached, num_blocks = self.kv.lookup(spec.prompt_token_ids, spec.sampling.max_tokens, salt)
         commitment = Commitment(
             admission_key(tenant, spec.request_id),
             len(spec.prompt_token_ids),
@@ -172,7 +165,8 @@ class InferenceService:
             priority=service_class.priority,
             masked=spec.sampling.constraint is not None,
             logprobs=spec.sampling.logprobs,
-            num_cached_tokens=self.kv.cached_tokens(spec.prompt_token_ids, salt) if self.kv is not None else 0,
+            num_cached_tokens=num_cached,
+            num_blocks=num_blocks if self.kv is not None and self.kv.planned else 0,
         )
         now_ns = self.clock.now_ns()
         decision = self.admission.decide(commitment, now_ns)
@@ -206,14 +200,13 @@ class InferenceService:
             deadline_ns=deadline_ns if self.deadline_mode else None,
             cache_salt=salt,
         )
-        if self.kv is not None and not self.kv.reserve(request):  # the running calls' blocks are not back yet
+        # a held call takes its blocks at its start where admission plans them (they may free only by then)
+        blocks_later = decision.start_ns is not None and self.kv is not None and self.kv.planned
+        if self.kv is not None and not blocks_later and not self.kv.reserve(request):  # running calls hold them yet
             self.admission.release(commitment.key)
             self._count_decision(attempt, "overloaded")
             self.metrics.count_refusal(RefusalCause.KV_BLOCKS, tenant, klass)
-            ready_ns = self.kv.ready_at_ns(request, self.in_flight.values()) or decision.predicted_finish_ns
-            retry_ms = max(-(-(ready_ns - now_ns) // 1_000_000), 1)
-            run_ms = (decision.predicted_finish_ns - now_ns) // 1_000_000
-            raise errors.Overloaded(retry_ms, run_ms, budget_ns // 1_000_000, cause=RefusalCause.KV_BLOCKS)
+            raise self.kv.refusal(request, self.in_flight.values(), decision.predicted_finish_ns, now_ns, budget_ns)
         self._count_decision(attempt, "admitted")
         sink = LoopSink(asyncio.get_running_loop())
         context = RecordContext(
@@ -254,14 +247,22 @@ class InferenceService:
             return
         ticket, sink, timer = entry
         timer.cancel()
+        self.awaiting_blocks.pop(key, None)
         if ticket.finish_reason is not None or ticket.device_failure is not None:
             return  # ended while held (the device failed: health/reaction.py)
+        blocks_now = self.kv is not None and not ticket.request.blocks_reserved  # planned for its start
+        if blocks_now and not self.kv.take_at_start(ticket):  # an ending call gives them back: it starts then
+            self.held[key], self.awaiting_blocks[key] = entry, None
+            return
         try:
             self.engine.add_request(ticket.request, sink)
         except errors.NotServing:  # the engine died while it was held: it ends as the device's calls do
             ticket.device_failure = "the engine stopped before this call's start"
             end = RequestOutput(ticket.call_id, (), "", self.clock.now_ns(), 0, FinishReason.ERROR)
             ticket.outputs.put_nowait(end)
+            return
+        if blocks_now:
+            self.admission.started(key)
 
     def _withdraw(self, ticket: Ticket) -> None:
         """Forgets an admitted call that never reached the engine: nothing ran, nothing is billed."""
@@ -273,9 +274,12 @@ class InferenceService:
         start that a freed slot lets start now goes to the engine."""
         if (held := self.held.pop(ticket.admission_key, None)) is not None:
             held[2].cancel()
+            self.awaiting_blocks.pop(ticket.admission_key, None)
         if self.kv is not None:
             self.kv.end(ticket)
         self.admission.release(ticket.admission_key)
+        for key in list(self.awaiting_blocks):  # past their start: before those due early
+            self._start_held(key)
         for key in self.admission.due(self.clock.now_ns()) if self.held else ():
             self._start_held(key)
         self.outbox.forget(ticket.call_id)
@@ -317,7 +321,7 @@ class InferenceService:
                 continue
             if ticket.first_token_ns is not None:
                 sent_ns = now_ns
-            yield held[0] if len(held) == 1 else _merged(held)
+            yield held[0] if len(held) == 1 else RequestOutput.merged(held)
             held = []
 
     @staticmethod

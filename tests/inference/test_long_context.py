@@ -1,11 +1,14 @@
 """Long contexts do not cap concurrency: a call holds the KV blocks of its own prompt and max_tokens, not a slot of
 max_seq_len, so a replica started with the model's full context keeps its slots, and runs a call near that length
-while short calls run beside it. Where the pool has fewer blocks than the slots could fill, admission counts them:
-a second long call is refused for blocks (`kv_blocks`) with the running calls' predicted finish as its hint, and
-FIFO admission starts it once the first one's blocks are back. The pool is empty of calls at the end."""
+while short calls run beside it. Where the pool has fewer blocks than the slots could fill, admission plans them:
+a second long call is refused for blocks (`kv_blocks`) with the first one's predicted finish as its hint and its
+blocks reserved from then, so its retry at the hint is served; with holds it is admitted at once, held for that
+start, and waits for the blocks if the first call ends late. FIFO admission starts it once the first one's blocks
+are back. The pool is empty of calls at the end."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -18,6 +21,7 @@ from services.inference.device.executor import Executor, ExecutorConfig
 from services.inference.device.loader import load_checkpoint
 from services.inference.serve_config import ServeConfig
 from tests.inference.harness import ServerThread, status_details
+from tests.inference.test_overload import wait_until
 
 CONTEXT = 512  # the tiny checkpoint's max_position_embeddings: its full context
 # llama_dir's shape: 2 layers, 2 KV heads of 16, float32; a block holds 16 tokens
@@ -77,11 +81,18 @@ def test_a_call_near_the_full_context_runs_while_short_calls_run_beside_it(llama
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             info = status_details(refused.value)["ErrorInfo"]
             assert info.metadata["cause"] == "kv_blocks" and "KV cache lacks the blocks" in refused.value.details()
-            # the hint is the long call's predicted finish: inside the budget, and not before the long call ends
+            # the hint is the long call's predicted finish, inside the budget; its blocks are reserved from then
             assert 0 < int(info.metadata["retry_after_ms"]) < 60_000
+            assert info.metadata["retry_reserved"] == "true" and "its KV blocks are reserved" in refused.value.details()
             assert in_flight(server, "long-1")
             sample = server.replica.metrics.registry.get_sample_value
             assert sample("zeroqueue_refusals_total", {"cause": "kv_blocks", "tenant": "acme"} | CLASS) == 1
+            # a short call still fits beside the long one: the blocks it leaves free until its end
+            assert list(stub.Generate(SHORT, timeout=30))[-1].final.usage.completion_tokens == 6
+            time.sleep(int(info.metadata["retry_after_ms"]) / 1000)
+            retry = list(stub.Generate(second, timeout=60, metadata=(("x-retry-attempt", "1"),)))
+            assert retry[-1].final.usage.prompt_tokens == 400
+            assert server.replica.service.admission.events["taken"] == 1
         else:  # FIFO queues it: the engine starts it once the first call's blocks are back
             assert list(stub.Generate(second, timeout=60))[-1].final.usage.prompt_tokens == 400
         assert list(long_stream)[-1].final.usage.completion_tokens == 100
@@ -91,3 +102,31 @@ def test_a_call_near_the_full_context_runs_while_short_calls_run_beside_it(llama
 
 
 CLASS = {"service_class": "standard"}
+
+
+def test_a_long_call_held_for_blocks_that_free_late_starts_when_they_are_back(llama_dir):
+    """With holds, the second long call is admitted at once for the start its blocks are planned to free at (no
+    refusal); the device then slows, the first call ends late, and the held call waits for its blocks past its
+    planned start instead of starting without them. Both are served; the pool is empty of calls at the end."""
+    executor = ExecutorConfig(max_batch=4, max_seq_len=CONTEXT, kv_memory_bytes=(POOL_BLOCKS + 1) * BLOCK_BYTES)
+    config = ServeConfig(str(llama_dir), port=0, executor=executor, hold=True, engine_process=False)
+    server = ServerThread(config, step_floor_s=STEP_FLOOR_S).start()
+    try:
+        stub, service = server.stub(), server.replica.service
+        long_stream = stub.Generate(long_call("long-1", 0), timeout=60)
+        assert next(long_stream).WhichOneof("kind") == "admission"
+        second = stub.Generate(long_call("long-2", 26), timeout=60)
+        admission = next(second).admission
+        assert admission.predicted_start_at_us > admission.dispatched_at_us  # held for long-1's blocks
+        assert service.admission.events["held"] == 1 and blocks_used(server) == 32  # long-2's are not taken yet
+        device = server.replica.engine.engine.executor.executor  # the slow executor, beneath the watchdog
+        device.floor_s = 2 * STEP_FLOOR_S  # long-1 ends later than planned
+        wait_until(lambda: service.awaiting_blocks, timeout=30)  # long-2's start came before its blocks
+        assert in_flight(server, "long-1")
+        device.floor_s = STEP_FLOOR_S
+        assert list(long_stream)[-1].final.usage.completion_tokens == 100
+        final = list(second)[-1].final
+        assert final.usage.prompt_tokens == 400 and final.timings.deadline_met
+        assert not service.awaiting_blocks and blocks_used(server) == 0
+    finally:
+        server.stop()

@@ -4,7 +4,8 @@
 2. headroom kept for others (`kept_for_others`): the free slot it would take is not one kept in hand for other
    tenants (OVER_SHARE) or a higher class (PRIORITY); headroom.py says how much is kept.
 3. fits now beside the running calls (`Calendar.fits_at`): a slot free for its whole run (SLOTS_FULL), its own
-   deadline met (DEADLINE), no admitted call pushed past one it was predicted to meet (DELAYS_ADMITTED).
+   deadline met (DEADLINE), no admitted call pushed past one it was predicted to meet (DELAYS_ADMITTED), and where
+   admission plans the KV pool, its blocks free for its whole run (KV_BLOCKS).
 Then refusals.py admits it, or holds its turn for the step budget (STEP_BUDGET), or refuses it with the earliest
 time a retry would pass check 3 (`Calendar.earliest_retry`).
 """
@@ -36,13 +37,40 @@ class Arrival:
 class Scene:
     """What a call is judged beside at `at_ns`: the calls running then, their predicted finishes from then, and
     the reservations that hold their slots against it. `before`: the finishes the running calls were predicted
-    to meet before it (None: `finishes`; 0 for a phantom of headroom, which is always kept)."""
+    to meet before it (None: `finishes`; 0 for a phantom of headroom, which is always kept). `free_blocks`: the KV
+    pool's blocks free at `at_ns` besides those the running calls hold until their ends (None: the pool is not
+    planned, as where it holds every slot's longest call)."""
 
     at_ns: int
     admitted: list[Commitment]
     finishes: dict[str, int]
     reservations: list[Commitment]
     before: dict[str, int] | None = None
+    free_blocks: int | None = None
+
+
+def fewest_free_blocks(
+    free_blocks: int, releases: list[tuple[int, int]], reservations: list[Commitment], start_ns: int, end_ns: int
+) -> int:
+    """The fewest KV blocks free at any instant of [start_ns, end_ns): `free_blocks` free at start_ns, plus what
+    each running call gives back at its end (`releases`: (end, blocks), as slots really free), less what each
+    reservation takes over its window (a held call's too: where blocks are planned it takes them at its start).
+    At a tie a call gives back before a reservation takes, as slots are counted (`peak_occupancy`)."""
+    events = list(releases)
+    for r in reservations:
+        if r.num_blocks:
+            events += [(r.reserved_from_ns, -r.num_blocks), (r.reserved_until_ns, r.num_blocks)]
+    events.sort(key=lambda e: (e[0], -e[1]))
+    free, fewest = free_blocks, None
+    for at_ns, delta in events:
+        if at_ns >= end_ns:
+            break
+        if at_ns > start_ns and fewest is None:  # what was free at the start, every earlier event counted
+            fewest = free
+        free += delta
+        if fewest is not None:
+            fewest = min(fewest, free)
+    return free if fewest is None else fewest
 
 
 def limit(predictor: Predictor, c: Commitment, at_ns: int) -> int:
@@ -72,7 +100,9 @@ def kept_for_others(room: Headroom, num_slots: int, now: Scene) -> RefusalCause 
 class Calendar:
     """Check 3, and the search for a retry that passes it. Slots over time form a calendar: a running call holds
     one until its predicted finish (stretched as calls really finish, `Lateness`), a reservation over its
-    reserved interval; and every deadline must hold."""
+    reserved interval; and every deadline must hold. Where admission plans the KV pool, blocks are counted on the
+    same calendar: a running call holds its blocks as it holds its slot, a reservation takes its blocks over its
+    window, so a refused call's retry finds both."""
 
     def __init__(self, predictor: Predictor, lateness: Lateness, num_slots: int, max_retry_candidates: int) -> None:
         self.predictor = predictor
@@ -86,13 +116,15 @@ class Calendar:
             return now
         admitted = now.admitted + list(room.phantoms)
         before = {**{p.key: 0 for p in room.phantoms}, **now.finishes}
-        return Scene(now.at_ns, admitted, self.predictor.finish_times(admitted, now.at_ns), now.reservations, before)
+        finishes = self.predictor.finish_times(admitted, now.at_ns)
+        return Scene(now.at_ns, admitted, finishes, now.reservations, before, now.free_blocks)
 
     def fits_at(
         self, new: Commitment, scene: Scene, ahead_of_later_reservations: bool = False, finish_unused: bool = False
     ) -> tuple[RefusalCause | None, int]:
-        """None if `new` joining at `scene.at_ns` meets every deadline and finds a free slot for its whole run,
-        else why not (SLOTS_FULL, DEADLINE, DELAYS_ADMITTED); and `new`'s predicted finish from then.
+        """None if `new` joining at `scene.at_ns` meets every deadline and finds a free slot (and, where the pool is
+        planned, its KV blocks) for its whole run, else why not (SLOTS_FULL, DEADLINE, DELAYS_ADMITTED, KV_BLOCKS);
+        and `new`'s predicted finish from then.
         A retry that comes for its reservation goes ahead of reservations due after it: they were planned
         behind it, on predictions that have since moved, so they wait (or are refused) rather than it.
         With `finish_unused`, a no may come with 0 for the finish, before any prediction."""
@@ -128,7 +160,22 @@ class Calendar:
         if not ok:  # meets_deadlines said no, for its own deadline or for another's
             own = finish_ns > limit(self.predictor, new, at_ns)
             return (RefusalCause.DEADLINE if own else RefusalCause.DELAYS_ADMITTED), finish_ns
+        if self.blocks_short(new, scene, holds_until, reservations):
+            return RefusalCause.KV_BLOCKS, finish_ns
         return None, finish_ns
+
+    def blocks_short(
+        self, new: Commitment, scene: Scene, end_ns: int, reservations: list[Commitment] | None = None
+    ) -> bool:
+        """Where the KV pool is planned: whether `new`'s blocks, taken at `scene.at_ns` and held until `end_ns`, are
+        not free all that time beside the running calls' and the reservations' (`reservations`: those that hold
+        theirs against it, if not the scene's)."""
+        if scene.free_blocks is None or not new.num_blocks:
+            return False
+        at_ns, stretch = scene.at_ns, self.lateness.stretch
+        releases = [(stretch(at_ns, scene.finishes[c.key]), c.num_blocks) for c in scene.admitted if c.num_blocks]
+        held = scene.reservations if reservations is None else reservations
+        return fewest_free_blocks(scene.free_blocks, releases, held, at_ns, end_ns) < new.num_blocks
 
     def full_at(self, at_ns: int, num_running: int, reservations: list[Commitment]) -> bool:
         """No slot free at the instant `at_ns`: a quick no, before the cost of any prediction (the calendar's
@@ -142,7 +189,8 @@ class Calendar:
         tenants = now.admitted + list(room.phantoms[: room.num_tenant_phantoms])
         before = {**{p.key: 0 for p in tenants[len(now.admitted) :]}, **now.finishes}
         finishes = self.predictor.finish_times(tenants, now.at_ns)
-        return self.fits_at(new, Scene(now.at_ns, tenants, finishes, now.reservations, before))[0] is None
+        scene = Scene(now.at_ns, tenants, finishes, now.reservations, before, now.free_blocks)
+        return self.fits_at(new, scene)[0] is None
 
     def earliest_retry(self, new: Commitment, now: Scene, slack: float) -> tuple[int, int] | None:
         """The first moment a slot frees (a call finishes or a reservation ends) from which `new` would be
@@ -160,7 +208,10 @@ class Calendar:
             if self.full_at(at_ns, len(holding) - bisect.bisect_right(holding, at_ns), reservations):
                 continue
             later = progressed(admitted, slot_ends, now_ns, at_ns)
-            then = Scene(at_ns, later, self.predictor.finish_times(later, at_ns), reservations)
+            free_blocks = now.free_blocks  # and the blocks of the calls that have ended by then
+            if free_blocks is not None:
+                free_blocks += sum(c.num_blocks for c in admitted if slot_ends[c.key] <= at_ns)
+            then = Scene(at_ns, later, self.predictor.finish_times(later, at_ns), reservations, free_blocks=free_blocks)
             why, finish_ns = self.fits_at(new, then, finish_unused=True)
             if why is None and finish_ns + slack * (finish_ns - at_ns) <= limit(self.predictor, new, at_ns):
                 return at_ns, finish_ns

@@ -13,6 +13,7 @@ from ..cost.model import CostModel
 from .checks import Arrival, Calendar, Scene, infeasible, kept_for_others
 from .decisions import AdmissionConfig, Admit, Commitment, Decision, Infeasible, RefusalCause, Reject
 from .estimators import Estimators
+from .interface import FreeBlocks
 from .predictor import step_in_flight
 from .refusals import Promises
 from .settings import DEFAULT_SETTINGS, AdmissionSettings
@@ -22,7 +23,8 @@ class AdmissionController:
     """Deadline mode, an `Admission` (interface.py): predict at arrival; admit, or reject at once with the time
     capacity frees for the call and a reservation of a slot from then, so the hinted retry finds room (refusals.py
     says what is promised). Tenants' fair share and class priority keep headroom (headroom.py) unless `fair` is off:
-    first come, the comparison of old."""
+    first come, the comparison of old. `kv`: the paged KV pool, where it has fewer blocks than the slots could fill
+    (else None): its blocks are planned on the calendar beside the slots, each call's `num_blocks`."""
 
     predicts = True
 
@@ -32,8 +34,10 @@ class AdmissionController:
         config: AdmissionConfig,
         settings: AdmissionSettings = DEFAULT_SETTINGS,
         weights: Mapping[str, float] | None = None,
+        kv: FreeBlocks | None = None,
     ) -> None:
         self.settings = settings
+        self.kv = kv
         self.config = config
         self.estimators = by = Estimators.build(cost, config, settings, weights)
         self.predictor, self.idle, self.lateness = by.predictor, by.idle, by.lateness
@@ -114,7 +118,8 @@ class AdmissionController:
         finishes = self.predictor.finish_times(running, now_ns)
         # 2. headroom kept for others: free slots, room in time and in the next step, for tenants and classes
         room = self.estimators.headroom(call)
-        now = Scene(now_ns, running, finishes, self.estimators.holding_against(new, room, self.promises.reservations()))
+        holding = self.estimators.holding_against(new, room, self.promises.reservations())
+        now = Scene(now_ns, running, finishes, holding, free_blocks=None if self.kv is None else self.kv.num_free)
         if room.num_slots and (cause := kept_for_others(room, self.config.num_slots, now)):
             finish_ns = self.predictor.finish_times([*running, new], now_ns)[new.key]
             return self.promises.refuse_for_headroom(call, finishes, finish_ns, cause)
@@ -129,7 +134,22 @@ class AdmissionController:
             return self.promises.refuse_for_headroom(call, finishes, finish_ns, RefusalCause.PRIORITY)
         slack = self.promises.slack_runs(new.tenant, now_ns)
         retry = self.calendar.earliest_retry(new, beside, slack)
-        return self.promises.refuse(call, beside.finishes, retry, why, finish_ns)
+        blocks_now = self._blocks_free_now(call, beside, retry)
+        return self.promises.refuse(call, beside.finishes, retry, why, finish_ns, blocks_now)
+
+    def _blocks_free_now(self, call: Arrival, now: Scene, retry: tuple[int, int] | None) -> bool:
+        """Whether `call`, admitted now to join the engine and wait there for the slot that frees at `retry` (a
+        retry on time whose slot frees a little late), finds its KV blocks free from now until that run's end:
+        such a call takes them at once. Always, where blocks are not planned."""
+        if retry is None or now.free_blocks is None:
+            return True
+        ahead = [r for r in now.reservations if r.held or r.reserved_from_ns <= now.at_ns] if call.on_time else None
+        return not self.calendar.blocks_short(call.new, now, self.lateness.stretch(*retry), ahead)
+
+    def started(self, key: str) -> None:
+        c = self.commitments.get(key)
+        if c is not None and c.is_waiting:
+            self.promises.begun(c)
 
     def observe_finish(self, predicted_ns: int, actual_ns: int) -> None:
         """A call admitted with `predicted_ns` to go took `actual_ns`."""
@@ -155,7 +175,8 @@ class AdmissionController:
             if self.calendar.full_at(now_ns, len(running), others):
                 break
             self.predictor.step_end_ns, self.predictor.in_flight_rows = self._step_in_flight(now_ns)
-            now = Scene(now_ns, running, self.predictor.finish_times(running, now_ns), others)
+            finishes = self.predictor.finish_times(running, now_ns)
+            now = Scene(now_ns, running, finishes, others, free_blocks=None if self.kv is None else self.kv.num_free)
             why, finish_ns = self.calendar.fits_at(c, now)
             if why is not None:
                 break  # in order: a later one starting first would take the slot planned for this one

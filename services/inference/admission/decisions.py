@@ -37,6 +37,9 @@ class Commitment:
     # leading prompt tokens the prefix cache holds for it, pinned when it is admitted: never prefilled, though its
     # attention still reads them (the context is the whole prompt)
     num_cached_tokens: int = 0
+    # the paged KV cache's blocks it takes from the pool for its whole run (its prompt and max_tokens, less the cached
+    # prefix other calls already hold), where admission plans the pool (`AdmissionController.kv`); else 0
+    num_blocks: int = 0
     # when it may first join a step (engine clock): its admission, or its held start; a step that began before
     # then does not hold its prompt (AdmissionController.step_ended)
     admitted_ns: int = 0
@@ -89,8 +92,9 @@ class Admit:
 
 
 class RefusalCause(enum.StrEnum):
-    """Why a call is not admitted. The first six are admission's (Reject.reason); the refusal's message, its
-    ErrorInfo `cause`, the zeroqueue_refusals_total{cause} label and the logs say the same string."""
+    """Why a call is not admitted. The first six are admission's (Reject.reason), and KV_BLOCKS where it plans
+    the pool; the refusal's message, its ErrorInfo `cause`, the zeroqueue_refusals_total{cause} label and the logs
+    say the same string."""
 
     SLOTS_FULL = "slots_full"  # every slot is taken (running calls, reserved retries) at some point of its run
     STEP_BUDGET = "step_budget"  # a slot is free, but the next steps' token budget is taken by prompts ahead
@@ -102,7 +106,9 @@ class RefusalCause(enum.StrEnum):
     INFEASIBLE = "infeasible"  # no idle replica could finish it inside its budget
     QUOTA = "quota"  # its tenant is at one of its caps
     COMPILES = "compiles"  # too many new response_format grammars are compiling on the replica (compiler.py)
-    KV_BLOCKS = "kv_blocks"  # admitted, but the KV pool lacks its blocks until running calls end (kv_pool.py)
+    # the KV pool lacks its blocks until running calls end: admission's (with a reservation) where it plans the
+    # pool (a pool smaller than the slots could fill), else the pool's own check of an admitted call (kv_pool.py)
+    KV_BLOCKS = "kv_blocks"
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,9 @@ class FifoAdmission:
     def observe_finish(self, predicted_ns: int, actual_ns: int) -> None:
         pass
 
+    def started(self, key: str) -> None:
+        pass  # nothing is held
+
     def release(self, key: str) -> None:
         self.commitments.pop(key, None)
 

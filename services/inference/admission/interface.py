@@ -11,6 +11,14 @@ from typing import Protocol
 from .decisions import Commitment, Decision
 
 
+class FreeBlocks(Protocol):
+    """The paged KV pool as deadline admission plans it (kv_pool.py `KvReservations`): how many blocks a call
+    could take now."""
+
+    @property
+    def num_free(self) -> int: ...
+
+
 class Admission(Protocol):
     @property
     def predicts(self) -> bool:
@@ -49,6 +57,11 @@ class Admission(Protocol):
 
     def observe_finish(self, predicted_ns: int, actual_ns: int) -> None:
         """A call admitted with `predicted_ns` to go took `actual_ns`."""
+        ...
+
+    def started(self, key: str) -> None:
+        """The call under `key`, held for a later start, has reached the engine with its KV blocks taken (where
+        admission plans them, a held call takes them at its start): it runs as any admitted call from now."""
         ...
 
     def release(self, key: str) -> None:

@@ -189,6 +189,7 @@ def progressed(admitted: list[Commitment], finishes: dict[str, int], now_ns: int
                 masked=c.masked,
                 logprobs=c.logprobs,
                 num_cached_tokens=c.num_cached_tokens,
+                num_blocks=c.num_blocks,
             )
         )
     return later

@@ -140,19 +140,27 @@ class Promises:
         return room_ns, num_steps * int(batch_step_us * 1000)
 
     def refuse(
-        self, call: Arrival, finishes: dict[str, int], retry: tuple[int, int] | None, why: RefusalCause, finish_ns: int
+        self,
+        call: Arrival,
+        finishes: dict[str, int],
+        retry: tuple[int, int] | None,
+        why: RefusalCause,
+        finish_ns: int,
+        blocks_now: bool = True,
     ) -> Decision:
         """`call` does not fit now (`why`): a refusal with the hint of its earliest `retry` (its time and its
         predicted finish from then; None: none inside its budget), and a reservation for it when one is due; or,
         for a retry come for its reservation whose slot frees a little late, admission. Saturated, a replica alone
-        invites the retry only with its reservation (or holds the call), one with others beside it never."""
+        invites the retry only with its reservation (or holds the call), one with others beside it never. `blocks_now`:
+        whether its KV blocks are free from now, where blocks are planned (a held call takes them at its start, a
+        call admitted to wait in the engine for its slot at once)."""
         new, now_ns = call.new, call.now_ns
         if retry is None:
             frees_ms = self._frees_ms(finishes, now_ns)
             return Reject(frees_ms, finish_ns, within_budget=False, reason=why, elsewhere=self.elsewhere)
         at_ns, retry_finish_ns = retry
         # its slot frees a little late: held for it; never where joining now would push an admitted call late
-        if call.on_time and why == RefusalCause.SLOTS_FULL and at_ns - now_ns <= self.retry_hold_ns:
+        if blocks_now and call.on_time and why == RefusalCause.SLOTS_FULL and at_ns - now_ns <= self.retry_hold_ns:
             self.commitments[new.key] = new
             self.events["retry_held"] += 1
             return Admit(retry_finish_ns)

@@ -40,6 +40,20 @@ class RequestOutput(NamedTuple):
     first_scheduled_ns: int | None = None  # start of the first step that ran the request
     logprobs: tuple[tuple, ...] = ()  # with SamplingParams.logprobs: one per token id (sampler.TokenLogprob)
 
+    @staticmethod
+    def merged(outputs: list[RequestOutput]) -> RequestOutput:
+        """Consecutive outputs of one call as one (a relay that fell behind sends them in one message): their
+        tokens and text in order, the time of the first (when the message's first token was produced), the state
+        of the last."""
+        first = outputs[0]
+        return outputs[-1]._replace(
+            token_ids=tuple(t for o in outputs for t in o.token_ids),
+            logprobs=tuple(lp for o in outputs for lp in o.logprobs),
+            text="".join(o.text for o in outputs),
+            time_ns=first.time_ns,
+            first_scheduled_ns=first.first_scheduled_ns,
+        )
+
 
 class OutputSink(Protocol):
     def put(self, output: RequestOutput) -> None: ...

@@ -105,10 +105,14 @@ class BlockPool:
         """Blocks that hold `num_tokens` tokens (ceil division)."""
         return -(-num_tokens // self.block_size)
 
-    def cached_tokens(self, token_ids: Sequence[int], salt: bytes | None) -> int:
-        """How many leading prompt tokens `allocate` would find cached now, pinning nothing and counting nothing:
-        what admission predicts with, before the call is admitted and allocated on the same thread."""
-        return len(self._match(token_ids, salt)) * self.block_size
+    def lookup(self, token_ids: Sequence[int], num_tokens: int, salt: bytes | None) -> tuple[int, int]:
+        """What `allocate` would find now for the same call, pinning nothing and counting nothing: how many leading
+        prompt tokens are cached, and how many blocks it would take off `num_free` (those it lacks, and its cached
+        hits that no call holds). What admission predicts and plans with, before the call is admitted and allocated
+        on the same thread."""
+        hits = self._match(token_ids, salt)
+        num_taken = self.blocks_for(num_tokens) - len(hits) + sum(1 for block in hits if block in self._cached)
+        return len(hits) * self.block_size, num_taken
 
     def allocate(self, token_ids: Sequence[int], num_tokens: int, salt: bytes | None) -> Allocation | None:
         """Reserves the blocks of a call that will hold `num_tokens` tokens in all (its prompt `token_ids` plus its
