@@ -1,6 +1,7 @@
 """2,000 fuzzed Generate calls (tests/fuzz_generate.py) against one replica, while a well-formed call of a second
 tenant streams beside them: it completes as it would alone, no answer is INTERNAL or UNKNOWN, every refusal's
-status fits gRPC's metadata limits, and health answers throughout."""
+status fits gRPC's metadata limits, and health answers throughout. Once more (on SQLite) with a KV pool that holds
+fewer calls than the slots could fill, so admission plans its blocks and reserves them for refused calls."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ import time
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from zeroqueue.inference.v1 import inference_pb2 as pb
 from zeroqueue.inference.v1 import inference_pb2_grpc
 
 from billing import commands
+from services.inference.device.attention import KVCache
+from services.inference.device.checkpoint import read_header
 from services.inference.device.executor import ExecutorConfig
 from services.inference.serve_config import ServeConfig
 from tests.billing.conftest import ledger, postgres_schema_url, sqlite_template  # noqa: F401 - fixtures
@@ -29,16 +33,32 @@ STEADY = pb.GenerateRequest(
 )
 
 
+PLANNED_BLOCKS = 24  # a call and a half of the 256-token context (16 blocks); the 4 slots could fill 64
+
+
+@pytest.fixture(params=["ample", "planned"])
+def kv_memory_bytes(request, ledger, chatml_dir) -> int | None:  # noqa: F811 - the ledger fixture
+    """The pool: as the executor sizes it (ample: blocks never bind), or one admission plans (on SQLite only: the
+    ledger is not what it exercises)."""
+    if request.param == "ample":
+        return None
+    if not ledger.url.startswith("sqlite"):
+        pytest.skip("the planned pool is fuzzed once, on SQLite")
+    a = read_header(chatml_dir).args
+    per_block = KVCache.bytes_per_block(a.num_hidden_layers, a.num_key_value_heads, 16, a.head_dim, torch.float32)
+    return (PLANNED_BLOCKS + 1) * per_block  # the scratch block is in the budget too
+
+
 @pytest.fixture
-def server(ledger, chatml_dir):  # noqa: F811 - the ledger fixture: SQLite and PostgreSQL
+def server(ledger, chatml_dir, kv_memory_bytes):  # noqa: F811 - the ledger fixture: SQLite and PostgreSQL
     key = commands.create_tenant(ledger.url, "acme")
-    s = ServerThread(
-        ServeConfig(
-            str(chatml_dir), port=0, ledger_url=ledger.url, executor=ExecutorConfig(max_batch=4, max_seq_len=256)
-        )
-    )
+    sizes = {} if kv_memory_bytes is None else {"kv_memory_bytes": kv_memory_bytes}
+    executor = ExecutorConfig(max_batch=4, max_seq_len=256, **sizes)
+    s = ServerThread(ServeConfig(str(chatml_dir), port=0, ledger_url=ledger.url, executor=executor))
     s.key = key
-    yield s.start()
+    s.start()
+    assert s.replica.service.kv.planned == (kv_memory_bytes is not None)
+    yield s
     s.stop()
 
 
