@@ -22,6 +22,7 @@ from services.inference.device.loader import load_checkpoint
 from services.inference.serve_config import ServeConfig
 from tests.inference.harness import ServerThread, status_details
 from tests.inference.test_overload import wait_until
+from tests.inference.test_usage import ledger_rows
 
 CONTEXT = 512  # the tiny checkpoint's max_position_embeddings: its full context
 # llama_dir's shape: 2 layers, 2 KV heads of 16, float32; a block holds 16 tokens
@@ -104,10 +105,12 @@ def test_a_call_near_the_full_context_runs_while_short_calls_run_beside_it(llama
 CLASS = {"service_class": "standard"}
 
 
-def test_a_long_call_held_for_blocks_that_free_late_starts_when_they_are_back(llama_dir):
+@pytest.mark.parametrize("then", ["served", "cancelled"])
+def test_a_long_call_held_for_blocks_that_free_late_starts_when_they_are_back(llama_dir, then):
     """With holds, the second long call is admitted at once for the start its blocks are planned to free at (no
     refusal); the device then slows, the first call ends late, and the held call waits for its blocks past its
-    planned start instead of starting without them. Both are served; the pool is empty of calls at the end."""
+    planned start instead of starting without them. Both are served; or the waiting call is cancelled, and billed
+    once as cancelled with no device time. The pool is empty of calls at the end."""
     executor = ExecutorConfig(max_batch=4, max_seq_len=CONTEXT, kv_memory_bytes=(POOL_BLOCKS + 1) * BLOCK_BYTES)
     config = ServeConfig(str(llama_dir), port=0, executor=executor, hold=True, engine_process=False)
     server = ServerThread(config, step_floor_s=STEP_FLOOR_S).start()
@@ -123,10 +126,19 @@ def test_a_long_call_held_for_blocks_that_free_late_starts_when_they_are_back(ll
         device.floor_s = 2 * STEP_FLOOR_S  # long-1 ends later than planned
         wait_until(lambda: service.awaiting_blocks, timeout=30)  # long-2's start came before its blocks
         assert in_flight(server, "long-1")
+        if then == "cancelled":
+            second.cancel()
+            wait_until(lambda: not service.awaiting_blocks and not service.held)
         device.floor_s = STEP_FLOOR_S
         assert list(long_stream)[-1].final.usage.completion_tokens == 100
-        final = list(second)[-1].final
-        assert final.usage.prompt_tokens == 400 and final.timings.deadline_met
+        if then == "served":
+            final = list(second)[-1].final
+            assert final.usage.prompt_tokens == 400 and final.timings.deadline_met
+        wait_until(lambda: not service.in_flight)
         assert not service.awaiting_blocks and blocks_used(server) == 0
     finally:
         server.stop()
+    rows = ledger_rows(server.config.ledger_url, "SELECT request_id, outcome, unit_us FROM usage_records")
+    second_rows = [(r.outcome, r.unit_us > 0) for r in rows if r.request_id == "long-2"]
+    assert second_rows == ([("ok", True)] if then == "served" else [("cancelled", False)])
+    assert len(rows) == 2
