@@ -10,6 +10,9 @@ and the reservation events: `taken` retries admitted on time, `taken_refused` re
 
     python bench/kv_plan.py --before 9b2fe85 --qps 6,10,14 --duration 30 --rounds 2
 
+`--before .` compares this checkout with itself, `--before-args` and `--after-args` adding serve arguments to one
+side each (`--before . --after-args=--hold`: holding calls in their slack against refusing them).
+
 Prefix caching is off (`--no-prefix-cache`): calls that share no prefix, so what a call takes is what it gives
 back. The report is JSON on stdout; progress and the replicas' logs go to stderr and the --out directory.
 """
@@ -63,12 +66,13 @@ def counters(metrics_url: str) -> dict[str, float]:
     return found
 
 
-def one_run(tree: Path, args: argparse.Namespace, qps: float, run: Path) -> dict:
+def one_run(tree: Path, extra: str, args: argparse.Namespace, qps: float, run: Path) -> dict:
     """A replica of `tree`, the schedule against it, its summary and the replica's counters."""
     here = Path.cwd()
     os.chdir(tree)  # the replica runs `python -m services.cli serve` from its tree
     try:
-        replica = start_replica(default_model(), "deadline", run, shlex.split(SERVE) + shlex.split(args.serve_args))
+        serve = shlex.split(SERVE) + shlex.split(args.serve_args) + shlex.split(extra)
+        replica = start_replica(default_model(), "deadline", run, serve)
     finally:
         os.chdir(here)
     try:
@@ -96,15 +100,18 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--serve-args", default="", help="more `zeroqueue serve` arguments for both trees")
+    parser.add_argument("--before-args", default="", help="more `zeroqueue serve` arguments for --before only")
+    parser.add_argument("--after-args", default="", help="more `zeroqueue serve` arguments for this checkout only")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/out/kv_plan")
     args = parser.parse_args()
-    trees = {"before": worktree(args.before, Path(f"/tmp/zeroqueue-kv-plan-{args.before}")), "after": ROOT}
+    before = ROOT if args.before == "." else worktree(args.before, Path(f"/tmp/zeroqueue-kv-plan-{args.before}"))
+    trees = {"before": (before, args.before_args), "after": (ROOT, args.after_args)}
     result = {"host": host_info(), "serve": SERVE, "args": {k: str(v) for k, v in vars(args).items()}, "runs": {}}
     for round_ in range(args.rounds):
         for qps in args.qps:
             order = list(trees) if round_ % 2 == 0 else list(reversed(trees))
             for name in order:
-                row = one_run(trees[name], args, qps, args.out / f"round{round_}-qps{qps:g}-{name}")
+                row = one_run(*trees[name], args, qps, args.out / f"round{round_}-qps{qps:g}-{name}")
                 result["runs"].setdefault(f"{qps:g} req/s, {name}", []).append(row)
                 print(f"round {round_}, {qps:g} req/s, {name}: {json.dumps(row)}", file=sys.stderr, flush=True)
     print(json.dumps(result, indent=2))
