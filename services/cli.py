@@ -52,6 +52,13 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         "(a burst's prompts), when it still finishes in time; --no-hold-prompts refuses it with a held turn",
     )
     p.add_argument(
+        "--hold-blocks",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="where the KV pool holds fewer calls than the slots could fill, deadline admission admits a call whose "
+        "blocks free inside its slack and holds it for them; --no-hold-blocks refuses it with its blocks reserved",
+    )
+    p.add_argument(
         "--elsewhere",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -242,6 +249,7 @@ def serve_config(args: argparse.Namespace):
         fair_share=args.fair_share,
         hold=args.hold,
         hold_prompts=args.hold_prompts,
+        hold_blocks=args.hold_blocks,
         elsewhere=args.elsewhere,
         default_deadline_ms=args.default_deadline_ms,
         metrics_port=args.metrics_port,

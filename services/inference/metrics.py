@@ -219,7 +219,8 @@ def _bounded(value: str, seen: set[str], limit: int) -> str:
 
 class ReservationEvents(Collector):
     """zeroqueue_reservation_events_total{event}: reserved, unbacked, taken, taken_refused, retry_held,
-    retry_held_later, lapsed, retry_after_lapse, turn_held, turn_retry, turn_lapsed, saturated
+    retry_held_later, lapsed, retry_after_lapse, turn_held, turn_retry, turn_lapsed, saturated; and of calls admitted
+    for a later start instead: held, held_for_blocks, held_for_prompts, held_started_early
     (docs/OPERATIONS.md, "Retries from clients in other languages")."""
 
     def __init__(self, events: Tally[str]) -> None:

@@ -23,6 +23,7 @@ class ServeConfig:
     fair_share: bool = True  # deadline mode: fair share between tenants and class priority; False: first come
     hold: bool = False  # deadline mode: a call that fits later inside its slack is held for its slot; False: refused
     hold_prompts: bool = True  # deadline mode: a prompt that waits a few steps for the step budget is admitted
+    hold_blocks: bool = True  # deadline mode, a planned KV pool: a call whose blocks free inside its slack is held
     elsewhere: bool = False  # other replicas serve the same model: saturated, point retries at them; False: alone
     default_deadline_ms: int = 30_000
     metrics_port: int | None = None
@@ -60,5 +61,6 @@ class ServeConfig:
             fair=self.fair_share,
             hold_in_slack=self.hold,
             hold_for_prompts=self.hold_prompts,
+            hold_for_blocks=self.hold_blocks,
             elsewhere=self.elsewhere,
         )

@@ -52,6 +52,8 @@ def test_a_replica_is_alone_unless_told_it_has_others_beside_it():
     assert not config("--elsewhere", "--no-elsewhere").admission_settings().elsewhere
     assert alone.admission_settings().hold_for_prompts  # a burst's prompts are admitted behind those ahead
     assert not config("--no-hold-prompts").admission_settings().hold_for_prompts
+    assert alone.admission_settings().hold_for_blocks  # a call whose KV blocks free in its slack is held for them
+    assert not config("--no-hold-blocks").admission_settings().hold_for_blocks
 
 
 @pytest.mark.parametrize(

@@ -26,9 +26,10 @@ from services.inference.cost.model import CostModel, fit_context_cost
 
 MS = 1_000_000
 # the refusal's own contract (its hint, its reservation, its held turn): a call that could be held in its slack, or
-# whose prompt waits for the step budget, is refused here, as with `zeroqueue serve --no-hold --no-hold-prompts`;
-# test_hold.py judges the hold, test_burst_prompts.py the prompts admitted behind a burst's
-REFUSING = AdmissionSettings(hold_in_slack=False, hold_for_prompts=False)
+# whose prompt waits for the step budget, or whose KV blocks free later, is refused here, as with `zeroqueue serve
+# --no-hold --no-hold-prompts --no-hold-blocks`; test_hold.py judges the hold, test_burst_prompts.py the prompts
+# admitted behind a burst's, test_admission_blocks.py the calls held for their blocks
+REFUSING = AdmissionSettings(hold_in_slack=False, hold_for_prompts=False, hold_for_blocks=False)
 
 
 def flat_cost(step_ms=10.0):

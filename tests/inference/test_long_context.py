@@ -1,10 +1,10 @@
 """Long contexts do not cap concurrency: a call holds the KV blocks of its own prompt and max_tokens, not a slot of
 max_seq_len, so a replica started with the model's full context keeps its slots, and runs a call near that length
-while short calls run beside it. Where the pool has fewer blocks than the slots could fill, admission plans them:
-a second long call is refused for blocks (`kv_blocks`) with the first one's predicted finish as its hint and its
-blocks reserved from then, so its retry at the hint is served; with holds it is admitted at once, held for that
-start, and waits for the blocks if the first call ends late. FIFO admission starts it once the first one's blocks
-are back. The pool is empty of calls at the end."""
+while short calls run beside it. Where the pool has fewer blocks than the slots could fill, admission plans them: a
+second long call is admitted at once, held for the start its blocks are planned to free at, and waits for them if
+the first call ends late; with `--no-hold-blocks` it is refused for blocks (`kv_blocks`) with the first one's
+predicted finish as its hint and its blocks reserved from then, so its retry at the hint is served. FIFO admission
+starts it once the first one's blocks are back. The pool is empty of calls at the end."""
 
 from __future__ import annotations
 
@@ -58,10 +58,11 @@ def in_flight(server: ServerThread, request_id: str) -> bool:
     return any(t.context.request_id == request_id for t in list(server.replica.service.in_flight.values()))
 
 
-@pytest.mark.parametrize("admission", ["deadline", "fifo"])
+@pytest.mark.parametrize("admission", ["holding", "refusing", "fifo"])
 def test_a_call_near_the_full_context_runs_while_short_calls_run_beside_it(llama_dir, admission):
     executor = ExecutorConfig(max_batch=4, max_seq_len=CONTEXT, kv_memory_bytes=(POOL_BLOCKS + 1) * BLOCK_BYTES)
-    config = ServeConfig(str(llama_dir), port=0, executor=executor, admission=admission)
+    mode = "fifo" if admission == "fifo" else "deadline"
+    config = ServeConfig(str(llama_dir), port=0, executor=executor, admission=mode, hold_blocks=admission == "holding")
     server = ServerThread(config, step_floor_s=STEP_FLOOR_S).start()
     try:
         stub = server.stub()
@@ -76,7 +77,12 @@ def test_a_call_near_the_full_context_runs_while_short_calls_run_beside_it(llama
         assert in_flight(server, "long-1"), "the short calls ran beside the long one, not after it"
         assert all(s[-1].final.usage.completion_tokens == 6 for s in shorts)
         second = long_call("long-2", 26)
-        if admission == "deadline":
+        if admission == "holding":  # admitted at once, for the start long-1's blocks are planned to free at
+            replies = list(stub.Generate(second, timeout=60))
+            assert replies[0].admission.predicted_start_at_us > replies[0].admission.dispatched_at_us
+            assert replies[-1].final.usage.prompt_tokens == 400 and replies[-1].final.timings.deadline_met
+            assert server.replica.service.admission.events["held_for_blocks"] == 1
+        elif admission == "refusing":
             with pytest.raises(grpc.RpcError) as refused:
                 list(stub.Generate(second, timeout=60))
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -107,12 +113,12 @@ CLASS = {"service_class": "standard"}
 
 @pytest.mark.parametrize("then", ["served", "cancelled"])
 def test_a_long_call_held_for_blocks_that_free_late_starts_when_they_are_back(llama_dir, then):
-    """With holds, the second long call is admitted at once for the start its blocks are planned to free at (no
-    refusal); the device then slows, the first call ends late, and the held call waits for its blocks past its
-    planned start instead of starting without them. Both are served; or the waiting call is cancelled, and billed
-    once as cancelled with no device time. The pool is empty of calls at the end."""
+    """The second long call is admitted at once for the start its blocks are planned to free at (no refusal: it
+    is held for them, by default); the device then slows, the first call ends late, and the held call waits for
+    its blocks past its planned start instead of starting without them. Both are served; or the waiting call is
+    cancelled, and billed once as cancelled with no device time. The pool is empty of calls at the end."""
     executor = ExecutorConfig(max_batch=4, max_seq_len=CONTEXT, kv_memory_bytes=(POOL_BLOCKS + 1) * BLOCK_BYTES)
-    config = ServeConfig(str(llama_dir), port=0, executor=executor, hold=True, engine_process=False)
+    config = ServeConfig(str(llama_dir), port=0, executor=executor, engine_process=False)
     server = ServerThread(config, step_floor_s=STEP_FLOOR_S).start()
     try:
         stub, service = server.stub(), server.replica.service
@@ -121,7 +127,8 @@ def test_a_long_call_held_for_blocks_that_free_late_starts_when_they_are_back(ll
         second = stub.Generate(long_call("long-2", 26), timeout=60)
         admission = next(second).admission
         assert admission.predicted_start_at_us > admission.dispatched_at_us  # held for long-1's blocks
-        assert service.admission.events["held"] == 1 and blocks_used(server) == 32  # long-2's are not taken yet
+        assert service.admission.events["held_for_blocks"] == 1
+        assert blocks_used(server) == 32  # long-2's are not taken yet
         device = server.replica.engine.engine.executor.executor  # the slow executor, beneath the watchdog
         device.floor_s = 2 * STEP_FLOOR_S  # long-1 ends later than planned
         wait_until(lambda: service.awaiting_blocks, timeout=30)  # long-2's start came before its blocks

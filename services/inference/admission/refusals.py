@@ -175,6 +175,8 @@ class Promises:
             return self.hold(new, at_ns, retry_finish_ns, event="retry_held_later")
         if self.settings.hold_in_slack:  # `retry` left the held calls' slack (slack_runs): hold it for that slot
             return self.hold(new, at_ns, retry_finish_ns)
+        if why == RefusalCause.KV_BLOCKS and self.settings.hold_for_blocks:  # held for the blocks' return
+            return self.hold(new, at_ns, retry_finish_ns, event="held_for_blocks")
         # at most max_reservations, so a storm cannot grow every decision's work: past that, a best guess; and
         # only for tenants whose refused calls have been coming back for their reservations
         again = call.has_turn or new.attempt > 0
