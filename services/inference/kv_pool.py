@@ -61,11 +61,9 @@ class KvReservations:
         return True
 
     def take_at_start(self, ticket: Ticket) -> bool:
-        """A held call's start has come: its blocks are reserved now, where admission planned them for its start
-        (else it took them when admitted). False: the running calls have not given them back yet (one ended later
-        than predicted), and it waits for them."""
-        if ticket.request.blocks_reserved:
-            return True
+        """A held call whose blocks admission planned for its start (it took none when admitted) starts: they are
+        reserved now. False: the running calls have not given them back yet (one ended later than predicted), and
+        it waits for them."""
         if not self.reserve(ticket.request):
             return False
         ticket.kv_blocks = ticket.request.block_ids

@@ -60,17 +60,18 @@ def fewest_free_blocks(
     for r in reservations:
         if r.num_blocks:
             events += [(r.reserved_from_ns, -r.num_blocks), (r.reserved_until_ns, r.num_blocks)]
-    events.sort(key=lambda e: (e[0], -e[1]))
-    free, fewest = free_blocks, None
-    for at_ns, delta in events:
-        if at_ns >= end_ns:
-            break
-        if at_ns > start_ns and fewest is None:  # what was free at the start, every earlier event counted
-            fewest = free
+    free = fewest = free_blocks + sum(delta for at_ns, delta in events if at_ns <= start_ns)
+    during = sorted((e for e in events if start_ns < e[0] < end_ns), key=lambda e: (e[0], -e[1]))
+    for _, delta in during:
         free += delta
-        if fewest is not None:
-            fewest = min(fewest, free)
-    return free if fewest is None else fewest
+        fewest = min(fewest, free)
+    return fewest
+
+
+def ahead_of_later(reservations: list[Commitment], at_ns: int) -> list[Commitment]:
+    """The reservations a retry on time for its own, at `at_ns`, does not go ahead of: those due by then, and held
+    calls (they were admitted)."""
+    return [r for r in reservations if r.held or r.reserved_from_ns <= at_ns]
 
 
 def limit(predictor: Predictor, c: Commitment, at_ns: int) -> int:
@@ -132,7 +133,7 @@ class Calendar:
             scene.at_ns, scene.admitted, scene.finishes, scene.reservations, scene.before
         )  # fmt: skip
         if ahead_of_later_reservations:  # never ahead of a held call: it was admitted
-            reservations = [r for r in reservations if r.held or r.reserved_from_ns <= at_ns]
+            reservations = ahead_of_later(reservations, at_ns)
         # slots free when calls really finish, which is later than predicted
         stretch = self.lateness.stretch
         intervals = [(at_ns, stretch(at_ns, finishes[c.key])) for c in admitted]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ..cost.model import CostModel
-from .checks import Arrival, Calendar, Scene, infeasible, kept_for_others
+from .checks import Arrival, Calendar, Scene, ahead_of_later, infeasible, kept_for_others
 from .decisions import AdmissionConfig, Admit, Commitment, Decision, Infeasible, RefusalCause, Reject
 from .estimators import Estimators
 from .interface import FreeBlocks
@@ -143,7 +143,7 @@ class AdmissionController:
         such a call takes them at once. Always, where blocks are not planned."""
         if retry is None or now.free_blocks is None:
             return True
-        ahead = [r for r in now.reservations if r.held or r.reserved_from_ns <= now.at_ns] if call.on_time else None
+        ahead = ahead_of_later(now.reservations, now.at_ns) if call.on_time else None
         return not self.calendar.blocks_short(call.new, now, self.lateness.stretch(*retry), ahead)
 
     def started(self, key: str) -> None:
