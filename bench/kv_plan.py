@@ -26,7 +26,6 @@ import shlex
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,6 +36,7 @@ from soak_checks import host_info  # noqa: E402  (bench/soak_checks.py)
 from services.inference.bundled_model import default_model  # noqa: E402
 from services.logs import configure_logging  # noqa: E402
 from services.pulse.replicas import start_replica  # noqa: E402
+from services.pulse.scrape import scrape  # noqa: E402
 
 KEYS = ("goodput_rps", "rejection_rate", "first_retry_success_rate", "avg_retries_per_rejected", "num_admitted_misses")
 SERVE = "--max-batch 8 --max-seq-len 512 --kv-memory 4MiB --no-prefix-cache"
@@ -54,15 +54,16 @@ def worktree(rev: str, path: Path) -> Path:
 
 
 def counters(metrics_url: str) -> dict[str, float]:
-    """The replica's refusals for KV blocks and its reservation events, by name."""
+    """The replica's refusals for KV blocks, its reservation events by name, and its deadline misses."""
     found: dict[str, float] = {}
-    for line in urllib.request.urlopen(metrics_url, timeout=10).read().decode().splitlines():
-        if line.startswith("zeroqueue_refusals_total{") and 'cause="kv_blocks"' in line:
-            found["kv_blocks_refusals"] = found.get("kv_blocks_refusals", 0.0) + float(line.rsplit(" ", 1)[1])
-        elif line.startswith('zeroqueue_reservation_events_total{event="'):
-            found[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
-        elif line.startswith("zeroqueue_deadline_misses_total "):
-            found["replica_misses"] = float(line.rsplit(" ", 1)[1])
+    for (name, labels), value in scrape(metrics_url, timeout_s=10).items():
+        label = dict(labels)
+        if name == "zeroqueue_refusals_total" and label.get("cause") == "kv_blocks":
+            found["kv_blocks_refusals"] = found.get("kv_blocks_refusals", 0.0) + value
+        elif name == "zeroqueue_reservation_events_total":
+            found[label["event"]] = value
+        elif name == "zeroqueue_deadline_misses_total":
+            found["replica_misses"] = value
     return found
 
 
