@@ -22,10 +22,10 @@ from services import errors
 from services.errors import FieldViolation, clip
 
 from .call import GenerateSpec
+from .card import ModelCard
 from .chat import ChatMessage, TemplateError
 from .grammar import Constraint, ConstraintKind, GrammarError, GrammarLimits
 from .sched.request import SamplingParams
-from .service import ModelCard
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _ATTEMPT = re.compile(r"[0-9]{1,6}")

@@ -29,6 +29,7 @@ from services.standard import SERVICE_NAMES as STANDARD_SERVICES
 from services.standard import add_health, enable_reflection
 
 from .admission import Admission, AdmissionConfig, AdmissionController, FifoAdmission
+from .card import ModelCard, WarmupState
 from .chat import ChatTemplate, stop_token_ids
 from .clock import Clock
 from .compiler import GrammarCompiler
@@ -49,7 +50,7 @@ from .meter import Meter
 from .metrics import ServiceMetrics, StepLog, StepStats
 from .policy import PolicyBook, QuotaGate, ledger_reader, remote_reader, weights_of
 from .serve_config import ServeConfig
-from .service import InferenceService, ModelCard, WarmupState
+from .service import InferenceService
 from .servicer import InferenceServicer
 
 log = structlog.get_logger(__name__)

@@ -8,10 +8,8 @@ with --engine-thread, on a thread of this one.
 from __future__ import annotations
 
 import asyncio
-import enum
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import structlog
 
@@ -22,8 +20,8 @@ from services.metering.outbox import Outbox
 
 from .admission import Admission, Admit, Commitment, Infeasible, RefusalCause, Reject
 from .call import BudgetSource, GenerateSpec, LoopSink, Ticket, admission_key
+from .card import ModelCard, WarmupState
 from .clock import Clock
-from .device.spec import Device
 from .engine.digest import EndedRequest
 from .engine.engine import RequestOutput
 from .engine.handle import EngineHandle
@@ -37,32 +35,27 @@ from .sched.request import FinishReason, Request, RequestStatus
 log = structlog.get_logger(__name__)
 
 
-class WarmupState(enum.Enum):
-    WARMING_UP = "warming_up"
-    READY = "ready"
-    DRAINING = "draining"
-    FAILED = "failed"  # the engine died; this replica cannot serve
-
-
-@dataclass(frozen=True)
-class ModelCard:
-    """The model this replica serves, as ListModels tells it and requests are checked against: the checkpoint's
-    header (device/checkpoint.py) bounded by what the engine made of it once ready (context, slots, device)."""
-
-    name: str
-    context_length: int
-    dtype: str
-    vocab_size: int
-    max_batch: int
-    device: Device
-    kv_blocks: int = 0  # the paged KV cache: blocks of kv_block_size tokens, and whether prompts share them
-    kv_block_size: int = 0
-    prefix_cache: bool = False
-    weight_dtype: str = ""  # the decoder layers' linear weights: "int8" when quantized, else dtype
-
-
 def _attempt_label(attempt: int) -> str:
     return str(attempt) if attempt < 3 else "3+"
+
+
+def _refusal(
+    decision: Infeasible | Reject, now_ns: int, budget_ns: int, lead_ns: int
+) -> errors.DeadlineInfeasible | errors.Overloaded:
+    """The domain error that says why admission refused the call (`lead_ns`: the engine's time before its first
+    step, which its budget must also cover)."""
+    if isinstance(decision, Infeasible):
+        return errors.DeadlineInfeasible(budget_ns // 1_000_000, decision.min_budget_ms + -(-lead_ns // 1_000_000))
+    return errors.Overloaded(
+        decision.retry_after_ms,
+        (decision.predicted_finish_ns - now_ns) // 1_000_000,
+        budget_ns // 1_000_000,
+        decision.within_budget,
+        decision.reason,
+        decision.reserved,
+        decision.saturated,
+        decision.elsewhere,
+    )
 
 
 class InferenceService:
@@ -131,69 +124,23 @@ class InferenceService:
         says why not. The tenant's quotas come before the cost model: a tenant at a cap is refused at once.
         `lead_ns`: what the engine spends on the call before its first step (its grammar's compile): the call
         must finish that much sooner."""
-        if self.state is not WarmupState.READY:
-            raise errors.NotServing(f"replica is {self.state.value}; try another replica", {"state": self.state.value})
-        if self.device_state is DeviceState.FAILED:
-            raise errors.DeviceFailed("this replica's device is not responding; try another replica")
-        if (tenant, spec.request_id) in self.in_flight:  # only the tenant's own ids: no one else's is seen
-            raise errors.RequestIdInUse(
-                f"request_id {spec.request_id!r} is already in flight", {"request_id": spec.request_id}
-            )
-        if budget_ns <= 0:
-            self.metrics.rejections.labels("deadline_expired").inc()
-            raise errors.DeadlineExpired("the call's deadline had already passed when it arrived")
-        klass = service_class.name
-        if self.quotas is not None:
-            try:
-                self.quotas.check(tenant, received_ns, budget_ns)
-            except errors.QuotaExceeded:
-                self._count_decision(_attempt_label(spec.retry_attempt), "quota")
-                self.metrics.count_refusal(RefusalCause.QUOTA, tenant, klass)
-                raise
+        self._check_door(spec, tenant, received_ns, budget_ns, service_class.name)
         deadline_ns = received_ns + budget_ns
-        salt = self.prefix_cache.salt(tenant, klass)
-        num_cached, num_blocks = 0, 0
-        if self.kv is not None:
-            num_cached, num_blocks = self.kv.lookup(spec.prompt_token_ids, spec.sampling.max_tokens, salt)
-        commitment = Commitment(
-            admission_key(tenant, spec.request_id),
-            len(spec.prompt_token_ids),
-            spec.sampling.max_tokens,
-            deadline_ns - lead_ns,
-            tenant=tenant,
-            attempt=spec.retry_attempt,
-            priority=service_class.priority,
-            masked=spec.sampling.constraint is not None,
-            logprobs=spec.sampling.logprobs,
-            num_cached_tokens=num_cached,
-            num_blocks=num_blocks if self.kv is not None and self.kv.planned else 0,
-        )
+        salt = self.prefix_cache.salt(tenant, service_class.name)
+        commitment = self._commitment(spec, tenant, deadline_ns - lead_ns, service_class, salt)
         now_ns = self.clock.now_ns()
         decision = self.admission.decide(commitment, now_ns)
         decided_ns = self.clock.now_ns()
         self.metrics.admission_time.observe((decided_ns - received_ns) / 1e9)
         attempt = _attempt_label(spec.retry_attempt)
-        if isinstance(decision, Infeasible):
-            self._count_decision(attempt, "infeasible")
-            self.metrics.count_refusal(RefusalCause.INFEASIBLE, tenant, klass)
-            raise errors.DeadlineInfeasible(budget_ns // 1_000_000, decision.min_budget_ms + -(-lead_ns // 1_000_000))
-        if isinstance(decision, Reject):
-            self._count_decision(attempt, "overloaded")
-            self.metrics.count_refusal(decision.reason, tenant, klass)
-            raise errors.Overloaded(
-                decision.retry_after_ms,
-                (decision.predicted_finish_ns - now_ns) // 1_000_000,
-                budget_ns // 1_000_000,
-                decision.within_budget,
-                decision.reason,
-                decision.reserved,
-                decision.saturated,
-                decision.elsewhere,
-            )
-        assert isinstance(decision, Admit)
-        call_id = uuid.uuid4().hex
+        if not isinstance(decision, Admit):
+            infeasible = isinstance(decision, Infeasible)
+            self._count_decision(attempt, "infeasible" if infeasible else "overloaded")
+            cause = RefusalCause.INFEASIBLE if infeasible else decision.reason
+            self.metrics.count_refusal(cause, tenant, service_class.name)
+            raise _refusal(decision, now_ns, budget_ns, lead_ns)
         request = Request(
-            call_id,
+            uuid.uuid4().hex,
             spec.prompt_token_ids,
             spec.sampling,
             arrival_ns=received_ns,
@@ -205,29 +152,87 @@ class InferenceService:
         if self.kv is not None and not blocks_later and not self.kv.reserve(request):  # running calls hold them yet
             self.admission.release(commitment.key)
             self._count_decision(attempt, "overloaded")
-            self.metrics.count_refusal(RefusalCause.KV_BLOCKS, tenant, klass)
+            self.metrics.count_refusal(RefusalCause.KV_BLOCKS, tenant, service_class.name)
             raise self.kv.refusal(request, self.in_flight.values(), decision.predicted_finish_ns, now_ns, budget_ns)
         self._count_decision(attempt, "admitted")
-        sink = LoopSink(asyncio.get_running_loop())
+        klass = service_class.name
         context = RecordContext(
             tenant, spec.labels, received_ns, decided_ns, deadline_ns, spec.request_id, klass, spec.kind, spec.door
         )
+        return self._admitted(spec, context, request, decision, budget_ns, source)
+
+    def _check_door(self, spec: GenerateSpec, tenant: str, received_ns: int, budget_ns: int, klass: str) -> None:
+        """What refuses a call before any prediction: a replica not serving, a failed device, the tenant's own id
+        still in flight, a deadline already past, a quota at its cap."""
+        if self.state is not WarmupState.READY:
+            raise errors.NotServing(f"replica is {self.state.value}; try another replica", {"state": self.state.value})
+        if self.device_state is DeviceState.FAILED:
+            raise errors.DeviceFailed("this replica's device is not responding; try another replica")
+        if (tenant, spec.request_id) in self.in_flight:  # only the tenant's own ids: no one else's is seen
+            raise errors.RequestIdInUse(
+                f"request_id {spec.request_id!r} is already in flight", {"request_id": spec.request_id}
+            )
+        if budget_ns <= 0:
+            self.metrics.rejections.labels("deadline_expired").inc()
+            raise errors.DeadlineExpired("the call's deadline had already passed when it arrived")
+        if self.quotas is not None:
+            try:
+                self.quotas.check(tenant, received_ns, budget_ns)
+            except errors.QuotaExceeded:
+                self._count_decision(_attempt_label(spec.retry_attempt), "quota")
+                self.metrics.count_refusal(RefusalCause.QUOTA, tenant, klass)
+                raise
+
+    def _commitment(
+        self, spec: GenerateSpec, tenant: str, deadline_ns: int, service_class: ClassSpec, salt: str
+    ) -> Commitment:
+        """The call as admission judges it: its sizes, the deadline it must finish by (less the engine's lead), its
+        class, and the prefix the KV pool holds for it with the blocks it would take."""
+        num_cached, num_blocks = 0, 0
+        if self.kv is not None:
+            num_cached, num_blocks = self.kv.lookup(spec.prompt_token_ids, spec.sampling.max_tokens, salt)
+        return Commitment(
+            admission_key(tenant, spec.request_id),
+            len(spec.prompt_token_ids),
+            spec.sampling.max_tokens,
+            deadline_ns,
+            tenant=tenant,
+            attempt=spec.retry_attempt,
+            priority=service_class.priority,
+            masked=spec.sampling.constraint is not None,
+            logprobs=spec.sampling.logprobs,
+            num_cached_tokens=num_cached,
+            num_blocks=num_blocks if self.kv is not None and self.kv.planned else 0,
+        )
+
+    def _admitted(
+        self,
+        spec: GenerateSpec,
+        context: RecordContext,
+        request: Request,
+        decision: Admit,
+        budget_ns: int,
+        source: BudgetSource,
+    ) -> Ticket:
+        """The admitted call's ticket, in flight and on the meter: handed to the engine now, or held for the start
+        admission planned for it."""
+        sink = LoopSink(asyncio.get_running_loop())
         ticket = Ticket(
             spec,
             context,
-            call_id,
+            request.call_id,
             request,
             sink.queue,
             budget_ns // 1_000_000,
             source,
-            decision.predicted_finish_ns or deadline_ns,
+            decision.predicted_finish_ns or context.deadline_ns,
             decision.start_ns,
             kv_blocks=request.block_ids if self.kv is not None else (),
         )
         self.in_flight[ticket.key] = ticket
         self.metrics.in_flight.set(len(self.in_flight))
-        self.meter.register(call_id, context)
-        ticket.usage_on_disk = self.outbox.expect(call_id)
+        self.meter.register(request.call_id, context)
+        ticket.usage_on_disk = self.outbox.expect(request.call_id)
         if decision.start_ns is not None:  # held inside its slack for the slot planned for it
             delay_s = max(decision.start_ns - self.clock.now_ns(), 0) / 1e9
             timer = sink.loop.call_later(delay_s, self._start_held, ticket.admission_key)

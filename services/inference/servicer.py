@@ -23,6 +23,7 @@ from services.status import rpc_errors
 
 from .admission import RefusalCause
 from .call import BudgetSource, GenerateSpec, Ticket
+from .card import WarmupState
 from .chat import ChatMessage, ChatTemplate
 from .compiler import CompilesBusy, CompileTooSlow, GrammarCompiler
 from .generate_request import RequestLimits, encode, to_spec
@@ -30,7 +31,7 @@ from .grammar import Constraint, ConstraintKind, GrammarError, make_constraint
 from .health.state import DeviceState
 from .policy import PolicyBook, class_of
 from .sched.request import FinishReason
-from .service import InferenceService, WarmupState
+from .service import InferenceService
 
 
 def caller_budget_s(time_remaining_s: float | None) -> float | None:

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from ..card import WarmupState
 from ..engine.engine import RequestOutput
 from ..sched.request import FinishReason
-from ..service import WarmupState
 from .state import DeviceState
 
 if TYPE_CHECKING:
