@@ -200,24 +200,7 @@ class Replica:
         return self.port
 
     def _warm_up(self) -> InferenceService:
-        spec = EngineSpec(
-            str(self.header.path),
-            self.config.dtype,
-            self.config.executor,
-            self.config.max_num_batched_tokens,
-            make_executor=self.make_executor,
-            json_logs=self.config.json_logs,
-            pace_tokens=self.config.pace_tokens,
-            pin_cpus=self.config.pin_cpus,
-            watchdog=self.config.watchdog,
-            fault=self.config.fault,
-        )
-        make_engine = EngineClient if self.config.engine_process else EngineThread
-        engine = make_engine(spec, self.clock.now_ns, on_lost=self._engine_lost, on_verdict=self._device_changed)
-        ready = engine.launch()
-        if ready.server_cpus:  # the engine process pinned itself to cores of its own: this process takes the rest
-            pin(ready.server_cpus)
-            log.info("cpus_pinned", engine=list(ready.engine_cpus), server=list(ready.server_cpus))
+        engine, ready = self._launch_engine()
         cost = self.cost = ready.cost_model()
         admission, observed_cost, kv = self._admission(ready, cost, engine)
         steps = StepLog()
@@ -262,6 +245,29 @@ class Replica:
             self.config.prefix_cache,
             kv,
         )
+
+    def _launch_engine(self) -> tuple[EngineHandle, Ready]:
+        """The engine, in its own process (or on a thread with --engine-thread), loaded, warmed up and calibrated;
+        this process pinned to the cores the engine left it."""
+        spec = EngineSpec(
+            str(self.header.path),
+            self.config.dtype,
+            self.config.executor,
+            self.config.max_num_batched_tokens,
+            make_executor=self.make_executor,
+            json_logs=self.config.json_logs,
+            pace_tokens=self.config.pace_tokens,
+            pin_cpus=self.config.pin_cpus,
+            watchdog=self.config.watchdog,
+            fault=self.config.fault,
+        )
+        make_engine = EngineClient if self.config.engine_process else EngineThread
+        engine = make_engine(spec, self.clock.now_ns, on_lost=self._engine_lost, on_verdict=self._device_changed)
+        ready = engine.launch()
+        if ready.server_cpus:  # the engine process pinned itself to cores of its own: this process takes the rest
+            pin(ready.server_cpus)
+            log.info("cpus_pinned", engine=list(ready.engine_cpus), server=list(ready.server_cpus))
+        return engine, ready
 
     def _admission(
         self, ready: Ready, cost: CostModel, engine: EngineHandle

@@ -76,29 +76,7 @@ class Executor:
         else:  # streams, events and graphs go to the current device: make it ours (cuda:N, N > 0)
             torch.cuda.set_device(self.device)
         args = checkpoint.args
-        self.max_seq_len = min(config.max_seq_len, args.max_position_embeddings)
-        self.block_size = config.kv_block_size
-        block_bytes = KVCache.bytes_per_block(
-            args.num_hidden_layers, args.num_key_value_heads, self.block_size, args.head_dim, checkpoint.dtype
-        )
-        blocks_per_seq = -(-self.max_seq_len // self.block_size)
-        # the scratch block comes out of the budget too
-        budget_blocks = config.kv_memory_bytes // block_bytes - 1
-        if budget_blocks < blocks_per_seq:
-            need_mib = -(-(blocks_per_seq + 1) * block_bytes // (1 << 20))
-            raise ValueError(
-                f"the KV memory ({config.kv_memory_bytes >> 20} MiB) holds fewer than one call of max_seq_len "
-                f"{self.max_seq_len} tokens: give it at least {need_mib} MiB or a shorter max_seq_len"
-            )
-        # Slots are rows of the batch, not memory: a call holds the blocks of its own prompt and max_tokens, so a
-        # long max_seq_len no longer divides the calls that run at once; where the slots could fill more blocks
-        # than the pool has, admission (or the engine's scheduler) counts the blocks as it counts the slots.
-        self.num_slots = config.max_batch
-        # Up to twice the blocks the slots can fill, where memory allows: deadline admission reserves a call's
-        # blocks when it admits it, and a call admitted into a slot that frees at the end of the running step needs
-        # its blocks while its predecessor still holds its own (services/inference/kv_pool.py); the rest hold
-        # cached prefixes. A pool the size of the whole budget would only cost startup time on a small model.
-        self.num_blocks = min(2 * self.num_slots * blocks_per_seq, budget_blocks)
+        self._plan_pool(checkpoint)
         self.model = self._build_model(checkpoint)
         self.kv_cache = KVCache(
             args.num_hidden_layers,
@@ -132,6 +110,36 @@ class Executor:
         self.graphs: GraphRunner | None = None
         if self.device.type == "cuda" and config.use_cuda_graphs:
             self.graphs = GraphRunner(self.model, self.backend, self.num_slots, self.max_seq_len, self.device)
+        self._log_ready()
+
+    def _plan_pool(self, checkpoint: Checkpoint) -> None:
+        """The context, the slots and the paged KV pool's blocks, within the KV memory the config gives."""
+        args, config = checkpoint.args, self.config
+        self.max_seq_len = min(config.max_seq_len, args.max_position_embeddings)
+        self.block_size = config.kv_block_size
+        block_bytes = KVCache.bytes_per_block(
+            args.num_hidden_layers, args.num_key_value_heads, self.block_size, args.head_dim, checkpoint.dtype
+        )
+        blocks_per_seq = -(-self.max_seq_len // self.block_size)
+        # the scratch block comes out of the budget too
+        budget_blocks = config.kv_memory_bytes // block_bytes - 1
+        if budget_blocks < blocks_per_seq:
+            need_mib = -(-(blocks_per_seq + 1) * block_bytes // (1 << 20))
+            raise ValueError(
+                f"the KV memory ({config.kv_memory_bytes >> 20} MiB) holds fewer than one call of max_seq_len "
+                f"{self.max_seq_len} tokens: give it at least {need_mib} MiB or a shorter max_seq_len"
+            )
+        # Slots are rows of the batch, not memory: a call holds the blocks of its own prompt and max_tokens, so a
+        # long max_seq_len no longer divides the calls that run at once; where the slots could fill more blocks
+        # than the pool has, admission (or the engine's scheduler) counts the blocks as it counts the slots.
+        self.num_slots = config.max_batch
+        # Up to twice the blocks the slots can fill, where memory allows: deadline admission reserves a call's
+        # blocks when it admits it, and a call admitted into a slot that frees at the end of the running step needs
+        # its blocks while its predecessor still holds its own (services/inference/kv_pool.py); the rest hold
+        # cached prefixes. A pool the size of the whole budget would only cost startup time on a small model.
+        self.num_blocks = min(2 * self.num_slots * blocks_per_seq, budget_blocks)
+
+    def _log_ready(self) -> None:
         log.info(
             "executor_ready",
             device=self.info.name,

@@ -140,24 +140,7 @@ def build_engine(
     cost, pacer, step_cost = None, None, None
     if spec.calibrate:
         cost = calibrate(warming)
-        ready = replace(
-            ready,
-            cost_rows=tuple(cost.rows),
-            cost_row_us=tuple(cost.row_us),
-            cost_us_per_context_token=cost.us_per_context_token,
-            cost_us_per_masked_row=cost.us_per_masked_row,
-            cost_us_per_logprob_row=cost.us_per_logprob_row,
-            cost_us_per_prefill_context_token=cost.us_per_prefill_context_token,
-        )
-        # the engine's own copy: its running ratio, learnt from the engine's steps, forecasts each step for expiry
-        step_cost = CostModel(
-            list(cost.rows),
-            list(cost.row_us),
-            cost.us_per_context_token,
-            us_per_prefill_context_token=cost.us_per_prefill_context_token,
-        )
-        if spec.pace_tokens:  # a copy of the calibration, which the pacer scales by the steps it measures
-            pacer = Pacer(CostModel(list(cost.rows), list(cost.row_us), cost.us_per_context_token), spec.pace_tokens)
+        ready, step_cost, pacer = _calibrated(ready, cost, spec.pace_tokens)
     watchdog = None
     if spec.watchdog is not None and cost is not None:
         expected_probe_us = probe_us(executor)  # on the device as calibrated, before any fault
@@ -170,6 +153,31 @@ def build_engine(
     if watchdog is not None:
         watchdog.start()
     return engine, ready
+
+
+def _calibrated(ready: Ready, cost: CostModel, pace_tokens: int) -> tuple[Ready, CostModel, Pacer | None]:
+    """What calibration tells the server (`ready` with the cost model's fit), the engine's own copy of the cost
+    model (its running ratio, learnt from the engine's steps, forecasts each step for expiry), and the pacer where
+    steps are paced (a copy of the calibration, which it scales by the steps it measures)."""
+    ready = replace(
+        ready,
+        cost_rows=tuple(cost.rows),
+        cost_row_us=tuple(cost.row_us),
+        cost_us_per_context_token=cost.us_per_context_token,
+        cost_us_per_masked_row=cost.us_per_masked_row,
+        cost_us_per_logprob_row=cost.us_per_logprob_row,
+        cost_us_per_prefill_context_token=cost.us_per_prefill_context_token,
+    )
+    step_cost = CostModel(
+        list(cost.rows),
+        list(cost.row_us),
+        cost.us_per_context_token,
+        us_per_prefill_context_token=cost.us_per_prefill_context_token,
+    )
+    pacer = None
+    if pace_tokens:
+        pacer = Pacer(CostModel(list(cost.rows), list(cost.row_us), cost.us_per_context_token), pace_tokens)
+    return ready, step_cost, pacer
 
 
 def _unheard(state: DeviceState, ratio: float, why: str) -> None:
