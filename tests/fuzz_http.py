@@ -108,7 +108,12 @@ class HttpFuzzer:
             (0.15, {"stop": rng.choice(("\n", ["return", "🙂"], []))}),
             (0.1, {"n": 1, "frequency_penalty": 0, "service_tier": rng.choice(("auto", "default")), "user": "u1"}),
             (0.1, {"metadata": {"team": "fuzz", "cost_center": f"cc-{rng.randrange(10)}"}}),
+            (0.1, {"top_k": rng.choice((0, 1, 40)), "min_p": 0, "repetition_penalty": 1}),
         )  # fmt: skip
+
+    def _format(self, rng: random.Random) -> dict:
+        schema = {"name": "r", "schema": rng.choice(SCHEMAS), "strict": True}
+        return rng.choice(({"type": "json_object"}, {"type": "json_schema", "json_schema": schema}))
 
     def _valid_chat(self, rng: random.Random) -> dict:
         roles = ("system", "developer", "user", "assistant", "tool")
@@ -117,10 +122,7 @@ class HttpFuzzer:
         body[rng.choice(("max_tokens", "max_tokens", "max_completion_tokens"))] = rng.randint(1, 4)
         r = rng.random()
         if r < 0.12:
-            schema = {"name": "r", "schema": rng.choice(SCHEMAS), "strict": True}
-            body["response_format"] = rng.choice(
-                ({"type": "json_object"}, {"type": "json_schema", "json_schema": schema})
-            )
+            body["response_format"] = self._format(rng)
         elif r < 0.22:
             body |= {"logprobs": True, "top_logprobs": rng.choice((0, 1, 5, 20))}
         return body
@@ -129,8 +131,11 @@ class HttpFuzzer:
         ids = [rng.randrange(self.vocab) for _ in range(rng.randint(1, 12))]
         prompt = rng.choice((self._text(rng), self._text(rng), ids, [self._text(rng)], [ids]))
         body = self._sampling(rng, {"prompt": prompt, "max_tokens": rng.randint(1, 4)})
-        if rng.random() < 0.1:
+        r = rng.random()
+        if r < 0.1:
             body |= {"logprobs": rng.randint(0, 5), "echo": False, "best_of": 1}
+        elif r < 0.2:
+            body["response_format"] = self._format(rng)
         return body
 
     def _valid_messages(self, rng: random.Random) -> dict:
@@ -175,6 +180,12 @@ class HttpFuzzer:
             "seed": (-1, 2**64, 2**63, 1.5), "stop": stops,
             "stream_options": ({"include_usage": "yes"}, [], {"include_usage": True}),
             "service_tier": ("gold", "standard", "flex", "", "s" * 33, 7), "user": (7, "u" * 10_000),
+            "top_k": (-1, 2**31, 1.5, self.vocab + 1), "min_p": (0.5, "x"), "repetition_penalty": (1.3, -1),
+            "guided_json": ({"type": "object"}, "x"), "structured_outputs": ({"json": {}},),
+            "response_format": ({"type": "json_schema"}, {"type": "xml"}, "json", {"type": "json_object", "x": []},
+                                {"type": "json_schema", "json_schema": {"name": "x"}},
+                                {"type": "json_schema", "json_schema": {"schema": {"enum": ["v" * 8] * 8000}}},
+                                *({"type": "json_schema", "json_schema": {"schema": s}} for s in bad_schemas)),
         }  # fmt: skip
         if api == "completions":
             return openai | {
@@ -194,10 +205,6 @@ class HttpFuzzer:
                          [{"role": "user", "content": "{% for i in range(10**9) %}x{% endfor %}<|im_end|>"}]),
             "max_tokens": (*_INTS, self.context), "max_completion_tokens": (0, -1, 2**31, "3"),
             "logprobs": ("yes", 1), "top_logprobs": (-1, 21, 2**31, 5),
-            "response_format": ({"type": "json_schema"}, {"type": "xml"}, "json", {"type": "json_object", "x": []},
-                                {"type": "json_schema", "json_schema": {"name": "x"}},
-                                {"type": "json_schema", "json_schema": {"schema": {"enum": ["v" * 8] * 8000}}},
-                                *({"type": "json_schema", "json_schema": {"schema": s}} for s in bad_schemas)),
         }  # fmt: skip
 
     def _mutate_field(self, rng: random.Random, api: str, body: dict) -> str:

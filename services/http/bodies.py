@@ -72,6 +72,17 @@ class _OpenAI(_Body):
     metadata: Annotated[dict[str, Text], Field(max_length=MAX_METADATA)] | None = None
     service_tier: Text | None = None
     user: Text | None = None
+    response_format: ResponseFormat | None = None  # completions too, as vLLM's and SGLang's servers take it
+    # sampling fields of the open servers (vLLM, SGLang, llama.cpp), not OpenAI's: top_k is honoured, the others
+    # are refused by name (calls.py), never dropped
+    top_k: StrictInt | None = None
+    min_p: Number | None = None
+    repetition_penalty: Number | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
 
 class ChatCompletionBody(_OpenAI):
@@ -82,7 +93,6 @@ class ChatCompletionBody(_OpenAI):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
-    response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
 
 

@@ -19,7 +19,7 @@ from services import errors
 from services.errors import FieldViolation, clip
 from services.inference.call import BudgetSource
 
-from .bodies import ChatCompletionBody, CompletionBody, MessagesBody
+from .bodies import ChatCompletionBody, CompletionBody, MessagesBody, ResponseFormat
 
 DEFAULT_MAX_TOKENS = 256  # a chat call that names no max_tokens (OpenAI's says "as many as fit": not a budget)
 INT32_MAX = (1 << 31) - 1
@@ -163,6 +163,16 @@ def _refuse_unsupported(body, v: _Found) -> None:
         v.add("echo", "not supported on this replica")
     if getattr(body, "suffix", None):
         v.add("suffix", "not supported on this replica")
+    if getattr(body, "min_p", None) not in (None, 0, 0.0):
+        v.add("min_p", "not supported on this replica (0 only)")
+    if getattr(body, "repetition_penalty", None) not in (None, 1, 1.0):
+        v.add("repetition_penalty", "not supported on this replica (1 only)")
+    for name in _GUIDED:
+        if getattr(body, name, None) is not None:
+            v.add(name, "describe the output with response_format (json_object or json_schema) instead")
+
+
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
 
 def _int32(name: str, value: int | None, v: _Found, low: int = 0) -> int:
@@ -186,6 +196,7 @@ def _common(body, request: pb.GenerateRequest, v: _Found) -> None:
         request.temperature = body.temperature
     if body.top_p is not None:
         request.top_p = body.top_p
+    request.top_k = _int32("top_k", body.top_k, v, -INT32_MAX)
     seed = getattr(body, "seed", None)
     if seed is not None:
         if 0 <= seed < 1 << 64:
@@ -205,7 +216,14 @@ def _chat(body: ChatCompletionBody, request: pb.GenerateRequest, v: _Found, rena
     request.max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else _int32(given, max_tokens, v, -INT32_MAX)
     request.logprobs = bool(body.logprobs)
     request.top_logprobs = _int32("top_logprobs", body.top_logprobs, v)
-    fmt = body.response_format
+    _response_format(body.response_format, request, v, renames)
+    if body.metadata:
+        request.labels.update(body.metadata)
+        renames["labels"] = "metadata"
+
+
+def _response_format(fmt: ResponseFormat | None, request: pb.GenerateRequest, v: _Found, renames: dict) -> None:
+    """OpenAI's `response_format` (chat and completions): `json_object`, or `json_schema` with its schema."""
     if fmt is not None and fmt.type == "json_object":
         request.response_format.json_object.SetInParent()
     elif fmt is not None and fmt.type == "json_schema":
@@ -214,9 +232,6 @@ def _chat(body: ChatCompletionBody, request: pb.GenerateRequest, v: _Found, rena
         else:
             request.response_format.json_schema = json.dumps(fmt.json_schema.schema_, separators=(",", ":"))
             renames["response_format.json_schema"] = "response_format.json_schema.schema"
-    if body.metadata:
-        request.labels.update(body.metadata)
-        renames["labels"] = "metadata"
 
 
 def _completion(body: CompletionBody, request: pb.GenerateRequest, v: _Found, renames: dict[str, str]) -> None:
@@ -237,6 +252,7 @@ def _completion(body: CompletionBody, request: pb.GenerateRequest, v: _Found, re
         request.logprobs = True
         request.top_logprobs = _int32("logprobs", body.logprobs, v)
         renames["top_logprobs"] = "logprobs"
+    _response_format(body.response_format, request, v, renames)
     if body.metadata:
         request.labels.update(body.metadata)
         renames["labels"] = "metadata"
@@ -250,7 +266,6 @@ def _messages(body: MessagesBody, request: pb.GenerateRequest, v: _Found, rename
     for m in body.messages:
         request.messages.add(role=_ROLES[m.role], content=_text(m.content))
     request.max_tokens = _int32("max_tokens", body.max_tokens, v, -INT32_MAX)
-    request.top_k = _int32("top_k", body.top_k, v, -INT32_MAX)
     request.stop.extend(body.stop_sequences or ())
     renames["stop"] = "stop_sequences"
     configured = body.output_config.format if body.output_config is not None else None

@@ -86,6 +86,18 @@ def test_completions_take_text_or_token_ids_and_their_integer_logprobs():
     assert call.api_field("top_logprobs") == "logprobs"
 
 
+def test_completions_take_response_format_and_both_openai_apis_take_top_k():
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    body = CompletionBody.model_validate({"prompt": "x", "response_format": fmt, "top_k": 5})
+    call = call_of(Api.COMPLETIONS, body, Headers({}))
+    assert call.request.response_format.json_schema == '{"type":"object"}' and call.request.top_k == 5
+    assert call.api_field("response_format.json_schema") == "response_format.json_schema.schema"
+    body = CompletionBody.model_validate({"prompt": "x", "response_format": {"type": "json_object"}})
+    assert call_of(Api.COMPLETIONS, body, Headers({})).request.response_format.HasField("json_object")
+    assert chat(top_k=40).request.top_k == 40 and chat().request.top_k == 0
+    assert refused(lambda: chat(top_k=1 << 40))[0][0] == "top_k"
+
+
 def test_anthropic_messages_put_the_system_first_and_name_fields_as_anthropic_does():
     body = MessagesBody.model_validate(
         {
@@ -111,6 +123,9 @@ def test_fields_this_replica_cannot_honour_are_refused_by_name_never_dropped():
     assert fields == ["n", "tools", "logit_bias", "presence_penalty"]
     body = CompletionBody.model_validate({"prompt": "x", "echo": True, "best_of": 3, "suffix": "s"})
     assert [f for f, _ in refused(lambda: call_of(Api.COMPLETIONS, body, Headers({})))] == ["best_of", "echo", "suffix"]
+    open_servers = {"min_p": 0.1, "repetition_penalty": 1.2, "guided_json": {}, "guided_choice": ["a"]}
+    assert [f for f, _ in refused(lambda: chat(**open_servers))] == list(open_servers)
+    assert len(chat(min_p=0, repetition_penalty=1.0).request.messages) == 2  # their neutral values are accepted
     assert refused(lambda: chat(seed=-1))[0][0] == "seed"
     assert refused(lambda: chat(max_tokens=1 << 40))[0][0] == "max_tokens"
 

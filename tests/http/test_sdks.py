@@ -111,6 +111,29 @@ def test_json_schema_output_parses_through_both_sdks(bundled):
     jsonschema.validate(json.loads(reply.content[0].text), SCHEMA)
 
 
+def test_a_completion_takes_response_format_and_top_k_as_the_open_servers_do(bundled):
+    """vLLM's and SGLang's completions take `response_format` and `top_k` (through the SDK's extra_body): here the
+    output parses as its schema and is billed as a constrained call, and top_k 1 samples greedily."""
+    client, model = oai(bundled), bundled.replica.servicer.name
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    raw = client.completions.with_raw_response.create(
+        model=model, prompt="Answer: ", max_tokens=40, extra_body={"response_format": fmt}
+    )
+    done = raw.parse()
+    assert done.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(done.choices[0].text), SCHEMA)
+    flushed(bundled)
+    call_id = raw.headers["x-call-id"]
+    (row,) = ledger_rows(bundled.config.ledger_url, f"SELECT * FROM usage_records WHERE call_id = '{call_id}'")
+    assert row.request_kind == "constrained"
+    ask = dict(model=model, prompt="def parse(argv):", max_tokens=8)
+    sampled = client.completions.create(**ask, temperature=1.0, seed=3, extra_body={"top_k": 1})
+    assert sampled.choices[0].text == client.completions.create(**ask, temperature=0).choices[0].text
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(**ask, extra_body={"guided_json": SCHEMA})
+    assert refused.value.body["param"] == "guided_json"
+
+
 @pytest.mark.parametrize("which", ["openai", "anthropic"])
 def test_the_sdks_own_timeout_is_the_budget_and_an_explicit_header_wins(bundled, which):
     model = bundled.replica.servicer.name
