@@ -1,4 +1,4 @@
-"""What `zeroqueue serve` is told: the replica's settings (the CLI's flags, services/cli.py), and deadline
+"""What `zeroqueue serve` is told: the replica's settings (the CLI's flags, services/cli_serve.py), and deadline
 admission's settings as those flags choose them."""
 
 from __future__ import annotations

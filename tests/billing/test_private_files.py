@@ -113,7 +113,7 @@ def test_an_existing_ledger_directory_is_left_alone_but_its_files_are_narrowed(t
 
 
 def test_the_demo_key_file_is_private_from_creation(tmp_path: Path, opened: list) -> None:
-    from services.cli import ensure_demo_tenant
+    from services.cli_serve import ensure_demo_tenant
 
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     migrations.upgrade(url)

@@ -18,7 +18,8 @@ from pathlib import Path
 import dockerfile
 import pytest
 
-from services.cli import build_parser, run_health, run_serve
+from services.cli import build_parser, run_health
+from services.cli_serve import run_serve
 from services.inference.replica import INFERENCE_SERVICE
 
 ROOT = Path(__file__).resolve().parents[2]

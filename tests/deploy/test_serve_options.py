@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 import services
-from services.cli import build_parser, serve_config
+from services.cli import build_parser
+from services.cli_serve import serve_config
 from services.inference.device.checkpoint import read_header
 from services.inference.health.faults import Fault, FaultKind
 from services.inference.health.watchdog import WatchdogConfig
