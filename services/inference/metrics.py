@@ -41,6 +41,14 @@ class ServiceMetrics:
         self._classes: set[str] = set()
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        self._declare_calls(r)
+        self._declare_latencies(r)
+        self._declare_engine(r)
+        self.set_device_state(DeviceState.HEALTHY)
+        r.register(HostSteal())
+
+    def _declare_calls(self, r: CollectorRegistry) -> None:
+        """What became of calls: outcomes, refusals and their causes, retries, the policy's reads, device time."""
         self.requests = Counter("zeroqueue_requests", "Generate calls by outcome", ["outcome"], registry=r)
         self.rejections = Counter(
             "zeroqueue_rejections", "Calls refused at admission, by reason", ["reason"], registry=r
@@ -88,6 +96,9 @@ class ServiceMetrics:
         self.deadline_misses = Counter(
             "zeroqueue_deadline_misses", "Admitted calls that missed their deadline", registry=r
         )
+
+    def _declare_latencies(self, r: CollectorRegistry) -> None:
+        """How long each part of a call took, from its arrival to its usage record."""
         self.queue_time = Histogram(
             "zeroqueue_queue_time_seconds", "Received to first engine step", buckets=LATENCY_BUCKETS_S, registry=r
         )
@@ -132,6 +143,9 @@ class ServiceMetrics:
             buckets=ADMISSION_BUCKETS_S,
             registry=r,
         )
+
+    def _declare_engine(self, r: CollectorRegistry) -> None:
+        """The engine's steps, the cost model's running ratio, the slots and KV pool, the device's state."""
         self.step_time = Histogram("zeroqueue_step_seconds", "Engine step interval", buckets=STEP_BUCKETS_S, registry=r)
         self.step_period = Histogram(
             "zeroqueue_step_period_seconds",
@@ -165,8 +179,6 @@ class ServiceMetrics:
             ["state"],
             registry=r,
         )
-        self.set_device_state(DeviceState.HEALTHY)
-        r.register(HostSteal())
 
     def set_device_state(self, state: DeviceState) -> None:
         for each in DeviceState:

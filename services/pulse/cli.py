@@ -74,7 +74,18 @@ def add_pulse(sub: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    t = p.add_argument_group("targets (without endpoints, the tool starts `zeroqueue serve` replicas itself)")
+    _target_options(
+        p.add_argument_group("targets (without endpoints, the tool starts `zeroqueue serve` replicas itself)")
+    )
+    _add_doors(p)
+    _load_options(p.add_argument_group("load"))
+    _request_options(p.add_argument_group("requests"))
+    _capacity_options(p.add_argument_group("capacity"))
+    _output_options(p.add_argument_group("output"))
+    p.set_defaults(run=run_pulse)
+
+
+def _target_options(t: argparse._ArgumentGroup) -> None:
     t.add_argument("--endpoint", action="append", default=[], help="replica address; repeat for several")
     t.add_argument("--metrics-url", action="append", default=[], help="a replica's /metrics URL; repeatable")
     t.add_argument("--api-key", default=os.environ.get("ZEROQUEUE_API_KEY"), help="tenant key ($ZEROQUEUE_API_KEY)")
@@ -87,8 +98,9 @@ def add_pulse(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--admission", choices=("deadline", "fifo"), default="deadline", help="mode of a started replica")
     t.add_argument("--model", default=None, help="checkpoint for started replicas (default: the bundled model)")
     t.add_argument("--serve-args", default="", help="extra `zeroqueue serve` arguments, e.g. '--max-batch 16'")
-    _add_doors(p)
-    g = p.add_argument_group("load")
+
+
+def _load_options(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--qps", type=float, default=None, help="base arrival rate")
     g.add_argument("--load", type=float, default=None, help="base rate as a multiple of --capacity-json's capacity")
     g.add_argument("--capacity-json", default=None, help="capacity.json written by --capacity")
@@ -126,7 +138,9 @@ def add_pulse(sub: argparse._SubParsersAction) -> None:
         default=RetryConfig.max_attempts,
         help="attempts per call, the first included, as the SDK makes them (1: no retries)",
     )
-    s = p.add_argument_group("requests")
+
+
+def _request_options(s: argparse._ArgumentGroup) -> None:
     s.add_argument("--shape", choices=("fixed", "mix"), default="fixed")
     s.add_argument("--prompt-tokens", type=int, default=64, help="exact (fixed) or median (mix)")
     s.add_argument("--max-tokens", type=int, default=32, help="exact (fixed) or median (mix)")
@@ -150,7 +164,9 @@ def add_pulse(sub: argparse._SubParsersAction) -> None:
         help="request templates, one JSON object a line, drawn by weight beside --templates': messages or prompt, "
         "response_format, max_tokens, logprobs, top_logprobs, temperature, deadline_ms, weight (all optional)",
     )
-    c = p.add_argument_group("capacity")
+
+
+def _capacity_options(c: argparse._ArgumentGroup) -> None:
     c.add_argument(
         "--capacity",
         action="store_true",
@@ -180,11 +196,12 @@ def add_pulse(sub: argparse._SubParsersAction) -> None:
         default=0.005,
         help="a confirmation run refusing less than this share tries a higher rate (issue 5's band: 0.5-3 %% at 1x)",
     )
-    o = p.add_argument_group("output")
+
+
+def _output_options(o: argparse._ArgumentGroup) -> None:
     o.add_argument("--out", default=None, help="output directory (default pulse-results/<time>)")
     o.add_argument("--no-plots", action="store_true")
     o.add_argument("--no-progress", action="store_true")
-    p.set_defaults(run=run_pulse)
 
 
 def _load_qps(args: argparse.Namespace) -> float:
