@@ -108,10 +108,8 @@ def confirm_knee(
 
 
 def run_capacity(args: argparse.Namespace, shape_args: dict, out_dir: Path, run_id: str, console) -> int:
-    from .report import RunReport, print_table
-    from .schedule import LoadSpec, PlannedRequest, ShapeSpec
-    from .stats import summarize
-    from .targets import model_info, opened, pulse_one, scrape_all, server_view_between, targets_from
+    from .schedule import ShapeSpec
+    from .targets import model_info, opened, targets_from
 
     if args.shape != "fixed":
         raise SystemExit("zeroqueue pulse: error: --capacity measures the fixed shape (--shape fixed)")
@@ -120,50 +118,8 @@ def run_capacity(args: argparse.Namespace, shape_args: dict, out_dir: Path, run_
         model = asyncio.run(model_info(live))
         shape = ShapeSpec(**shape_args, context_length=model.context_length)
         concurrency = args.concurrency or model.max_batch
-        rng = random.Random(args.seed)
-
-        def make(i: int) -> PlannedRequest:
-            prompt = tuple(rng.randrange(16, model.vocab_size) for _ in range(shape.prompt_tokens))
-            return PlannedRequest(i, 0.0, prompt, shape.max_tokens, args.deadline_ms)
-
-        console.print(f"saturation: {concurrency} closed-loop callers for {args.duration:.0f} s ...")
-        before = scrape_all(live.metrics_urls)
-        traces = asyncio.run(_closed(live, make, concurrency, args.duration, f"cap-{run_id}"))
-        server = server_view_between(before, scrape_all(live.metrics_urls))
-        summary = summarize(traces, args.duration)
-        saturation_qps = sum(1 for t in traces if t.in_deadline and t.finished_s <= args.duration) / args.duration
-        print_table(
-            [RunReport("saturation", live.endpoints, summary, traces, server)], "saturation run (closed loop)", console
-        )
-
-        probe_numbers = itertools.count()
-
-        def probe(qps: float, duration_s: float = args.probe_duration) -> Probe:
-            console.print(f"knee probe: Poisson {qps:.2f} req/s for {duration_s:.0f} s ...")
-            number = next(probe_numbers)
-            load = LoadSpec(qps, duration_s, "poisson", seed=args.seed + number)
-            run = pulse_one(live, args, load, shape_args, f"{run_id}-{number}", console)
-            result = Probe(qps, run.summary.rejection_rate or 0.0, run.summary.goodput_rps)
-            console.print(f"  refused at first attempt {result.rejection_rate:.2%}, goodput {result.goodput_rps:.2f}")
-            return result
-
-        capacity_qps, probes = find_knee(
-            probe, saturation_qps / 2, saturation_qps, args.knee_rejection, args.knee_probes
-        )
-        confirmations, confirmed = [], None
-        if args.confirm_duration > 0 and args.confirm_runs > 0:
-            capacity_qps, confirmations, confirmed = confirm_knee(
-                lambda qps: probe(qps, args.confirm_duration),
-                capacity_qps,
-                args.knee_rejection,
-                args.confirm_runs,
-                floor=args.knee_min_rejection,
-            )
-            if not confirmed:
-                console.print(
-                    f"[yellow]no confirmation run refused {args.knee_min_rejection:.1%}-"
-                    f"{args.knee_rejection:.1%}: capacity is {capacity_qps:.2f} req/s[/yellow]"
-                )
+        saturation_qps, summary, server = _saturation(live, args, shape, model, concurrency, run_id, console)
+        capacity_qps, probes, confirmations, confirmed = _knee(live, args, shape_args, saturation_qps, run_id, console)
     loads = {f"{m}x": round(m * capacity_qps, 3) for m in (0.5, 1, 2, 4)}
     console.print(
         f"capacity: {capacity_qps:.2f} req/s of {shape.prompt_tokens}+{shape.max_tokens} tokens (knee: "
@@ -192,6 +148,67 @@ def run_capacity(args: argparse.Namespace, shape_args: dict, out_dir: Path, run_
     (out_dir / "capacity.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
     console.print(f"wrote {out_dir / 'capacity.json'}")
     return 0
+
+
+def _saturation(live, args: argparse.Namespace, shape, model, concurrency: int, run_id: str, console) -> tuple:
+    """The closed loop: `concurrency` callers back to back for --duration; (calls finished in deadline per second,
+    the run's summary, the replicas' own view of it)."""
+    from .report import RunReport, print_table
+    from .schedule import PlannedRequest
+    from .stats import summarize
+    from .targets import scrape_all, server_view_between
+
+    rng = random.Random(args.seed)
+
+    def make(i: int) -> PlannedRequest:
+        prompt = tuple(rng.randrange(16, model.vocab_size) for _ in range(shape.prompt_tokens))
+        return PlannedRequest(i, 0.0, prompt, shape.max_tokens, args.deadline_ms)
+
+    console.print(f"saturation: {concurrency} closed-loop callers for {args.duration:.0f} s ...")
+    before = scrape_all(live.metrics_urls)
+    traces = asyncio.run(_closed(live, make, concurrency, args.duration, f"cap-{run_id}"))
+    server = server_view_between(before, scrape_all(live.metrics_urls))
+    summary = summarize(traces, args.duration)
+    saturation_qps = sum(1 for t in traces if t.in_deadline and t.finished_s <= args.duration) / args.duration
+    print_table(
+        [RunReport("saturation", live.endpoints, summary, traces, server)], "saturation run (closed loop)", console
+    )
+    return saturation_qps, summary, server
+
+
+def _knee(live, args: argparse.Namespace, shape_args: dict, saturation_qps: float, run_id: str, console) -> tuple:
+    """Poisson probes between half the saturation and all of it for the knee, then confirmation runs at it;
+    (the capacity, the probes, the confirmations, whether one confirmed it)."""
+    from .schedule import LoadSpec
+    from .targets import pulse_one
+
+    probe_numbers = itertools.count()
+
+    def probe(qps: float, duration_s: float = args.probe_duration) -> Probe:
+        console.print(f"knee probe: Poisson {qps:.2f} req/s for {duration_s:.0f} s ...")
+        number = next(probe_numbers)
+        load = LoadSpec(qps, duration_s, "poisson", seed=args.seed + number)
+        run = pulse_one(live, args, load, shape_args, f"{run_id}-{number}", console)
+        result = Probe(qps, run.summary.rejection_rate or 0.0, run.summary.goodput_rps)
+        console.print(f"  refused at first attempt {result.rejection_rate:.2%}, goodput {result.goodput_rps:.2f}")
+        return result
+
+    capacity_qps, probes = find_knee(probe, saturation_qps / 2, saturation_qps, args.knee_rejection, args.knee_probes)
+    confirmations, confirmed = [], None
+    if args.confirm_duration > 0 and args.confirm_runs > 0:
+        capacity_qps, confirmations, confirmed = confirm_knee(
+            lambda qps: probe(qps, args.confirm_duration),
+            capacity_qps,
+            args.knee_rejection,
+            args.confirm_runs,
+            floor=args.knee_min_rejection,
+        )
+        if not confirmed:
+            console.print(
+                f"[yellow]no confirmation run refused {args.knee_min_rejection:.1%}-"
+                f"{args.knee_rejection:.1%}: capacity is {capacity_qps:.2f} req/s[/yellow]"
+            )
+    return capacity_qps, probes, confirmations, confirmed
 
 
 async def _closed(target, make, concurrency: int, duration_s: float, prefix: str) -> list:
