@@ -124,9 +124,10 @@ class InferenceService:
         says why not. The tenant's quotas come before the cost model: a tenant at a cap is refused at once.
         `lead_ns`: what the engine spends on the call before its first step (its grammar's compile): the call
         must finish that much sooner."""
-        self._check_door(spec, tenant, received_ns, budget_ns, service_class.name)
+        klass = service_class.name
+        self._check_door(spec, tenant, received_ns, budget_ns, klass)
         deadline_ns = received_ns + budget_ns
-        salt = self.prefix_cache.salt(tenant, service_class.name)
+        salt = self.prefix_cache.salt(tenant, klass)
         commitment = self._commitment(spec, tenant, deadline_ns - lead_ns, service_class, salt)
         now_ns = self.clock.now_ns()
         decision = self.admission.decide(commitment, now_ns)
@@ -137,7 +138,7 @@ class InferenceService:
             infeasible = isinstance(decision, Infeasible)
             self._count_decision(attempt, "infeasible" if infeasible else "overloaded")
             cause = RefusalCause.INFEASIBLE if infeasible else decision.reason
-            self.metrics.count_refusal(cause, tenant, service_class.name)
+            self.metrics.count_refusal(cause, tenant, klass)
             raise _refusal(decision, now_ns, budget_ns, lead_ns)
         request = Request(
             uuid.uuid4().hex,
@@ -152,10 +153,9 @@ class InferenceService:
         if self.kv is not None and not blocks_later and not self.kv.reserve(request):  # running calls hold them yet
             self.admission.release(commitment.key)
             self._count_decision(attempt, "overloaded")
-            self.metrics.count_refusal(RefusalCause.KV_BLOCKS, tenant, service_class.name)
+            self.metrics.count_refusal(RefusalCause.KV_BLOCKS, tenant, klass)
             raise self.kv.refusal(request, self.in_flight.values(), decision.predicted_finish_ns, now_ns, budget_ns)
         self._count_decision(attempt, "admitted")
-        klass = service_class.name
         context = RecordContext(
             tenant, spec.labels, received_ns, decided_ns, deadline_ns, spec.request_id, klass, spec.kind, spec.door
         )
