@@ -148,9 +148,10 @@ class InferenceService:
             deadline_ns=deadline_ns if self.deadline_mode else None,
             cache_salt=salt,
         )
-        # a held call takes its blocks at its start where admission plans them (they may free only by then)
+        # a held call takes its blocks at its start where admission plans them (they may free only by then); False
+        # from reserve: running calls hold them yet
         blocks_later = decision.start_ns is not None and self.kv is not None and self.kv.planned
-        if self.kv is not None and not blocks_later and not self.kv.reserve(request):  # running calls hold them yet
+        if self.kv is not None and not blocks_later and not self.kv.reserve(request, commitment.key):
             self.admission.release(commitment.key)
             self._count_decision(attempt, "overloaded")
             self.metrics.count_refusal(RefusalCause.KV_BLOCKS, tenant, klass)
