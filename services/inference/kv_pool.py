@@ -13,10 +13,10 @@ the longest context where memory allows (device/executor.py). Where it does not 
 hold more calls than the pool has blocks for, and admission plans the blocks on its calendar beside the slots
 (`planned`): a call whose blocks are not free for its whole run is refused for blocks with the time they are, and
 they are reserved for its retry as a slot is; a shared prefix is planned to come back with the last of the calls
-that hold it (`Holdings`). A call admitted that the pool still cannot take now (a call that has ended later than its
-predicted finish has not given its blocks back yet; a held call's cached prefix whose holders all ended before its
-start comes off the free blocks then) is refused for blocks without a reservation, its hint the predicted finish of
-the running calls whose blocks it needs back (`ready_at_ns`).
+that hold it (`Holdings`), and a call held for a later start pins the prefix running calls hold from its admission
+(`pin_held`). A call admitted that the pool still cannot take now (a call that has ended later than its predicted
+finish has not given its blocks back yet) is refused for blocks without a reservation, its hint the predicted finish
+of the running calls whose blocks it needs back (`ready_at_ns`).
 """
 
 from __future__ import annotations
@@ -119,12 +119,27 @@ class KvReservations:
         request.num_cached_tokens = request.num_computed_tokens = allocation.num_cached_tokens
         return True
 
+    def pin_held(self, ticket: Ticket) -> None:
+        """A call held for a later start where blocks are planned: the cached prefix that running calls hold now is
+        pinned for it until its start, as its admission counted it (`BlockPool.pin_held`)."""
+        request = ticket.request
+        ticket.kv_blocks = self.pool.pin_held(request.prompt_token_ids, request.cache_salt)
+        if ticket.kv_blocks:
+            self.holdings.take(ticket.admission_key, ticket.kv_blocks)
+
     def take_at_start(self, ticket: Ticket) -> bool:
-        """A held call whose blocks admission planned for its start (it took none when admitted) starts: they are
-        reserved now. False: the running calls have not given them back yet (one ended later than predicted), and
-        it waits for them."""
-        if not self.reserve(ticket.request, ticket.admission_key):
+        """A held call whose blocks admission planned for its start (it took none when admitted but its pinned
+        prefix) starts: they are reserved now, and the early pins dropped. False: the running calls have not given
+        them back yet (one ended later than predicted), and it waits for them."""
+        pinned, key = ticket.kv_blocks, ticket.admission_key
+        if pinned:
+            self.holdings.give_back(key)
+        if not self.reserve(ticket.request, key):
+            if pinned:
+                self.holdings.take(key, pinned)
             return False
+        if pinned:
+            self.pool.free(pinned)
         ticket.kv_blocks = ticket.request.block_ids
         return True
 

@@ -148,8 +148,7 @@ class InferenceService:
             deadline_ns=deadline_ns if self.deadline_mode else None,
             cache_salt=salt,
         )
-        # a held call takes its blocks at its start where admission plans them (they may free only by then); False
-        # from reserve: running calls hold them yet
+        # a held call takes its blocks at its start where they are planned; reserve False: running calls hold them
         blocks_later = decision.start_ns is not None and self.kv is not None and self.kv.planned
         if self.kv is not None and not blocks_later and not self.kv.reserve(request, commitment.key):
             self.admission.release(commitment.key)
@@ -163,8 +162,7 @@ class InferenceService:
         return self._admitted(spec, context, request, decision, budget_ns, source)
 
     def _check_door(self, spec: GenerateSpec, tenant: str, received_ns: int, budget_ns: int, klass: str) -> None:
-        """What refuses a call before any prediction: a replica not serving, a failed device, the tenant's own id
-        still in flight, a deadline already past, a quota at its cap."""
+        """What refuses a call before it is judged: not serving, a failed device, its id in flight, no budget, quota."""
         if self.state is not WarmupState.READY:
             raise errors.NotServing(f"replica is {self.state.value}; try another replica", {"state": self.state.value})
         if self.device_state is DeviceState.FAILED:
@@ -235,6 +233,8 @@ class InferenceService:
         self.meter.register(request.call_id, context)
         ticket.usage_on_disk = self.outbox.expect(request.call_id)
         if decision.start_ns is not None:  # held inside its slack for the slot planned for it
+            if self.kv is not None and not request.blocks_reserved:  # where planned: its prefix pinned till then
+                self.kv.pin_held(ticket)
             delay_s = max(decision.start_ns - self.clock.now_ns(), 0) / 1e9
             timer = sink.loop.call_later(delay_s, self._start_held, ticket.admission_key)
             self.held[ticket.admission_key] = (ticket, sink, timer)

@@ -47,6 +47,7 @@ class Replica:
         self.held: dict[str, tuple[int, tuple[int, ...], int]] = {}  # key -> (start, prompt, tokens)
         self.failed_allocations = 0  # admitted calls the pool could not take: the service refuses them unreserved
         self.awaited = 0  # held calls whose blocks were not back at their start
+        self.pinned: dict[str, tuple[int, ...]] = {}  # held calls: the cached prefix pinned for them until their start
         self.prefix = tuple(range(prefix))
         self.salt = b"t" if prefix else None
 
@@ -64,6 +65,9 @@ class Replica:
         decision = self.admission.decide(new, now_ns)
         if isinstance(decision, Admit) and decision.start_ns is not None:
             self.held[key] = (decision.start_ns, prompt, sum(size))
+            self.pinned[key] = self.kv.pool.pin_held(prompt, self.salt)  # as `KvReservations.pin_held`
+            if self.pinned[key]:
+                self.kv.holdings.take(key, self.pinned[key])
         elif isinstance(decision, Admit):
             if not self._take(key, prompt, sum(size)):
                 self.failed_allocations += 1
@@ -83,7 +87,11 @@ class Replica:
 
     def start(self, key: str) -> None:
         _, prompt, num_tokens = self.held.pop(key)
+        pinned = self.pinned.pop(key)
+        if pinned:
+            self.kv.holdings.give_back(key)
         assert self._take(key, prompt, num_tokens), f"held {key}'s blocks were not back at its start"
+        self.kv.pool.free(pinned)  # the early pins, as `KvReservations.take_at_start` drops them
         self.admission.started(key)
 
     def end(self, key: str, now_ns: int) -> None:
@@ -181,6 +189,7 @@ def test_a_shared_prefix_goes_back_with_the_last_call_that_holds_it():
     assert replica.failed_allocations == 0 and not replica.kv.holdings.shared
 
 
+@pytest.mark.parametrize("prefix", [0, 64])
 @pytest.mark.parametrize("policy", [REFUSING, DEFAULT_SETTINGS, AdmissionSettings(hold_in_slack=True)])
 @settings(max_examples=100, deadline=None)
 @given(
@@ -191,11 +200,15 @@ def test_a_shared_prefix_goes_back_with_the_last_call_that_holds_it():
     ),
     st.integers(34, 100),
 )
-def test_an_admitted_call_always_finds_its_blocks_on_a_device_that_runs_as_predicted(policy, arrivals, num_blocks):
+def test_an_admitted_call_always_finds_its_blocks_on_a_device_that_runs_as_predicted(
+    policy, prefix, arrivals, num_blocks
+):
     """Whatever comes, in whatever order: every admitted call's blocks are free when it is admitted (held for a later
     start or not), and every retry that comes at its hint for a reservation is admitted, or told that no time inside
-    its budget works any more (refusals.py `Promises.refuse`: a moved start must still leave a retry's spare)."""
-    replica = Replica(num_blocks, policy=policy)
+    its budget works any more (refusals.py `Promises.refuse`: a moved start must still leave a retry's spare). With
+    a prefix every call shares (`prefix` tokens), too: it goes back with the last call holding it, and a held call
+    keeps it pinned from its admission to its start."""
+    replica = Replica(num_blocks, policy=policy, prefix=prefix)
     now, last = 0, 0
     retries: list[tuple[int, str, tuple[int, int], int]] = []  # (hinted time, key, size, deadline in ms)
     for i, (size, budget_ms, gap_ms) in enumerate([*arrivals, (None, 0, 10_000)]):  # the last: retries only
