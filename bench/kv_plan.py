@@ -14,7 +14,12 @@ and the reservation events: `taken` retries admitted on time, `taken_refused` re
 side each (`--before . --after-args=--hold`: holding calls in their slack against refusing them).
 
 Prefix caching is off (`--no-prefix-cache`): calls that share no prefix, so what a call takes is what it gives
-back. The report is JSON on stdout; progress and the replicas' logs go to stderr and the --out directory.
+back. With `--shared-prefix N`, it is on, and the calls are questions about two documents of about N tokens each
+(bench/shared_prefix_calls.py), so that the calls about one document share its blocks, which go back only with the
+last of them (`--serve-args` sizes the pool: `--kv-memory 2MiB` is 41 blocks). The report is JSON on stdout;
+progress and the replicas' logs go to stderr and the --out directory.
+
+    python bench/kv_plan.py --before REV --shared-prefix 300 --serve-args="--kv-memory 2MiB" --qps 4,8
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from services.logs import configure_logging  # noqa: E402
 from services.pulse.replicas import start_replica  # noqa: E402
 from services.pulse.scrape import scrape  # noqa: E402
 
+SECOND_DOCUMENT = ROOT / "services/inference/admission/checks.py"  # the other document questions are asked about
 KEYS = ("goodput_rps", "rejection_rate", "first_retry_success_rate", "avg_retries_per_rejected", "num_admitted_misses")
 SERVE = "--max-batch 8 --max-seq-len 512 --kv-memory 4MiB --no-prefix-cache"
 
@@ -67,20 +73,37 @@ def counters(metrics_url: str) -> dict[str, float]:
     return found
 
 
+def shared_prefix_file(num_tokens: int, max_tokens: int, path: Path) -> Path:
+    """A pulse --request-file: each question of bench/shared_prefix_calls.py about two documents of ~num_tokens."""
+    import shared_prefix_calls as calls  # noqa: PLC0415  (bench/: its tokenizer only when asked for)
+
+    second = SECOND_DOCUMENT.read_text()[: len(calls.document(num_tokens))]
+    lines = calls.request_lines(calls.document(num_tokens), max_tokens) + calls.request_lines(second, max_tokens)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def one_run(tree: Path, extra: str, args: argparse.Namespace, qps: float, run: Path) -> dict:
     """A replica of `tree`, the schedule against it, its summary and the replica's counters."""
     here = Path.cwd()
     os.chdir(tree)  # the replica runs `python -m services.cli serve` from its tree
     try:
-        serve = shlex.split(SERVE) + shlex.split(args.serve_args) + shlex.split(extra)
+        base = SERVE.replace(" --no-prefix-cache", "") if args.shared_prefix else SERVE
+        serve = shlex.split(base) + shlex.split(args.serve_args) + shlex.split(extra)
         replica = start_replica(default_model(), "deadline", run, serve)
     finally:
         os.chdir(here)
     try:
         cmd = [sys.executable, "-m", "services.cli", "pulse", "--endpoint", replica.address, "--api-key"]
         cmd += [replica.api_key, "--metrics-url", replica.metrics_url, "--qps", str(qps), "--duration"]
-        cmd += [str(args.duration), "--shape", "mix", "--prompt-tokens", "120", "--max-tokens", "32"]
-        cmd += ["--shape-sigma", "0.9", "--deadline-ms", str(args.deadline_ms), "--seed", str(args.seed)]
+        if args.shared_prefix:
+            calls = shared_prefix_file(args.shared_prefix, 32, args.out / "calls.jsonl")
+            cmd += [str(args.duration), "--request-file", str(calls)]
+        else:
+            cmd += [str(args.duration), "--shape", "mix", "--prompt-tokens", "120", "--max-tokens", "32"]
+            cmd += ["--shape-sigma", "0.9"]
+        cmd += ["--deadline-ms", str(args.deadline_ms), "--seed", str(args.seed)]
         cmd += ["--max-attempts", str(args.attempts), "--out", str(run / "pulse"), "--no-plots", "--no-progress"]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
         time.sleep(3)  # the last retries drain
@@ -103,6 +126,7 @@ def main() -> int:
     parser.add_argument("--serve-args", default="", help="more `zeroqueue serve` arguments for both trees")
     parser.add_argument("--before-args", default="", help="more `zeroqueue serve` arguments for --before only")
     parser.add_argument("--after-args", default="", help="more `zeroqueue serve` arguments for this checkout only")
+    parser.add_argument("--shared-prefix", type=int, default=0, help="tokens of a document calls share (0: none)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/out/kv_plan")
     args = parser.parse_args()
     before = ROOT if args.before == "." else worktree(args.before, Path(f"/tmp/zeroqueue-kv-plan-{args.before}"))
