@@ -12,11 +12,10 @@ predecessors still hold blocks until their end arrives): the executor allocates 
 the longest context where memory allows (device/executor.py). Where it does not (a long max_seq_len), the slots can
 hold more calls than the pool has blocks for, and admission plans the blocks on its calendar beside the slots
 (`planned`): a call whose blocks are not free for its whole run is refused for blocks with the time they are, and
-they are reserved for its retry as a slot is; a shared prefix is planned to come back with the last of the calls
-that hold it (`Holdings`), and a call held for a later start pins the prefix running calls hold from its admission
-(`pin_held`). A call admitted that the pool still cannot take now (a call that has ended later than its predicted
-finish has not given its blocks back yet) is refused for blocks without a reservation, its hint the predicted finish
-of the running calls whose blocks it needs back (`ready_at_ns`).
+they are reserved for its retry as a slot is. A call admitted that the pool still cannot take now (a call that has
+ended later than its predicted finish has not given its blocks back yet; a shared prefix is given back only by the
+last call that holds it) is refused for blocks without a reservation, its hint the predicted finish of the running
+calls whose blocks it needs back (`ready_at_ns`).
 """
 
 from __future__ import annotations
@@ -31,55 +30,6 @@ from .sched.blocks import BlockPool
 from .sched.request import FinishReason, Request
 
 
-class Holdings:
-    """Which admitted call holds which blocks, by admission key, so that admission can plan what each running call
-    gives back at its end: the blocks it alone holds, and each block it shares (a cached prefix) if it is predicted to
-    end last of those holding it. Kept as calls take and give back their blocks, so a decision reads only the shared
-    blocks, never every table."""
-
-    def __init__(self) -> None:
-        self.tables: dict[str, tuple[int, ...]] = {}  # admission key -> its blocks
-        self.holders: dict[int, list[str]] = {}  # block -> the keys holding it
-        self.alone: dict[str, int] = {}  # admission key -> blocks no other call holds
-        self.shared: set[int] = set()  # blocks more than one call holds
-
-    def take(self, key: str, block_ids: tuple[int, ...]) -> None:
-        if key in self.tables:
-            raise ValueError(f"{key!r} already holds blocks")
-        self.tables[key], self.alone[key] = block_ids, 0
-        for block in dict.fromkeys(block_ids):
-            keys = self.holders.setdefault(block, [])
-            if len(keys) == 1:
-                self.alone[keys[0]] -= 1
-                self.shared.add(block)
-            keys.append(key)
-            if len(keys) == 1:
-                self.alone[key] += 1
-
-    def give_back(self, key: str) -> None:
-        for block in dict.fromkeys(self.tables.pop(key, ())):
-            keys = self.holders[block]
-            keys.remove(key)
-            if len(keys) == 1:
-                self.alone[keys[0]] += 1
-                self.shared.discard(block)
-            elif not keys:
-                del self.holders[block]
-        self.alone.pop(key, None)
-
-    def gives_back(self, ends: dict[str, int]) -> dict[str, int]:
-        """Blocks each holder gives back at its end, the ends as predicted (`ends`: admission key -> when): a shared
-        block goes back with the last of its holders to end (a holder not in `ends` counts as ending after them)."""
-        gives = dict(self.alone)
-        for block in self.shared:
-            last = max(self.holders[block], key=lambda k: ends.get(k, _LATER))
-            gives[last] += 1
-        return gives
-
-
-_LATER = 1 << 62  # after every predicted end
-
-
 class KvReservations:
     """`planned`: the pool has fewer blocks than the slots could fill at the longest context, so admission plans
     its blocks on the calendar beside the slots (a call's `num_blocks`, `num_free`), and a refusal for blocks
@@ -89,7 +39,6 @@ class KvReservations:
     def __init__(self, num_blocks: int, block_size: int, num_slots: int = 0, max_seq_len: int = 0) -> None:
         self.pool = BlockPool(num_blocks, block_size)
         self.planned = num_blocks < num_slots * self.pool.blocks_for(max_seq_len)
-        self.holdings = Holdings()
 
     @property
     def num_free(self) -> int:
@@ -101,45 +50,22 @@ class KvReservations:
         would take off the pool's free ones (nothing pinned yet)."""
         return self.pool.lookup(prompt, len(prompt) + max_tokens, salt)
 
-    def gives_back(self, ends: dict[str, int]) -> dict[str, int]:
-        """Blocks each call holding some gives back at its end, by admission key, with the calls' ends as predicted:
-        a shared prefix goes back with the last of the calls that hold it."""
-        return self.holdings.gives_back(ends)
-
-    def reserve(self, request: Request, key: str) -> bool:
-        """Reserves the admitted call's blocks (`key`: its admission key), its cached prefix pinned; False when the
-        pool lacks them now."""
+    def reserve(self, request: Request) -> bool:
+        """Reserves the admitted call's blocks, its cached prefix pinned; False when the pool lacks them now."""
         num_tokens = request.num_prompt_tokens + request.sampling.max_tokens
         allocation = self.pool.allocate(request.prompt_token_ids, num_tokens, request.cache_salt)
         if allocation is None:
             return False
-        if self.planned:  # only admission's plan reads them: an unplanned pool keeps no tally
-            self.holdings.take(key, allocation.block_ids)
         request.block_ids, request.blocks_reserved = allocation.block_ids, True
         request.num_cached_tokens = request.num_computed_tokens = allocation.num_cached_tokens
         return True
 
-    def pin_held(self, ticket: Ticket) -> None:
-        """A call held for a later start where blocks are planned: the cached prefix that running calls hold now is
-        pinned for it until its start, as its admission counted it (`BlockPool.pin_held`)."""
-        request = ticket.request
-        ticket.kv_blocks = self.pool.pin_held(request.prompt_token_ids, request.cache_salt)
-        if ticket.kv_blocks:
-            self.holdings.take(ticket.admission_key, ticket.kv_blocks)
-
     def take_at_start(self, ticket: Ticket) -> bool:
-        """A held call whose blocks admission planned for its start (it took none when admitted but its pinned
-        prefix) starts: they are reserved now, and the early pins dropped. False: the running calls have not given
-        them back yet (one ended later than predicted), and it waits for them."""
-        pinned, key = ticket.kv_blocks, ticket.admission_key
-        if pinned:
-            self.holdings.give_back(key)
-        if not self.reserve(ticket.request, key):
-            if pinned:
-                self.holdings.take(key, pinned)
+        """A held call whose blocks admission planned for its start (it took none when admitted) starts: they are
+        reserved now. False: the running calls have not given them back yet (one ended later than predicted), and
+        it waits for them."""
+        if not self.reserve(ticket.request):
             return False
-        if pinned:
-            self.pool.free(pinned)
         ticket.kv_blocks = ticket.request.block_ids
         return True
 
@@ -185,6 +111,4 @@ class KvReservations:
             computed = min(len(tokens), request.num_prompt_tokens + ticket.num_output_tokens - 1)
             self.pool.commit(ticket.kv_blocks, tokens, computed, request.cache_salt)
         self.pool.free(ticket.kv_blocks)
-        if self.planned:
-            self.holdings.give_back(ticket.admission_key)
         ticket.kv_blocks = ()

@@ -148,9 +148,9 @@ class InferenceService:
             deadline_ns=deadline_ns if self.deadline_mode else None,
             cache_salt=salt,
         )
-        # a held call takes its blocks at its start where they are planned; reserve False: running calls hold them
+        # a held call takes its blocks at its start where admission plans them (they may free only by then)
         blocks_later = decision.start_ns is not None and self.kv is not None and self.kv.planned
-        if self.kv is not None and not blocks_later and not self.kv.reserve(request, commitment.key):
+        if self.kv is not None and not blocks_later and not self.kv.reserve(request):  # running calls hold them yet
             self.admission.release(commitment.key)
             self._count_decision(attempt, "overloaded")
             self.metrics.count_refusal(RefusalCause.KV_BLOCKS, tenant, klass)
@@ -162,7 +162,8 @@ class InferenceService:
         return self._admitted(spec, context, request, decision, budget_ns, source)
 
     def _check_door(self, spec: GenerateSpec, tenant: str, received_ns: int, budget_ns: int, klass: str) -> None:
-        """What refuses a call before it is judged: not serving, a failed device, its id in flight, no budget, quota."""
+        """What refuses a call before any prediction: a replica not serving, a failed device, the tenant's own id
+        still in flight, a deadline already past, a quota at its cap."""
         if self.state is not WarmupState.READY:
             raise errors.NotServing(f"replica is {self.state.value}; try another replica", {"state": self.state.value})
         if self.device_state is DeviceState.FAILED:
@@ -233,8 +234,6 @@ class InferenceService:
         self.meter.register(request.call_id, context)
         ticket.usage_on_disk = self.outbox.expect(request.call_id)
         if decision.start_ns is not None:  # held inside its slack for the slot planned for it
-            if self.kv is not None and not request.blocks_reserved:  # where planned: its prefix pinned till then
-                self.kv.pin_held(ticket)
             delay_s = max(decision.start_ns - self.clock.now_ns(), 0) / 1e9
             timer = sink.loop.call_later(delay_s, self._start_held, ticket.admission_key)
             self.held[ticket.admission_key] = (ticket, sink, timer)

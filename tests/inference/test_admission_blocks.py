@@ -32,13 +32,9 @@ LONG, SHORT = (400, 100), (10, 6)  # (prompt, max_tokens): 32 blocks of 16 token
 class Replica:
     """Admission over a pool of `num_blocks`, as service.py uses them: a call admitted to start now takes its blocks
     at once; a held one at its start (or sooner, when `due`), then runs as any other (`started`); each call's
-    prompt its own tokens, or, with `prefix` tokens, those first (a system prompt every call shares: its full blocks
-    are keyed as each call takes them, and a later call's hit pins them), so that a call takes fewer blocks than it
-    holds and a shared block goes back only with the last call that holds it."""
+    prompt its own tokens (no prefix shared), so what a call takes is what it gives back."""
 
-    def __init__(
-        self, num_blocks: int, planned: bool = True, policy: AdmissionSettings = REFUSING, prefix: int = 0
-    ) -> None:
+    def __init__(self, num_blocks: int, planned: bool = True, policy: AdmissionSettings = REFUSING) -> None:
         self.kv = KvReservations(num_blocks, BLOCK, SLOTS, CONTEXT)
         assert self.kv.planned
         config = AdmissionConfig(SLOTS, 1024, margin_ms=0.0, margin_fraction=0.0)  # every prompt in a step
@@ -47,56 +43,34 @@ class Replica:
         self.held: dict[str, tuple[int, tuple[int, ...], int]] = {}  # key -> (start, prompt, tokens)
         self.failed_allocations = 0  # admitted calls the pool could not take: the service refuses them unreserved
         self.awaited = 0  # held calls whose blocks were not back at their start
-        self.pinned: dict[str, tuple[int, ...]] = {}  # held calls: the cached prefix pinned for them until their start
-        self.prefix = tuple(range(prefix))
-        self.salt = b"t" if prefix else None
 
-    def call(
-        self, key: str, size: tuple[int, int], now_ms: float, budget_ms: int = 10_000, attempt: int = 0, shared=True
-    ):
-        prefix = self.prefix if shared else ()
-        own = max(size[0] - len(prefix), 1)
-        prompt = prefix + tuple(30_000 + (hash(key) + 7 * i) % 30_000 for i in range(own))
-        size = (len(prompt), size[1])
-        cached, num_blocks = self.kv.lookup(prompt, size[1], salt=self.salt)
+    def call(self, key: str, size: tuple[int, int], now_ms: float, budget_ms: int = 10_000, attempt: int = 0):
+        prompt = tuple((hash(key) + 7 * i) % 30_000 for i in range(size[0]))
+        cached, num_blocks = self.kv.lookup(prompt, size[1], salt=None)
         now_ns = int(now_ms * MS)
         deadline_ns = now_ns + budget_ms * MS
         new = Commitment(key, *size, deadline_ns, attempt=attempt, num_cached_tokens=cached, num_blocks=num_blocks)
         decision = self.admission.decide(new, now_ns)
         if isinstance(decision, Admit) and decision.start_ns is not None:
             self.held[key] = (decision.start_ns, prompt, sum(size))
-            self.pinned[key] = self.kv.pool.pin_held(prompt, self.salt)  # as `KvReservations.pin_held`
-            if self.pinned[key]:
-                self.kv.holdings.take(key, self.pinned[key])
         elif isinstance(decision, Admit):
-            if not self._take(key, prompt, sum(size)):
+            allocation = self.kv.pool.allocate(prompt, sum(size), salt=None)
+            if allocation is None:
                 self.failed_allocations += 1
                 self.admission.release(key)
+            else:
+                self.tables[key] = allocation.block_ids
         return decision
-
-    def _take(self, key: str, prompt: tuple[int, ...], num_tokens: int) -> bool:
-        """The call's blocks, as `KvReservations.reserve` takes them, its prompt's full blocks keyed at once."""
-        allocation = self.kv.pool.allocate(prompt, num_tokens, salt=self.salt)
-        if allocation is None:
-            return False
-        self.tables[key] = allocation.block_ids
-        self.kv.holdings.take(key, allocation.block_ids)
-        if self.salt is not None:
-            self.kv.pool.commit(allocation.block_ids, prompt, len(prompt), self.salt)
-        return True
 
     def start(self, key: str) -> None:
         _, prompt, num_tokens = self.held.pop(key)
-        pinned = self.pinned.pop(key)
-        if pinned:
-            self.kv.holdings.give_back(key)
-        assert self._take(key, prompt, num_tokens), f"held {key}'s blocks were not back at its start"
-        self.kv.pool.free(pinned)  # the early pins, as `KvReservations.take_at_start` drops them
+        allocation = self.kv.pool.allocate(prompt, num_tokens, salt=None)
+        assert allocation is not None, f"held {key}'s blocks were not back at its start"
+        self.tables[key] = allocation.block_ids
         self.admission.started(key)
 
     def end(self, key: str, now_ns: int) -> None:
         self.kv.pool.free(self.tables.pop(key))
-        self.kv.holdings.give_back(key)
         self.admission.release(key)
         for due in self.admission.due(now_ns):
             self.start(due)
@@ -165,31 +139,6 @@ def test_without_planning_the_pool_refuses_what_admission_admitted():
     assert replica.failed_allocations == 1
 
 
-def test_a_shared_prefix_goes_back_with_the_last_call_that_holds_it():
-    """A and B share a 4-block prefix, A predicted to end first: at A's end only A's own blocks come back, the prefix
-    with B. A call that needs more than that is planned for B's end, not A's, and finds its blocks there."""
-    replica = Replica(30, prefix=64)
-    assert isinstance(replica.call("a", (80, 16), 0), Admit)  # 6 blocks, the prefix's 4 among them
-    assert isinstance(replica.call("b", (80, 100), 0), Admit)  # 12 blocks, 8 of them its own
-    assert replica.kv.num_free == 16
-    assert replica.kv.gives_back({"a": 1, "b": 2}) == {"a": 2, "b": 12}  # the prefix with the last to end
-    assert replica.kv.gives_back({"a": 2, "b": 1}) == {"a": 6, "b": 8}
-    # 20 blocks, sharing nothing: 16 free now, 18 at A's end, 30 at B's
-    c = replica.call("c", (304, 16), 0, shared=False)
-    assert isinstance(c, Reject) and c.reason == RefusalCause.KV_BLOCKS and c.reserved
-    b_end_ms = (
-        replica.admission.predictor.finish_times(
-            [x for x in replica.admission.commitments.values() if x.reserved_from_ns is None], 0
-        )["b"]
-        / MS
-    )
-    assert c.retry_after_ms >= b_end_ms
-    replica.advance(0, c.retry_after_ms * MS)
-    assert isinstance(replica.call("c", (304, 16), c.retry_after_ms, attempt=1, shared=False), Admit)
-    assert replica.failed_allocations == 0 and not replica.kv.holdings.shared
-
-
-@pytest.mark.parametrize("prefix", [0, 64])
 @pytest.mark.parametrize("policy", [REFUSING, DEFAULT_SETTINGS, AdmissionSettings(hold_in_slack=True)])
 @settings(max_examples=100, deadline=None)
 @given(
@@ -200,15 +149,11 @@ def test_a_shared_prefix_goes_back_with_the_last_call_that_holds_it():
     ),
     st.integers(34, 100),
 )
-def test_an_admitted_call_always_finds_its_blocks_on_a_device_that_runs_as_predicted(
-    policy, prefix, arrivals, num_blocks
-):
+def test_an_admitted_call_always_finds_its_blocks_on_a_device_that_runs_as_predicted(policy, arrivals, num_blocks):
     """Whatever comes, in whatever order: every admitted call's blocks are free when it is admitted (held for a later
     start or not), and every retry that comes at its hint for a reservation is admitted, or told that no time inside
-    its budget works any more (refusals.py `Promises.refuse`: a moved start must still leave a retry's spare). With
-    a prefix every call shares (`prefix` tokens), too: it goes back with the last call holding it, and a held call
-    keeps it pinned from its admission to its start."""
-    replica = Replica(num_blocks, policy=policy, prefix=prefix)
+    its budget works any more (refusals.py `Promises.refuse`: a moved start must still leave a retry's spare)."""
+    replica = Replica(num_blocks, policy=policy)
     now, last = 0, 0
     retries: list[tuple[int, str, tuple[int, int], int]] = []  # (hinted time, key, size, deadline in ms)
     for i, (size, budget_ms, gap_ms) in enumerate([*arrivals, (None, 0, 10_000)]):  # the last: retries only
@@ -231,5 +176,5 @@ def test_an_admitted_call_always_finds_its_blocks_on_a_device_that_runs_as_predi
         if isinstance(decision, Reject) and decision.reserved:
             retries.append((now + decision.retry_after_ms * MS, f"c{i}", size, now // MS + budget_ms))
         assert replica.failed_allocations == 0
-        assert len({b for t in replica.tables.values() for b in t}) + replica.kv.num_free == num_blocks
+        assert sum(len(t) for t in replica.tables.values()) + replica.kv.num_free == num_blocks
     assert not retries

@@ -106,25 +106,6 @@ def test_hits_on_held_blocks_need_no_free_blocks():
     assert b.block_ids[:2] == a.block_ids[:2] and pool.num_free == 0
 
 
-def test_a_held_call_pins_the_prefix_others_hold_until_it_allocates():
-    pool = BlockPool(8, BS)
-    prompt = list(range(9))  # two full blocks
-    a = pool.allocate(prompt, 12, SALT)
-    run(pool, a, prompt)
-    free = pool.num_free
-    pinned = pool.pin_held(prompt, SALT)  # the prefix a holds: pinned, nothing taken off the free blocks
-    assert pinned == a.block_ids[:2] and pool.num_free == free
-    assert pool.pin_held(list(range(100, 109)), SALT) == () and pool.pin_held(prompt, None) == ()
-    pool.free(a.block_ids)  # a ends: the prefix stays held, not cached, so nothing evicts it
-    assert pool.num_cached == 0 and pool.num_free == free + 1
-    b = pool.allocate(prompt, 12, SALT)  # at its start: the prefix is a hit, and only its own block is new
-    assert b.num_cached_tokens == 8 and b.block_ids[:2] == pinned and pool.num_free == free
-    pool.free(pinned)  # the early pins dropped: b holds the prefix now
-    pool.free(b.block_ids)
-    assert pool.num_used == 0 and pool.num_cached == 2
-    assert pool.pin_held(prompt, SALT) == ()  # cached, held by no call: nothing to keep for a held call
-
-
 def test_never_matches_the_whole_prompt():
     pool = BlockPool(16, BS)
     prompt = list(range(8))  # exactly two full blocks

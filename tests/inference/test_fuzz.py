@@ -151,7 +151,6 @@ def test_fuzzed_calls_beside_a_second_tenant(server):
     while server.replica.service.in_flight and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not server.replica.service.in_flight
-    assert not server.replica.service.kv.holdings.tables  # admission's tally of who holds blocks: none left
     # the engine child's block pool, as its last step reported it: no call holds a KV block any more
     sample = server.replica.metrics.registry.get_sample_value
     assert sample("zeroqueue_kv_blocks", {"state": "used"}) == 0

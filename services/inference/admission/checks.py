@@ -39,8 +39,7 @@ class Scene:
     the reservations that hold their slots against it. `before`: the finishes the running calls were predicted
     to meet before it (None: `finishes`; 0 for a phantom of headroom, which is always kept). `free_blocks`: the KV
     pool's blocks free at `at_ns` besides those the running calls hold until their ends (None: the pool is not
-    planned, as where it holds every slot's longest call); `gives_back`: how many of them each running call gives
-    back at its end, a shared prefix with the last of its holders (None, or a call not in it: its `num_blocks`)."""
+    planned, as where it holds every slot's longest call)."""
 
     at_ns: int
     admitted: list[Commitment]
@@ -48,7 +47,6 @@ class Scene:
     reservations: list[Commitment]
     before: dict[str, int] | None = None
     free_blocks: int | None = None
-    gives_back: dict[str, int] | None = None  # where blocks are planned: what each running call gives back at its end
 
 
 def fewest_free_blocks(
@@ -120,7 +118,7 @@ class Calendar:
         admitted = now.admitted + list(room.phantoms)
         before = {**{p.key: 0 for p in room.phantoms}, **now.finishes}
         finishes = self.predictor.finish_times(admitted, now.at_ns)
-        return Scene(now.at_ns, admitted, finishes, now.reservations, before, now.free_blocks, now.gives_back)
+        return Scene(now.at_ns, admitted, finishes, now.reservations, before, now.free_blocks)
 
     def fits_at(
         self, new: Commitment, scene: Scene, ahead_of_later_reservations: bool = False, finish_unused: bool = False
@@ -176,8 +174,7 @@ class Calendar:
         if scene.free_blocks is None or not new.num_blocks:
             return False
         at_ns, stretch = scene.at_ns, self.lateness.stretch
-        gives = scene.gives_back or {}
-        releases = [(stretch(at_ns, scene.finishes[c.key]), gives.get(c.key, c.num_blocks)) for c in scene.admitted]
+        releases = [(stretch(at_ns, scene.finishes[c.key]), c.num_blocks) for c in scene.admitted if c.num_blocks]
         held = scene.reservations if reservations is None else reservations
         return fewest_free_blocks(scene.free_blocks, releases, held, at_ns, end_ns) < new.num_blocks
 
@@ -193,7 +190,7 @@ class Calendar:
         tenants = now.admitted + list(room.phantoms[: room.num_tenant_phantoms])
         before = {**{p.key: 0 for p in tenants[len(now.admitted) :]}, **now.finishes}
         finishes = self.predictor.finish_times(tenants, now.at_ns)
-        scene = Scene(now.at_ns, tenants, finishes, now.reservations, before, now.free_blocks, now.gives_back)
+        scene = Scene(now.at_ns, tenants, finishes, now.reservations, before, now.free_blocks)
         return self.fits_at(new, scene)[0] is None
 
     def earliest_retry(self, new: Commitment, now: Scene, slack: float) -> tuple[int, int] | None:
@@ -212,11 +209,10 @@ class Calendar:
             if self.full_at(at_ns, len(holding) - bisect.bisect_right(holding, at_ns), reservations):
                 continue
             later = progressed(admitted, slot_ends, now_ns, at_ns)
-            free_blocks, gives = now.free_blocks, now.gives_back or {}  # and the blocks of the calls ended by then
+            free_blocks = now.free_blocks  # and the blocks of the calls that have ended by then
             if free_blocks is not None:
-                free_blocks += sum(gives.get(c.key, c.num_blocks) for c in admitted if slot_ends[c.key] <= at_ns)
-            finishes = self.predictor.finish_times(later, at_ns)
-            then = Scene(at_ns, later, finishes, reservations, free_blocks=free_blocks, gives_back=now.gives_back)
+                free_blocks += sum(c.num_blocks for c in admitted if slot_ends[c.key] <= at_ns)
+            then = Scene(at_ns, later, self.predictor.finish_times(later, at_ns), reservations, free_blocks=free_blocks)
             why, finish_ns = self.fits_at(new, then, finish_unused=True)
             if why is None and finish_ns + slack * (finish_ns - at_ns) <= limit(self.predictor, new, at_ns):
                 return at_ns, finish_ns

@@ -119,8 +119,7 @@ class AdmissionController:
         # 2. headroom kept for others: free slots, room in time and in the next step, for tenants and classes
         room = self.estimators.headroom(call)
         holding = self.estimators.holding_against(new, room, self.promises.reservations())
-        free_blocks, gives_back = self._blocks(finishes)
-        now = Scene(now_ns, running, finishes, holding, free_blocks=free_blocks, gives_back=gives_back)
+        now = Scene(now_ns, running, finishes, holding, free_blocks=None if self.kv is None else self.kv.num_free)
         if room.num_slots and (cause := kept_for_others(room, self.config.num_slots, now)):
             finish_ns = self.predictor.finish_times([*running, new], now_ns)[new.key]
             return self.promises.refuse_for_headroom(call, finishes, finish_ns, cause)
@@ -137,13 +136,6 @@ class AdmissionController:
         retry = self.calendar.earliest_retry(new, beside, slack)
         blocks_now = self._blocks_free_now(call, beside, retry)
         return self.promises.refuse(call, beside.finishes, retry, why, finish_ns, blocks_now)
-
-    def _blocks(self, finishes: dict[str, int]) -> tuple[int | None, dict[str, int] | None]:
-        """Where admission plans the KV pool (else None, None): the blocks free now, and what each running call gives
-        back at its predicted end (`finishes`), a shared prefix with the last of its holders."""
-        if self.kv is None:
-            return None, None
-        return self.kv.num_free, self.kv.gives_back(finishes)
 
     def _blocks_free_now(self, call: Arrival, now: Scene, retry: tuple[int, int] | None) -> bool:
         """Whether `call`, admitted now to join the engine and wait there for the slot that frees at `retry` (a
@@ -184,8 +176,7 @@ class AdmissionController:
                 break
             self.predictor.step_end_ns, self.predictor.in_flight_rows = self._step_in_flight(now_ns)
             finishes = self.predictor.finish_times(running, now_ns)
-            free_blocks, gives_back = self._blocks(finishes)
-            now = Scene(now_ns, running, finishes, others, free_blocks=free_blocks, gives_back=gives_back)
+            now = Scene(now_ns, running, finishes, others, free_blocks=None if self.kv is None else self.kv.num_free)
             why, finish_ns = self.calendar.fits_at(c, now)
             if why is not None:
                 break  # in order: a later one starting first would take the slot planned for this one

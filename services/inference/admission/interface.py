@@ -13,15 +13,10 @@ from .decisions import Commitment, Decision
 
 class FreeBlocks(Protocol):
     """The paged KV pool as deadline admission plans it (kv_pool.py `KvReservations`): how many blocks a call
-    could take now, and what each running call gives back at its end."""
+    could take now."""
 
     @property
     def num_free(self) -> int: ...
-
-    def gives_back(self, ends: dict[str, int]) -> dict[str, int]:
-        """Blocks each call holding some gives back at its end (by admission key), the ends as predicted: a block
-        calls share goes back with the last of them."""
-        ...
 
 
 class Admission(Protocol):

@@ -139,19 +139,6 @@ class BlockPool:
             self.num_hit_tokens += len(hits) * self.block_size
         return Allocation((*hits, *new), len(hits) * self.block_size)
 
-    def pin_held(self, token_ids: Sequence[int], salt: bytes | None) -> tuple[int, ...]:
-        """Pins the leading run of the prompt's cached blocks that calls hold now, and returns them: a call admitted
-        for a later start keeps the prefix its admission counted as held until it allocates (`free` them then),
-        rather than finding it given back and cached, or evicted, at its start. Takes nothing off `num_free`."""
-        held = []
-        for block in self._match(token_ids, salt):
-            if not self._ref_counts[block]:
-                break
-            held.append(block)
-        for block in held:
-            self._ref_counts[block] += 1
-        return tuple(held)
-
     def shortfall(self, token_ids: Sequence[int], num_tokens: int, salt: bytes | None) -> int:
         """Blocks `allocate` would lack now for the same call (0: it would succeed); changes nothing."""
         hits = self._match(token_ids, salt)
