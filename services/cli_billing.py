@@ -156,6 +156,17 @@ def run_chargeback(args: argparse.Namespace) -> int:
 
 
 def add_billing_commands(sub: argparse._SubParsersAction) -> None:
+    _add_metering(sub)
+    ledger_command(sub, "migrate", "create or upgrade the ledger schema (Alembic, to head)", run_migrate)
+    tenants = _add_tenants(sub)
+    add_class_commands(sub, tenants)
+    _add_keys(sub)
+    _add_prices(sub)
+    _add_invoice(sub)
+    _add_chargeback(sub)
+
+
+def _add_metering(sub: argparse._SubParsersAction) -> None:
     p = ledger_command(
         sub, "metering", "run the Metering service (ledger, invoices, chargeback) on its own", run_metering
     )
@@ -165,15 +176,16 @@ def add_billing_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-key", default=None, help="PEM private key")
     p.add_argument("--json-logs", action=argparse.BooleanOptionalAction, default=True)
 
-    ledger_command(sub, "migrate", "create or upgrade the ledger schema (Alembic, to head)", run_migrate)
 
+def _add_tenants(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
     tenants = sub.add_parser("tenants", help="manage tenants").add_subparsers(required=True, metavar="ACTION")
     ledger_command(
         tenants, "create", "create a tenant and print its first API key (once)", run_tenants_create
     ).add_argument("name", help="lowercase name: [a-z0-9][a-z0-9._-]{0,62}")
+    return tenants
 
-    add_class_commands(sub, tenants)
 
+def _add_keys(sub: argparse._SubParsersAction) -> None:
     keys = sub.add_parser("keys", help="manage API keys").add_subparsers(required=True, metavar="ACTION")
     ledger_command(keys, "create-admin", "create an admin key (all tenants) and print it (once)", run_keys_create_admin)
     ledger_command(
@@ -183,6 +195,8 @@ def add_billing_commands(sub: argparse._SubParsersAction) -> None:
         keys, "revoke", "revoke a key by id (replicas stop accepting it within their 30 s cache)", run_keys_revoke
     ).add_argument("key_id", type=int)
 
+
+def _add_prices(sub: argparse._SubParsersAction) -> None:
     prices = sub.add_parser("prices", help="the price book").add_subparsers(required=True, metavar="ACTION")
     p = ledger_command(prices, "add", "add a price version (never edits an old one)", run_prices_add)
     p.add_argument("--model", required=True)
@@ -194,6 +208,8 @@ def add_billing_commands(sub: argparse._SubParsersAction) -> None:
         "--class", dest="klass", metavar="NAME", default="", help="a class's own price (default: every class's)"
     )
 
+
+def _add_invoice(sub: argparse._SubParsersAction) -> None:
     p = ledger_command(
         sub, "invoice", "a tenant's invoice for a month: refresh the draft, or --finalize it", run_invoice
     )
@@ -209,6 +225,8 @@ def add_billing_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--output", default=None, help="write to this file instead of stdout")
 
+
+def _add_chargeback(sub: argparse._SubParsersAction) -> None:
     p = ledger_command(
         sub, "chargeback", "usage, cost and deadline attainment by group, and device utilisation", run_chargeback
     )
