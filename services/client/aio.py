@@ -21,7 +21,7 @@ from zeroqueue.inference.v1 import inference_pb2_grpc
 from .call import Attempt, CallDriver
 from .client import channel_credentials
 from .failure import failure_from_rpc
-from .request import Message, build_request
+from .request import Message, budget_ms, build_request
 from .results import Admission, CallReport, Chunk, ModelInfo, Result, models_from
 from .retry import Retrier, RetryConfig
 
@@ -133,10 +133,7 @@ class AsyncClient:
         service_class: str = "",
     ) -> AsyncGeneration:
         """As Client.generate (its docstring says what each argument sends); iterate with `async for`."""
-        if deadline_ms is None:
-            raise TypeError("generate() needs deadline_ms: the call's whole budget, retries included")
-        if not deadline_ms > 0:
-            raise ValueError(f"deadline_ms must be > 0, got {deadline_ms}")
+        deadline_ms = budget_ms(deadline_ms)
         request = build_request(
             prompt,
             max_tokens,

@@ -27,7 +27,7 @@ from zeroqueue.inference.v1 import inference_pb2_grpc
 
 from .call import Attempt, CallDriver
 from .failure import failure_from_rpc
-from .request import Message, build_request
+from .request import Message, budget_ms, build_request
 from .results import Admission, CallReport, Chunk, ModelInfo, Result, models_from
 from .retry import Retrier, RetryConfig
 
@@ -164,10 +164,7 @@ class Client:
         logprobs) adds that many most likely alternatives at each position.
         A form the server would refuse (no or two prompts, an unknown role or format type, top_logprobs without
         logprobs) raises ValueError before anything is sent. Retries resend the same request."""
-        if deadline_ms is None:
-            raise TypeError("generate() needs deadline_ms: the call's whole budget, retries included")
-        if not deadline_ms > 0:
-            raise ValueError(f"deadline_ms must be > 0, got {deadline_ms}")
+        deadline_ms = budget_ms(deadline_ms)
         request = build_request(
             prompt,
             max_tokens,

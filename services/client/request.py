@@ -126,6 +126,15 @@ def _prompt_fields(
     return {"prompt_token_ids": tuple(int(t) for t in prompt)}
 
 
+def budget_ms(deadline_ms: float | None) -> float:
+    """A call's whole budget, retries included: required, and > 0."""
+    if deadline_ms is None:
+        raise TypeError("generate() needs deadline_ms: the call's whole budget, retries included")
+    if not deadline_ms > 0:
+        raise ValueError(f"deadline_ms must be > 0, got {deadline_ms}")
+    return deadline_ms
+
+
 def build_request(
     prompt: str | Sequence[int] | None,
     max_tokens: int,
