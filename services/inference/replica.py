@@ -260,6 +260,7 @@ class Replica:
             pin_cpus=self.config.pin_cpus,
             watchdog=self.config.watchdog,
             fault=self.config.fault,
+            earliest_deadline_first=self.config.admission != "fifo",
         )
         make_engine = EngineClient if self.config.engine_process else EngineThread
         engine = make_engine(spec, self.clock.now_ns, on_lost=self._engine_lost, on_verdict=self._device_changed)

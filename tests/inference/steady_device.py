@@ -3,6 +3,8 @@ of its rows, prompts join the next step in order within its token budget and the
 per step, and a call admission held for a later start (`Admit.start_ns`) joins then, or when admission says a
 slot freed early (`due`), as the service hands it to the engine. Open-
 loop Poisson arrivals; a refused call retries at its hint while the hint fits its budget, up to `max_attempts`.
+Calls whose start has come join in deadline order, as deadline admission's engine starts them; FIFO's in arrival
+order.
 What the admission tests use to judge promises on a device that keeps them: a reserved retry that comes on time
 must be admitted, and an admitted call must finish in its deadline."""
 
@@ -151,6 +153,11 @@ def run(
         # one step from now_ns: every running call decodes a token, then prompts in order, in chunks, within
         # the step's token budget and the free slots; a call's first token comes with its prompt's last chunk
         rows, joining = len(generated), []
+        if not give_up:  # deadline admission's engine starts waiting calls by deadline (sched/scheduler.py)
+            ready = sorted(
+                (r for r in pending if starts[r] <= now_ns), key=lambda r: (r not in prompt_left, deadlines[r])
+            )
+            pending[:] = ready + [r for r in pending if starts[r] > now_ns]
 
         while pending and rows < budget and starts[pending[0]] <= now_ns:
             # a prompt begun holds its slot; another needs a free one

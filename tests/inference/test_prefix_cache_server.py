@@ -54,6 +54,8 @@ def test_a_tenants_second_call_is_served_from_its_first_calls_blocks(llama_dir, 
     policy = PrefixCachePolicy(shared=frozenset({"acme", "beta"}) if shared else frozenset())
     server = start(llama_dir, policy, admission)
     try:
+        # deadline admission's engine starts waiting calls by deadline, FIFO's in arrival order (a plain queue)
+        assert server.replica.engine.spec.earliest_deadline_first == (admission == "deadline")
         with capture_logs() as logs:
             first, first_final = call(server, server.key, "a1")
             again, again_final = call(server, server.key, "a2")

@@ -112,6 +112,23 @@ def test_requests_beyond_the_slots_wait_and_take_freed_slots():
     assert [p.request.call_id for p in out.prefills] == ["c"]
 
 
+@pytest.mark.parametrize("by_deadline", [True, False])
+def test_waiting_requests_start_by_deadline_with_earliest_deadline_first_else_in_arrival_order(by_deadline):
+    """Deadline admission's engine: a call held for a later start that finds its slot late goes ahead of calls
+    admitted after it (their deadlines are later); ties, and requests with no deadline (last), in arrival order."""
+    s = Scheduler(SchedulerConfig(1, 64, 32, earliest_deadline_first=by_deadline))
+    s.add_request(req("running", 3, max_tokens=2))
+    fake_step(s)
+    for rid, deadline_ns in (("late", 900), ("none", None), ("early", 500), ("tie", 900), ("first", 100)):
+        s.add_request(req(rid, 3, max_tokens=1, deadline_ns=deadline_ns))
+    started = []
+    for _ in range(6):
+        out, _ = fake_step(s)
+        started += [p.request.call_id for p in out.prefills]
+    expected = ["first", "early", "late", "tie", "none"] if by_deadline else ["late", "none", "early", "tie", "first"]
+    assert started == expected
+
+
 def test_stop_token_and_max_tokens_finish_and_free():
     s = make()
     s.add_request(req("stop", 3, max_tokens=10, stop=frozenset({7})))

@@ -124,7 +124,13 @@ def build_engine(
     def make_engine(executor, **serving) -> Engine:
         grammars = GrammarBook(tokenizer, grammar_stops, GrammarLimits())
         return Engine(
-            executor, tokenizer, eos, max_num_batched_tokens=spec.max_num_batched_tokens, grammars=grammars, **serving
+            executor,
+            tokenizer,
+            eos,
+            max_num_batched_tokens=spec.max_num_batched_tokens,
+            grammars=grammars,
+            earliest_deadline_first=spec.earliest_deadline_first,
+            **serving,
         )
 
     warming = make_engine(executor)

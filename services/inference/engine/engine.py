@@ -80,6 +80,7 @@ class Engine:
         on_lost: Callable[[str], None] | None = None,
         grammars: GrammarBook | None = None,
         step_cost: CostModel | None = None,
+        earliest_deadline_first: bool = False,
     ) -> None:
         self.executor = executor
         self.tokenizer = tokenizer
@@ -91,6 +92,7 @@ class Engine:
                 max(max_num_batched_tokens, executor.num_slots + 1),
                 executor.block_size,
                 executor.num_blocks,
+                earliest_deadline_first,
             )
         )
         self.clock = clock

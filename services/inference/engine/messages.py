@@ -44,6 +44,8 @@ class EngineSpec:
     pace_tokens: int = 0  # paced steps (pacing.py) with this chunk; 0: unpaced
     watchdog: WatchdogConfig | None = None  # watch the device once calibrated (health/watchdog.py); None: unwatched
     fault: Fault | None = None  # a fault injected on purpose (health/faults.py), armed once calibrated
+    # deadline admission's engine starts waiting calls by deadline (sched/scheduler.py); FIFO's in arrival order
+    earliest_deadline_first: bool = False
 
 
 @dataclass(frozen=True, slots=True)

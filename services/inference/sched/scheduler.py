@@ -2,12 +2,17 @@
 
 Each step runs one decode token for every running request past its prompt, then spends what is left of the
 step's token budget on prompt chunks, oldest request first, so a long prompt never stalls running decodes.
+Waiting requests start in arrival order or, with `earliest_deadline_first` (deadline admission's engine), the one
+whose deadline comes first: a call admitted for a later start (held in its slack) that finds its slot late then
+goes ahead of calls admitted after it, whose deadlines are later, rather than behind every one the calendar planned
+for an earlier slot.
 A request starts only with a slot and every KV block it may need (its prompt plus its max_tokens) reserved,
 less the blocks of its prompt's cached prefix (blocks.py): nothing running is ever preempted.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -23,6 +28,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 256  # tokens per step: decodes plus prefill chunks
     block_size: int = 16  # tokens per KV block
     num_blocks: int = 0  # KV blocks in the pool; 0: enough for every slot at max_seq_len
+    earliest_deadline_first: bool = False  # waiting requests by deadline (none: last), ties in arrival order
 
     def __post_init__(self) -> None:
         if self.num_slots <= 0 or self.max_seq_len <= 0 or self.block_size <= 0 or self.num_blocks < 0:
@@ -112,7 +118,13 @@ class Scheduler:
         if request.num_prompt_tokens + request.sampling.max_tokens > self.config.max_seq_len:
             raise ValueError(f"request {request.call_id!r} needs more than {self.config.max_seq_len} tokens")
         self.requests[request.call_id] = request
-        self.waiting.append(request)
+        if not self.config.earliest_deadline_first or request.deadline_ns is None:
+            self.waiting.append(request)
+            return
+        i = len(self.waiting)  # from the back: most requests arrive with the latest deadline so far
+        while i and _deadline(self.waiting[i - 1]) > request.deadline_ns:
+            i -= 1
+        self.waiting.insert(i, request)
 
     def finish_requests(self, call_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Ends requests (cancelled, stopped by a stop string) and frees their slots and blocks at once."""
@@ -166,7 +178,7 @@ class Scheduler:
         while self.waiting and self.free_slots and budget > 0:
             request = self.waiting[0]
             if not self._reserve(request):
-                break  # in arrival order: a later, smaller request does not overtake it
+                break  # in order: a later, smaller request does not overtake it
             self.waiting.popleft()
             request.slot = self.free_slots.pop()
             request.status = RequestStatus.RUNNING
@@ -240,3 +252,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         del self.requests[request.call_id]
+
+
+def _deadline(request: Request) -> float:
+    return math.inf if request.deadline_ns is None else request.deadline_ns
