@@ -120,11 +120,13 @@ def test_at_capacity_holding_serves_at_least_what_a_fifo_queue_does_and_every_ad
     fifo = run(FifoAdmission(), rate, 30.0, seed=seed, max_attempts=1, budget_ms=budget_ms, device=DEVICE)
     # refusing both what fits later and what waits for the step budget (`--no-hold --no-hold-prompts`)
     refusing = run(replica(hold=False, prompts=False), rate, 30.0, seed=seed, max_attempts=1, budget_ms=budget_ms)
+    default = run(replica(hold=False), rate, 30.0, seed=seed, max_attempts=1, budget_ms=budget_ms)
     held = run(controller := replica(hold=True), rate, 30.0, seed=seed, max_attempts=1, budget_ms=budget_ms)
     assert held.misses == []
     assert held.goodput(30.0) >= fifo.goodput(30.0)
-    assert held.goodput(30.0) > refusing.goodput(30.0)
-    assert controller.events["held"] > 0
+    assert held.goodput(30.0) >= default.goodput(30.0) and held.goodput(30.0) > refusing.goodput(30.0)
+    if budget_ms > 2000:  # at 3x the run the slack a later slot needs is rarely there: held as by default
+        assert controller.events["held"] > 0
 
 
 @pytest.mark.parametrize("load", [2.0, 4.0])

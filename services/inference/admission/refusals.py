@@ -95,10 +95,11 @@ class Promises:
         new, now_ns = call.new, call.now_ns
         room_ns, late_ns = self._prompt_wait(admitted)
         # a retry that kept its turn may wait for prompts ahead: one full step, or retry_hold_ms if longer
+        turn_late_ns = room_ns if self.settings.hold_in_slack else late_ns  # full steps: `_prompt_wait`
         turn = (
             call.has_turn
             and room_ns <= max(self.retry_hold_ns, self._full_step_ns())
-            and finish_ns + late_ns <= limit(self.by.predictor, new, now_ns)
+            and finish_ns + turn_late_ns <= limit(self.by.predictor, new, now_ns)
         )
         if room_ns and not (turn or self._holds_for_prompts(new, now_ns, room_ns, finish_ns + late_ns)):
             held_turn = len(self.turns) < self.max_reservations
@@ -126,15 +127,13 @@ class Promises:
         for it (whole steps, each full), and how much later than predicted that makes it finish. Its predicted
         finish already pays for every prompt ahead of it (finish_times charges each prompt's chunks to every
         call); what it leaves out is the rest of each step it waits through, the running batch's own step,
-        which brings it no token. With `hold_in_slack` the wait is priced at full steps: held calls start together
-        as slots free and their prompts bunch into the same steps; priced at the batch's step, 2 admitted calls of
-        a flood beside a modest tenant missed (test_hold.py, seed 1)."""
+        which brings it no token. With `hold_in_slack`, a retry come back for its held turn, admitted with no spare
+        run (`admit`), pays full steps for its wait: priced at the batch's step, 2 such calls of a flood beside a
+        modest tenant missed (test_hold.py, seed 1)."""
         num_steps = steps_until_room(admitted, self.by.config.max_num_batched_tokens)
         if not num_steps:
             return 0, 0
         room_ns = num_steps * self._full_step_ns()
-        if self.settings.hold_in_slack:
-            return room_ns, room_ns
         context = sum(c.num_prompt_tokens + c.num_generated for c in admitted)
         batch_step_us = self.by.predictor.cost.step_us(len(admitted) + 1, context)
         return room_ns, num_steps * int(batch_step_us * 1000)
