@@ -10,3 +10,9 @@ git worktree remove /tmp/zq-before
 .venv/bin/python bench/burst_virtual.py --variants "default=;hold=hold_in_slack=True" > $out/virtual.md
 # a real replica of the bundled model: FIFO, the default (--no-hold) and --hold on the same seeded Poisson schedules
 .venv/bin/python bench/slack.py --loads 1,2 --seeds 1,2 --duration 20 --out $out/slack > $out/slack.md 2> $out/slack.err
+# bursts on the same replica, 4-s budgets: the default, then --hold (each with its own FIFO run)
+for mode in default hold; do
+  args=(); [ $mode = hold ] && args=(--serve-args=--hold)
+  .venv/bin/python bench/board.py --capacity-qps 16.8 --loads 1,2 --arrivals burst --deadline-ms 4000 "${args[@]}" \
+    --out $out/bursts/$mode > $out/bursts/$mode.md
+done
