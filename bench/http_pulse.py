@@ -105,6 +105,8 @@ def scrape_http(metrics_url: str | None) -> dict:
         "zeroqueue_requests_total",
         "zeroqueue_rejections_total",
         "zeroqueue_deadline_misses_total",
+        "zeroqueue_refusals_total",  # by cause: why first attempts and retries were refused
+        "zeroqueue_reservation_events_total",  # reserved, unbacked, held, lapsed, taken
     )
     out: dict = {}
     for (name, labels), value in samples.items():
