@@ -2,7 +2,8 @@
 each argument a comma-separated group of run directories on the same schedule (seed, length), the first holding
 vLLM's rows; every zeroqueue row of a group is divided by that vLLM run's goodput at the same load.
 
-    python bench/results/board-vllm-2026-12-07/table.py R/seed1-default-vllm,R/seed1-hold R/seed2-default-vllm,R/seed2-hold
+    R=bench/results/board-vllm-2026-12-07
+    python $R/table.py $R/seed1-default-vllm,$R/seed1-hold $R/seed2-default-vllm,$R/seed2-hold
 """
 
 import json
