@@ -384,7 +384,11 @@ class InferenceService:
             if self.deadline_mode and predicted > 0:
                 actual = ticket.finished_ns - ticket.dispatched_ns
                 self.metrics.finish_error.observe(actual / predicted)
-                self.admission.observe_finish(predicted, actual)
+                # the prediction is for all of max_tokens: a call that stopped before them (an end token, a stop
+                # string) says nothing of how late a run goes, and its small ratio would widen the deviation that
+                # stretches every slot's planned end, and with it every refusal's hint
+                if ticket.finish_reason is FinishReason.LENGTH:
+                    self.admission.observe_finish(predicted, actual)
         if outcome is Outcome.DEADLINE_EXCEEDED or (outcome is Outcome.OK and not ticket.deadline_met):
             self.metrics.deadline_misses.inc()
         self.metrics.count_outcome(outcome.value, ticket.service_class)

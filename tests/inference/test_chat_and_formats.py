@@ -18,6 +18,7 @@ from services.inference.generate_request import to_spec
 from services.inference.serve_config import ServeConfig
 from tests.checkpoints import CHATML_TOKENS
 from tests.inference.harness import ServerThread, status_details
+from tests.inference.test_overload import wait_until
 from tests.inference.test_usage import ledger_rows
 
 SCHEMA = {
@@ -184,3 +185,29 @@ def test_each_call_is_billed_with_its_kind(chatml_dir):
         server.config.ledger_url, "SELECT request_kind, COUNT(*) FROM usage_records GROUP BY request_kind"
     )
     assert dict(rows) == {"plain": 1, "chat": 1, "constrained": 1, "chat_constrained": 1}
+
+
+def test_only_calls_that_ran_all_their_tokens_teach_admission_how_late_calls_finish(bundled):
+    """A prediction prices all of max_tokens. A call that stopped before them (here its response_format's end)
+    finished early by its own output, not by the device's speed: its small actual/predicted ratio would widen the
+    deviation that stretches every slot's planned end and every refusal's hint (`Lateness`), so it is no evidence."""
+    service = bundled.replica.service
+    admission, seen = service.admission, []
+    observe = admission.observe_finish
+
+    def observed(predicted_ns: int, actual_ns: int) -> None:
+        seen.append((predicted_ns, actual_ns))
+        observe(predicted_ns, actual_ns)
+
+    admission.observe_finish = observed
+    try:
+        assert call(bundled, prompt="def f(x):", max_tokens=4)[-1].final.finish_reason == pb.FINISH_REASON_LENGTH
+        wait_until(lambda: not service.in_flight, timeout=10)
+        assert len(seen) == 1, seen  # a full run is evidence
+        stopped = call(bundled, prompt="def f(x):", max_tokens=8, response_format=pb.ResponseFormat(regex="ab"))
+        wait_until(lambda: not service.in_flight, timeout=10)
+        final = stopped[-1].final
+        assert final.finish_reason == pb.FINISH_REASON_STOP and final.usage.completion_tokens < 8, final
+        assert len(seen) == 1, seen  # an early stop is not
+    finally:
+        del admission.observe_finish

@@ -21,7 +21,9 @@ from .settings import DEFAULT_SETTINGS
 class Lateness:
     """How much later than predicted admitted calls really finish: a prediction assumes nothing else joins,
     but later arrivals share the steps. Running mean and mean absolute deviation of actual/predicted time
-    to finish; slots are expected to free `factor` times later than predicted."""
+    to finish; slots are expected to free `factor` times later than predicted. Fed only by calls that ran all
+    their max_tokens, the run their prediction priced (service.close): one that stopped early says nothing of
+    the device's pace, and its small ratio would only widen the deviation."""
 
     alpha: float = DEFAULT_SETTINGS.lateness_alpha
     mean: float = 1.0
