@@ -1,18 +1,16 @@
 """Issue 35, with the SDK's own retries: a burst a few seconds after one that nobody retried is served as well as
-the first (within half, for this host's noise), and every admitted call meets its deadline. A 4-slot replica
+the first (within a quarter, for one run's noise), and every admitted call meets its deadline. A 4-slot replica
 of a tiny checkpoint on a device with a known least step time; the SDK retries at the replica's hints."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
 
-import grpc
 import pytest
-from zeroqueue.inference.v1 import inference_pb2 as pb
 
 from services.client import AsyncClient, ZeroQueueError
 from tests.inference.test_overload import metric, start_slow_server, wait_until
+from tests.inference.unretried import unretried_burst
 
 
 def sdk_burst(server, n: int, tag: str) -> int:
@@ -33,22 +31,6 @@ def sdk_burst(server, n: int, tag: str) -> int:
     return asyncio.run(main())
 
 
-def unretried_burst(server, n: int) -> None:
-    """n calls at once from plain stubs that never come back for their reservations."""
-
-    def call() -> None:
-        try:
-            list(server.stub().Generate(pb.GenerateRequest(prompt="x", max_tokens=16), timeout=3.0))
-        except grpc.RpcError:
-            pass
-
-    threads = [threading.Thread(target=call) for _ in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-
-
 @pytest.mark.slow
 def test_an_sdk_burst_after_an_unretried_burst_is_served_as_well_as_the_first(llama_dir):
     server = start_slow_server(llama_dir, max_batch=4)  # ~0.35 s a call, 4 slots: ~11 calls a second
@@ -62,8 +44,10 @@ def test_an_sdk_burst_after_an_unretried_burst_is_served_as_well_as_the_first(ll
         saturated = server.replica.service.admission.events["saturated"]
     finally:
         server.stop()
-    # the issue asks for 10 %; on 2 shared cores CI runs served 20 then 16, and (2026-12-04, the fresh clone's CI
-    # run, alone on the host) 28 then 20, where this test alone served the same bursts evenly: the bound is half,
-    # which still tells the bug apart: with the drain's relief taken out the second burst served 4 where the first 26
-    assert first >= 8 and second >= 0.5 * first, (first, second, saturated)
+    # the issue asks for 10 %. With the unretried burst sent from this process (its 40 threads took the GIL from
+    # the replica's engine thread, and their calls' lateness carried over), CI served 20 then 16 and 28 then 20;
+    # from a process of its own, 8 runs on a quiet host served the second 0.98 of the first (0.86-1.13 a run,
+    # BENCHMARKS.md "Lateness learnt only from calls that ran all their tokens"). A quarter, for one run's noise on
+    # shared cores; it still tells the bug apart: with the drain's relief taken out the second served 4 of 26
+    assert first >= 8 and second >= 0.75 * first, (first, second, saturated)
     assert misses == 0

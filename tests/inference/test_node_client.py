@@ -6,18 +6,16 @@ import json
 import os
 import shutil
 import subprocess
-import threading
 import time
 from pathlib import Path
 
-import grpc
 import pytest
 from google.rpc import error_details_pb2
-from zeroqueue.inference.v1 import inference_pb2 as pb
 
 from services.inference.admission import Admit, Reject
 from tests.inference.conftest import Collector, make_engine, request, run_to_completion
 from tests.inference.test_overload import SERVICE_CONFIG, fill, metric, start_slow_server, wait_until
+from tests.inference.unretried import unretried_burst
 
 NODE_DIR = Path(__file__).resolve().parents[1] / "node"
 PROTO_ROOT = Path(__file__).resolve().parents[2] / "protos"
@@ -195,25 +193,6 @@ def test_grpc_js_retries_a_burst_with_the_documented_service_config(llama_dir):
     assert all(outcomes[c["request_id"]]["code"] == 0 for c in admitted_on_retry)
 
 
-def unretried_burst(server, n: int, max_tokens: int, timeout_s: float) -> int:
-    """n calls at once from plain stubs that never retry; how many were served."""
-    served = []
-
-    def call(i: int) -> None:
-        try:
-            list(server.stub().Generate(pb.GenerateRequest(prompt="x", max_tokens=max_tokens), timeout=timeout_s))
-            served.append(i)
-        except grpc.RpcError:
-            pass
-
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return len(served)
-
-
 def test_grpc_js_a_burst_after_an_unretried_burst_is_served_as_well_as_the_first(llama_dir):
     """Issue 35: a burst a few seconds after one that nobody retried is served as the first was: the first's
     refusals neither saturate the replica for the second nor leave it without retry hints."""
@@ -231,5 +210,7 @@ def test_grpc_js_a_burst_after_an_unretried_burst_is_served_as_well_as_the_first
         server.stop()
     served = [sum(1 for o in burst.values() if o["code"] == 0) for burst in (first, second)]
     assert 0 < unretried < 40 and served[0] >= 8, (served, unretried)
-    assert served[1] >= 0.75 * served[0], served  # within a quarter: this host's noise (test_sdk_bursts.py)
+    # within a quarter, for one run's noise on shared cores: with the unretried burst from a process of its own, 4
+    # runs on a quiet host (2026-12-07, Zen 5) served 17 then 17 (three times) and 16 then 16
+    assert served[1] >= 0.75 * served[0], served
     assert misses == 0
