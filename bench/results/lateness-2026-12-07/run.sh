@@ -14,3 +14,7 @@ for round in 1 2; do
   done
 done
 git worktree remove --force /tmp/before-lateness
+
+# then (aedd84a), the unretried burst from a process of its own, this tree only, 8 runs
+(PYTHONPATH=/work/main .venv/bin/python $D/bursts_ab.py 8 --elsewhere) 2>/dev/null \
+  | grep -o "run [0-9]*: first [0-9]* second [0-9]* lateness [0-9./ ]*" > $D/elsewhere.txt
