@@ -54,3 +54,7 @@ echo "ended $(date -u +'%F %T UTC')" >> $R/host.txt
 run seed2-1x-causes-default --loads 1 --seed 2 --duration 30 --engines zeroqueue
 run seed2-1x-causes-hold --loads 1 --seed 2 --duration 30 --engines zeroqueue --serve-args=--hold
 # the table: python3 $R/table.py $R/seed1-default-vllm,$R/seed1-hold $R/seed2-default-vllm,$R/seed2-hold,$R/seed2-1x-causes-default,$R/seed2-1x-causes-hold
+
+# added at 00:06-00:12 UTC: the default on seed 2's 1x three more times, zeroqueue alone, each a fresh replica
+# (the results.json of each in seed2-default-rep1..3; each replica's start-up calibration in calibrations.txt)
+for i in 1 2 3; do run seed2-default-rep$i --loads 1 --seed 2 --duration 30 --engines zeroqueue; done
