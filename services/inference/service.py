@@ -217,6 +217,9 @@ class InferenceService:
         """The admitted call's ticket, in flight and on the meter: handed to the engine now, or held for the start
         admission planned for it."""
         sink = LoopSink(asyncio.get_running_loop())
+        # a start planned for a moment the decision itself outlasted (a slot that frees just after `now`) is a
+        # start at the dispatch: the call goes to the engine at once, and its Admission never tells a start before it
+        start_ns = None if decision.start_ns is None else max(decision.start_ns, context.dispatched_ns)
         ticket = Ticket(
             spec,
             context,
@@ -226,15 +229,15 @@ class InferenceService:
             budget_ns // 1_000_000,
             source,
             decision.predicted_finish_ns or context.deadline_ns,
-            decision.start_ns,
+            start_ns,
             kv_blocks=request.block_ids if self.kv is not None else (),
         )
         self.in_flight[ticket.key] = ticket
         self.metrics.in_flight.set(len(self.in_flight))
         self.meter.register(request.call_id, context)
         ticket.usage_on_disk = self.outbox.expect(request.call_id)
-        if decision.start_ns is not None:  # held inside its slack for the slot planned for it
-            delay_s = max(decision.start_ns - self.clock.now_ns(), 0) / 1e9
+        if start_ns is not None:  # held inside its slack for the slot planned for it
+            delay_s = max(start_ns - self.clock.now_ns(), 0) / 1e9
             timer = sink.loop.call_later(delay_s, self._start_held, ticket.admission_key)
             self.held[ticket.admission_key] = (ticket, sink, timer)
             return ticket
