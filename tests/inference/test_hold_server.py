@@ -109,4 +109,5 @@ def test_a_start_planned_for_a_moment_the_decision_outlasted_is_told_as_its_disp
         del admission.decide
     told, final = messages[0].admission, messages[-1].final
     assert told.received_at_us <= told.dispatched_at_us == told.predicted_start_at_us <= told.predicted_finish_at_us
-    assert final.usage.completion_tokens == 4
+    # served: the tiny checkpoint may sample its end token before max_tokens
+    assert final.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_STOP) and final.usage.completion_tokens
