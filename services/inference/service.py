@@ -217,8 +217,7 @@ class InferenceService:
         """The admitted call's ticket, in flight and on the meter: handed to the engine now, or held for the start
         admission planned for it."""
         sink = LoopSink(asyncio.get_running_loop())
-        # a start planned for a moment the decision itself outlasted (a slot that frees just after `now`) is a
-        # start at the dispatch: the call goes to the engine at once, and its Admission never tells a start before it
+        # a planned start the decision itself outlasted is a start at the dispatch, never one before it
         start_ns = None if decision.start_ns is None else max(decision.start_ns, context.dispatched_ns)
         ticket = Ticket(
             spec,
@@ -387,9 +386,7 @@ class InferenceService:
             if self.deadline_mode and predicted > 0:
                 actual = ticket.finished_ns - ticket.dispatched_ns
                 self.metrics.finish_error.observe(actual / predicted)
-                # the prediction is for all of max_tokens: a call that stopped before them (an end token, a stop
-                # string) says nothing of how late a run goes, and its small ratio would widen the deviation that
-                # stretches every slot's planned end, and with it every refusal's hint
+                # the prediction priced all of max_tokens: an early stop is no evidence of lateness (`Lateness`)
                 if ticket.finish_reason is FinishReason.LENGTH:
                     self.admission.observe_finish(predicted, actual)
         if outcome is Outcome.DEADLINE_EXCEEDED or (outcome is Outcome.OK and not ticket.deadline_met):

@@ -33,13 +33,8 @@ def unretried_burst(server, n: int, max_tokens: int = 16, timeout_s: float = 3.0
 
 
 def main() -> None:
-    address, key, n, max_tokens, timeout_s = (
-        sys.argv[1],
-        sys.argv[2],
-        int(sys.argv[3]),
-        int(sys.argv[4]),
-        float(sys.argv[5]),
-    )
+    address, key = sys.argv[1:3]
+    n, max_tokens, timeout_s = int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
     stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(address))
     metadata, served = (("authorization", f"Bearer {key}"),), []
 
